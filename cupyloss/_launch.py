@@ -1,0 +1,203 @@
+"""Grid, block and shared-memory arithmetic, and the index tables kernels read.
+
+Everything here is pure Python over integers and NumPy scalars so that CI tests it without a GPU;
+the only device access is `device_limits`, which reads the limits the arithmetic is clamped to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy
+
+MAX_DIMS = 8            # CUPYLOSS_MAX_DIMS in kernels/common.cuh
+BLOCK = 256             # threads per block of every kernel (their __launch_bounds__)
+BLOCKS_PER_SM = 8       # 8 x 256 = 2048 resident threads per SM on sm_80 and sm_90
+FINALIZE_BLOCK = 256
+WARP = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """The device properties launch arithmetic depends on."""
+
+    sm_count: int
+    max_grid_x: int
+    max_grid_y: int
+    max_shared_per_block: int
+
+
+@functools.lru_cache(maxsize=None)
+def device_limits(device_id: int) -> DeviceLimits:
+    """Read the limits of CUDA device `device_id` once."""
+    import cupy
+
+    attrs = cupy.cuda.Device(device_id).attributes
+    return DeviceLimits(
+        sm_count=attrs["MultiProcessorCount"],
+        max_grid_x=attrs["MaxGridDimX"],
+        max_grid_y=attrs["MaxGridDimY"],
+        max_shared_per_block=attrs["MaxSharedMemoryPerBlock"],
+    )
+
+
+def check_shared(nbytes: int, limits: DeviceLimits, kernel: str) -> int:
+    """Return `nbytes` if a block of `kernel` may have that much shared memory, else raise."""
+    if nbytes > limits.max_shared_per_block:
+        raise ValueError(
+            f"{kernel} needs {nbytes} bytes of shared memory per block but the device allows "
+            f"{limits.max_shared_per_block}")
+    return nbytes
+
+
+# --- 64-bit division by a run-time constant (IntDiv in kernels/common.cuh) -------------------
+
+def divider(d: int) -> tuple[int, int, int]:
+    """Magic (m, s1, s2) with floor(n / d) = (t + ((n - t) >> s1)) >> s2, t = mulhi64(m, n).
+
+    Valid for 1 <= d < 2**63 and 0 <= n < 2**63 (Granlund & Montgomery 1994, fig. 4.1).
+    """
+    if not 1 <= d < 2**63:
+        raise ValueError(f"divisor {d} is outside [1, 2**63)")
+    l = (d - 1).bit_length()  # ceil(log2 d)
+    m = (2**64 * (2**l - d)) // d + 1
+    return m & (2**64 - 1), min(l, 1), max(l - 1, 0)
+
+
+def divide(n: int, magic: tuple[int, int, int]) -> int:
+    """What the device computes for floor(n / d) with `magic` from `divider` (for tests)."""
+    m, s1, s2 = magic
+    t = (m * n) >> 64
+    return (t + ((n - t) >> s1)) >> s2
+
+
+# --- Broadcast geometry ------------------------------------------------------------------------
+
+GEOMETRY_DTYPE = numpy.dtype([
+    ("ndim", "<i8"),
+    ("dim", [("magic", "<u8"), ("shift1", "<i8"), ("shift2", "<i8"), ("divisor", "<i8")],
+     (MAX_DIMS,)),
+    ("stride", "<i8", (3, MAX_DIMS)),
+])
+
+
+def broadcast_strides(shape: tuple, strides: tuple, out_shape: tuple) -> tuple:
+    """Element strides of an operand of `shape`/`strides` read at `out_shape` (0 = broadcast)."""
+    pad = len(out_shape) - len(shape)
+    result = [0] * pad
+    for size, stride in zip(shape, strides):
+        result.append(0 if size == 1 else stride)
+    return tuple(result)
+
+
+def coalesce(shape: tuple, strides: list[tuple]) -> tuple[tuple, list[tuple]]:
+    """Drop size-1 dims and merge neighbours every operand walks as one; shape () -> (1,).
+
+    Dims d (outer) and d + 1 merge when stride[d] == stride[d + 1] * shape[d + 1] for every
+    operand, so flat index order and every operand's offsets are unchanged.
+    """
+    dims = [(size, [s[d] for s in strides]) for d, size in enumerate(shape) if size != 1]
+    merged: list = []
+    for size, st in dims:
+        if merged:
+            psize, pst = merged[-1]
+            if all(p == q * size for p, q in zip(pst, st)):
+                merged[-1] = (psize * size, st)
+                continue
+        merged.append((size, st))
+    if not merged:
+        merged = [(1, [0] * len(strides))]
+    out_shape = tuple(size for size, _ in merged)
+    out_strides = [tuple(st[k] for _, st in merged) for k in range(len(strides))]
+    return out_shape, out_strides
+
+
+def geometry(shape: tuple, strides: list[tuple]) -> numpy.ndarray:
+    """Pack a coalesced shape and up to 3 operands' strides into the kernel's Geometry struct."""
+    ndim = len(shape)
+    if ndim > MAX_DIMS:
+        raise ValueError(f"geometry of {ndim} dims exceeds {MAX_DIMS}")
+    g = numpy.zeros(1, GEOMETRY_DTYPE)
+    g["ndim"] = ndim
+    for d, size in enumerate(shape):
+        m, s1, s2 = divider(max(size, 1))
+        g["dim"][0, d] = (m, s1, s2, size)
+    for k, st in enumerate(strides):
+        g["stride"][0, k, :ndim] = st
+    return g
+
+
+def offsets(i: int, shape: tuple, strides: list[tuple]) -> list[int]:
+    """The element offsets Geometry.offsets gives for flat index i (for tests)."""
+    off = [0] * len(strides)
+    rest = i
+    for d in range(len(shape) - 1, -1, -1):
+        q = divide(rest, divider(shape[d])) if d > 0 else 0
+        r = rest - q * shape[d]
+        for k, st in enumerate(strides):
+            off[k] += r * st[d]
+        rest = q
+    return off
+
+
+# --- Launch configurations ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: grid, block, dynamic shared memory and layout parameters."""
+
+    grid: tuple
+    block: tuple
+    shared: int
+    tx: int = 0
+    rows_per_block: int = 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def flat_launch(n: int, vec: int, acc_itemsize: int, limits: DeviceLimits) -> Launch:
+    """Grid-stride launch over ceil(n / vec) work items: at most BLOCKS_PER_SM blocks per SM."""
+    work = _cdiv(n, vec)
+    grid = max(1, min(_cdiv(work, BLOCK), limits.sm_count * BLOCKS_PER_SM, limits.max_grid_x))
+    shared = check_shared(BLOCK // WARP * acc_itemsize, limits, "pointwise_flat")
+    return Launch((grid,), (BLOCK,), shared)
+
+
+def rows_launch(rows: int, cols: int, vec: int, acc_itemsize: int,
+                limits: DeviceLimits) -> Launch:
+    """Launch for pointwise_rows over [rows, cols] with tx threads along a row.
+
+    tx is the power of two in [32, BLOCK] closest above cols / vec, so narrow rows still fill
+    a warp; ty = BLOCK / tx threads go down the rows.  Column blocks cover cols; row blocks
+    are added until the grid holds BLOCKS_PER_SM blocks per SM (at most 65535 of them, and
+    never fewer than ty rows each).
+    """
+    lanes = _cdiv(cols, vec)
+    tx = min(BLOCK, max(WARP, 1 << max(lanes - 1, 0).bit_length()))
+    ty = BLOCK // tx
+    col_blocks = _cdiv(lanes, tx)
+    if col_blocks > limits.max_grid_x:
+        raise ValueError(f"rows of {cols} elements need {col_blocks} column blocks, more than "
+                         f"the device's {limits.max_grid_x}")
+    want = max(1, _cdiv(limits.sm_count * BLOCKS_PER_SM, col_blocks))
+    row_blocks = max(1, min(want, _cdiv(rows, ty), limits.max_grid_y))
+    rows_per_block = _cdiv(rows, row_blocks)
+    row_blocks = _cdiv(rows, rows_per_block)
+    shared = check_shared(max(BLOCK * vec, BLOCK // WARP) * acc_itemsize, limits,
+                          "pointwise_rows")
+    return Launch((col_blocks, row_blocks), (BLOCK,), shared, tx, rows_per_block)
+
+
+def finalize_launch(acc_itemsize: int, limits: DeviceLimits) -> Launch:
+    """Three blocks, one per reduced quantity (loss, input gradient, target gradient)."""
+    shared = check_shared(FINALIZE_BLOCK // WARP * acc_itemsize, limits, "finalize")
+    return Launch((3,), (FINALIZE_BLOCK,), shared)
+
+
+def sum_rows_launch(cols: int, limits: DeviceLimits) -> Launch:
+    """One thread per column, grid-stride past the device's resident-thread count."""
+    grid = max(1, min(_cdiv(cols, BLOCK), limits.sm_count * BLOCKS_PER_SM))
+    return Launch((grid,), (BLOCK,), 0)

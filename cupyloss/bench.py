@@ -1,0 +1,179 @@
+"""Benchmark the seed workloads against torch eager, torch.compile and plain CuPy.
+
+    python -m cupyloss.bench [--scale 1.0] [--reps 20] [--json out.json]
+
+Times (median of --reps, CUDA events, after warm-up) the forward and value_and_grad of:
+  mse    mse_loss(x, y), x, y float32 [32768, 32768]
+  kl     kl_div(p, q, 'batchmean'), probabilities in (cupyloss fuses the log), float32 [16384]^2
+  hinge  mean(clamp(1 - x t, min=0)), x float32 [32768, 32768], t float32 [32768]
+and reports GB/s of compulsory traffic (each input read once, each output written once) next
+to the device's copy bandwidth measured in the same run, and each time's ratio to cupyloss's.
+value_and_grad is compared with torch's forward + backward asking for the same gradients.
+--scale shrinks every side (0.25 runs on a small GPU).  Never used as a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import cupy
+
+import cupyloss
+
+
+def _timer(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over reps runs on the current stream."""
+    for _ in range(warmup):
+        fn()
+    stream = cupy.cuda.get_current_stream()
+    times = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> float:
+    """Device-to-device copy in GB/s, counting bytes read plus bytes written."""
+    src = cupy.ones(nbytes // 4, cupy.float32)
+    dst = cupy.empty_like(src)
+    ms = _timer(lambda: cupy.copyto(dst, src), reps)
+    return 2 * src.nbytes / ms / 1e6
+
+
+def _workloads(scale: float):
+    big, mid = int(32768 * scale), int(16384 * scale)
+    rng = cupy.random.default_rng(0)
+    x = rng.standard_normal((big, big), dtype=cupy.float32)
+    y = rng.standard_normal((big, big), dtype=cupy.float32)
+    yield "mse", x, y, {}
+    del x, y
+    p = rng.random((mid, mid), dtype=cupy.float32) + 1e-3
+    p /= p.sum(-1, keepdims=True)
+    q = rng.random((mid, mid), dtype=cupy.float32) + 1e-3
+    q /= q.sum(-1, keepdims=True)
+    yield "kl", p, q, {}
+    del p, q
+    s = rng.standard_normal((big, big), dtype=cupy.float32)
+    t = cupy.sign(rng.standard_normal((big,), dtype=cupy.float32))
+    yield "hinge", s, t, {}
+
+
+def _cupyloss_fns(name, a, b):
+    if name == "mse":
+        return (lambda: cupyloss.mse_loss(a, b),
+                lambda: cupyloss.mse_loss_value_and_grad(a, b))
+    if name == "kl":
+        return (lambda: cupyloss.kl_div(a, b, "batchmean", log_input=False),
+                lambda: cupyloss.kl_div_value_and_grad(a, b, "batchmean", log_input=False))
+    return (lambda: cupyloss.hinge_loss(a, b),
+            lambda: cupyloss.hinge_loss_value_and_grad(a, b))
+
+
+def _cupy_fn(name, a, b):
+    if name == "mse":
+        return lambda: cupy.mean((a - b) ** 2)
+    if name == "kl":
+        return lambda: cupy.sum(cupy.where(b > 0, b * cupy.log(b), 0) - b * cupy.log(a)) / a.shape[0]
+    return lambda: cupy.mean(cupy.maximum(1 - a * b, 0))
+
+
+def _torch_fns(name, a, b):
+    """(eager fwd, compiled fwd, eager fwd+bwd, compiled fwd+bwd) on torch views of a, b."""
+    import torch
+    import torch.nn.functional as F
+
+    if name == "mse":
+        def f(x, y):
+            return F.mse_loss(x, y)
+    elif name == "kl":
+        def f(x, y):
+            return F.kl_div(torch.log(x), y, reduction="batchmean")
+    else:
+        def f(x, y):
+            return torch.mean(torch.clamp(1 - x * y, min=0))
+    ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+    ga, gb = ta.detach().requires_grad_(), tb.detach().requires_grad_()
+    compiled = torch.compile(f)
+
+    def fwd_bwd(fn):
+        def run():
+            loss = fn(ga, gb)
+            return torch.autograd.grad(loss, (ga, gb))
+        return run
+
+    return {
+        "torch eager": (lambda: f(ta, tb), fwd_bwd(f)),
+        "torch.compile": (lambda: compiled(ta, tb), fwd_bwd(compiled)),
+    }
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    try:
+        import torch  # noqa: F401
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+    stream_ctx = None
+    if have_torch:
+        from cupyloss import interop
+        stream_ctx = interop.torch_stream()
+        stream_ctx.__enter__()
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    device = props["name"].decode()
+    bw = copy_bandwidth(int(4 * 2**30 * min(args.scale, 1.0) ** 2), args.reps)
+    print(f"device: {device}; copy bandwidth {bw:.0f} GB/s (read + write)")
+    rows = []
+    for name, a, b, _ in _workloads(args.scale):
+        fwd_bytes = a.nbytes + b.nbytes
+        vag_bytes = 2 * fwd_bytes
+        ours_fwd, ours_vag = _cupyloss_fns(name, a, b)
+        entries = {"cupyloss": (ours_fwd, ours_vag), "cupy": (_cupy_fn(name, a, b), None)}
+        if have_torch:
+            entries.update(_torch_fns(name, a, b))
+        times = {}
+        for who, (fwd, vag) in entries.items():
+            times[(who, "forward")] = _timer(fwd, args.reps)
+            if vag is not None:
+                times[(who, "value_and_grad")] = _timer(vag, args.reps)
+        for (who, what), ms in times.items():
+            nbytes = fwd_bytes if what == "forward" else vag_bytes
+            ref = times[("cupyloss", what)]
+            rows.append(dict(workload=name, impl=who, pass_=what, ms=ms,
+                             gbps=nbytes / ms / 1e6, pct_copy_bw=100 * nbytes / ms / 1e6 / bw,
+                             ratio_to_cupyloss=ms / ref, device=device, copy_gbps=bw,
+                             shape=list(a.shape), target_shape=list(b.shape)))
+        del a, b, entries
+        cupy.get_default_memory_pool().free_all_blocks()
+        if have_torch:
+            import torch
+            torch.cuda.empty_cache()
+
+    if stream_ctx is not None:
+        stream_ctx.__exit__(None, None, None)
+    print(f"{'workload':8} {'pass':15} {'impl':14} {'ms':>8} {'GB/s':>7} {'%copy':>6} "
+          f"{'x cupyloss':>10}")
+    for r in rows:
+        print(f"{r['workload']:8} {r['pass_']:15} {r['impl']:14} {r['ms']:8.3f} "
+              f"{r['gbps']:7.0f} {r['pct_copy_bw']:6.1f} {r['ratio_to_cupyloss']:10.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
