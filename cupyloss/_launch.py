@@ -26,6 +26,9 @@ class DeviceLimits:
     max_grid_x: int
     max_grid_y: int
     max_shared_per_block: int
+    regs_per_sm: int = 65536
+    threads_per_sm: int = 2048
+    shared_per_sm: int = 228 * 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +42,25 @@ def device_limits(device_id: int) -> DeviceLimits:
         max_grid_x=attrs["MaxGridDimX"],
         max_grid_y=attrs["MaxGridDimY"],
         max_shared_per_block=attrs["MaxSharedMemoryPerBlock"],
+        regs_per_sm=attrs["MaxRegistersPerMultiprocessor"],
+        threads_per_sm=attrs["MaxThreadsPerMultiProcessor"],
+        shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
     )
+
+
+def resident_blocks(regs_per_thread: int, shared: int, limits: DeviceLimits,
+                    block: int = BLOCK) -> int:
+    """Blocks of `block` threads one SM holds at once, given the kernel's registers and smem.
+
+    Registers are allocated per warp in units of 256; each block also reserves 1 KiB of shared
+    memory (sm_80 and later).  Grids are sized to this so that a grid-stride kernel runs in
+    exactly one wave instead of leaving a partial second one.
+    """
+    by_threads = limits.threads_per_sm // block
+    regs_per_warp = -(-max(regs_per_thread, 1) * WARP // 256) * 256
+    by_regs = limits.regs_per_sm // (regs_per_warp * (block // WARP))
+    by_shared = limits.shared_per_sm // (shared + 1024)
+    return max(1, min(by_threads, by_regs, by_shared, BLOCKS_PER_SM))
 
 
 def check_shared(nbytes: int, limits: DeviceLimits, kernel: str) -> int:
@@ -158,21 +179,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def flat_launch(n: int, vec: int, acc_itemsize: int, limits: DeviceLimits) -> Launch:
-    """Grid-stride launch over ceil(n / vec) work items: at most BLOCKS_PER_SM blocks per SM."""
+def flat_launch(n: int, vec: int, acc_itemsize: int, limits: DeviceLimits,
+                blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
+    """Grid-stride launch over ceil(n / vec) work items: one wave of blocks_per_sm per SM."""
     work = _cdiv(n, vec)
-    grid = max(1, min(_cdiv(work, BLOCK), limits.sm_count * BLOCKS_PER_SM, limits.max_grid_x))
+    grid = max(1, min(_cdiv(work, BLOCK), limits.sm_count * blocks_per_sm, limits.max_grid_x))
     shared = check_shared(BLOCK // WARP * acc_itemsize, limits, "pointwise_flat")
     return Launch((grid,), (BLOCK,), shared)
 
 
 def rows_launch(rows: int, cols: int, vec: int, acc_itemsize: int,
-                limits: DeviceLimits) -> Launch:
+                limits: DeviceLimits, blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
     """Launch for pointwise_rows over [rows, cols] with tx threads along a row.
 
     tx is the power of two in [32, BLOCK] closest above cols / vec, so narrow rows still fill
     a warp; ty = BLOCK / tx threads go down the rows.  Column blocks cover cols; row blocks
-    are added until the grid holds BLOCKS_PER_SM blocks per SM (at most 65535 of them, and
+    are added until the grid holds blocks_per_sm blocks per SM (at most 65535 of them, and
     never fewer than ty rows each).
     """
     lanes = _cdiv(cols, vec)
@@ -182,7 +204,7 @@ def rows_launch(rows: int, cols: int, vec: int, acc_itemsize: int,
     if col_blocks > limits.max_grid_x:
         raise ValueError(f"rows of {cols} elements need {col_blocks} column blocks, more than "
                          f"the device's {limits.max_grid_x}")
-    want = max(1, _cdiv(limits.sm_count * BLOCKS_PER_SM, col_blocks))
+    want = max(1, (limits.sm_count * blocks_per_sm) // col_blocks)
     row_blocks = max(1, min(want, _cdiv(rows, ty), limits.max_grid_y))
     rows_per_block = _cdiv(rows, row_blocks)
     row_blocks = _cdiv(rows, rows_per_block)

@@ -57,6 +57,7 @@ class Plan:
     rows: int = 0
     cols: int = 0
     launch: object = None
+    kernel: str = ""           # name expression in kernels/pointwise.cu
 
 
 def _ptr(a) -> numpy.uint64:
@@ -74,7 +75,8 @@ def _mode(size: int, n: int) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(x_shape, x_strides, t_shape, t_strides, go_layout, dtype, aligned, device_id) -> Plan:
+def _plan(functor, x_shape, x_strides, t_shape, t_strides, go_layout, dtype, aligned,
+          device_id) -> Plan:
     info = _dtypes.lookup(dtype)
     limits = _launch.device_limits(device_id)
     acc = info.acc.itemsize
@@ -95,8 +97,11 @@ def _plan(x_shape, x_strides, t_shape, t_strides, go_layout, dtype, aligned, dev
                 and (go_layout is None or cstrides[2] == full)):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
             modes = tuple("row" if st == row else m for st, m in zip(cstrides[:2], modes))
+            name = _source.pointwise_name("rows", info.ctype, functor, vec, modes[0] == "row")
+            per_sm = _resident(name, max(_launch.BLOCK * vec, _launch.BLOCK // 32) * acc,
+                               limits)
             return Plan("rows", n, out_shape, vec, modes, None, rows, cols,
-                        _launch.rows_launch(rows, cols, vec, acc, limits))
+                        _launch.rows_launch(rows, cols, vec, acc, limits, per_sm), name)
 
     if len(shape) > _launch.MAX_DIMS:  # the caller makes the operands contiguous and retries
         return Plan("too_many_dims", n, out_shape, 1, modes, None)
@@ -107,8 +112,16 @@ def _plan(x_shape, x_strides, t_shape, t_strides, go_layout, dtype, aligned, dev
     while len(cstrides) < 3:
         cstrides.append((0,) * len(shape))
     geo = _launch.geometry(shape, cstrides)
-    return Plan("flat", n, out_shape, vec, modes, geo, launch=_launch.flat_launch(n, vec, acc,
-                                                                                  limits))
+    name = _source.pointwise_name("flat", info.ctype, functor, vec)
+    per_sm = _resident(name, _launch.BLOCK // 32 * acc, limits)
+    return Plan("flat", n, out_shape, vec, modes, geo,
+                launch=_launch.flat_launch(n, vec, acc, limits, per_sm), kernel=name)
+
+
+def _resident(name: str, shared: int, limits) -> int:
+    """Blocks per SM of pointwise kernel `name`, from its compiled register count."""
+    attrs = _source.function("pointwise.cu", name).attributes
+    return _launch.resident_blocks(attrs["num_regs"], shared, limits)
 
 
 def _aligned(*arrays) -> bool:
@@ -175,14 +188,15 @@ def evaluate(spec: LossSpec, input, target, *, reduction: str, options: dict,
         if go_array is not None:
             go_layout = _launch.broadcast_strides(go_array.shape, _elem_strides(go_array),
                                                   out_shape)
-        plan = _plan(input.shape, _elem_strides(input), target.shape, _elem_strides(target),
+        plan = _plan(spec.functor, input.shape, _elem_strides(input), target.shape,
+                     _elem_strides(target),
                      go_layout, info.dtype, _aligned(input, target, go_array), device_id)
         if plan.kind == "too_many_dims":
             input, target = cupy.ascontiguousarray(input), cupy.ascontiguousarray(target)
             if go_array is not None:
                 go_array = go = cupy.ascontiguousarray(go_array)
                 go_layout = _launch.broadcast_strides(go.shape, _elem_strides(go), out_shape)
-            plan = _plan(input.shape, _elem_strides(input), target.shape,
+            plan = _plan(spec.functor, input.shape, _elem_strides(input), target.shape,
                          _elem_strides(target), go_layout, info.dtype,
                          _aligned(input, target, go_array), device_id)
         return _run(spec, plan, info, input, target, reduction, options, want_value,
@@ -244,15 +258,13 @@ def _run(spec, plan, info, input, target, reduction, options, want_value, want_g
     cfg = plan.launch
     if plan.kind == "rows":
         row = 0 if plan.modes[0] == "row" else 1
-        name = _source.pointwise_name("rows", info.ctype, spec.functor, plan.vec, row == 0)
         args = (_ptr(input), _ptr(target), go_ptr, numpy.int64(plan.rows),
                 numpy.int64(plan.cols), numpy.int64(cfg.rows_per_block), numpy.int64(cfg.tx)
                 ) + common + (_ptr(direct[1 - row]), _ptr(ws[row]))
     else:
-        name = _source.pointwise_name("flat", info.ctype, spec.functor, plan.vec)
         args = (_ptr(input), _ptr(target), go_ptr, plan.geometry, numpy.int64(n)) + common + (
             _ptr(direct[0]), _ptr(direct[1]), _ptr(ws[0]), _ptr(ws[1]))
-    _source.function("pointwise.cu", name)(cfg.grid, cfg.block, args, shared_mem=cfg.shared)
+    _source.function("pointwise.cu", plan.kernel)(cfg.grid, cfg.block, args, shared_mem=cfg.shared)
 
     if partials is not None:
         out_value = value if reduction != "none" else None

@@ -37,7 +37,7 @@ def expand(name: str) -> str:
         if fname in seen:
             return ""
         seen.add(fname)
-        text = (kernel_dir() / fname).read_text()
+        text = (kernel_dir() / fname).read_text().replace("#pragma once\n", "")
         return _INCLUDE.sub(lambda m: inline(m.group(1)), text)
 
     return inline(name)

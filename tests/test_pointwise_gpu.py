@@ -385,13 +385,13 @@ def test_interop_is_zero_copy():
 
 @pytest.mark.slow
 def test_more_than_2_31_elements():
-    """64-bit indexing: 2^31 + 2^20 + 3 fp16 elements (flat) and a rows-broadcast past 2^31."""
+    """64-bit indexing: 2^31 + 2^20 + 3 elements (flat) and a rows-broadcast past 2^31."""
     import cupy
 
-    n = 2**31 + 2**20 + 3
-    x = cupy.ones(n, cupy.float16)
+    n = 2**31 + 2**20 + 3                 # odd: the last elements take the scalar tail path
+    x = cupy.ones(n, cupy.float32)        # float32: a sum of 2^31 overflows fp16's 65504
     x[-1] = 3.0
-    t = cupy.zeros(n, cupy.float16)
+    t = cupy.zeros(n, cupy.float32)
     v, (gx, gt) = _call("mse_loss", "vag", x, t, reduction="sum")
     assert float(v.get()) == pytest.approx(n - 1 + 9, rel=1e-6)
     assert float(gx[-1].get()) == 6.0 and float(gx[-2].get()) == 2.0
