@@ -74,7 +74,9 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, long long i, l
         const acc_t<T> v = to_acc(p[i * stride]);
         #pragma unroll
         for (int j = 0; j < VEC; ++j) out[j] = v;
-    } else {
+        return;
+    }
+    if constexpr (VEC > 1) {
         // Each element is read once: a streaming (evict-first) 16-byte load.
         static_assert(sizeof(Vec<T, VEC>) == sizeof(int4), "vector loads are 16 bytes");
         const int4 raw = __ldcs(reinterpret_cast<const int4*>(p + i));
@@ -89,7 +91,7 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, long long i, const 
     Vec<T, VEC> v;
     #pragma unroll
     for (int j = 0; j < VEC; ++j) v.v[j] = from_acc<T>(in[j]);
-    if (VEC == 1) {
+    if constexpr (VEC == 1) {
         *reinterpret_cast<Vec<T, VEC>*>(p + i) = v;
     } else {  // written once, read by a later kernel: a streaming store
         __stcs(reinterpret_cast<int4*>(p + i), *reinterpret_cast<const int4*>(&v));

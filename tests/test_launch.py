@@ -1,0 +1,372 @@
+"""Launch arithmetic of cupyloss._launch, checked on the CPU (no GPU, no CuPy).
+
+Everything a kernel trusts the host for is here: the magic numbers of 64-bit division by a
+run-time constant, the coalesced broadcast geometry and its packed struct, and the grid, block
+and shared-memory sizes, clamped to a fake device's limits.
+"""
+
+import itertools
+import math
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cupyloss import _launch
+from cupyloss._launch import BLOCK, BLOCKS_PER_SM, MAX_DIMS, WARP, DeviceLimits
+
+# An H100 SXM: 132 SMs, the grid limits every CUDA device since sm_30 has, 48 KiB of static
+# shared memory per block.
+H100 = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                    max_shared_per_block=49152)
+
+U64 = 2**64 - 1
+I64_MAX = 2**63 - 1
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+# --- divider / divide ------------------------------------------------------------------------
+
+EDGE_DIVISORS = sorted({
+    1,  # l = 0: both shifts 0 and m = 1, t = 0
+    2, 3,  # the smallest power of two and the smallest odd divisor past 1
+    *(2**k + e for k in (5, 16, 31, 32, 62) for e in (-1, 0, 1)),  # l jumps at every 2**k + 1
+    32768,  # 2**15: a typical row width
+    2**31 - 1,  # largest int32: where a 32-bit index would overflow
+    2**32 + 1,  # just past uint32, so mulhi needs all 64 bits of m
+    2**62 + 11,  # l = 63, the largest s2 (62)
+    2**63 - 1,  # the largest divisor divider accepts
+})
+
+
+def _numerators(d):
+    """n values where floor(n / d) steps, and the ends of [0, 2**63)."""
+    top = I64_MAX // d * d
+    candidates = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, 2 * d + 1,
+                  top - 1, top, top + 1, I64_MAX - 1, I64_MAX}
+    return sorted(n for n in candidates if 0 <= n <= I64_MAX)
+
+
+def _device_divide(n, magic):
+    """IntDiv::div of kernels/common.cuh in unsigned 64-bit arithmetic, wrapping like the GPU."""
+    m, s1, s2 = magic
+    t = (m * n) >> 64  # __umul64hi
+    return ((t + (((n - t) & U64) >> s1)) & U64) >> s2
+
+
+def _check_divider(d, numerators):
+    magic = _launch.divider(d)
+    m, s1, s2 = magic
+    assert 0 <= m <= U64 and s1 in (0, 1) and 0 <= s2 <= 62, (d, magic)
+    for n in numerators:
+        assert _launch.divide(n, magic) == n // d, (n, d, magic)
+        assert _device_divide(n, magic) == n // d, (n, d, magic)
+
+
+@pytest.mark.parametrize("d", EDGE_DIVISORS)
+def test_divider_at_edge_divisors(d):
+    _check_divider(d, _numerators(d))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(d=st.one_of(st.integers(1, 4096), st.integers(1, I64_MAX), st.sampled_from(EDGE_DIVISORS)),
+       n=st.integers(0, I64_MAX))
+def test_divider_matches_floor_division(d, n):
+    _check_divider(d, [n, n // d * d, min(n // d * d + d - 1, I64_MAX)])
+
+
+@pytest.mark.parametrize("d", [0, -1, 2**63, 2**64])
+def test_divider_rejects_divisors_outside_its_range(d):
+    with pytest.raises(ValueError, match=str(d)):
+        _launch.divider(d)
+
+
+# --- coalesce / offsets ----------------------------------------------------------------------
+
+def _contiguous(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _reference_offsets(i, shape, strides):
+    index = np.unravel_index(i, shape) if shape else ()
+    return [sum(int(k) * s for k, s in zip(index, st)) for st in strides]
+
+
+@st.composite
+def _strides_of(draw, shape):
+    """Element strides of one operand read at `shape`, in one of the layouts kernels meet."""
+    ndim = len(shape)
+    kind = draw(st.sampled_from(["contiguous", "broadcast", "reversed", "transposed", "random"]))
+    if kind == "random":
+        return tuple(draw(st.lists(st.integers(-40, 40), min_size=ndim, max_size=ndim)))
+    if kind == "transposed":
+        order = draw(st.permutations(range(ndim)))
+        inner = _contiguous(tuple(shape[d] for d in order))
+        strides = [0] * ndim
+        for pos, d in enumerate(order):
+            strides[d] = inner[pos]
+        return tuple(strides)
+    strides = _contiguous(shape)
+    flags = draw(st.lists(st.booleans(), min_size=ndim, max_size=ndim))
+    if kind == "broadcast":  # zero stride: the operand repeats along that dim
+        return tuple(0 if f else s for f, s in zip(flags, strides))
+    if kind == "reversed":  # negative stride: a [::-1] view
+        return tuple(-s if f else s for f, s in zip(flags, strides))
+    return strides
+
+
+@st.composite
+def _geometries(draw):
+    # Up to 6 dims of sizes 0..4 (size 1 is dropped by coalesce, 0 makes the tensor empty), at
+    # most 256 elements so that every flat index is checked.
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=6).filter(
+        lambda s: math.prod(s) <= 256)))
+    operands = draw(st.integers(1, 3))  # input, target, elementwise grad_output
+    strides = [draw(_strides_of(shape)) for _ in range(operands)]
+    return shape, strides
+
+
+def _check_coalesce(shape, strides):
+    cshape, cstrides = _launch.coalesce(shape, strides)
+    n = math.prod(shape)
+    assert math.prod(cshape) == n
+    assert 1 <= len(cshape) <= max(len(shape), 1)
+    assert cshape == (1,) or 1 not in cshape
+    assert len(cstrides) == len(strides) and all(len(st) == len(cshape) for st in cstrides)
+    for i in range(n):
+        assert _launch.offsets(i, cshape, cstrides) == _reference_offsets(i, shape, strides), i
+    return cshape
+
+
+@settings(max_examples=400, deadline=None)
+@given(_geometries())
+def test_coalesce_keeps_every_offset(geometry):
+    _check_coalesce(*geometry)
+
+
+@pytest.mark.parametrize("shape", [
+    (),  # 0-d: becomes (1,)
+    (1, 1, 1),  # all size-1 dims dropped
+    (7,),  # 1-D, odd
+    (3, 1, 5),  # a size-1 dim between two that merge
+    (2, 3, 4, 5),  # 4 dims into 1
+    (2,) * MAX_DIMS,  # MAX_DIMS dims into 1
+])
+def test_coalesce_merges_contiguous_operands_to_one_dim(shape):
+    strides = [_contiguous(shape)] * 3
+    assert _check_coalesce(shape, strides) == (max(math.prod(shape), 1),)
+
+
+def test_coalesce_keeps_a_broadcast_dim_apart():
+    # (4, 5) input against a (5,) target: the target repeats each row, so two dims stay.
+    shape = (4, 5)
+    strides = [(5, 1), _launch.broadcast_strides((5,), (1,), shape)]
+    assert strides[1] == (0, 1)
+    assert _check_coalesce(shape, strides) == (4, 5)
+
+
+@st.composite
+def _broadcast_views(draw):
+    """A strided NumPy view (maybe transposed, reversed, with size-1 dims) and a shape it
+    broadcasts to."""
+    out = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+    keep = draw(st.integers(0, len(out)))  # the operand has the trailing `keep` dims
+    shape = tuple(1 if draw(st.booleans()) else size for size in out[len(out) - keep:])
+    n = math.prod(shape)
+    base = np.arange(4 * n, dtype=np.float64)
+    order = draw(st.permutations(range(len(shape))))  # the order of the dims in memory
+    memory = base[::4].reshape(tuple(shape[d] for d in order))  # every 4th element: stride 4
+    view = memory.transpose(np.argsort(order))
+    for d in range(view.ndim):
+        if draw(st.booleans()):
+            view = np.flip(view, d)
+    return base, view, out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_broadcast_views())
+def test_broadcast_offsets_address_numpy_broadcast_to(case):
+    # The kernel's view of one operand: its first element's address plus Geometry.offsets.
+    base, view, out = case
+    strides = _launch.broadcast_strides(view.shape, tuple(s // 8 for s in view.strides), out)
+    cshape, (cstrides,) = _launch.coalesce(out, [strides])
+    start = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // 8
+    want = np.broadcast_to(view, out).ravel()
+    for i in range(math.prod(out)):
+        (off,) = _launch.offsets(i, cshape, [cstrides])
+        assert base.ravel()[start + off] == want[i], i
+
+
+# --- geometry --------------------------------------------------------------------------------
+
+# long long ndim; IntDiv dim[MAX_DIMS] (four 8-byte fields); long long stride[3][MAX_DIMS].
+GEOMETRY_BYTES = 8 + 8 * 4 * MAX_DIMS + 3 * 8 * MAX_DIMS
+
+
+def test_geometry_struct_layout_matches_common_cuh():
+    dtype = _launch.GEOMETRY_DTYPE
+    assert dtype.itemsize == GEOMETRY_BYTES == 456
+    assert dtype.fields["ndim"][1] == 0
+    assert dtype.fields["dim"][1] == 8
+    assert dtype.fields["stride"][1] == 8 + 8 * 4 * MAX_DIMS
+
+
+@pytest.mark.parametrize("shape, strides", [
+    ((1,), [(0,)]),  # 0-d after coalesce: one operand
+    ((4, 5), [(5, 1), (0, 1), (5, 1)]),  # a row broadcast, elementwise grad_output
+    ((3, 2**31 + 1), [(-(2**31 + 1), -1), (0, 1)]),  # negative strides, a dim past int32
+    (tuple(range(2, 2 + MAX_DIMS)), [tuple(range(MAX_DIMS))] * 3),  # every dim used
+])
+def test_geometry_packs_the_c_struct(shape, strides):
+    g = _launch.geometry(shape, strides)
+    assert g.dtype.itemsize == GEOMETRY_BYTES
+    fields = [len(shape)]
+    for d in range(MAX_DIMS):
+        fields += list(_launch.divider(shape[d])) + [shape[d]] if d < len(shape) else [0] * 4
+    for k in range(3):
+        st = strides[k] if k < len(strides) else ()
+        fields += [st[d] if d < len(st) else 0 for d in range(MAX_DIMS)]
+    packed = struct.pack("<q" + "Qqqq" * MAX_DIMS + "q" * 3 * MAX_DIMS, *fields)
+    assert g.tobytes() == packed
+
+
+def test_geometry_rejects_more_than_max_dims():
+    shape = (2,) * (MAX_DIMS + 1)
+    with pytest.raises(ValueError, match=f"{MAX_DIMS + 1} dims exceeds {MAX_DIMS}"):
+        _launch.geometry(shape, [_contiguous(shape)])
+
+
+# --- launch configurations -------------------------------------------------------------------
+
+VECS = (1, 2, 4, 8)  # float64, -, float32, 16-bit types (16-byte loads)
+ACC_ITEMSIZES = (4, 8)  # float32 and float64 accumulators
+
+FLAT_SIZES = [
+    0,  # empty: still one block (the host returns before launching)
+    1, 31, 32, 33,  # around a warp
+    255, 256, 257,  # around a block
+    BLOCK * 8 - 1, BLOCK * 8 + 1,  # around one block of 8-wide vectors
+    H100.sm_count * BLOCKS_PER_SM * BLOCK - 1,  # one element short of a full wave
+    H100.sm_count * BLOCKS_PER_SM * BLOCK + 1,  # one element past it
+    2**31 - 1, 2**31 + 1, 2**32 + 1,  # around 32-bit indices
+    I64_MAX,  # the largest flat index the kernels take
+]
+
+
+def test_block_is_a_legal_cuda_block():
+    assert BLOCK % WARP == 0 and BLOCK <= 1024
+
+
+@pytest.mark.parametrize("n", FLAT_SIZES)
+def test_flat_launch_stays_within_the_device(n):
+    for vec, acc in itertools.product(VECS, ACC_ITEMSIZES):
+        launch = _launch.flat_launch(n, vec, acc, H100)
+        (grid,) = launch.grid
+        work_blocks = _cdiv(_cdiv(n, vec), BLOCK)
+        assert launch.block == (BLOCK,)
+        assert 1 <= grid <= H100.sm_count * BLOCKS_PER_SM
+        assert grid <= max(1, work_blocks), "a block with no work"
+        if work_blocks >= H100.sm_count * BLOCKS_PER_SM:
+            assert grid == H100.sm_count * BLOCKS_PER_SM, "a large n leaves SMs idle"
+        assert launch.shared == BLOCK // WARP * acc
+
+
+def test_flat_launch_clamps_to_max_grid_x():
+    # A device whose grid limit is below one wave (132 SMs x 8 blocks).
+    small = DeviceLimits(sm_count=132, max_grid_x=100, max_grid_y=65535,
+                         max_shared_per_block=49152)
+    assert _launch.flat_launch(I64_MAX, 1, 4, small).grid == (100,)
+
+
+ROWS = [
+    1, 7, 8, 9,  # around ty = 8 rows of a block with tx = 32
+    255, 256, 257,  # around a block
+    65535, 65536,  # around max_grid_y
+    10**6,
+    10**9,  # far more row blocks than max_grid_y allows
+]
+COLS = [
+    1, 7,  # fewer than a warp: tx = 32 anyway
+    31, 32, 33,  # around a warp
+    255, 256, 257,  # around a block
+    1024, 2049,  # several column blocks, one with a single element
+    10**6,  # thousands of column blocks
+]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("cols", COLS)
+def test_rows_launch_covers_the_matrix(rows, cols):
+    for vec, acc in itertools.product(VECS, ACC_ITEMSIZES):
+        launch = _launch.rows_launch(rows, cols, vec, acc, H100)
+        col_blocks, row_blocks = launch.grid
+        tx, rpb = launch.tx, launch.rows_per_block
+        lanes = _cdiv(cols, vec)
+        assert launch.block == (BLOCK,)
+        assert WARP <= tx <= BLOCK and tx & (tx - 1) == 0
+        assert tx >= min(lanes, BLOCK) and (tx == WARP or tx < 2 * lanes), "not the next power"
+        assert col_blocks * tx * vec >= cols > (col_blocks - 1) * tx * vec
+        assert 1 <= row_blocks <= H100.max_grid_y
+        assert row_blocks * rpb >= rows > (row_blocks - 1) * rpb
+        assert col_blocks <= H100.max_grid_x
+        assert col_blocks * row_blocks <= max(col_blocks, H100.sm_count * BLOCKS_PER_SM)
+        assert launch.shared == max(BLOCK * vec, BLOCK // WARP) * acc
+
+
+@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
+                   reason="rows_launch divides by rows_per_block = 0 when rows == 0, which "
+                          "_pointwise._plan reaches for input (0, C) against target (C,)")
+def test_rows_launch_with_no_rows():
+    launch = _launch.rows_launch(0, 5, 1, 4, H100)
+    assert launch.grid[1] >= 1 and launch.grid[1] * launch.rows_per_block >= 0
+
+
+def test_rows_launch_rejects_too_many_column_blocks():
+    # 5 column blocks of 256 lanes on a device that allows 4.
+    small = DeviceLimits(sm_count=132, max_grid_x=4, max_grid_y=65535,
+                         max_shared_per_block=49152)
+    with pytest.raises(ValueError, match=r"1280 elements need 5 column blocks.*device's 4"):
+        _launch.rows_launch(10, 5 * BLOCK, 1, 4, small)
+
+
+def test_check_shared_allows_exactly_the_limit():
+    assert _launch.check_shared(49152, H100, "k") == 49152
+    with pytest.raises(ValueError, match=r"k needs 49153 bytes .* allows 49152"):
+        _launch.check_shared(49153, H100, "k")
+
+
+@pytest.mark.parametrize("make, need", [
+    # 256 threads x 8-wide vectors x float32 accumulators = 8192 bytes.
+    (lambda limits: _launch.rows_launch(10, 64, 8, 4, limits), 8192),
+    # 8 warps x float64 = 64 bytes.
+    (lambda limits: _launch.flat_launch(10, 1, 8, limits), 64),
+    (lambda limits: _launch.finalize_launch(8, limits), 64),
+])
+def test_launches_reject_shared_memory_over_the_limit(make, need):
+    limits = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                          max_shared_per_block=need - 1)
+    with pytest.raises(ValueError, match=rf"needs {need} bytes .* allows {need - 1}"):
+        make(limits)
+    make(DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                      max_shared_per_block=need))
+
+
+def test_finalize_launch_is_one_block_per_quantity():
+    launch = _launch.finalize_launch(4, H100)
+    assert launch.grid == (3,) and launch.block == (_launch.FINALIZE_BLOCK,)
+    assert launch.shared == _launch.FINALIZE_BLOCK // WARP * 4
+
+
+@pytest.mark.parametrize("cols", [1, 255, 256, 257, 10**9])  # block edges; far past one wave
+def test_sum_rows_launch_stays_within_the_device(cols):
+    (grid,) = _launch.sum_rows_launch(cols, H100).grid
+    assert 1 <= grid <= min(_cdiv(cols, BLOCK), H100.sm_count * BLOCKS_PER_SM)

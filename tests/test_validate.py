@@ -1,0 +1,202 @@
+"""Host-side checks that run before any launch: reductions, shapes, wrt, argument kinds, dtypes.
+
+Nothing here needs a CUDA device: every error must be raised from metadata alone, so on a
+machine without a GPU (CI) a wrong argument gives its TypeError or ValueError, not a CUDA error.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cupyloss
+from cupyloss import _dtypes, _reduction, _validate
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+# --- reductions ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["abc", "Mean", "mean ", "", None, 1])
+def test_check_reduction_rejects_unknown_values(reduction):
+    with pytest.raises(ValueError, match=f"^{reduction!r} is not a valid value for reduction$"):
+        _reduction.check_reduction(reduction)
+
+
+def test_check_reduction_wording():
+    with pytest.raises(ValueError) as info:
+        _reduction.check_reduction("abc")
+    assert str(info.value) == "'abc' is not a valid value for reduction"
+
+
+def test_check_reduction_honours_allowed():
+    _reduction.check_reduction("batchmean")
+    with pytest.raises(ValueError, match="'batchmean' is not a valid value for reduction"):
+        _reduction.check_reduction("batchmean", ("none", "mean", "sum"))
+
+
+# (reduction, numel of the broadcast shape, input shape, divisor of the summed loss)
+DIVISORS = [
+    ("none", 12, (3, 4), 1.0),
+    ("sum", 12, (3, 4), 1.0),
+    ("mean", 12, (3, 4), 12.0),
+    ("batchmean", 12, (3, 4), 3.0),  # input.shape[0]
+    ("mean", 24, (3, 4), 24.0),  # mean counts the broadcast elements, e.g. (2, 3, 4)
+    ("batchmean", 24, (4,), 4.0),  # batchmean reads the input's first dim, not the broadcast's
+    ("none", 0, (0, 4), 1.0),  # empty
+    ("sum", 0, (0, 4), 1.0),
+    ("mean", 0, (0, 4), 0.0),  # 0 / 0 on the device: NaN, as torch
+    ("batchmean", 0, (0, 4), 0.0),  # torch: sum / input.size(0) = 0 / 0
+    ("batchmean", 0, (4, 0), 4.0),  # empty but a batch of 4
+    ("none", 1, (), 1.0),  # 0-d
+    ("sum", 1, (), 1.0),
+    ("mean", 1, (), 1.0),
+    ("batchmean", 1, (), 1.0),  # a 0-d input has no batch dim: divide by 1
+]
+
+
+@pytest.mark.parametrize("reduction, numel, shape, divisor", DIVISORS)
+def test_divisor_and_grad_scale(reduction, numel, shape, divisor):
+    assert _reduction.divisor(reduction, numel, shape) == divisor
+    scale = _reduction.grad_scale(reduction, numel, shape)
+    if divisor == 0:
+        assert math.isnan(scale)
+    else:
+        assert scale == 1.0 / divisor
+
+
+# --- broadcast_shape -------------------------------------------------------------------------
+
+@st.composite
+def _shape_pairs(draw):
+    """Two shapes of up to 5 dims with sizes 0..3, made to broadcast about half the time."""
+    a = draw(st.lists(st.integers(0, 3), max_size=5))
+    if draw(st.booleans()):
+        b = draw(st.lists(st.integers(0, 3), max_size=5))
+    else:  # drop leading dims of a and set some to 1: always broadcasts
+        b = [1 if draw(st.booleans()) else size for size in a[draw(st.integers(0, len(a))):]]
+    if draw(st.booleans()):
+        a, b = b, a
+    return tuple(a), tuple(b)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_shape_pairs())
+def test_broadcast_shape_matches_numpy(pair):
+    a, b = pair
+    try:
+        want = np.broadcast_shapes(a, b)
+    except ValueError:
+        with pytest.raises(ValueError) as info:
+            _validate.broadcast_shape(a, b)
+        assert str(a) in str(info.value) and str(b) in str(info.value)
+    else:
+        assert _validate.broadcast_shape(a, b) == want
+
+
+def test_broadcast_shape_error_names_both_arguments():
+    with pytest.raises(ValueError, match=r"input shape \(2, 3\) and target shape \(4,\) do not"):
+        _validate.broadcast_shape((2, 3), (4,))
+    with pytest.raises(ValueError, match=r"grad_output shape \(0,\) and loss shape \(2,\)"):
+        _validate.broadcast_shape((0,), (2,), "grad_output", "loss")
+
+
+# --- wrt -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrt, names, single", [
+    ("input", ("input",), True),
+    ("target", ("target",), True),
+    (("input", "target"), ("input", "target"), False),
+    (("target", "input"), ("target", "input"), False),  # order is the caller's
+    (["target"], ("target",), False),  # a one-name sequence returns a one-element tuple
+])
+def test_check_wrt_accepts(wrt, names, single):
+    assert _validate.check_wrt(wrt) == (names, single)
+
+
+@pytest.mark.parametrize("wrt, message", [
+    ("weight", "wrt names 'weight'"),
+    (("input", "bias"), "wrt names 'bias'"),
+    ("inputs", "wrt names 'inputs'"),
+    (("input", "input"), "wrt names an argument twice"),
+])
+def test_check_wrt_rejects(wrt, message):
+    with pytest.raises(ValueError, match=message):
+        _validate.check_wrt(wrt)
+
+
+# --- arguments that are not cupy.ndarrays ----------------------------------------------------
+
+def _calls(x, t):
+    """Every public entry point of cupyloss with input x and target t."""
+    for name in ("mse_loss", "kl_div", "hinge_loss"):
+        yield name, lambda: getattr(cupyloss, name)(x, t)
+        yield name + "_backward", lambda: getattr(cupyloss, name + "_backward")(1.0, x, t)
+        yield name + "_value_and_grad", lambda: getattr(cupyloss, name + "_value_and_grad")(x, t)
+
+
+def test_every_public_function_is_covered():
+    names = {name for name, _ in _calls(None, None)}
+    assert names == set(cupyloss.__all__)
+
+
+HOST_INPUTS = [
+    pytest.param(lambda: (np.ones(3, np.float32), np.ones(3, np.float32)), id="numpy"),
+    pytest.param(lambda: (np.float32(1.0), np.float32(1.0)), id="numpy-scalar"),
+    pytest.param(lambda: ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]), id="list",
+                 marks=pytest.mark.xfail(strict=True, reason=(
+                     "check_array gives lists the DLPack hint, not cupy.asarray"))),
+]
+
+
+@pytest.mark.parametrize("make", HOST_INPUTS)
+def test_host_arrays_are_rejected_with_a_hint(make):
+    pytest.importorskip("cupy")  # check_array imports cupy; its import needs no device
+    x, t = make()
+    for name, call in _calls(x, t):
+        with pytest.raises(TypeError, match=r"input must be a cupy\.ndarray") as info:
+            call()
+        assert "cupy.asarray" in str(info.value), name
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_torch_tensors_point_to_interop():
+    pytest.importorskip("cupy")
+    x, t = torch.ones(3), torch.ones(3)
+    for name, call in _calls(x, t):
+        with pytest.raises(TypeError, match=r"got torch\.Tensor") as info:
+            call()
+        assert "cupyloss.interop" in str(info.value), name
+
+
+# --- the dtype table -------------------------------------------------------------------------
+
+def test_dtype_table():
+    want = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
+    if _dtypes._BFLOAT16 is not None:
+        want.add(_dtypes._BFLOAT16)
+    assert set(_dtypes.DTYPES) == want
+    for dtype, info in _dtypes.DTYPES.items():
+        assert info.dtype == dtype
+        assert info.vec * dtype.itemsize == 16, f"{dtype}: vector loads must be 16 bytes"
+        want_acc = np.float64 if dtype == np.float64 else np.float32
+        assert info.acc == np.dtype(want_acc), dtype
+        assert _dtypes.lookup(dtype) is info and _dtypes.lookup(dtype.name) is info
+    assert _dtypes.CTYPES == tuple(info.ctype for info in _dtypes.DTYPES.values())
+    assert len(set(_dtypes.CTYPES)) == len(_dtypes.CTYPES)
+
+
+def test_bfloat16_is_supported_with_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    assert _dtypes.lookup(ml_dtypes.bfloat16).ctype == "__nv_bfloat16"
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_, np.complex64, "not a dtype",
+                                   None.__class__])
+def test_lookup_of_unsupported_dtypes_is_none(dtype):
+    assert _dtypes.lookup(dtype) is None
