@@ -1,0 +1,176 @@
+"""Every kernel compiles with NVRTC for sm_80 and sm_90, on a machine without a GPU.
+
+CuPy compiles kernels/ at a user's first call, so a template that fails for one dtype or arch
+would otherwise surface only there.  These tests drive libnvrtc through ctypes with what
+`_source.module` gives cupy.RawModule: the expanded source (`_source.expand`), the options
+(`_source.OPTIONS`) and every name expression (`_source.units`), plus -arch and the directory of
+cuda_fp16.h / cuda_bf16.h.  libnvrtc and the headers come from the nvidia-cuda-nvrtc and
+nvidia-cuda-runtime wheels (the `test` extra), else from the toolkit under $CUDA_PATH,
+$CUDA_HOME or next to nvcc.  Without them the compile tests skip, saying why, unless
+CUPYLOSS_REQUIRE_NVRTC=1 (set by .ci/run) makes that a failure.
+
+A compile costs about 0.4 s of CPU per name expression, so the name expressions are split into
+small programs compiled in a pool of processes (libnvrtc serialises threads).
+"""
+
+import concurrent.futures
+import ctypes
+import functools
+import importlib.util
+import multiprocessing
+import os
+import pathlib
+import re
+import shutil
+
+import pytest
+
+from cupyloss import _source
+
+ARCHS = ("sm_80", "sm_90")  # A100 and H100: the GPUs the suite runs on
+UNITS = _source.units()
+NAMES_PER_PROGRAM = 6  # small enough to keep every core busy; ~0.15 s front end per program
+
+NVRTC_SUCCESS = 0
+# Types an atom/red instruction adds in floating point (PTX ISA "atom", "red").
+FLOAT_TYPES = {"f16", "f16x2", "bf16", "bf16x2", "f32", "f64"}
+
+
+def _toolkit_roots():
+    """Folders that may hold lib/libnvrtc.so* and include/cuda_fp16.h, wheels first."""
+    roots = []
+    spec = importlib.util.find_spec("nvidia")  # namespace package of NVIDIA's CUDA wheels
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        # CUDA 13 wheels share nvidia/cu13; CUDA 12 ones use nvidia/cuda_nvrtc, cuda_runtime.
+        roots += sorted(p for p in pathlib.Path(location).iterdir() if p.is_dir())
+    for variable in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(variable):
+            roots.append(pathlib.Path(os.environ[variable]))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(pathlib.Path(nvcc).resolve().parent.parent)
+    return roots
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain():
+    """(libnvrtc path, include dir) or (None, why not)."""
+    roots = _toolkit_roots()
+    libs = [lib for root in roots for sub in ("lib", "lib64")
+            for lib in sorted((root / sub).glob("libnvrtc.so*"))]
+    includes = [root / "include" for root in roots if (root / "include/cuda_fp16.h").is_file()]
+    if not libs or not includes:
+        missing = " and ".join(what for what, found in (("libnvrtc.so", libs),
+                                                        ("cuda_fp16.h", includes)) if not found)
+        return None, (f"{missing} not found in the nvidia wheels, $CUDA_PATH, $CUDA_HOME or "
+                      f"beside nvcc (looked in {', '.join(map(str, roots)) or 'nothing'}); "
+                      f"pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
+    try:
+        ctypes.CDLL(str(libs[0]))
+    except OSError as exc:
+        return None, f"{libs[0]} does not load: {exc}"
+    return str(libs[0]), str(includes[0])
+
+
+def _need_toolchain():
+    lib, include = _toolchain()
+    if lib is None:
+        if os.environ.get("CUPYLOSS_REQUIRE_NVRTC") == "1":
+            pytest.fail(f"CUPYLOSS_REQUIRE_NVRTC=1 but {include}")
+        pytest.skip(include)
+    return lib, include
+
+
+def _read(size_fn, read_fn, program):
+    size = ctypes.c_size_t()
+    size_fn(program, ctypes.byref(size))
+    buffer = ctypes.create_string_buffer(size.value)
+    read_fn(program, buffer)
+    return buffer.value.decode(errors="replace")
+
+
+def _compile(lib, include, file, source, names, arch):
+    """Compile `names` of `source` for `arch`: (status, log, {name: lowered}, float atomics)."""
+    nvrtc = ctypes.CDLL(lib)
+    nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+    program = ctypes.c_void_p()
+    status = nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), file.encode(),
+                                      0, None, None)
+    if status != NVRTC_SUCCESS:
+        return nvrtc.nvrtcGetErrorString(status).decode(), "", {}, []
+    try:
+        for name in names:
+            nvrtc.nvrtcAddNameExpression(program, name.encode())
+        options = [*_source.OPTIONS, f"-arch={arch}", f"-I{include}"]
+        argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        status = nvrtc.nvrtcCompileProgram(program, len(options), argv)
+        log = _read(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, program)
+        if status != NVRTC_SUCCESS:
+            return nvrtc.nvrtcGetErrorString(status).decode(), log, {}, []
+        lowered = {}
+        for name in names:
+            out = ctypes.c_char_p()
+            found = nvrtc.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(out))
+            lowered[name] = out.value.decode() if found == NVRTC_SUCCESS and out.value else ""
+        ptx = _read(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, program)
+        atomics = sorted({op for op in re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)
+                          if "add" in op.split(".") and FLOAT_TYPES & set(op.split("."))})
+        return "", log, lowered, atomics
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """{(file, arch): [futures of _compile]}: every program submitted at once to a pool."""
+    lib, include = _need_toolchain()
+    workers = max(1, min(len(os.sched_getaffinity(0)), 16))
+    context = multiprocessing.get_context("fork")  # the worker needs no re-import of this file
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        jobs = {}
+        for file, names in UNITS:
+            source = _source.expand(file)
+            for arch in ARCHS:
+                jobs[file, arch] = [
+                    pool.submit(_compile, lib, include, file, source,
+                                names[i:i + NAMES_PER_PROGRAM], arch)
+                    for i in range(0, len(names), NAMES_PER_PROGRAM)]
+        yield jobs
+        for futures in jobs.values():
+            for future in futures:
+                future.cancel()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("file, names", UNITS, ids=[file for file, _ in UNITS])
+def test_kernels_compile(compiled, file, names, arch):
+    lowered, atomics = {}, []
+    for future in compiled[file, arch]:
+        error, log, got, float_atomics = future.result()
+        assert not error and not re.search(r"\berror( #\S+)?:", log), (
+            f"{file} for {arch}: {error}\n{log}")
+        lowered.update(got)
+        atomics += float_atomics
+    missing = [name for name in names if not lowered.get(name)]
+    assert not missing, f"{file} for {arch}: no lowered name for {missing}"
+    assert not atomics, f"{file} for {arch}: float atomic adds {atomics} are non-deterministic"
+
+
+def _code(file):
+    """The expanded source of `file` with comments blanked (line numbers kept)."""
+    text = _source.expand(file)
+    text = re.sub(r"/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+@pytest.mark.parametrize("file", [file for file, _ in UNITS])
+def test_no_atomic_add(file):
+    # Determinism is a project rule: sums go through fixed-order block and grid reductions.
+    lines = [f"{n}: {line.strip()}" for n, line in enumerate(_code(file).splitlines(), 1)
+             if re.search(r"\batomicAdd\w*\s*\(", line)]
+    assert not lines, f"{file} (expanded) calls atomicAdd:\n" + "\n".join(lines)
+
+
+def test_units_cover_every_source_file():
+    files = {path.name for path in _source.kernel_dir().glob("*.cu")}
+    assert files == {file for file, _ in UNITS}
