@@ -206,8 +206,8 @@ def rows_launch(rows: int, cols: int, vec: int, acc_itemsize: int,
                          f"the device's {limits.max_grid_x}")
     want = max(1, (limits.sm_count * blocks_per_sm) // col_blocks)
     row_blocks = max(1, min(want, _cdiv(rows, ty), limits.max_grid_y))
-    rows_per_block = _cdiv(rows, row_blocks)
-    row_blocks = _cdiv(rows, rows_per_block)
+    rows_per_block = max(1, _cdiv(rows, row_blocks))
+    row_blocks = max(1, _cdiv(rows, rows_per_block))
     shared = check_shared(max(BLOCK * vec, BLOCK // WARP) * acc_itemsize, limits,
                           "pointwise_rows")
     return Launch((col_blocks, row_blocks), (BLOCK,), shared, tx, rows_per_block)

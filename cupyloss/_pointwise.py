@@ -88,6 +88,8 @@ def _plan(functor, x_shape, x_strides, t_shape, t_strides, go_layout, dtype, ali
         strides.append(go_layout)
     shape, cstrides = _launch.coalesce(out_shape, strides)
     modes = (_mode(math.prod(x_shape), n), _mode(math.prod(t_shape), n))
+    if n == 0:  # nothing to launch but finalize (evaluate fills the results)
+        return Plan("empty", 0, out_shape, 1, modes, None)
 
     if len(shape) == 2:
         rows, cols = shape

@@ -20,7 +20,8 @@ def check_array(x, name: str):
 
     if not isinstance(x, cupy.ndarray):
         kind = f"{type(x).__module__}.{type(x).__qualname__}"
-        if kind.startswith("numpy.") or hasattr(x, "__array_interface__"):
+        if (kind.startswith("numpy.") or hasattr(x, "__array_interface__")
+                or isinstance(x, (list, tuple, numbers.Number))):
             hint = f"it is on the host; move it to the GPU first with cupy.asarray({name})"
         elif kind.startswith("torch."):
             hint = ("convert torch tensors with cupyloss.interop.from_torch (zero-copy) or call "

@@ -322,10 +322,8 @@ def test_rows_launch_covers_the_matrix(rows, cols):
         assert launch.shared == max(BLOCK * vec, BLOCK // WARP) * acc
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
-                   reason="rows_launch divides by rows_per_block = 0 when rows == 0, which "
-                          "_pointwise._plan reaches for input (0, C) against target (C,)")
 def test_rows_launch_with_no_rows():
+    # Input (0, C) against target (C,): no rows, and no division by zero rows per block.
     launch = _launch.rows_launch(0, 5, 1, 4, H100)
     assert launch.grid[1] >= 1 and launch.grid[1] * launch.rows_per_block >= 0
 
