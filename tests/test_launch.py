@@ -322,10 +322,20 @@ def test_rows_launch_covers_the_matrix(rows, cols):
         assert launch.shared == max(BLOCK * vec, BLOCK // WARP) * acc
 
 
+def test_rows_launch_clamps_to_max_grid_y():
+    # 10**5 SMs want 800,000 row blocks for one wave, more than the 65535 a grid's y allows.
+    many = DeviceLimits(sm_count=10**5, max_grid_x=2**31 - 1, max_grid_y=65535,
+                        max_shared_per_block=49152)
+    launch = _launch.rows_launch(10**9, 1, 1, 4, many)
+    _, row_blocks = launch.grid
+    assert row_blocks <= 65535 and row_blocks * launch.rows_per_block >= 10**9
+
+
 def test_rows_launch_with_no_rows():
     # Input (0, C) against target (C,): no rows, and no division by zero rows per block.
     launch = _launch.rows_launch(0, 5, 1, 4, H100)
-    assert launch.grid[1] >= 1 and launch.grid[1] * launch.rows_per_block >= 0
+    assert launch.grid[0] >= 1 and launch.grid[1] >= 1, "CUDA rejects a grid dim of 0"
+    assert launch.rows_per_block >= 1
 
 
 def test_rows_launch_rejects_too_many_column_blocks():
