@@ -10,7 +10,8 @@ $CUDA_HOME or next to nvcc.  Without them the compile tests skip, saying why, un
 CUPYLOSS_REQUIRE_NVRTC=1 (set by .ci/run) makes that a failure.
 
 A compile costs about 0.4 s of CPU per name expression, so the name expressions are split into
-small programs compiled in a pool of processes (libnvrtc serialises threads).
+small programs compiled in a pool of processes (threads of one process serialise inside
+libnvrtc).
 """
 
 import concurrent.futures
@@ -73,15 +74,17 @@ def _toolchain():
 
 
 def _need_toolchain():
-    lib, include = _toolchain()
+    """(libnvrtc path, include dir), else skip (or fail under CUPYLOSS_REQUIRE_NVRTC=1)."""
+    lib, detail = _toolchain()
     if lib is None:
         if os.environ.get("CUPYLOSS_REQUIRE_NVRTC") == "1":
-            pytest.fail(f"CUPYLOSS_REQUIRE_NVRTC=1 but {include}")
-        pytest.skip(include)
-    return lib, include
+            pytest.fail(f"CUPYLOSS_REQUIRE_NVRTC=1 but {detail}")
+        pytest.skip(detail)
+    return lib, detail
 
 
 def _read(size_fn, read_fn, program):
+    """A string NVRTC hands out as a size query and a copy (the log, the PTX)."""
     size = ctypes.c_size_t()
     size_fn(program, ctypes.byref(size))
     buffer = ctypes.create_string_buffer(size.value)
@@ -121,9 +124,13 @@ def _compile(lib, include, file, source, names, arch):
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    """{(file, arch): [futures of _compile]}: every program submitted at once to a pool."""
+def compiled(request):
+    """{(file, arch): [futures of _compile]} for the selected tests, all submitted at once."""
     lib, include = _need_toolchain()
+    selected = {(item.callspec.params["file"], item.callspec.params["arch"])
+                for item in request.session.items
+                if getattr(item, "originalname", None) == "test_kernels_compile"
+                and item.module.__name__ == __name__}
     workers = max(1, min(len(os.sched_getaffinity(0)), 16))
     context = multiprocessing.get_context("fork")  # the worker needs no re-import of this file
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
@@ -131,6 +138,8 @@ def compiled():
         for file, names in UNITS:
             source = _source.expand(file)
             for arch in ARCHS:
+                if (file, arch) not in selected:
+                    continue
                 jobs[file, arch] = [
                     pool.submit(_compile, lib, include, file, source,
                                 names[i:i + NAMES_PER_PROGRAM], arch)
