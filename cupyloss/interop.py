@@ -2,7 +2,8 @@
 
 The core never imports this module.  ``wrap(cupyloss.mse_loss)`` gives a function that takes and
 returns torch tensors: inputs are viewed through DLPack, the kernels run on torch's current CUDA
-stream, and outputs are allocated by torch's caching allocator and handed back without a copy.
+stream, and outputs (allocated from CuPy's memory pool) are handed back as torch tensors that
+share their memory, without a copy.
 """
 
 from __future__ import annotations
