@@ -14,8 +14,12 @@ import numpy
 MAX_DIMS = 8            # CUPYLOSS_MAX_DIMS in kernels/common.cuh
 BLOCK = 256             # threads per block of every kernel (their __launch_bounds__)
 BLOCKS_PER_SM = 8       # 8 x 256 = 2048 resident threads per SM on sm_80 and sm_90
-FINALIZE_BLOCK = 256
 WARP = 32
+# Work items (vectors of `vec` elements) up to which a launch is one block: it then writes its
+# 0-d results itself, with no partials, no ticket and no scratch allocation.  8 items per
+# thread keeps a one-block launch within a few microseconds of device time while small calls
+# (kilobytes) pay a single launch and a single allocation of host time.
+SINGLE_BLOCK_WORK = BLOCK * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +187,11 @@ def flat_launch(n: int, vec: int, acc_itemsize: int, limits: DeviceLimits,
                 blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
     """Grid-stride launch over ceil(n / vec) work items: one wave of blocks_per_sm per SM."""
     work = _cdiv(n, vec)
-    grid = max(1, min(_cdiv(work, BLOCK), limits.sm_count * blocks_per_sm, limits.max_grid_x))
+    if work <= SINGLE_BLOCK_WORK:
+        grid = 1
+    else:
+        grid = max(1, min(_cdiv(work, BLOCK), limits.sm_count * blocks_per_sm,
+                          limits.max_grid_x))
     shared = check_shared(BLOCK // WARP * acc_itemsize, limits, "pointwise_flat")
     return Launch((grid,), (BLOCK,), shared)
 
@@ -205,18 +213,14 @@ def rows_launch(rows: int, cols: int, vec: int, acc_itemsize: int,
         raise ValueError(f"rows of {cols} elements need {col_blocks} column blocks, more than "
                          f"the device's {limits.max_grid_x}")
     want = max(1, (limits.sm_count * blocks_per_sm) // col_blocks)
+    if col_blocks == 1 and rows * min(lanes, BLOCK) <= SINGLE_BLOCK_WORK:
+        want = 1  # small: one block, which also writes the row gradient itself
     row_blocks = max(1, min(want, _cdiv(rows, ty), limits.max_grid_y))
     rows_per_block = max(1, _cdiv(rows, row_blocks))
     row_blocks = max(1, _cdiv(rows, rows_per_block))
     shared = check_shared(max(BLOCK * vec, BLOCK // WARP) * acc_itemsize, limits,
                           "pointwise_rows")
     return Launch((col_blocks, row_blocks), (BLOCK,), shared, tx, rows_per_block)
-
-
-def finalize_launch(acc_itemsize: int, limits: DeviceLimits) -> Launch:
-    """Three blocks, one per reduced quantity (loss, input gradient, target gradient)."""
-    shared = check_shared(FINALIZE_BLOCK // WARP * acc_itemsize, limits, "finalize")
-    return Launch((3,), (FINALIZE_BLOCK,), shared)
 
 
 def sum_rows_launch(cols: int, limits: DeviceLimits) -> Launch:

@@ -1,71 +1,120 @@
-"""The engine behind every pointwise loss: plan a launch, allocate, launch, reduce.
+"""The engine behind every pointwise loss: plan once per layout, then allocate and launch.
 
-`evaluate` is the one entry point.  It validates on the host, builds (and caches) a Plan from
-shapes, strides and alignment alone, then issues at most four launches on CuPy's current stream:
-the pointwise kernel, `finalize` for 0-d results, and `sum_rows` per broadcast operand gradient.
-Nothing is read back to the host.
+`evaluate` is the one entry point.  Its arguments come through `_dispatch` as Operands (pointer,
+shape, strides, dtype, device) whatever framework they belong to.  Everything that depends only
+on metadata (shapes, strides, dtype, alignment, device, reduction, options, which outputs) is
+computed once and cached as a Plan holding the kernel, its launch configuration and its packed
+parameter words.  A call with a cached plan validates, allocates its outputs and launches once:
+the 0-d loss is finished inside the same kernel (grid_sum_out in kernels/common.cuh).  Only a
+gradient of an operand broadcast along several rows (issue: a per-channel parameter) takes
+second launches (`sum_rows`).  Nothing is read back to the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy
 
-from cupyloss import _dtypes, _launch, _reduction, _source, _validate
+from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
 
 # Flag bits, mirrored from the enum in kernels/pointwise.cu.
 FLAG_LOG_TARGET = 1
 FLAG_PROB_INPUT = 2
 FLAG_GO_DEVICE = 4
 FLAG_GO_ELEMENTWISE = 8
-FLAG_GX_SCALAR = 16
-FLAG_GT_SCALAR = 32
-
-_NULL = numpy.uint64(0)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """A registered pointwise loss: its functor in kernels/losses.cuh and the reductions it takes."""
+    """A registered pointwise loss: its functor in kernels/losses.cuh and its arguments.
+
+    arrays: the array arguments in torch's order (each has a gradient); options: the names of the
+    keyword options the functor reads, in the order the public function passes them.
+    """
 
     name: str
     functor: str
     reductions: tuple = ("none", "mean", "sum")
+    arrays: tuple = ("input", "target")
+    options: tuple = ()
 
 
 # The registry: one line per pointwise loss.
 SPECS = {
     "mse_loss": LossSpec("mse_loss", "MseOp"),
-    "kl_div": LossSpec("kl_div", "KlDivOp", ("none", "mean", "sum", "batchmean")),
-    "hinge_loss": LossSpec("hinge_loss", "HingeOp"),
+    "kl_div": LossSpec("kl_div", "KlDivOp", ("none", "mean", "sum", "batchmean"),
+                       options=("log_target", "log_input")),
+    "hinge_loss": LossSpec("hinge_loss", "HingeOp", options=("margin",)),
 }
 
 
-@dataclasses.dataclass(frozen=True)
+def _scalar_words(prefix: str) -> list[tuple[str, int]]:
+    # struct Scalars<T> in kernels/pointwise.cu: value, gx, gt, partials, ticket, divisor.
+    return [(prefix + f, 1) for f in ("value", "gx0", "gt0", "partials", "ticket", "divisor")]
+
+
+_GEO_WORDS = _launch.GEOMETRY_DTYPE.itemsize // 8
+FLAT = _args.Layout([("x", 1), ("t", 1), ("go", 1), ("geo", _GEO_WORDS), ("n", 1),
+                     ("margin", 1), ("flags", 1), ("go_value", 1), ("grad_scale", 1),
+                     ("loss", 1)] + _scalar_words("")
+                    + [("gx", 1), ("gt", 1), ("gx_ws", 1), ("gt_ws", 1)])
+ROWS = _args.Layout([("x", 1), ("t", 1), ("go", 1), ("rows", 1), ("cols", 1),
+                     ("rows_per_block", 1), ("tx", 1), ("margin", 1), ("flags", 1),
+                     ("go_value", 1), ("grad_scale", 1), ("loss", 1)] + _scalar_words("")
+                    + [("g_full", 1), ("ws", 1), ("g_row", 1)])
+SUM_ROWS = _args.Layout([("ws", 1), ("rows", 1), ("cols", 1), ("out", 1)])
+
+
+@dataclasses.dataclass
 class Plan:
-    """Everything about a call that depends only on shapes, strides, dtype and alignment."""
+    """Everything about a call that depends only on metadata, ready to launch."""
 
-    kind: str                  # "flat" or "rows"
-    n: int                     # elements of the broadcast shape
+    function: int            # CUfunction of the pointwise kernel
+    grid: tuple
+    block: tuple
+    shared: int
+    words: object            # array('Q'): the packed parameters, pointers left zero
+    slot: dict               # parameter name -> word index (the layout's)
     out_shape: tuple
-    vec: int
-    modes: tuple               # per operand (input, target): "direct", "scalar", "bcast" or "row"
-    geometry: object           # packed Geometry (flat) or None
-    rows: int = 0
-    cols: int = 0
-    launch: object = None
-    kernel: str = ""           # name expression in kernels/pointwise.cu
+    n: int
+    modes: tuple             # per operand (input, target): direct, scalar, bcast or row
+    loss: bool               # allocate the elementwise loss
+    value: bool              # allocate the 0-d loss
+    grads: tuple             # per operand: None or where its gradient goes (see _grad_slot)
+    partials: int            # accumulator elements of scratch for several blocks (0: none)
+    acc: numpy.dtype
+    ws: tuple = (None, None)  # per operand: (rows, cols, permutation or None) of a workspace
+    sum_rows: int = 0        # CUfunction of sum_rows for this dtype (when ws is used)
+    too_many_dims: bool = False
 
 
-def _ptr(a) -> numpy.uint64:
-    return _NULL if a is None else numpy.uint64(a.data.ptr)
+_PLANS: dict = {}
+_TICKETS: dict = {}          # device -> (base pointer, {stream: slot})
+_TICKET_SLOTS = 1024
 
 
-def _elem_strides(a) -> tuple:
-    return tuple(s // a.itemsize for s in a.strides)
+def _ticket(device: int, stream: int) -> int:
+    """A zeroed uint32 on `device` for the last-block ticket of launches on `stream`.
+
+    Each kernel that uses it leaves it zero again (atomicInc wraps it), so launches on one
+    stream share one slot.
+    The slots are allocated and zeroed once per device (warm up before capturing a CUDA graph).
+    """
+    import cupy
+
+    entry = _TICKETS.get(device)
+    if entry is None:
+        with cupy.cuda.Device(device):
+            base = cupy.cuda.runtime.malloc(4 * _TICKET_SLOTS)
+            cupy.cuda.runtime.memset(base, 0, 4 * _TICKET_SLOTS)
+        entry = _TICKETS[device] = (base, {})
+    base, slots = entry
+    slot = slots.get(stream)
+    if slot is None:
+        slot = slots[stream] = len(slots) % _TICKET_SLOTS
+    return base + 4 * slot
 
 
 def _mode(size: int, n: int) -> str:
@@ -74,50 +123,19 @@ def _mode(size: int, n: int) -> str:
     return "scalar" if size == 1 else "bcast"
 
 
-@functools.lru_cache(maxsize=1024)
-def _plan(functor, x_shape, x_strides, t_shape, t_strides, go_layout, dtype, aligned,
-          device_id) -> Plan:
-    info = _dtypes.lookup(dtype)
-    limits = _launch.device_limits(device_id)
-    acc = info.acc.itemsize
-    out_shape = _validate.broadcast_shape(x_shape, t_shape)
-    n = math.prod(out_shape)
-    strides = [_launch.broadcast_strides(x_shape, x_strides, out_shape),
-               _launch.broadcast_strides(t_shape, t_strides, out_shape)]
-    if go_layout is not None:
-        strides.append(go_layout)
-    shape, cstrides = _launch.coalesce(out_shape, strides)
-    modes = (_mode(math.prod(x_shape), n), _mode(math.prod(t_shape), n))
-    if n == 0:  # nothing to launch but finalize (evaluate fills the results)
-        return Plan("empty", 0, out_shape, 1, modes, None)
-
-    if len(shape) == 2:
-        rows, cols = shape
-        full, row = (cols, 1), (0, 1)
-        kinds = [st == full or st == row for st in cstrides[:2]]
-        if (all(kinds) and (cstrides[0] == row) != (cstrides[1] == row)
-                and (go_layout is None or cstrides[2] == full)):
-            vec = info.vec if (cols % info.vec == 0 and aligned) else 1
-            modes = tuple("row" if st == row else m for st, m in zip(cstrides[:2], modes))
-            name = _source.pointwise_name("rows", info.ctype, functor, vec, modes[0] == "row")
-            per_sm = _resident(name, max(_launch.BLOCK * vec, _launch.BLOCK // 32) * acc,
-                               limits)
-            return Plan("rows", n, out_shape, vec, modes, None, rows, cols,
-                        _launch.rows_launch(rows, cols, vec, acc, limits, per_sm), name)
-
-    if len(shape) > _launch.MAX_DIMS:  # the caller makes the operands contiguous and retries
-        return Plan("too_many_dims", n, out_shape, 1, modes, None)
-    vec = 1
-    if len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides) \
-            and "bcast" not in modes:
-        vec = info.vec
-    while len(cstrides) < 3:
-        cstrides.append((0,) * len(shape))
-    geo = _launch.geometry(shape, cstrides)
-    name = _source.pointwise_name("flat", info.ctype, functor, vec)
-    per_sm = _resident(name, _launch.BLOCK // 32 * acc, limits)
-    return Plan("flat", n, out_shape, vec, modes, geo,
-                launch=_launch.flat_launch(n, vec, acc, limits, per_sm), kernel=name)
+def _flags(spec: LossSpec, options: tuple, go_kind: str) -> tuple[float, int]:
+    """(margin, flags) words of the functor options and the grad_output kind."""
+    opts = dict(zip(spec.options, options))
+    flags = 0
+    if opts.get("log_target", False):
+        flags |= FLAG_LOG_TARGET
+    if not opts.get("log_input", True):
+        flags |= FLAG_PROB_INPUT
+    if go_kind == "device":
+        flags |= FLAG_GO_DEVICE
+    elif go_kind == "array":
+        flags |= FLAG_GO_ELEMENTWISE
+    return float(opts.get("margin", 1.0)), flags
 
 
 def _resident(name: str, shared: int, limits) -> int:
@@ -126,163 +144,302 @@ def _resident(name: str, shared: int, limits) -> int:
     return _launch.resident_blocks(attrs["num_regs"], shared, limits)
 
 
-def _aligned(*arrays) -> bool:
-    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
-
-
-def _kl_flags(options: dict) -> int:
-    flags = 0
-    if options.get("log_target", False):
-        flags |= FLAG_LOG_TARGET
-    if not options.get("log_input", True):
-        flags |= FLAG_PROB_INPUT
-    return flags
-
-
-def _sum_to_shape(ws, plan: Plan, out, info) -> None:
-    """Write into `out` the accumulator-typed gradient `ws` summed over out's broadcast dims."""
+def _make_plan(*args) -> Plan:
+    """Build the plan of a call (on its device: kernels are loaded per device)."""
     import cupy
 
-    operand_shape = out.shape
-    if plan.kind == "rows":
-        rows, cols = ws.shape
-    else:
-        ndim = len(plan.out_shape)
-        padded = (1,) * (ndim - len(operand_shape)) + tuple(operand_shape)
-        reduced = [d for d in range(ndim) if padded[d] == 1 and plan.out_shape[d] != 1]
-        kept = [d for d in range(ndim) if d not in reduced]
-        ws = cupy.ascontiguousarray(ws.reshape(plan.out_shape).transpose(reduced + kept))
-        cols = math.prod(operand_shape)
-        rows = plan.n // cols
-    limits = _launch.device_limits(ws.device.id)
-    cfg = _launch.sum_rows_launch(cols, limits)
-    kernel = _source.function("reduce.cu", _source.reduce_name("sum_rows", info.ctype))
-    kernel(cfg.grid, cfg.block, (_ptr(ws), numpy.int64(rows), numpy.int64(cols), _ptr(out)),
-           shared_mem=cfg.shared)
+    with cupy.cuda.Device(args[-1]):
+        return _build(*args)
 
 
-def evaluate(spec: LossSpec, input, target, *, reduction: str, options: dict,
-             want_value: bool, wrt: tuple, grad_output=1.0, empty=None):
+def _build(spec, reduction, options, want_value, want_grads, go_kind, go_shape, go_strides,
+           x_shape, x_strides, t_shape, t_strides, dtype, aligned, device) -> Plan:
+    info = _dtypes.DTYPES[dtype]
+    limits = _launch.device_limits(device)
+    acc = info.acc.itemsize
+    out_shape = _validate.broadcast_shape(x_shape, t_shape)
+    if go_kind == "array":
+        _validate.check_grad_output_shape(go_shape, out_shape, reduction)
+    n = math.prod(out_shape)
+    strides = [_launch.broadcast_strides(x_shape, x_strides, out_shape),
+               _launch.broadcast_strides(t_shape, t_strides, out_shape)]
+    go_layout = None
+    if go_kind == "array":
+        go_layout = _launch.broadcast_strides(go_shape, go_strides, out_shape)
+        strides.append(go_layout)
+    shape, cstrides = _launch.coalesce(out_shape, strides)
+    modes = (_mode(math.prod(x_shape), n), _mode(math.prod(t_shape), n))
+    margin, flags = _flags(spec, options, go_kind)
+    scale = _reduction.grad_scale(reduction, n, x_shape)
+    divisor = _reduction.divisor(reduction, n, x_shape)
+    reduced = reduction != "none"
+    common = {"margin": _args.f64_word(margin), "flags": flags,
+              "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
+    shapes = (x_shape, t_shape)
+
+    if len(shape) == 2 and n > 0:
+        rows, cols = shape
+        full, row = (cols, 1), (0, 1)
+        kinds = [st == full or st == row for st in cstrides[:2]]
+        if (all(kinds) and (cstrides[0] == row) != (cstrides[1] == row)
+                and (go_layout is None or cstrides[2] == full)):
+            vec = info.vec if (cols % info.vec == 0 and aligned) else 1
+            modes = tuple("row" if st == row else m for st, m in zip(cstrides[:2], modes))
+            row_is_x = modes[0] == "row"
+            name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, row_is_x)
+            shared = max(_launch.BLOCK * vec, _launch.BLOCK // 32) * acc
+            cfg = _launch.rows_launch(rows, cols, vec, acc, limits,
+                                      _resident(name, shared, limits))
+            nblocks = math.prod(cfg.grid)
+            words = ROWS.template({**common, "rows": rows, "cols": cols,
+                                   "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})
+            grads, ws = [None, None], [None, None]
+            for k in range(2):
+                if not want_grads[k]:
+                    continue
+                if modes[k] == "row" and cfg.grid[1] == 1:
+                    grads[k] = "g_row"
+                elif modes[k] == "row":
+                    grads[k] = "sum_rows"
+                    ws[k] = (cfg.grid[1], cols, None)
+                else:
+                    grads[k] = "g_full"
+            return Plan(_source.function("pointwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
+                        cfg.shared, words, ROWS.slot, out_shape, n, modes,
+                        not reduced and want_value, reduced and want_value, tuple(grads),
+                        3 * nblocks if nblocks > 1 and reduced and want_value else 0, info.acc,
+                        tuple(ws), _sum_rows_function(info) if any(ws) else 0)
+
+    if len(shape) > _launch.MAX_DIMS:  # evaluate makes the operands contiguous and retries
+        return Plan(0, (), (), 0, None, {}, out_shape, n, modes, False, False, (), 0, info.acc,
+                    too_many_dims=True)
+    vec = 1
+    if len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides) \
+            and "bcast" not in modes:
+        vec = info.vec
+    while len(cstrides) < 3:
+        cstrides.append((0,) * len(shape))
+    name = _source.pointwise_name("flat", info.ctype, spec.functor, vec)
+    shared = _launch.BLOCK // 32 * acc
+    cfg = _launch.flat_launch(n, vec, acc, limits, _resident(name, shared, limits))
+    nblocks = math.prod(cfg.grid)
+    words = FLAT.template({**common, "geo": _args.struct_words(_launch.geometry(shape, cstrides)),
+                           "n": n})
+    grads, ws = [None, None], [None, None]
+    for k in range(2):
+        if not want_grads[k]:
+            continue
+        if modes[k] == "direct":
+            grads[k] = ("gx", "gt")[k]
+        elif modes[k] == "scalar":
+            grads[k] = ("gx0", "gt0")[k]
+        elif n == 0:
+            grads[k] = "zeros"
+        else:
+            grads[k] = "sum_rows"
+            ws[k] = _workspace(out_shape, shapes[k])
+    scalars = reduced and want_value or "gx0" in grads or "gt0" in grads
+    return Plan(_source.function("pointwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
+                cfg.shared, words, FLAT.slot, out_shape, n, modes, not reduced and want_value,
+                reduced and want_value, tuple(grads), 3 * nblocks if nblocks > 1 and scalars
+                else 0, info.acc, tuple(ws), _sum_rows_function(info) if any(ws) else 0)
+
+
+def _workspace(out_shape: tuple, operand_shape: tuple) -> tuple:
+    """(rows, cols, permutation) that sums a full-size gradient down to `operand_shape`."""
+    ndim = len(out_shape)
+    padded = (1,) * (ndim - len(operand_shape)) + tuple(operand_shape)
+    reduced = [d for d in range(ndim) if padded[d] == 1 and out_shape[d] != 1]
+    kept = [d for d in range(ndim) if d not in reduced]
+    cols = math.prod(operand_shape)
+    return (math.prod(out_shape) // cols, cols, tuple(reduced + kept))
+
+
+def _sum_rows_function(info) -> int:
+    return _source.function("reduce.cu", _source.reduce_name("sum_rows", info.ctype)).kernel.ptr
+
+
+class _RawStream:
+    """A raw cudaStream_t as the CUDA stream protocol's object (for Stream.from_external)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def evaluate(spec: LossSpec, input, target, *, reduction: str, options: tuple,
+             want_value: bool, wrt: tuple, grad_output=1.0):
     """Loss value (or None) and gradients for the names in `wrt` (others None), in one pass.
 
-    `empty(shape, dtype)` allocates every returned array (cupy.empty by default); scratch space
-    always comes from CuPy's pool.
+    Arrays come from and go back to the caller's framework (see _dispatch).
     """
-    import cupy
-
-    info = _validate.check_array(input, "input")
-    _validate.check_array(target, "target")
-    _validate.check_same_dtype(input, target, "input", "target")
-    _validate.check_same_device(input, target, "input", "target")
-    _reduction.check_reduction(reduction, spec.reductions)
-    out_shape = _validate.broadcast_shape(input.shape, target.shape)
-    device_id = input.device.id
-    go_kind, go = "host", 1.0
+    frame = _dispatch.frame_of(input, "input")
+    other = _dispatch.frame_of(target, "target")
+    if other is not frame:
+        _dispatch.check_same_frame(frame, other, input, target, "input", "target")
+    x = frame.operand(input, "input")
+    t = frame.operand(target, "target")
+    dtype, device = x.dtype, x.device
+    if t.dtype != dtype:
+        _validate.check_same_dtype(x, t, "input", "target")
+    if t.device != device:
+        _validate.check_same_device(x, t, "input", "target")
+    if reduction not in spec.reductions:
+        _reduction.check_reduction(reduction, spec.reductions)
+    want_grads = ("input" in wrt, "target" in wrt)
+    go_kind, go_value, go = "host", 1.0, None
+    go_shape = go_strides = None
     if wrt:
-        go_kind, go = _validate.check_grad_output(grad_output, out_shape, reduction, info.dtype,
-                                                  device_id)
-    empty = empty or cupy.empty
-    want_gx, want_gt = "input" in wrt, "target" in wrt
-    go_array = go if go_kind == "array" else None
-
-    with cupy.cuda.Device(device_id):
-        go_layout = None
-        if go_array is not None:
-            go_layout = _launch.broadcast_strides(go_array.shape, _elem_strides(go_array),
-                                                  out_shape)
-        plan = _plan(spec.functor, input.shape, _elem_strides(input), target.shape,
-                     _elem_strides(target),
-                     go_layout, info.dtype, _aligned(input, target, go_array), device_id)
-        if plan.kind == "too_many_dims":
-            input, target = cupy.ascontiguousarray(input), cupy.ascontiguousarray(target)
-            if go_array is not None:
-                go_array = go = cupy.ascontiguousarray(go_array)
-                go_layout = _launch.broadcast_strides(go.shape, _elem_strides(go), out_shape)
-            plan = _plan(spec.functor, input.shape, _elem_strides(input), target.shape,
-                         _elem_strides(target), go_layout, info.dtype,
-                         _aligned(input, target, go_array), device_id)
-        return _run(spec, plan, info, input, target, reduction, options, want_value,
-                    want_gx, want_gt, go_kind, go, empty)
+        if type(grad_output) is float or type(grad_output) is int:
+            go_value = float(grad_output)
+        else:
+            go = _validate.check_grad_output(frame, grad_output, dtype, device)
+            if isinstance(go, float):
+                go_value, go = go, None
+            else:
+                go_kind = "device" if go.shape == () else "array"
+                go_shape, go_strides = go.shape, go.strides
+    aligned = not ((x.ptr | t.ptr | (go.ptr if go is not None else 0)) & 15)
+    key = (spec.name, reduction, options, want_value, want_grads, go_kind, go_shape, go_strides,
+           x.shape, x.strides, t.shape, t.strides, dtype, aligned, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _make_plan(spec, reduction, options, want_value, want_grads,
+                                        go_kind, go_shape, go_strides, x.shape, x.strides,
+                                        t.shape, t.strides, dtype, aligned, device)
+    if _current_device() != device or plan.too_many_dims or any(plan.ws):
+        return _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_value,
+                         wrt)
+    return _run(plan, frame, x, t, go, go_value, frame.stream(device))
 
 
-def _run(spec, plan, info, input, target, reduction, options, want_value, want_gx, want_gt,
-         go_kind, go, empty):
+def _current_device():
     import cupy
 
-    n = plan.n
-    value = loss = partials = None
-    if want_value and reduction == "none":
-        loss = value = empty(plan.out_shape, info.dtype)
-    elif want_value:
-        value = empty((), info.dtype)
+    global _current_device
+    _current_device = cupy.cuda.runtime.getDevice
+    return _current_device()
 
-    # Gradient buffers: the operand's own array for direct/scalar modes, plus accumulator
-    # workspaces for broadcast ones.
-    grads, ws = [None, None], [None, None]
-    for k, (want, operand) in enumerate(((want_gx, input), (want_gt, target))):
-        if want:
-            grads[k] = empty(operand.shape, info.dtype)
-    if n == 0:
-        for g in grads:
-            if g is not None:
-                g.data.memset_async(0, g.nbytes)
-        if value is not None and reduction != "none":
-            _finalize(plan, info, None, 0, reduction, input, value, None, None)
-        return value, grads[0], grads[1]
 
-    scalar_grad = [grads[k] is not None and plan.modes[k] == "scalar" for k in range(2)]
-    if value is not None and reduction != "none" or any(scalar_grad):
-        nblocks = math.prod(plan.launch.grid)
-        partials = cupy.empty((3, nblocks), info.acc)
-    flags = _kl_flags(options)
-    if go_kind == "device":
-        flags |= FLAG_GO_DEVICE
-    elif go_kind == "array":
-        flags |= FLAG_GO_ELEMENTWISE
-    direct = [None, None]
-    for k in range(2):
-        if grads[k] is None:
-            continue
-        mode = plan.modes[k]
-        if mode == "direct":
-            direct[k] = grads[k]
-        elif mode == "scalar":
-            flags |= (FLAG_GX_SCALAR, FLAG_GT_SCALAR)[k]
-        elif mode == "row":
-            ws[k] = cupy.empty((plan.launch.grid[1], plan.cols), info.acc)
-        else:
-            ws[k] = cupy.empty((n,), info.acc)
-    go_value = go if go_kind == "host" else 0.0
-    scale = _reduction.grad_scale(reduction, n, input.shape)
-    go_ptr = _ptr(go) if go_kind in ("device", "array") else _NULL
-    common = (numpy.float64(options.get("margin", 1.0)), numpy.int64(flags),
-              numpy.float64(go_value), numpy.float64(scale), _ptr(loss), _ptr(partials))
-    cfg = plan.launch
-    if plan.kind == "rows":
-        row = 0 if plan.modes[0] == "row" else 1
-        args = (_ptr(input), _ptr(target), go_ptr, numpy.int64(plan.rows),
-                numpy.int64(plan.cols), numpy.int64(cfg.rows_per_block), numpy.int64(cfg.tx)
-                ) + common + (_ptr(direct[1 - row]), _ptr(ws[row]))
+def _run(plan: Plan, frame, x, t, go, go_value, stream):
+    """Allocate the outputs, fill the pointer words, launch.  The hot path of every call."""
+    device = x.device
+    words = _args.array.array("Q", plan.words)
+    slot = plan.slot
+    words[slot["x"]] = x.ptr
+    words[slot["t"]] = t.ptr
+    if go is not None:
+        words[slot["go"]] = go.ptr
+    elif go_value != 1.0:
+        words[slot["go_value"]] = _args.f64_word(go_value)
     else:
-        args = (_ptr(input), _ptr(target), go_ptr, plan.geometry, numpy.int64(n)) + common + (
-            _ptr(direct[0]), _ptr(direct[1]), _ptr(ws[0]), _ptr(ws[1]))
-    _source.function("pointwise.cu", plan.kernel)(cfg.grid, cfg.block, args, shared_mem=cfg.shared)
+        words[slot["go_value"]] = _ONE
+    value = loss = None
+    if plan.value:
+        value, words[slot["value"]] = frame.empty((), x.dtype, device)
+    elif plan.loss:
+        loss, words[slot["loss"]] = frame.empty(plan.out_shape, x.dtype, device)
+    grads = [None, None]
+    post = []
+    for k, where in enumerate(plan.grads):
+        if where is None:
+            continue
+        operand = (x, t)[k]
+        if where == "zeros":
+            grads[k], _ = frame.zeros(operand.shape, x.dtype, device)
+            continue
+        grads[k], ptr = frame.empty(operand.shape, x.dtype, device)
+        if where == "sum_rows":
+            post.append((k, ptr))
+        else:
+            words[slot[where]] = ptr
+    if plan.partials:
+        _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, device)
+        words[slot["ticket"]] = _ticket(device, stream)
+    if post:
+        return _launch_with_workspaces(plan, frame, words, post, stream, value, loss, grads)
+    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
+    result = frame.result
+    return (result(value if value is not None else loss) if (value is not None or loss is not None)
+            else None,
+            result(grads[0]) if grads[0] is not None else None,
+            result(grads[1]) if grads[1] is not None else None)
 
-    if partials is not None:
-        out_value = value if reduction != "none" else None
-        out_g = [grads[k] if scalar_grad[k] else None for k in range(2)]
-        _finalize(plan, info, partials, partials.shape[1], reduction, input, out_value, *out_g)
-    for k in range(2):
-        if ws[k] is not None:
-            _sum_to_shape(ws[k], plan, grads[k], info)
-    return value, grads[0], grads[1]
+
+_ONE = _args.f64_word(1.0)
 
 
-def _finalize(plan, info, partials, nparts, reduction, input, out0, out1, out2):
-    limits = _launch.device_limits(input.device.id)
-    cfg = _launch.finalize_launch(info.acc.itemsize, limits)
-    kernel = _source.function("reduce.cu", _source.reduce_name("finalize", info.ctype))
-    divisor = _reduction.divisor(reduction, plan.n, input.shape)
-    kernel(cfg.grid, cfg.block,
-           (_ptr(partials), numpy.int64(nparts), numpy.float64(divisor),
-            _ptr(out0), _ptr(out1), _ptr(out2)), shared_mem=cfg.shared)
+def _launch_with_workspaces(plan, frame, words, post, stream, value, loss, grads):
+    """The main launch with accumulator workspaces for broadcast gradients, then their sums."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    workspaces = []
+    for k, out_ptr in post:
+        rows, cols, perm = plan.ws[k]
+        ws, ws_ptr = frame.empty((rows * cols,), plan.acc, device)
+        words[plan.slot["ws"] if "ws" in plan.slot else ("gx_ws", "gt_ws")[k]] = ws_ptr
+        workspaces.append((k, ws, out_ptr))
+    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
+    limits = _launch.device_limits(device)
+    for k, ws, out_ptr in workspaces:
+        rows, cols, perm = plan.ws[k]
+        if perm is not None and list(perm) != sorted(perm):
+            view = _dispatch._cupy_view(_dispatch.Operand(
+                _pointer_of(ws), plan.out_shape, _contiguous_strides(plan.out_shape),
+                plan.acc, device, ws))
+            ws = cupy.ascontiguousarray(view.transpose(perm))
+        cfg = _launch.sum_rows_launch(cols, limits)
+        sum_words = SUM_ROWS.template({"ws": _pointer_of(ws), "rows": rows, "cols": cols,
+                                       "out": out_ptr})
+        _args.launch(plan.sum_rows, cfg.grid, cfg.block, cfg.shared, stream, sum_words)
+        del ws
+    result = frame.result
+    first = value if value is not None else loss
+    return (result(first) if first is not None else None,
+            result(grads[0]) if grads[0] is not None else None,
+            result(grads[1]) if grads[1] is not None else None)
+
+
+def _pointer_of(a) -> int:
+    if hasattr(a, "data_ptr"):
+        return a.data_ptr()
+    return a.data.ptr
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_value, wrt):
+    """Calls off the hot path: another current device, more than MAX_DIMS dims, or
+    workspaces that CuPy sums (allocated by the caller's framework, on the caller's stream)."""
+    import cupy
+
+    device = x.device
+    stream = frame.stream(device)
+    with cupy.cuda.Device(device), \
+            cupy.cuda.Stream.from_external(_RawStream(stream)), frame.scratch_allocator():
+        if plan.too_many_dims:
+            # Contiguous copies coalesce to one dim; results still go to the caller's frame.
+            cupy_frame = _dispatch.CupyFrame()
+            x = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(x)), "input")
+            t = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(t)), "target")
+            go_shape = go_strides = None
+            go_kind = "host"
+            if go is not None:
+                go = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(go)),
+                                        "grad_output")
+                go_kind = "device" if go.shape == () else "array"
+                go_shape, go_strides = go.shape, go.strides
+            aligned = not ((x.ptr | t.ptr | (go.ptr if go is not None else 0)) & 15)
+            plan = _make_plan(spec, reduction, options, want_value,
+                              ("input" in wrt, "target" in wrt), go_kind, go_shape, go_strides,
+                              x.shape, x.strides, t.shape, t.strides, x.dtype, aligned, device)
+        return _run(plan, frame, x, t, go, go_value, stream)

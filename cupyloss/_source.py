@@ -56,7 +56,7 @@ def pointwise_name(kind: str, ctype: str, functor: str, vec: int, row_is_x: bool
 
 
 def reduce_name(kernel: str, ctype: str) -> str:
-    """Name expression of finalize<ctype> or sum_rows<ctype>."""
+    """Name expression of a reduce.cu kernel (sum_rows<ctype>)."""
     return f"cupyloss::{kernel}<{ctype}>"
 
 
@@ -69,8 +69,7 @@ def units() -> list[tuple[str, list[str]]]:
         for vec in sorted({1, info.vec})
         for kind, row_is_x in (("flat", False), ("rows", True), ("rows", False))
     ]
-    reduce = [reduce_name(k, info.ctype) for k in ("finalize", "sum_rows")
-              for info in _dtypes.DTYPES.values()]
+    reduce = [reduce_name("sum_rows", info.ctype) for info in _dtypes.DTYPES.values()]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce)]
 
 

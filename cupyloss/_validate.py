@@ -1,6 +1,7 @@
 """Checks on public arguments: TypeError for kinds and dtypes, ValueError for shapes and values.
 
 Every check runs on the host from metadata alone, before any launch, and names what it got.
+Arrays arrive here as _dispatch.Operands (dtype, device index, shape).
 """
 
 from __future__ import annotations
@@ -10,29 +11,10 @@ import numbers
 from cupyloss import _dtypes
 
 
-def _supported() -> str:
-    return ", ".join(str(d) for d in _dtypes.DTYPES)
-
-
-def check_array(x, name: str):
-    """Return the DtypeInfo of `x` if it is a floating cupy.ndarray cupyloss supports, else raise."""
-    import cupy
-
-    if not isinstance(x, cupy.ndarray):
-        kind = f"{type(x).__module__}.{type(x).__qualname__}"
-        if (kind.startswith("numpy.") or hasattr(x, "__array_interface__")
-                or isinstance(x, (list, tuple, numbers.Number))):
-            hint = f"it is on the host; move it to the GPU first with cupy.asarray({name})"
-        elif kind.startswith("torch."):
-            hint = ("convert torch tensors with cupyloss.interop.from_torch (zero-copy) or call "
-                    "the losses through cupyloss.interop.wrap")
-        else:
-            hint = "pass a cupy.ndarray (cupy.from_dlpack converts DLPack tensors without a copy)"
-        raise TypeError(f"{name} must be a cupy.ndarray, got {kind}: {hint}")
-    info = _dtypes.lookup(x.dtype)
-    if info is None:
-        raise TypeError(f"{name} has dtype {x.dtype}; cupyloss supports {_supported()}")
-    return info
+def unsupported_dtype(name: str, dtype) -> TypeError:
+    """The TypeError for an array argument of a dtype cupyloss has no kernels for."""
+    supported = ", ".join(str(d) for d in _dtypes.DTYPES)
+    return TypeError(f"{name} has dtype {dtype}; cupyloss supports {supported}")
 
 
 def check_same_dtype(a, b, name_a: str, name_b: str) -> None:
@@ -43,10 +25,10 @@ def check_same_dtype(a, b, name_a: str, name_b: str) -> None:
 
 
 def check_same_device(a, b, name_a: str, name_b: str) -> None:
-    """Raise ValueError unless a and b live on the same CUDA device."""
-    if a.device.id != b.device.id:
-        raise ValueError(f"{name_a} is on device {a.device.id} but {name_b} is on device "
-                         f"{b.device.id}")
+    """Raise ValueError unless operands a and b live on the same CUDA device."""
+    if a.device != b.device:
+        raise ValueError(f"{name_a} is on CUDA device {a.device} but {name_b} is on CUDA device "
+                         f"{b.device}; move them to one device")
 
 
 def broadcast_shape(shape_a: tuple, shape_b: tuple, name_a: str = "input",
@@ -64,30 +46,37 @@ def broadcast_shape(shape_a: tuple, shape_b: tuple, name_a: str = "input",
     return tuple(out)
 
 
-def check_grad_output(grad_output, loss_shape: tuple, reduction: str, dtype, device_id: int):
-    """Classify grad_output as ('host', float) or ('device', 0-d array) or ('array', array)."""
-    import cupy
-
+def check_grad_output(frame, grad_output, dtype, device: int):
+    """grad_output as a float (a host number) or an Operand of the inputs' frame and dtype."""
     if isinstance(grad_output, numbers.Real) and not isinstance(grad_output, bool):
-        return "host", float(grad_output)
-    if not isinstance(grad_output, cupy.ndarray):
-        raise TypeError("grad_output must be a Python number or a cupy.ndarray, got "
-                        f"{type(grad_output).__module__}.{type(grad_output).__qualname__}")
-    if grad_output.dtype != dtype:
-        raise TypeError(f"grad_output has dtype {grad_output.dtype} but the loss has dtype "
-                        f"{dtype}")
-    if grad_output.device.id != device_id:
-        raise ValueError(f"grad_output is on device {grad_output.device.id} but the inputs are "
-                         f"on device {device_id}")
-    if grad_output.ndim == 0:
-        return "device", grad_output
+        return float(grad_output)
+    if isinstance(grad_output, bool) or grad_output is None:
+        raise TypeError(f"grad_output must be a number or an array like the inputs, got "
+                        f"{grad_output!r}")
+    from cupyloss import _dispatch
+
+    go_frame = _dispatch.frame_of(grad_output, "grad_output")
+    if go_frame is not frame:
+        raise TypeError(f"grad_output is a {type(grad_output).__module__}."
+                        f"{type(grad_output).__qualname__} but the inputs are {frame.name} "
+                        f"arrays; pass grad_output from the same framework")
+    go = frame.operand(grad_output, "grad_output")
+    if go.dtype != dtype:
+        raise TypeError(f"grad_output has dtype {go.dtype} but the loss has dtype {dtype}")
+    if go.device != device:
+        raise ValueError(f"grad_output is on CUDA device {go.device} but the inputs are on CUDA "
+                         f"device {device}")
+    return go
+
+
+def check_grad_output_shape(go_shape: tuple, loss_shape: tuple, reduction: str) -> None:
+    """Raise ValueError unless a non-0-d grad_output has the shape of a reduction='none' loss."""
     if reduction != "none":
         raise ValueError(f"grad_output of a reduction={reduction!r} loss must be 0-d, got "
-                         f"shape {grad_output.shape}")
-    if tuple(grad_output.shape) != tuple(loss_shape):
-        raise ValueError(f"grad_output shape {grad_output.shape} does not match the loss shape "
+                         f"shape {tuple(go_shape)}")
+    if tuple(go_shape) != tuple(loss_shape):
+        raise ValueError(f"grad_output shape {tuple(go_shape)} does not match the loss shape "
                          f"{tuple(loss_shape)}")
-    return "array", grad_output
 
 
 def check_wrt(wrt) -> tuple[tuple[str, ...], bool]:

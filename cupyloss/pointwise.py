@@ -30,19 +30,31 @@ from cupyloss._pointwise import SPECS, evaluate
 _BOTH = ("input", "target")
 
 
-def _value(name, input, target, reduction, options):
-    value, _, _ = evaluate(SPECS[name], input, target, reduction=reduction, options=options,
-                           want_value=True, wrt=())
-    return value
+_NONE = ()
 
 
-def _grads(name, input, target, reduction, options, grad_output, wrt, want_value):
-    names, single = _validate.check_wrt(wrt)
-    value, gx, gt = evaluate(SPECS[name], input, target, reduction=reduction, options=options,
+def _value(spec, input, target, reduction, options):
+    return evaluate(spec, input, target, reduction=reduction, options=options,
+                    want_value=True, wrt=_NONE)[0]
+
+
+def _grads(spec, input, target, reduction, options, grad_output, wrt, want_value):
+    if wrt is _BOTH:
+        names, single = _BOTH, False
+    else:
+        names, single = _validate.check_wrt(wrt)
+    value, gx, gt = evaluate(spec, input, target, reduction=reduction, options=options,
                              want_value=want_value, wrt=names, grad_output=grad_output)
-    by_name = {"input": gx, "target": gt}
-    grads = by_name[names[0]] if single else tuple(by_name[k] for k in names)
+    if single:
+        grads = gx if names[0] == "input" else gt
+    elif names is _BOTH:
+        grads = (gx, gt)
+    else:
+        grads = tuple(gx if k == "input" else gt for k in names)
     return (value, grads) if want_value else grads
+
+
+_MSE, _KL, _HINGE = SPECS["mse_loss"], SPECS["kl_div"], SPECS["hinge_loss"]
 
 
 # --- mse_loss ---------------------------------------------------------------------------------
@@ -65,7 +77,7 @@ def mse_loss(input, target, reduction="mean"):
       >>> cupyloss.mse_loss(x, cupy.zeros(3, cupy.float32))      # (1 + 4 + 9) / 3
       array(4.6666665, dtype=float32)
     """
-    return _value("mse_loss", input, target, reduction, {})
+    return _value(_MSE, input, target, reduction, ())
 
 
 def mse_loss_backward(grad_output, input, target, reduction="mean", *, wrt=_BOTH):
@@ -84,7 +96,7 @@ def mse_loss_backward(grad_output, input, target, reduction="mean", *, wrt=_BOTH
     Example:
       >>> g_in, g_t = cupyloss.mse_loss_backward(1.0, x, cupy.zeros(3, cupy.float32))
     """
-    return _grads("mse_loss", input, target, reduction, {}, grad_output, wrt, False)
+    return _grads(_MSE, input, target, reduction, (), grad_output, wrt, False)
 
 
 def mse_loss_value_and_grad(input, target, reduction="mean", *, grad_output=1.0, wrt=_BOTH):
@@ -97,7 +109,7 @@ def mse_loss_value_and_grad(input, target, reduction="mean", *, grad_output=1.0,
       >>> loss, (g_in, g_t) = cupyloss.mse_loss_value_and_grad(x, y)
       >>> loss, g_in = cupyloss.mse_loss_value_and_grad(x, y, wrt="input")
     """
-    return _grads("mse_loss", input, target, reduction, {}, grad_output, wrt, True)
+    return _grads(_MSE, input, target, reduction, (), grad_output, wrt, True)
 
 
 # --- kl_div -----------------------------------------------------------------------------------
@@ -128,8 +140,7 @@ def kl_div(input, target, reduction="mean", log_target=False, log_input=True):
       >>> cupyloss.kl_div(cupy.log(p), q, reduction="batchmean")
       >>> cupyloss.kl_div(p, q, reduction="batchmean", log_input=False)   # same value
     """
-    return _value("kl_div", input, target, reduction,
-                  {"log_target": log_target, "log_input": log_input})
+    return _value(_KL, input, target, reduction, (bool(log_target), bool(log_input)))
 
 
 def kl_div_backward(grad_output, input, target, reduction="mean", log_target=False,
@@ -148,8 +159,8 @@ def kl_div_backward(grad_output, input, target, reduction="mean", log_target=Fal
     Example:
       >>> g_in, g_t = cupyloss.kl_div_backward(1.0, cupy.log(p), q, reduction="batchmean")
     """
-    return _grads("kl_div", input, target, reduction,
-                  {"log_target": log_target, "log_input": log_input}, grad_output, wrt, False)
+    return _grads(_KL, input, target, reduction, (bool(log_target), bool(log_input)),
+                  grad_output, wrt, False)
 
 
 def kl_div_value_and_grad(input, target, reduction="mean", log_target=False, log_input=True, *,
@@ -164,8 +175,8 @@ def kl_div_value_and_grad(input, target, reduction="mean", log_target=False, log
       >>> loss, g_p = cupyloss.kl_div_value_and_grad(p, q, "batchmean", log_input=False,
       ...                                            wrt="input")
     """
-    return _grads("kl_div", input, target, reduction,
-                  {"log_target": log_target, "log_input": log_input}, grad_output, wrt, True)
+    return _grads(_KL, input, target, reduction, (bool(log_target), bool(log_input)),
+                  grad_output, wrt, True)
 
 
 # --- hinge_loss -------------------------------------------------------------------------------
@@ -191,7 +202,7 @@ def hinge_loss(input, target, margin=1.0, reduction="mean"):
       >>> y = cupy.sign(cupy.random.randn(5)).astype(cupy.float32)
       >>> cupyloss.hinge_loss(s, y)
     """
-    return _value("hinge_loss", input, target, reduction, {"margin": float(margin)})
+    return _value(_HINGE, input, target, reduction, (float(margin),))
 
 
 def hinge_loss_backward(grad_output, input, target, margin=1.0, reduction="mean", *,
@@ -208,7 +219,7 @@ def hinge_loss_backward(grad_output, input, target, margin=1.0, reduction="mean"
     Example:
       >>> g_s, g_y = cupyloss.hinge_loss_backward(1.0, s, y)
     """
-    return _grads("hinge_loss", input, target, reduction, {"margin": float(margin)},
+    return _grads(_HINGE, input, target, reduction, (float(margin),),
                   grad_output, wrt, False)
 
 
@@ -222,5 +233,5 @@ def hinge_loss_value_and_grad(input, target, margin=1.0, reduction="mean", *, gr
     Example:
       >>> loss, g_s = cupyloss.hinge_loss_value_and_grad(s, y, wrt="input")
     """
-    return _grads("hinge_loss", input, target, reduction, {"margin": float(margin)},
+    return _grads(_HINGE, input, target, reduction, (float(margin),),
                   grad_output, wrt, True)

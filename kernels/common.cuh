@@ -6,6 +6,7 @@
 //   IntDiv            division of 64-bit indices by a run-time constant via multiply-high
 //   Geometry          the coalesced broadcast shape and each operand's strides, passed by value
 //   block_sum         deterministic block-wide sum (fixed shuffle tree, then fixed smem order)
+//   grid_sum_out      deterministic grid-wide sums written to 0-d outputs in the same launch
 //
 // Indices are 64-bit everywhere (long long / unsigned long long).
 #pragma once
@@ -101,6 +102,59 @@ __device__ __forceinline__ A block_sum(A v, A* scratch) {
         for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     }
     return total;
+}
+
+// Grid-wide sums of per-thread values v[q], written as out[q][0] = from_acc(sum / div[q]) for
+// every q whose out[q] is not null (null-ness is uniform across the grid).  One block: straight
+// from block_sum.  Several: each block writes its sums to partials[q * nblocks + block]; the
+// block that draws the last ticket adds partials[q, 0..nblocks) in a fixed order (so the result
+// does not depend on which block finished last).  atomicInc wraps the ticket from nblocks - 1
+// back to 0, so it is zero again for the next launch on the stream.  The only atomic is that
+// integer ticket: the sums are bitwise reproducible.
+template <typename T, int NQ>
+__device__ __forceinline__ void grid_sum_out(const acc_t<T> (&v)[NQ], T* const (&out)[NQ],
+                                             const acc_t<T> (&div)[NQ],
+                                             acc_t<T>* __restrict__ partials,  // [NQ, nblocks]
+                                             unsigned int* __restrict__ ticket,
+                                             long long block, long long nblocks,
+                                             acc_t<T>* scratch) {
+    using A = acc_t<T>;
+    bool any = false;
+    #pragma unroll
+    for (int q = 0; q < NQ; ++q) any |= out[q] != nullptr;
+    if (!any) return;
+    if (nblocks == 1) {
+        #pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+            if (out[q] == nullptr) continue;
+            const A total = block_sum(v[q], scratch);
+            if (threadIdx.x == 0) out[q][0] = from_acc<T>(total / div[q]);
+        }
+        return;
+    }
+    #pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+        if (out[q] == nullptr) continue;
+        const A total = block_sum(v[q], scratch);
+        if (threadIdx.x == 0) partials[q * nblocks + block] = total;
+    }
+    __shared__ unsigned int is_last;
+    if (threadIdx.x == 0) {
+        __threadfence();  // publish this block's partials before taking a ticket
+        is_last = atomicInc(ticket, (unsigned int)(nblocks - 1)) == (unsigned int)(nblocks - 1);
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    #pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+        if (out[q] == nullptr) continue;
+        A acc = A(0);
+        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x)
+            acc += __ldcg(partials + q * nblocks + j);  // L2: written by other blocks
+        const A total = block_sum(acc, scratch);
+        if (threadIdx.x == 0) out[q][0] = from_acc<T>(total / div[q]);
+    }
 }
 
 }  // namespace cupyloss

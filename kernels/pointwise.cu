@@ -5,13 +5,15 @@
 //   loss      l   = Op::value(x, t)
 //   gradients g_x = g * Op::d_input(x, t),   g_t = g * Op::d_target(x, t)
 //
-// What a launch writes is chosen by the non-null output pointers and `flags`:
+// What a launch writes is chosen by its non-null output pointers:
 //   loss       elementwise loss (reduction 'none')
-//   partials   one fp32/fp64 sum per block, per quantity: row 0 the loss, row 1 the input
-//              gradient and row 2 the target gradient when that operand is a broadcast scalar
+//   value      the 0-d reduced loss: sum l / divisor
+//   gx0, gt0   the 0-d gradient of an operand that is one element broadcast everywhere
 //   gx, gt     gradients of an operand whose shape is the broadcast shape, at the flat index
 //   gx_ws,gt_ws  accumulator-typed gradients of a broadcast operand: per element (flat kernel)
 //              or per row block (rows kernel); reduce.cu sums them into the operand's shape
+// The 0-d results are finished in the same launch (grid_sum_out in common.cuh): one block
+// writes them directly, several blocks leave per-block partials and the last one adds them.
 //
 // Two layouts of the broadcast shape:
 //   pointwise_flat   any strides, through Geometry (VEC > 1 only for 1-D strides 0 or 1)
@@ -31,8 +33,6 @@ enum : long long {
     FLAG_PROB_INPUT = 2,   // kl_div option log_input=False: input holds probabilities
     FLAG_GO_DEVICE = 4,    // g is read from go[0] (a 0-d device array) instead of go_value
     FLAG_GO_ELEMENTWISE = 8,  // g is read elementwise from go (operand 2 of the geometry)
-    FLAG_GX_SCALAR = 16,   // input is one element broadcast everywhere: its gradient -> partials row 1
-    FLAG_GT_SCALAR = 32,   // target likewise -> partials row 2
 };
 
 template <typename A>
@@ -44,27 +44,31 @@ __device__ __forceinline__ LossArgs<A> make_args(double margin, long long flags)
     return a;
 }
 
-// Per-thread running sums of the quantities a block reduces into `partials`.
+// Per-thread running sums of the quantities reduced to 0-d outputs.
 template <typename A>
 struct Sums {
     A loss = A(0), gx = A(0), gt = A(0);
 };
 
-// Writes the three partial sums of this block to partials[q * nblocks + block].
-template <typename A>
-__device__ __forceinline__ void store_partials(Sums<A> s, A* partials, long long flags,
-                                               long long block, long long nblocks, A* scratch) {
-    if (partials == nullptr) return;
-    A v = block_sum(s.loss, scratch);
-    if (threadIdx.x == 0) partials[block] = v;
-    if (flags & FLAG_GX_SCALAR) {
-        v = block_sum(s.gx, scratch);
-        if (threadIdx.x == 0) partials[nblocks + block] = v;
-    }
-    if (flags & FLAG_GT_SCALAR) {
-        v = block_sum(s.gt, scratch);
-        if (threadIdx.x == 0) partials[2 * nblocks + block] = v;
-    }
+// The 0-d outputs of a launch: the reduced loss and the gradients of 0-d-broadcast operands.
+template <typename T>
+struct Scalars {
+    T* value;             // sum of the loss / divisor, or null
+    T* gx;                // sum of the input gradient (input is one broadcast element), or null
+    T* gt;                // likewise for the target
+    acc_t<T>* partials;   // [3, nblocks] when the grid has several blocks and any of the above
+    unsigned int* ticket; // zero before the launch, zero again after it
+    double divisor;       // n for mean, input.shape[0] for batchmean, else 1
+};
+
+template <typename T>
+__device__ __forceinline__ void finish(const Sums<acc_t<T>>& s, const Scalars<T>& o,
+                                       long long block, long long nblocks, acc_t<T>* scratch) {
+    using A = acc_t<T>;
+    const A v[3] = {s.loss, s.gx, s.gt};
+    T* const out[3] = {o.value, o.gx, o.gt};
+    const A div[3] = {A(o.divisor), A(1), A(1)};
+    grid_sum_out<T, 3>(v, out, div, o.partials, o.ticket, block, nblocks, scratch);
 }
 
 template <typename T, int VEC>
@@ -109,13 +113,13 @@ __device__ __forceinline__ void store_vec_acc(A* __restrict__ p, long long i, co
 template <typename T, typename Op, int VEC>
 __device__ __forceinline__ void visit(const acc_t<T> (&x)[VEC], const acc_t<T> (&t)[VEC],
                                       const acc_t<T> (&g)[VEC], const LossArgs<acc_t<T>>& a,
-                                      long long i, long long flags, bool want_sum,
+                                      long long i, const Scalars<T>& o,
                                       T* __restrict__ loss, T* __restrict__ gx, T* __restrict__ gt,
                                       acc_t<T>* __restrict__ gx_ws, acc_t<T>* __restrict__ gt_ws,
                                       Sums<acc_t<T>>& s) {
     using A = acc_t<T>;
     A r[VEC];
-    if (loss != nullptr || want_sum) {
+    if (loss != nullptr || o.value != nullptr) {
         #pragma unroll
         for (int j = 0; j < VEC; ++j) r[j] = Op::value(x[j], t[j], a);
         if (loss != nullptr) store_vec<T, VEC>(loss, i, r);
@@ -124,7 +128,7 @@ __device__ __forceinline__ void visit(const acc_t<T> (&x)[VEC], const acc_t<T> (
             for (int j = 0; j < VEC; ++j) s.loss += r[j];
         }
     }
-    if (gx != nullptr || gx_ws != nullptr || (flags & FLAG_GX_SCALAR)) {
+    if (gx != nullptr || gx_ws != nullptr || o.gx != nullptr) {
         #pragma unroll
         for (int j = 0; j < VEC; ++j) r[j] = g[j] * Op::d_input(x[j], t[j], a);
         if (gx != nullptr) store_vec<T, VEC>(gx, i, r);
@@ -134,7 +138,7 @@ __device__ __forceinline__ void visit(const acc_t<T> (&x)[VEC], const acc_t<T> (
             for (int j = 0; j < VEC; ++j) s.gx += r[j];
         }
     }
-    if (gt != nullptr || gt_ws != nullptr || (flags & FLAG_GT_SCALAR)) {
+    if (gt != nullptr || gt_ws != nullptr || o.gt != nullptr) {
         #pragma unroll
         for (int j = 0; j < VEC; ++j) r[j] = g[j] * Op::d_target(x[j], t[j], a);
         if (gt != nullptr) store_vec<T, VEC>(gt, i, r);
@@ -167,14 +171,13 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         const double go_value,         // grad_output when it is a host scalar
         const double grad_scale,       // 1/n, 1/batch or 1
         T* __restrict__ loss,          // [n] or null
-        acc_t<T>* __restrict__ partials,  // [3, gridDim.x] or null
+        const Scalars<T> o,            // 0-d outputs and their partials [3, gridDim.x]
         T* __restrict__ gx, T* __restrict__ gt,              // [n] or null
         acc_t<T>* __restrict__ gx_ws, acc_t<T>* __restrict__ gt_ws) {  // [n] or null
     using A = acc_t<T>;
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [blockDim.x / 32]
     const LossArgs<A> a = make_args<A>(margin, flags);
-    const bool want_sum = partials != nullptr;
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j) gv[j] = g0;
             }
-            visit<T, Op, VEC>(xv, tv, gv, a, i, flags, want_sum, loss, gx, gt, gx_ws, gt_ws, s);
+            visit<T, Op, VEC>(xv, tv, gv, a, i, o, loss, gx, gt, gx_ws, gt_ws, s);
         }
         done = nvec * VEC;
     }
@@ -208,9 +211,9 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         A xv[1] = {to_acc(x[off[0]])};
         A tv[1] = {to_acc(t[off[1]])};
         A gv[1] = {go_elem ? to_acc(go[off[2]]) * A(grad_scale) : g0};
-        visit<T, Op, 1>(xv, tv, gv, a, i, flags, want_sum, loss, gx, gt, gx_ws, gt_ws, s);
+        visit<T, Op, 1>(xv, tv, gv, a, i, o, loss, gx, gt, gx_ws, gt_ws, s);
     }
-    store_partials<A>(s, partials, flags, blockIdx.x, gridDim.x, scratch);
+    finish<T>(s, o, blockIdx.x, gridDim.x, scratch);
 }
 
 // Rows layout: the broadcast shape is [rows, cols]; the operand named by ROW_IS_X (input when
@@ -221,6 +224,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
 // with all their loads issued before any use.  The row operand's values stay in registers and
 // its gradient is summed down the column in registers, then across the ty lanes in shared
 // memory in lane order, and written to ws[by, col]; reduce.cu's sum_rows adds the row blocks.
+// A grid of one row block writes the row gradient straight to g_row (one launch in all).
 template <typename T, typename Op, int VEC, bool ROW_IS_X>
 __global__ void __launch_bounds__(256) pointwise_rows(
         const T* __restrict__ x,       // [rows, cols], or [cols] when ROW_IS_X
@@ -232,16 +236,17 @@ __global__ void __launch_bounds__(256) pointwise_rows(
         const double margin, const long long flags,
         const double go_value, const double grad_scale,
         T* __restrict__ loss,          // [rows, cols] or null
-        acc_t<T>* __restrict__ partials,  // [gridDim.y * gridDim.x] or null
+        const Scalars<T> o,            // the 0-d loss (never gradients here) and its partials
         T* __restrict__ g_full,        // gradient of the [rows, cols] operand, or null
-        acc_t<T>* __restrict__ ws) {   // [gridDim.y, cols] gradient of the row operand, or null
+        acc_t<T>* __restrict__ ws,     // [gridDim.y, cols] gradient of the row operand, or null
+        T* __restrict__ g_row) {       // [cols] gradient of the row operand when gridDim.y == 1
     using A = acc_t<T>;
     constexpr int UNROLL = 4;
     extern __shared__ unsigned char smem_raw[];
     A* smem = reinterpret_cast<A*>(smem_raw);  // [max(ty * tx * VEC, blockDim.x / 32)]
     const LossArgs<A> a = make_args<A>(margin, flags);
-    const bool want_sum = partials != nullptr;
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
+    const bool want_row_grad = ws != nullptr || g_row != nullptr;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
     const A gs = A(grad_scale);
     const long long lx = threadIdx.x % tx;
@@ -280,9 +285,9 @@ __global__ void __launch_bounds__(256) pointwise_rows(
             for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
             const A (&xv)[VEC] = ROW_IS_X ? row_vals : fv[u];
             const A (&tv)[VEC] = ROW_IS_X ? fv[u] : row_vals;
-            visit<T, Op, VEC>(xv, tv, gv[u], a, ru * cols + c, 0, want_sum, loss, gx, gt,
+            visit<T, Op, VEC>(xv, tv, gv[u], a, ru * cols + c, o, loss, gx, gt,
                               nullptr, nullptr, s);
-            if (ws != nullptr) {
+            if (want_row_grad) {
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
                     row_grad[j] += gv[u][j] * (ROW_IS_X ? Op::d_input(xv[j], tv[j], a)
@@ -293,19 +298,19 @@ __global__ void __launch_bounds__(256) pointwise_rows(
     }
 
     const long long block = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    store_partials<A>(s, partials, 0, block, (long long)gridDim.x * gridDim.y, smem);
-    if (ws != nullptr) {
+    finish<T>(s, o, block, (long long)gridDim.x * gridDim.y, smem);
+    if (want_row_grad) {
         __syncthreads();
         #pragma unroll
         for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[j];
         __syncthreads();
         if (ly == 0 && active) {
-            A* out = ws + (long long)blockIdx.y * cols + c;
             #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 A acc = smem[lx * VEC + j];
                 for (long long k = 1; k < ty; ++k) acc += smem[(k * tx + lx) * VEC + j];
-                out[j] = acc;
+                if (g_row != nullptr) g_row[c + j] = from_acc<T>(acc);
+                else ws[(long long)blockIdx.y * cols + c + j] = acc;
             }
         }
     }

@@ -251,10 +251,11 @@ VECS = (1, 2, 4, 8)  # float64, -, float32, 16-bit types (16-byte loads)
 ACC_ITEMSIZES = (4, 8)  # float32 and float64 accumulators
 
 FLAT_SIZES = [
-    0,  # empty: still one block (the host returns before launching)
+    0,  # empty: one block, which writes the 0-d results (0, or NaN for a mean)
     1, 31, 32, 33,  # around a warp
     255, 256, 257,  # around a block
     BLOCK * 8 - 1, BLOCK * 8 + 1,  # around one block of 8-wide vectors
+    _launch.SINGLE_BLOCK_WORK * 8, _launch.SINGLE_BLOCK_WORK * 8 + 1,  # the one-block limit
     H100.sm_count * BLOCKS_PER_SM * BLOCK - 1,  # one element short of a full wave
     H100.sm_count * BLOCKS_PER_SM * BLOCK + 1,  # one element past it
     2**31 - 1, 2**31 + 1, 2**32 + 1,  # around 32-bit indices
@@ -271,10 +272,15 @@ def test_flat_launch_stays_within_the_device(n):
     for vec, acc in itertools.product(VECS, ACC_ITEMSIZES):
         launch = _launch.flat_launch(n, vec, acc, H100)
         (grid,) = launch.grid
-        work_blocks = _cdiv(_cdiv(n, vec), BLOCK)
+        work = _cdiv(n, vec)
+        work_blocks = _cdiv(work, BLOCK)
         assert launch.block == (BLOCK,)
         assert 1 <= grid <= H100.sm_count * BLOCKS_PER_SM
         assert grid <= max(1, work_blocks), "a block with no work"
+        if work <= _launch.SINGLE_BLOCK_WORK:
+            assert grid == 1, "a small launch needs partials and a ticket"
+        else:
+            assert grid > 1, "a large launch on one SM"
         if work_blocks >= H100.sm_count * BLOCKS_PER_SM:
             assert grid == H100.sm_count * BLOCKS_PER_SM, "a large n leaves SMs idle"
         assert launch.shared == BLOCK // WARP * acc
@@ -319,6 +325,8 @@ def test_rows_launch_covers_the_matrix(rows, cols):
         assert row_blocks * rpb >= rows > (row_blocks - 1) * rpb
         assert col_blocks <= H100.max_grid_x
         assert col_blocks * row_blocks <= max(col_blocks, H100.sm_count * BLOCKS_PER_SM)
+        if col_blocks == 1 and rows * min(lanes, BLOCK) <= _launch.SINGLE_BLOCK_WORK:
+            assert row_blocks == 1, "a small matrix split over blocks"
         assert launch.shared == max(BLOCK * vec, BLOCK // WARP) * acc
 
 
@@ -357,7 +365,6 @@ def test_check_shared_allows_exactly_the_limit():
     (lambda limits: _launch.rows_launch(10, 64, 8, 4, limits), 8192),
     # 8 warps x float64 = 64 bytes.
     (lambda limits: _launch.flat_launch(10, 1, 8, limits), 64),
-    (lambda limits: _launch.finalize_launch(8, limits), 64),
 ])
 def test_launches_reject_shared_memory_over_the_limit(make, need):
     limits = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
@@ -366,12 +373,6 @@ def test_launches_reject_shared_memory_over_the_limit(make, need):
         make(limits)
     make(DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
                       max_shared_per_block=need))
-
-
-def test_finalize_launch_is_one_block_per_quantity():
-    launch = _launch.finalize_launch(4, H100)
-    assert launch.grid == (3,) and launch.block == (_launch.FINALIZE_BLOCK,)
-    assert launch.shared == _launch.FINALIZE_BLOCK // WARP * 4
 
 
 @pytest.mark.parametrize("cols", [1, 255, 256, 257, 10**9])  # block edges; far past one wave

@@ -1,0 +1,305 @@
+"""The one edge where arrays come in and results go out: CuPy, torch, JAX and any DLPack array.
+
+A loss call names its array arguments; `frame_of` finds the framework they come from (a "frame"),
+and the frame turns each one into an `Operand` (pointer, shape, element strides, dtype, device),
+names the stream the work runs on, allocates outputs and scratch with that framework's allocator,
+and hands results back as that framework's arrays.  The kernels' engine (_pointwise) sees only
+Operands.  No framework is imported here at module level: torch and JAX are recognised only once
+the caller has imported them.
+
+  CuPy arrays       CuPy's current stream and memory pool; results are cupy.ndarrays.
+  torch tensors     read in place (data_ptr, shape, stride) on torch's current stream of the
+                    tensors' device; results come from torch's caching allocator, so CUDA-graph
+                    capture and torch.cuda.max_memory_allocated see them.  Tensors that require
+                    grad are read like any other (no autograd graph is recorded here).
+  JAX arrays        exchanged through DLPack on CuPy's current stream (the DLPack stream
+                    handshake orders it after JAX's producer); results are jax.Arrays.
+  other DLPack      any object with __dlpack__ and a CUDA __dlpack_device__; results are
+                    cupy.ndarrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import sys
+
+import numpy
+
+from cupyloss import _dtypes, _validate
+
+_KDLCUDA = 2            # DLPack device types that are CUDA memory the kernels can read
+_KDLCUDA_MANAGED = 13
+
+
+class Operand:
+    """What the engine needs of an array: data pointer, shape, element strides, dtype, device."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "array")
+
+    def __init__(self, ptr, shape, strides, dtype, device, array):
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides
+        self.dtype = dtype
+        self.device = device
+        self.array = array      # the caller's object, kept alive for the call
+
+
+def _kind(x) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
+
+
+# --- CuPy ---------------------------------------------------------------------------------------
+
+class CupyFrame:
+    """cupy.ndarray in, cupy.ndarray out, CuPy's current stream and pool."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self._cupy = cupy
+        self._get_stream = cupy.cuda.get_current_stream
+
+    def operand(self, x, name):
+        dtype = x.dtype
+        if dtype not in _dtypes.DTYPES:
+            raise _validate.unsupported_dtype(name, dtype)
+        itemsize = dtype.itemsize
+        return Operand(x.data.ptr, x.shape, tuple(s // itemsize for s in x.strides), dtype,
+                       x.data.device_id, x)
+
+    def stream(self, device):
+        return self._get_stream().ptr
+
+    def empty(self, shape, dtype, device):
+        a = self._cupy.empty(shape, dtype)
+        return a, a.data.ptr
+
+    def zeros(self, shape, dtype, device):
+        a = self._cupy.zeros(shape, dtype)
+        return a, a.data.ptr
+
+    def result(self, a):
+        return a
+
+    def scratch_allocator(self):
+        return contextlib.nullcontext()
+
+    def cupy_view(self, op: Operand):
+        return op.array
+
+
+# --- torch --------------------------------------------------------------------------------------
+
+class TorchFrame:
+    """torch.Tensor in and out, read in place; torch's current stream and caching allocator."""
+
+    name = "torch"
+
+    def __init__(self, torch):
+        self._torch = torch
+        self._empty = torch.empty
+        self._zeros = torch.zeros
+        self._devices = {}
+        self._to_numpy = {torch.float16: numpy.dtype("float16"),
+                          torch.float32: numpy.dtype("float32"),
+                          torch.float64: numpy.dtype("float64")}
+        if _dtypes._BFLOAT16 is not None:
+            self._to_numpy[torch.bfloat16] = _dtypes._BFLOAT16
+        self._to_torch = {v: k for k, v in self._to_numpy.items()}
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else (
+            lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+    def operand(self, x, name):
+        if not x.is_cuda:
+            raise TypeError(f"{name} is a torch.Tensor on {x.device}; cupyloss runs on CUDA "
+                            f"devices: move it with {name}.cuda()")
+        dtype = self._to_numpy.get(x.dtype)
+        if dtype is None:
+            raise _validate.unsupported_dtype(name, x.dtype)
+        try:
+            strides = x.stride()
+        except RuntimeError as exc:  # sparse and other layouts without strides
+            raise TypeError(f"{name} has layout {x.layout}; cupyloss reads strided tensors "
+                            f"({exc})") from None
+        return Operand(x.data_ptr(), tuple(x.shape), strides, dtype, x.get_device(), x)
+
+    def stream(self, device):
+        return self._raw_stream(device)
+
+    def _device(self, device):
+        d = self._devices.get(device)
+        if d is None:
+            d = self._devices[device] = self._torch.device("cuda", device)
+        return d
+
+    def empty(self, shape, dtype, device):
+        t = self._empty(shape, dtype=self._to_torch_dtype(dtype), device=self._device(device))
+        return t, t.data_ptr()
+
+    def zeros(self, shape, dtype, device):
+        t = self._zeros(shape, dtype=self._to_torch_dtype(dtype), device=self._device(device))
+        return t, t.data_ptr()
+
+    def _to_torch_dtype(self, dtype):
+        return self._to_torch[dtype]
+
+    def result(self, t):
+        return t
+
+    def scratch_allocator(self):
+        """CuPy allocations inside the block come from torch's caching allocator."""
+        import cupy
+
+        torch = self._torch
+
+        def allocate(nbytes):
+            device = cupy.cuda.runtime.getDevice()
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self._device(device))
+            mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, device)
+            return cupy.cuda.MemoryPointer(mem, 0)
+
+        return cupy.cuda.using_allocator(allocate)
+
+    def cupy_view(self, op: Operand):
+        return _cupy_view(op)
+
+
+def _cupy_view(op: Operand):
+    """A cupy.ndarray over an operand's memory (no copy), keeping its owner alive."""
+    import cupy
+
+    itemsize = op.dtype.itemsize
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(op.shape, op.strides)) if all(
+        op.shape) else 0
+    low = sum((n - 1) * s for n, s in zip(op.shape, op.strides) if s < 0) if extent else 0
+    mem = cupy.cuda.UnownedMemory(op.ptr + low * itemsize, max(extent, 1) * itemsize, op.array,
+                                  op.device)
+    return cupy.ndarray(op.shape, op.dtype, cupy.cuda.MemoryPointer(mem, -low * itemsize),
+                        strides=tuple(s * itemsize for s in op.strides))
+
+
+# --- JAX and other DLPack producers ---------------------------------------------------------------
+
+class DlpackFrame(CupyFrame):
+    """Any CUDA DLPack array, viewed as CuPy through DLPack; results converted back by `back`."""
+
+    def __init__(self, name, back):
+        super().__init__()
+        self.name = name
+        self._back = back
+
+    def operand(self, x, name):
+        try:
+            device_type, _ = x.__dlpack_device__()
+        except Exception as exc:
+            raise TypeError(f"{name} ({_kind(x)}) does not say where its memory is "
+                            f"(__dlpack_device__ failed: {exc})") from None
+        if device_type not in (_KDLCUDA, _KDLCUDA_MANAGED):
+            raise TypeError(f"{name} is a {_kind(x)} in DLPack device type {device_type}, not "
+                            f"on a CUDA device; move it to the GPU first")
+        try:
+            view = self._cupy.from_dlpack(x)
+        except (BufferError, TypeError, ValueError) as exc:
+            raise TypeError(f"{name} ({_kind(x)}) could not be read through DLPack: "
+                            f"{exc}") from None
+        return super().operand(view, name)
+
+    def result(self, a):
+        return self._back(a)
+
+
+def _jax_back(a):
+    import jax.dlpack
+
+    return jax.dlpack.from_dlpack(a)
+
+
+# --- finding the frame ------------------------------------------------------------------------------
+
+_FRAMES: dict = {}       # type -> frame; filled on first sight of each type
+_SINGLETONS: dict = {}
+
+
+def _singleton(key, make):
+    frame = _SINGLETONS.get(key)
+    if frame is None:
+        frame = _SINGLETONS[key] = make()
+    return frame
+
+
+def _host_hint(x, name):
+    return TypeError(f"{name} is a {_kind(x)} in host memory; cupyloss needs arrays on a CUDA "
+                     f"device (CuPy, torch, JAX or any CUDA DLPack array): move it with "
+                     f"cupy.asarray({name}) or {name}.cuda()")
+
+
+def _classify(x, name):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if torch_fast_path:
+            return _singleton("torch", lambda: TorchFrame(torch))
+        return _singleton("torch-dlpack", lambda: TorchDlpackFrame(torch))
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return _singleton("cupy", CupyFrame)
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return _singleton("jax", lambda: DlpackFrame("jax", _jax_back))
+    if isinstance(x, (numpy.ndarray, numpy.generic, list, tuple, numbers.Number)):
+        raise _host_hint(x, name)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return _singleton("dlpack", lambda: DlpackFrame("dlpack", lambda a: a))
+    if hasattr(x, "__array_interface__"):
+        raise _host_hint(x, name)
+    raise TypeError(f"{name} must be an array on a CUDA device (CuPy, torch, JAX or anything "
+                    f"with __dlpack__), got {_kind(x)}")
+
+
+def frame_of(x, name):
+    """The frame of array argument `x` (called `name` in errors)."""
+    t = type(x)
+    frame = _FRAMES.get(t)
+    if frame is None:
+        frame = _classify(x, name)
+        if frame.name in ("cupy", "torch"):  # the two whose frame depends on the type alone
+            _FRAMES[t] = frame
+    return frame
+
+
+def check_same_frame(frame, other, x, y, name_x, name_y):
+    """Raise TypeError when two arguments come from different frameworks."""
+    if other is not frame:
+        raise TypeError(f"{name_x} is a {_kind(x)} but {name_y} is a {_kind(y)}; pass arrays of "
+                        f"one framework (convert with DLPack: cupy.from_dlpack, "
+                        f"torch.from_dlpack, jax.dlpack.from_dlpack)")
+
+
+# Read torch tensors through data_ptr()/stride() (True) or through DLPack (False).  Both give the
+# same operands on the same stream; the tests compare them.
+torch_fast_path = True
+
+
+class TorchDlpackFrame(TorchFrame):
+    """torch tensors read through DLPack (cupy.from_dlpack) instead of data_ptr(): the reference
+    path the fast one is tested against.  Work still runs on torch's current stream and results
+    still come from torch's allocator."""
+
+    name = "torch-dlpack"
+
+    def operand(self, x, name):
+        import cupy
+
+        if not x.is_cuda:
+            return super().operand(x, name)
+        if self._to_numpy.get(x.dtype) is None:
+            raise _validate.unsupported_dtype(name, x.dtype)
+        device = x.get_device()
+        stream = cupy.cuda.Stream.from_external(self._torch.cuda.current_stream(device))
+        with cupy.cuda.Device(device), stream:
+            view = cupy.from_dlpack(x.detach())
+        return _singleton("cupy", CupyFrame).operand(view, name)

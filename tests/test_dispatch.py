@@ -1,0 +1,109 @@
+"""The dispatch edge without a GPU: which arguments are refused, how, and before any launch.
+
+Every error here is raised from an argument's type and metadata alone, so on a machine without a
+CUDA device (CI) a wrong argument gives its TypeError or ValueError naming the argument, never a
+CUDA error.  What needs a device (zero-copy exchange, streams, allocators) is in
+test_dispatch_gpu.py.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupyloss
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+
+def _calls(x, t):
+    """(name, function, args) of every public entry point of cupyloss on input x, target t."""
+    for loss in ("mse_loss", "kl_div", "hinge_loss"):
+        yield loss, getattr(cupyloss, loss), (x, t)
+        yield loss + "_backward", getattr(cupyloss, loss + "_backward"), (1.0, x, t)
+        yield loss + "_value_and_grad", getattr(cupyloss, loss + "_value_and_grad"), (x, t)
+
+
+def test_every_public_function_is_covered():
+    names = {name for name, _, _ in _calls(None, None)}
+    assert names == set(cupyloss.__all__)
+
+
+def test_import_cupyloss_imports_no_framework():
+    """The core never imports torch or JAX (nor CuPy until a call needs it)."""
+    code = ("import sys, cupyloss, cupyloss.pointwise, cupyloss._dispatch; "
+            "print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+HOST_INPUTS = [
+    pytest.param(lambda: (np.ones(3, np.float32), np.ones(3, np.float32)), id="numpy"),
+    pytest.param(lambda: (np.float32(1.0), np.float32(1.0)), id="numpy-scalar"),
+    pytest.param(lambda: ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]), id="list"),
+    pytest.param(lambda: (1.0, 1.0), id="python-float"),
+]
+
+
+@pytest.mark.parametrize("make", HOST_INPUTS)
+def test_host_arrays_are_rejected_with_a_hint(make):
+    x, t = make()
+    for name, function, args in _calls(x, t):
+        with pytest.raises(TypeError, match=r"^input is a .* in host memory") as info:
+            function(*args)
+        assert "cupy.asarray(input)" in str(info.value), name
+
+
+class _FakeDlpack:
+    """An object that speaks DLPack from a given device type (1 = CPU, 2 = CUDA)."""
+
+    def __init__(self, device_type):
+        self.device_type = device_type
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("dispatch must refuse this object before reading it")
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+
+def test_dlpack_from_the_host_is_rejected():
+    for name, function, args in _calls(_FakeDlpack(1), _FakeDlpack(1)):
+        with pytest.raises(TypeError, match=r"input is a .*_FakeDlpack in DLPack device type 1"):
+            function(*args)
+
+
+def test_objects_that_are_no_arrays_are_rejected():
+    with pytest.raises(TypeError, match=r"target must be an array on a CUDA device.*object"):
+        cupyloss.mse_loss(_FakeDlpack(2), object())
+
+
+@needs_torch
+def test_cpu_tensors_are_rejected_naming_the_argument():
+    x = torch.ones(3)
+    for name, function, args in _calls(x, x):
+        with pytest.raises(TypeError, match=r"^input is a torch.Tensor on cpu.*input\.cuda\(\)"):
+            function(*args)
+
+
+@needs_torch
+def test_cpu_tensor_target_is_named():
+    pytest.importorskip("cupy")
+    # input from another framework: the frameworks differ before any device is touched.
+    with pytest.raises(TypeError, match=r"input is a .*_FakeDlpack but target is a "
+                                        r"torch\.Tensor; pass arrays of one framework"):
+        cupyloss.mse_loss(_FakeDlpack(2), torch.ones(3))
+
+
+@needs_torch
+def test_torch_without_cuda_is_refused_before_any_launch():
+    """requires_grad, bf16, odd strides: on the CPU each is still refused by device, not read."""
+    x = torch.ones(4, 3, dtype=torch.bfloat16, requires_grad=True).t()
+    with pytest.raises(TypeError, match="on cpu"):
+        cupyloss.mse_loss_value_and_grad(x, x)
