@@ -52,6 +52,8 @@ def _kind(x) -> str:
 
 # --- CuPy ---------------------------------------------------------------------------------------
 
+_ELEMENT_STRIDES: dict = {}   # (byte strides, itemsize) -> element strides
+
 class CupyFrame:
     """cupy.ndarray in, cupy.ndarray out, CuPy's current stream and pool."""
 
@@ -61,24 +63,33 @@ class CupyFrame:
         import cupy
 
         self._cupy = cupy
+        self._ndarray = cupy.ndarray
         self._get_stream = cupy.cuda.get_current_stream
 
     def operand(self, x, name):
         dtype = x.dtype
         if dtype not in _dtypes.DTYPES:
             raise _validate.unsupported_dtype(name, dtype)
-        itemsize = dtype.itemsize
-        return Operand(x.data.ptr, x.shape, tuple(s // itemsize for s in x.strides), dtype,
-                       x.data.device_id, x)
+        key = (x.strides, dtype.itemsize)
+        strides = _ELEMENT_STRIDES.get(key)
+        if strides is None:
+            strides = _ELEMENT_STRIDES[key] = tuple(s // dtype.itemsize for s in x.strides)
+        return Operand(x.data.ptr, x.shape, strides, dtype, x.data.device_id, x)
 
     def stream(self, device):
         return self._get_stream().ptr
 
-    def empty(self, shape, dtype, device):
-        a = self._cupy.empty(shape, dtype)
+    def empty(self, shape, dtype, like):
+        """A new C-contiguous array on `like`'s device (the current one), and its pointer."""
+        a = self._ndarray(shape, dtype)
         return a, a.data.ptr
 
-    def zeros(self, shape, dtype, device):
+    def empty_like(self, a):
+        """A new C-contiguous array of `a`'s shape and dtype (`a` is C-contiguous)."""
+        out = self._ndarray(a.shape, a.dtype)
+        return out, out.data.ptr
+
+    def zeros(self, shape, dtype, like):
         a = self._cupy.zeros(shape, dtype)
         return a, a.data.ptr
 
@@ -101,8 +112,7 @@ class TorchFrame:
 
     def __init__(self, torch):
         self._torch = torch
-        self._empty = torch.empty
-        self._zeros = torch.zeros
+        self._empty_like = torch.empty_like
         self._devices = {}
         self._to_numpy = {torch.float16: numpy.dtype("float16"),
                           torch.float32: numpy.dtype("float32"),
@@ -137,16 +147,20 @@ class TorchFrame:
             d = self._devices[device] = self._torch.device("cuda", device)
         return d
 
-    def empty(self, shape, dtype, device):
-        t = self._empty(shape, dtype=self._to_torch_dtype(dtype), device=self._device(device))
+    def empty(self, shape, dtype, like):
+        """A new contiguous tensor from torch's allocator on `like`'s device, and its pointer."""
+        tdtype = self._to_torch[dtype]
+        t = like.new_empty(shape) if like.dtype is tdtype else like.new_empty(shape, dtype=tdtype)
         return t, t.data_ptr()
 
-    def zeros(self, shape, dtype, device):
-        t = self._zeros(shape, dtype=self._to_torch_dtype(dtype), device=self._device(device))
+    def empty_like(self, a):
+        """A new tensor of `a`'s shape and dtype (`a` is contiguous, so the new one is too)."""
+        t = self._empty_like(a)
         return t, t.data_ptr()
 
-    def _to_torch_dtype(self, dtype):
-        return self._to_torch[dtype]
+    def zeros(self, shape, dtype, like):
+        t = like.new_zeros(shape, dtype=self._to_torch[dtype])
+        return t, t.data_ptr()
 
     def result(self, t):
         return t
@@ -302,4 +316,6 @@ class TorchDlpackFrame(TorchFrame):
         stream = cupy.cuda.Stream.from_external(self._torch.cuda.current_stream(device))
         with cupy.cuda.Device(device), stream:
             view = cupy.from_dlpack(x.detach())
-        return _singleton("cupy", CupyFrame).operand(view, name)
+        op = _singleton("cupy", CupyFrame).operand(view, name)
+        op.array = x  # outputs are allocated like the tensor, by torch
+        return op

@@ -24,6 +24,7 @@ FLAG_LOG_TARGET = 1
 FLAG_PROB_INPUT = 2
 FLAG_GO_DEVICE = 4
 FLAG_GO_ELEMENTWISE = 8
+_ONE = _args.f64_word(1.0)    # the grad_output word every plan starts with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,30 @@ class Plan:
     ws: tuple = (None, None)  # per operand: (rows, cols, permutation or None) of a workspace
     sum_rows: int = 0        # CUfunction of sum_rows for this dtype (when ws is used)
     too_many_dims: bool = False
+    shapes: tuple = ()       # the operands' shapes (their gradients' shapes)
+    contiguous: tuple = (False, False)  # whether each operand is C-contiguous
+
+    def __post_init__(self):
+        # What _run does per call, precomputed: (result index, word slot or -1, shape, how) for
+        # every output; result 0 is the loss, 1 and 2 the input and target gradients; how is
+        # "empty", "like" (the operand is C-contiguous: the cheapest allocation copies its
+        # metadata) or "zeros".
+        slot = self.slot
+        self.allocs = []
+        if self.value:
+            self.allocs.append((0, slot["value"], (), "empty"))
+        elif self.loss:
+            self.allocs.append((0, slot["loss"], self.out_shape, "empty"))
+        for k, where in enumerate(self.grads):
+            if where is not None:
+                in_words = where not in ("zeros", "sum_rows")
+                how = "zeros" if where == "zeros" else "like" if self.contiguous[k] else "empty"
+                self.allocs.append((k + 1, slot[where] if in_words else -1, self.shapes[k], how))
+        self.slow = self.too_many_dims or any(self.ws)
+        if slot:
+            self.sx, self.st, self.sgo, self.sgov = (slot[k] for k in ("x", "t", "go",
+                                                                       "go_value"))
+            self.spartials, self.sticket = slot["partials"], slot["ticket"]
 
 
 _PLANS: dict = {}
@@ -173,15 +198,21 @@ def _build(spec, reduction, options, want_value, want_grads, go_kind, go_shape, 
     scale = _reduction.grad_scale(reduction, n, x_shape)
     divisor = _reduction.divisor(reduction, n, x_shape)
     reduced = reduction != "none"
-    common = {"margin": _args.f64_word(margin), "flags": flags,
+    common = {"margin": _args.f64_word(margin), "flags": flags, "go_value": _ONE,
               "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
     shapes = (x_shape, t_shape)
+    contiguous = (x_strides == _contiguous_strides(x_shape),
+                  t_strides == _contiguous_strides(t_shape))
 
     if len(shape) == 2 and n > 0:
         rows, cols = shape
         full, row = (cols, 1), (0, 1)
         kinds = [st == full or st == row for st in cstrides[:2]]
+        # The row operand must be one row (not a full-size view with a stride-0 dim, whose
+        # gradient is full-size too).
+        row_operand = 0 if cstrides[0] == row else 1
         if (all(kinds) and (cstrides[0] == row) != (cstrides[1] == row)
+                and modes[row_operand] != "direct"
                 and (go_layout is None or cstrides[2] == full)):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
             modes = tuple("row" if st == row else m for st, m in zip(cstrides[:2], modes))
@@ -208,11 +239,12 @@ def _build(spec, reduction, options, want_value, want_grads, go_kind, go_shape, 
                         cfg.shared, words, ROWS.slot, out_shape, n, modes,
                         not reduced and want_value, reduced and want_value, tuple(grads),
                         3 * nblocks if nblocks > 1 and reduced and want_value else 0, info.acc,
-                        tuple(ws), _sum_rows_function(info) if any(ws) else 0)
+                        tuple(ws), _sum_rows_function(info) if any(ws) else 0, shapes=shapes,
+                        contiguous=contiguous)
 
     if len(shape) > _launch.MAX_DIMS:  # evaluate makes the operands contiguous and retries
         return Plan(0, (), (), 0, None, {}, out_shape, n, modes, False, False, (), 0, info.acc,
-                    too_many_dims=True)
+                    too_many_dims=True, shapes=shapes, contiguous=contiguous)
     vec = 1
     if len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides) \
             and "bcast" not in modes:
@@ -242,7 +274,8 @@ def _build(spec, reduction, options, want_value, want_grads, go_kind, go_shape, 
     return Plan(_source.function("pointwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
                 cfg.shared, words, FLAT.slot, out_shape, n, modes, not reduced and want_value,
                 reduced and want_value, tuple(grads), 3 * nblocks if nblocks > 1 and scalars
-                else 0, info.acc, tuple(ws), _sum_rows_function(info) if any(ws) else 0)
+                else 0, info.acc, tuple(ws), _sum_rows_function(info) if any(ws) else 0,
+                shapes=shapes, contiguous=contiguous)
 
 
 def _workspace(out_shape: tuple, operand_shape: tuple) -> tuple:
@@ -309,7 +342,7 @@ def evaluate(spec: LossSpec, input, target, *, reduction: str, options: tuple,
         plan = _PLANS[key] = _make_plan(spec, reduction, options, want_value, want_grads,
                                         go_kind, go_shape, go_strides, x.shape, x.strides,
                                         t.shape, t.strides, dtype, aligned, device)
-    if _current_device() != device or plan.too_many_dims or any(plan.ws):
+    if plan.slow or _current_device() != device:
         return _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_value,
                          wrt)
     return _run(plan, frame, x, t, go, go_value, frame.stream(device))
@@ -323,55 +356,46 @@ def _current_device():
     return _current_device()
 
 
-def _run(plan: Plan, frame, x, t, go, go_value, stream):
-    """Allocate the outputs, fill the pointer words, launch.  The hot path of every call."""
-    device = x.device
+def _run(plan: Plan, frame, x, t, go, go_value, stream, like=None):
+    """Allocate the outputs, fill the pointer words, launch.  The hot path of every call.
+
+    Outputs are allocated by `frame` like `like` (the caller's input array by default)."""
     words = _args.array.array("Q", plan.words)
-    slot = plan.slot
-    words[slot["x"]] = x.ptr
-    words[slot["t"]] = t.ptr
+    words[plan.sx] = x.ptr
+    words[plan.st] = t.ptr
     if go is not None:
-        words[slot["go"]] = go.ptr
+        words[plan.sgo] = go.ptr
     elif go_value != 1.0:
-        words[slot["go_value"]] = _args.f64_word(go_value)
-    else:
-        words[slot["go_value"]] = _ONE
-    value = loss = None
-    if plan.value:
-        value, words[slot["value"]] = frame.empty((), x.dtype, device)
-    elif plan.loss:
-        loss, words[slot["loss"]] = frame.empty(plan.out_shape, x.dtype, device)
-    grads = [None, None]
+        words[plan.sgov] = _args.f64_word(go_value)
+    out = [None, None, None]
     post = []
-    for k, where in enumerate(plan.grads):
-        if where is None:
-            continue
-        operand = (x, t)[k]
-        if where == "zeros":
-            grads[k], _ = frame.zeros(operand.shape, x.dtype, device)
-            continue
-        grads[k], ptr = frame.empty(operand.shape, x.dtype, device)
-        if where == "sum_rows":
-            post.append((k, ptr))
+    if like is None:
+        like = x.array
+    dtype = x.dtype
+    for index, slot, shape, how in plan.allocs:
+        if how == "like":
+            out[index], ptr = frame.empty_like((x, t)[index - 1].array)
+        elif how == "empty":
+            out[index], ptr = frame.empty(shape, dtype, like)
         else:
-            words[slot[where]] = ptr
+            out[index], _ = frame.zeros(shape, dtype, like)
+            continue
+        if slot >= 0:
+            words[slot] = ptr
+        else:
+            post.append((index - 1, ptr))
     if plan.partials:
-        _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, device)
-        words[slot["ticket"]] = _ticket(device, stream)
+        _, words[plan.spartials] = frame.empty((plan.partials,), plan.acc, like)
+        words[plan.sticket] = _ticket(x.device, stream)
     if post:
-        return _launch_with_workspaces(plan, frame, words, post, stream, value, loss, grads)
-    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
+        _launch_with_workspaces(plan, frame, words, post, stream, like)
+    else:
+        _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     result = frame.result
-    return (result(value if value is not None else loss) if (value is not None or loss is not None)
-            else None,
-            result(grads[0]) if grads[0] is not None else None,
-            result(grads[1]) if grads[1] is not None else None)
+    return [None if a is None else result(a) for a in out]
 
 
-_ONE = _args.f64_word(1.0)
-
-
-def _launch_with_workspaces(plan, frame, words, post, stream, value, loss, grads):
+def _launch_with_workspaces(plan, frame, words, post, stream, like):
     """The main launch with accumulator workspaces for broadcast gradients, then their sums."""
     import cupy
 
@@ -379,8 +403,8 @@ def _launch_with_workspaces(plan, frame, words, post, stream, value, loss, grads
     workspaces = []
     for k, out_ptr in post:
         rows, cols, perm = plan.ws[k]
-        ws, ws_ptr = frame.empty((rows * cols,), plan.acc, device)
-        words[plan.slot["ws"] if "ws" in plan.slot else ("gx_ws", "gt_ws")[k]] = ws_ptr
+        ws, ws_ptr = frame.empty((rows * cols,), plan.acc, like)
+        words[plan.slot["ws"] if "ws" in plan.slot else plan.slot[("gx_ws", "gt_ws")[k]]] = ws_ptr
         workspaces.append((k, ws, out_ptr))
     _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     limits = _launch.device_limits(device)
@@ -395,12 +419,6 @@ def _launch_with_workspaces(plan, frame, words, post, stream, value, loss, grads
         sum_words = SUM_ROWS.template({"ws": _pointer_of(ws), "rows": rows, "cols": cols,
                                        "out": out_ptr})
         _args.launch(plan.sum_rows, cfg.grid, cfg.block, cfg.shared, stream, sum_words)
-        del ws
-    result = frame.result
-    first = value if value is not None else loss
-    return (result(first) if first is not None else None,
-            result(grads[0]) if grads[0] is not None else None,
-            result(grads[1]) if grads[1] is not None else None)
 
 
 def _pointer_of(a) -> int:
@@ -424,6 +442,7 @@ def _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_va
 
     device = x.device
     stream = frame.stream(device)
+    like = x.array
     with cupy.cuda.Device(device), \
             cupy.cuda.Stream.from_external(_RawStream(stream)), frame.scratch_allocator():
         if plan.too_many_dims:
@@ -442,4 +461,4 @@ def _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_va
             plan = _make_plan(spec, reduction, options, want_value,
                               ("input" in wrt, "target" in wrt), go_kind, go_shape, go_strides,
                               x.shape, x.strides, t.shape, t.strides, x.dtype, aligned, device)
-        return _run(plan, frame, x, t, go, go_value, stream)
+        return _run(plan, frame, x, t, go, go_value, stream, like)

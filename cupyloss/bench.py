@@ -1,6 +1,10 @@
 """Benchmark the seed workloads against torch eager, torch.compile and plain CuPy.
 
-    python -m cupyloss.bench [--scale 1.0] [--reps 20] [--json out.json]
+    python -m cupyloss.bench [--scale 1.0] [--reps 20] [--json out.json] [--small-only]
+
+First the small-call case: host microseconds per call on 1K-element fp32 inputs (reduced loss,
+GPU otherwise idle), cupyloss on CuPy arrays and on torch tensors against torch eager's
+F.mse_loss in the same run; the ratio to torch eager is what matters.  Then the large ones.
 
 Times (median of --reps, CUDA events, after warm-up) the forward and value_and_grad of:
   mse    mse_loss(x, y), x, y float32 [32768, 32768]
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import cupy
 
@@ -37,6 +42,70 @@ def _timer(fn, reps: int, warmup: int = 3) -> float:
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop))
     return statistics.median(times)
+
+
+def _host_us(fn, sync, calls: int = 2000, batches: int = 9) -> float:
+    """Median host microseconds per call of fn() over batches of back-to-back calls."""
+    for _ in range(200):
+        fn()
+    sync()
+    per_call = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        sync()
+    return statistics.median(per_call)
+
+
+def small_calls(n: int = 1024) -> list[dict]:
+    """Host cost per call at n fp32 elements: cupyloss on CuPy and torch vs torch eager."""
+    rng = cupy.random.default_rng(0)
+    x, y = rng.standard_normal(n, dtype=cupy.float32), rng.standard_normal(n, dtype=cupy.float32)
+    sync = cupy.cuda.get_current_stream().synchronize
+    rows = {
+        "cupyloss.mse_loss (CuPy)": (lambda: cupyloss.mse_loss(x, y), sync),
+        "cupyloss.mse_loss_value_and_grad (CuPy)":
+            (lambda: cupyloss.mse_loss_value_and_grad(x, y), sync),
+        "cupyloss.mse_loss_backward (CuPy)":
+            (lambda: cupyloss.mse_loss_backward(1.0, x, y), sync),
+    }
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+    if have_torch:
+        tx = torch.randn(n, device="cuda", requires_grad=True)
+        ty = torch.randn(n, device="cuda", requires_grad=True)
+        tsync = torch.cuda.synchronize
+
+        def eager_fwd_bwd():
+            F.mse_loss(tx, ty).backward()
+
+        rows = {
+            "torch eager F.mse_loss": (lambda: F.mse_loss(tx, ty), tsync),
+            "torch eager F.mse_loss + backward()": (eager_fwd_bwd, tsync),
+            **rows,
+            "cupyloss.mse_loss (torch)": (lambda: cupyloss.mse_loss(tx, ty), tsync),
+            "cupyloss.mse_loss_value_and_grad (torch)":
+                (lambda: cupyloss.mse_loss_value_and_grad(tx, ty), tsync),
+            "cupyloss.mse_loss_backward (torch)":
+                (lambda: cupyloss.mse_loss_backward(1.0, tx, ty), tsync),
+        }
+    out = []
+    for name, (fn, sync_fn) in rows.items():
+        out.append({"call": name, "us": _host_us(fn, sync_fn), "n": n})
+    ref = next((r["us"] for r in out if r["call"] == "torch eager F.mse_loss"), None)
+    print(f"host time per call, {n} fp32 elements, reduced loss (median of batches):")
+    for r in out:
+        r["ratio_to_torch_eager"] = r["us"] / ref if ref else None
+        ratio = f"{r['ratio_to_torch_eager']:6.2f}x" if ref else ""
+        print(f"  {r['call']:45} {r['us']:8.1f} us {ratio}")
+    return out
 
 
 def copy_bandwidth(nbytes: int, reps: int) -> float:
@@ -119,7 +188,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--small-only", action="store_true", help="only the small-call host cost")
     args = ap.parse_args(argv)
+
+    small = small_calls()
+    if args.small_only:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"small_calls": small}, fh, indent=1)
+        return small
 
     try:
         import torch  # noqa: F401
@@ -171,7 +248,7 @@ def main(argv=None) -> list[dict]:
               f"{r['gbps']:7.0f} {r['pct_copy_bw']:6.1f} {r['ratio_to_cupyloss']:10.2f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"small_calls": small, "large": rows}, fh, indent=1)
     return rows
 
 
