@@ -4,15 +4,21 @@ Each loss ``f`` comes as ``f(input, target, ...)``, ``f_backward(grad_output, in
 ...)`` and ``f_value_and_grad(input, target, ..., grad_output=1.0, wrt=...)``.
 
 Common rules:
-  * input and target are cupy.ndarrays of one dtype (float16, bfloat16, float32 or float64) on
-    one device, of any shapes that broadcast (NumPy/torch rules, without materialising the
-    broadcast operand), contiguous or not, empty or 0-d.
+  * input and target are GPU arrays of one framework, one dtype (float16, bfloat16, float32 or
+    float64) and one device: cupy.ndarrays, torch CUDA tensors (requires_grad or not), JAX GPU
+    arrays, or anything else with a CUDA __dlpack__.  They are read in place (no copy), of any
+    shapes that broadcast (NumPy/torch rules, without materialising the broadcast operand),
+    contiguous or not (negative and zero strides included), empty or 0-d.  Results come back
+    in the caller's framework: torch tensors from torch's caching allocator on torch's current
+    stream, cupy.ndarrays from CuPy's pool on CuPy's current stream, JAX arrays for JAX inputs
+    (cupy.ndarrays for other DLPack producers).
   * reduction: 'none' returns the elementwise loss in the broadcast shape; 'sum' and 'mean' a
     0-d array ('mean' of an empty tensor is NaN, 'sum' is 0); kl_div also takes 'batchmean',
     the sum divided by input.shape[0] (by 1 for 0-d input).  The result has the inputs' dtype;
     16-bit inputs are accumulated in float32.
-  * grad_output: a Python number, a 0-d array of the loss's dtype (read on the device, never
-    synchronised), or for reduction='none' an array of the loss's shape.
+  * grad_output: a Python number, a 0-d array of the loss's dtype and the inputs' framework
+    (read on the device, never synchronised), or for reduction='none' an array of the loss's
+    shape.
   * wrt selects the gradients: ``("input", "target")`` (default) returns a tuple of both,
     ``"input"`` or ``"target"`` returns that gradient alone, and a one-name tuple a one-element
     tuple.  Gradients not named are neither computed nor allocated.  Each gradient has its
@@ -65,8 +71,9 @@ def mse_loss(input, target, reduction="mean"):
     ``l_i = (input_i - target_i)^2``, then reduced.
 
     Args:
-      input: cupy.ndarray of any shape; float16, bfloat16, float32 or float64.
-      target: cupy.ndarray broadcastable with input, same dtype.
+      input: GPU array (CuPy, torch, JAX, DLPack) of any shape; float16, bfloat16, float32 or
+        float64.
+      target: array of the same framework broadcastable with input, same dtype.
       reduction: 'none' | 'mean' | 'sum'.
 
     Returns:
@@ -126,8 +133,8 @@ def kl_div(input, target, reduction="mean", log_target=False, log_input=True):
     KLDivLoss recommends; 'mean' divides by the element count.
 
     Args:
-      input: cupy.ndarray, log-probabilities (or probabilities with log_input=False).
-      target: cupy.ndarray broadcastable with input, same dtype; probabilities, or
+      input: GPU array, log-probabilities (or probabilities with log_input=False).
+      target: array of the same framework broadcastable with input, same dtype; probabilities, or
         log-probabilities with log_target=True.
       reduction: 'none' | 'mean' | 'sum' | 'batchmean'.
 
@@ -188,9 +195,9 @@ def hinge_loss(input, target, margin=1.0, reduction="mean"):
     A NaN product gives a NaN loss (torch's clamp propagates NaN).
 
     Args:
-      input: cupy.ndarray of scores.
-      target: cupy.ndarray broadcastable with input (e.g. labels of shape (C,) against input
-        (N, C): target lines up with the last axis, as in torch), same dtype.
+      input: GPU array of scores.
+      target: array of the same framework broadcastable with input (e.g. labels of shape (C,)
+        against input (N, C): target lines up with the last axis, as in torch), same dtype.
       margin: Python float.
       reduction: 'none' | 'mean' | 'sum'.
 
