@@ -1,6 +1,7 @@
 """Benchmark the seed workloads against torch eager, torch.compile and plain CuPy.
 
     python -m cupyloss.bench [--scale 1.0] [--reps 20] [--json out.json] [--small-only]
+                             [--plot bench.png]
 
 First the small-call case: host microseconds per call on 1K-element fp32 inputs (reduced loss,
 GPU otherwise idle), cupyloss on CuPy arrays and on torch tensors against torch eager's
@@ -13,6 +14,9 @@ Times (median of --reps, CUDA events, after warm-up) the forward and value_and_g
 and reports GB/s of compulsory traffic (each input read once, each output written once) next
 to the device's copy bandwidth measured in the same run, and each time's ratio to cupyloss's.
 value_and_grad is compared with torch's forward + backward asking for the same gradients.
+--plot also sweeps every workload from 1K to 1G elements ([n / cols, cols], cols = min(n, 4096))
+against the same implementations and writes a PNG of GB/s against size (matplotlib, if
+installed) with the copy bandwidth as a line, and the same numbers as a markdown table beside it.
 --scale shrinks every side (0.25 runs on a small GPU).  Never used as a test.
 """
 
@@ -153,8 +157,8 @@ def _cupy_fn(name, a, b):
     return lambda: cupy.mean(cupy.maximum(1 - a * b, 0))
 
 
-def _torch_fns(name, a, b):
-    """(eager fwd, compiled fwd, eager fwd+bwd, compiled fwd+bwd) on torch views of a, b."""
+def _torch_loss(name):
+    """The workload `name` written with torch operations."""
     import torch
     import torch.nn.functional as F
 
@@ -167,9 +171,17 @@ def _torch_fns(name, a, b):
     else:
         def f(x, y):
             return torch.mean(torch.clamp(1 - x * y, min=0))
+    return f
+
+
+def _torch_fns(name, a, b, compiled=None):
+    """(eager fwd, compiled fwd, eager fwd+bwd, compiled fwd+bwd) on torch views of a, b."""
+    import torch
+
+    f = _torch_loss(name)
     ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
     ga, gb = ta.detach().requires_grad_(), tb.detach().requires_grad_()
-    compiled = torch.compile(f)
+    compiled = compiled or torch.compile(f)
 
     def fwd_bwd(fn):
         def run():
@@ -183,12 +195,138 @@ def _torch_fns(name, a, b):
     }
 
 
+SWEEP_SIZES = tuple(4**k for k in range(5, 16))   # 1K ... 1G elements
+
+
+def _sweep_operands(name: str, n: int):
+    """Operands of `n` elements for the sweep: [n / cols, cols] with cols = min(n, 4096)."""
+    cols = min(n, 4096)
+    rows = n // cols
+    rng = cupy.random.default_rng(1)
+    if name == "kl":
+        p = rng.random((rows, cols), dtype=cupy.float32) + 1e-3
+        q = rng.random((rows, cols), dtype=cupy.float32) + 1e-3
+        p /= p.sum(-1, keepdims=True)
+        q /= q.sum(-1, keepdims=True)
+        return p, q
+    a = rng.standard_normal((rows, cols), dtype=cupy.float32)
+    if name == "hinge":
+        return a, cupy.sign(rng.standard_normal((cols,), dtype=cupy.float32))
+    return a, rng.standard_normal((rows, cols), dtype=cupy.float32)
+
+
+def sweep(reps: int, bw: float, device: str) -> list[dict]:
+    """GB/s of compulsory traffic for every workload, size, implementation and pass."""
+    try:
+        import torch
+
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+    compiled = {}
+    if have_torch:
+        compiled = {name: torch.compile(_torch_loss(name), dynamic=True)
+                    for name in ("mse", "kl", "hinge")}
+    rows = []
+    for name in ("mse", "kl", "hinge"):
+        for n in SWEEP_SIZES:
+            a, b = _sweep_operands(name, n)
+            fwd_bytes = a.nbytes + b.nbytes
+            entries = {"cupyloss": _cupyloss_fns(name, a, b), "cupy": (_cupy_fn(name, a, b), None)}
+            if have_torch:
+                entries.update(_torch_fns(name, a, b, compiled[name]))
+            for who, (fwd, vag) in entries.items():
+                for what, fn in (("forward", fwd), ("value_and_grad", vag)):
+                    if fn is None:
+                        continue
+                    ms = _timer(fn, reps)
+                    nbytes = fwd_bytes * (1 if what == "forward" else 2)
+                    rows.append(dict(workload=name, n=n, impl=who, pass_=what, ms=ms,
+                                     gbps=nbytes / ms / 1e6, copy_gbps=bw, device=device))
+            del a, b, entries
+            cupy.get_default_memory_pool().free_all_blocks()
+            if have_torch:
+                torch.cuda.empty_cache()
+        print(f"swept {name}", flush=True)
+    return rows
+
+
+def _size_label(n: int) -> str:
+    for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= div:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def write_plot(rows: list[dict], path: str) -> str:
+    """A PNG of GB/s against size per workload and pass, and a markdown table beside it.
+
+    Returns the markdown table.  Without matplotlib only the table is written, and it says so.
+    """
+    import pathlib
+
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    passes = ("forward", "value_and_grad")
+    sizes = sorted({r["n"] for r in rows})
+    table = {(r["workload"], r["pass_"], r["impl"], r["n"]): r["gbps"] for r in rows}
+    device, bw = rows[0]["device"], rows[0]["copy_gbps"]
+    lines = [f"GB/s of compulsory traffic on {device} (copy bandwidth {bw:.0f} GB/s, read + "
+             f"write), fp32, median of one run", ""]
+    for name in names:
+        for what in passes:
+            present = [i for i in impls if (name, what, i, sizes[0]) in table]
+            lines.append(f"**{name} {what}**")
+            lines.append("")
+            lines.append("| elements | " + " | ".join(present) + " |")
+            lines.append("|---|" + "---|" * len(present))
+            for n in sizes:
+                cells = [f"{table[(name, what, i, n)]:.0f}" for i in present]
+                lines.append(f"| {_size_label(n)} | " + " | ".join(cells) + " |")
+            lines.append("")
+    markdown = "\n".join(lines)
+    pathlib.Path(path).with_suffix(".md").write_text(markdown)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: wrote only {pathlib.Path(path).with_suffix('.md')}")
+        return markdown
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * len(names)), squeeze=False)
+    for row, name in enumerate(names):
+        for col, what in enumerate(passes):
+            ax = axes[row][col]
+            for impl in impls:
+                pts = [(n, table[(name, what, impl, n)]) for n in sizes
+                       if (name, what, impl, n) in table]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=impl,
+                            lw=2.2 if impl == "cupyloss" else 1.2)
+            ax.axhline(bw, color="gray", ls="--", lw=1, label="copy bandwidth")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(sizes, [_size_label(n) for n in sizes], fontsize=7)
+            ax.set_title(f"{name} {what}", fontsize=10)
+            ax.set_ylabel("GB/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"cupyloss vs torch and CuPy, fp32, {device}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path} and {pathlib.Path(path).with_suffix('.md')}")
+    return markdown
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--small-only", action="store_true", help="only the small-call host cost")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="sweep sizes 1K..1G, write a plot here and a markdown table beside it")
     args = ap.parse_args(argv)
 
     small = small_calls()
@@ -239,8 +377,11 @@ def main(argv=None) -> list[dict]:
             import torch
             torch.cuda.empty_cache()
 
+    swept = sweep(max(5, args.reps // 2), bw, device) if args.plot else []
     if stream_ctx is not None:
         stream_ctx.__exit__(None, None, None)
+    if swept:
+        write_plot(swept, args.plot)
     print(f"{'workload':8} {'pass':15} {'impl':14} {'ms':>8} {'GB/s':>7} {'%copy':>6} "
           f"{'x cupyloss':>10}")
     for r in rows:
@@ -248,7 +389,7 @@ def main(argv=None) -> list[dict]:
               f"{r['gbps']:7.0f} {r['pct_copy_bw']:6.1f} {r['ratio_to_cupyloss']:10.2f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"small_calls": small, "large": rows}, fh, indent=1)
+            json.dump({"small_calls": small, "large": rows, "sweep": swept}, fh, indent=1)
     return rows
 
 
