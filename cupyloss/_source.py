@@ -60,6 +60,11 @@ def reduce_name(kernel: str, ctype: str) -> str:
     return f"cupyloss::{kernel}<{ctype}>"
 
 
+def scale_name(ctype: str, vec: int) -> str:
+    """Name expression of scale.cu's scale_by_grad_output<ctype, vec> (the torch adapter's)."""
+    return f"cupyloss::scale_by_grad_output<{ctype}, {vec}>"
+
+
 def units() -> list[tuple[str, list[str]]]:
     """Every compilation unit: (source file, its name expressions).  CI compiles each."""
     pointwise = [
@@ -70,7 +75,9 @@ def units() -> list[tuple[str, list[str]]]:
         for kind, row_is_x in (("flat", False), ("rows", True), ("rows", False))
     ]
     reduce = [reduce_name("sum_rows", info.ctype) for info in _dtypes.DTYPES.values()]
-    return [("pointwise.cu", pointwise), ("reduce.cu", reduce)]
+    scale = [scale_name(info.ctype, vec) for info in _dtypes.DTYPES.values()
+             for vec in sorted({1, info.vec})]
+    return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,623 @@
+"""torch autograd for every cupyloss loss: torch.nn.functional's signatures, nn.Module classes.
+
+    import cupyloss.torch as CF
+    loss = CF.kl_div(model(x).log_softmax(-1), q, reduction="batchmean"); loss.backward()
+    crit = CF.MSELoss(); crit(pred, y).backward()
+    step = torch.compile(lambda x, y: CF.mse_loss(model(x), y), fullgraph=True)
+
+Everything here is generated from cupyloss's registry (`cupyloss._pointwise.SPECS`) and the
+signatures of the core functions when this module is imported, so a loss registered later needs
+no code here.  For each loss ``f``:
+
+  ``cupyloss.torch.f``      a function with torch.nn.functional.f's signature when torch has
+                            ``f`` (``size_average``/``reduce`` mapped to a reduction as torch
+                            maps them; a torch argument cupyloss lacks, such as mse_loss's
+                            ``weight`` in recent torch, is accepted at its default and refused
+                            otherwise; cupyloss-only options such as kl_div's ``log_input`` are
+                            keyword-only), else the core function's signature.
+  a module class            named as torch names it (``MSELoss``, ``KLDivLoss``); for a loss
+                            torch lacks, the CamelCase of its name with "Loss" appended
+                            (hinge_loss -> ``HingeLoss``).
+  ``torch.ops.cupyloss.f``  the forward op and ``torch.ops.cupyloss.f_backward`` the backward op,
+                            made with torch.library.custom_op, with register_autograd and
+                            register_fake: torch.compile(fullgraph=True) traces through the loss
+                            without a graph break and torch.library.opcheck passes.
+
+Which path the gradients take (the upstream gradient g is what backward receives):
+
+  reduction      forward                             first backward               later ones
+  mean, sum,     one pass: the loss and the          g * grads, in place, by a    rerun
+  batchmean      gradients of the arguments that     kernel that reads g on the
+                 require grad (value_and_grad)       device and returns at once
+                                                     when g == 1 (plain
+                                                     loss.backward()): no
+                                                     gradient byte is touched
+  none           the loss alone                      rerun: f_backward with the elementwise g
+
+"rerun" is the gradient kernel run again on the saved arguments with g; "later ones" are further
+backward passes through a graph kept with retain_graph=True (the in-place scaling has used up the
+saved gradients).  Why 'none' reruns: g is then a tensor of the loss's shape, so every gradient
+element must be read and written whatever its value; recomputing from input and target costs
+the same reads and writes as scaling saved gradients and holds no gradients between forward and
+backward.  The forward pass writes the gradients of a reduced loss whenever grad mode is on and an
+argument requires grad, so an evaluation run with grad enabled but no backward pays for them (use
+torch.no_grad()), and they occupy memory until backward.  Each trade-off can be turned off with
+``gradients_in_forward = False``, which makes every reduction take the rerun path: that is also
+the faster choice when g is rarely 1 (a loss scaled before backward, as AMP's GradScaler and
+gradient accumulation do), since scaling saved gradients reads and writes them once more.
+
+Under torch.compile (and other tracing: torch.export, functorch transforms) the first backward
+multiplies the saved gradients by g out of place instead (AOTAutograd does not let a backward
+mutate a forward output, and a compiled graph may run its backward more than once); torch.compile
+fuses that product with its neighbours.  Double backward (create_graph=True) is not supported:
+the backward ops have no derivatives of their own, and torch says so when one is asked for.
+
+Arguments must be CUDA tensors of one floating dtype (float16, bfloat16, float32, float64) on one
+device; unlike torch, a mixed-dtype pair is refused, not promoted, and under autocast the loss
+runs in the dtype it is given.  Gradients go only to the tensor arguments that require grad.
+Inputs are never written.  Works under torch.cuda.graph capture once a warm-up call has run on
+the device (kernels load and the engine allocates its per-device state outside the capture).
+This module imports torch; ``import cupyloss`` never imports it.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import inspect
+import sys
+
+import torch
+
+import cupyloss
+from cupyloss import _args, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss._pointwise import SPECS
+
+# Compute the gradients of a reduced loss in the forward pass (see the module docstring).
+gradients_in_forward = True
+
+_NAMESPACE = "cupyloss"
+_LEGACY = ("size_average", "reduce")
+_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "Tensor?"}
+
+
+# --- the work behind the ops ------------------------------------------------------------------
+
+class Kernels:
+    """What the ops run: cupyloss's public functions and the in-place scaling kernel."""
+
+    def value(self, name, arrays, reduction, options):
+        """The loss alone."""
+        return getattr(cupyloss, name)(*arrays, reduction=reduction, **options)
+
+    def value_and_grad(self, name, arrays, reduction, options, wrt):
+        """(loss, gradients of the names in wrt, in wrt's order), from one pass."""
+        return getattr(cupyloss, name + "_value_and_grad")(*arrays, reduction=reduction,
+                                                           wrt=wrt, **options)
+
+    def backward(self, name, grad_output, arrays, reduction, options, wrt):
+        """Gradients of the names in wrt with upstream grad_output."""
+        return getattr(cupyloss, name + "_backward")(grad_output, *arrays, reduction=reduction,
+                                                     wrt=wrt, **options)
+
+    def scale(self, grad_output, grads):
+        """grads[k] *= grad_output[()] in place, on the device; nothing is touched if it is 1."""
+        for k in range(0, len(grads), 2):
+            _scale(grad_output, grads[k:k + 2])
+
+
+# Swapped by the CPU tests for an engine written in torch ops, to exercise the autograd wiring.
+_engine = Kernels()
+
+
+_SCALE = _args.Layout([("go", 1), ("a", 1), ("na", 1), ("b", 1), ("nb", 1)])
+_SCALE_PLANS: dict = {}
+_TORCH_DTYPES: dict = {}
+
+
+def _dtype_info(dtype):
+    if not _TORCH_DTYPES:
+        for info in _dtypes.DTYPES.values():
+            _TORCH_DTYPES[getattr(torch, info.dtype.name)] = info
+    info = _TORCH_DTYPES.get(dtype)
+    if info is None:
+        raise _validate.unsupported_dtype("grad_output", dtype)
+    return info
+
+
+def _scale_plan(device, dtype, vec, n):
+    """(CUfunction, grid, block) of scale_by_grad_output for n elements; cached."""
+    key = (device, dtype, vec, n)
+    plan = _SCALE_PLANS.get(key)
+    if plan is None:
+        import cupy
+
+        info = _dtype_info(dtype)
+        with cupy.cuda.Device(device):
+            function = _source.function("scale.cu", _source.scale_name(info.ctype, vec))
+            cfg = _launch.flat_launch(n, vec, info.acc.itemsize, _launch.device_limits(device))
+        plan = _SCALE_PLANS[key] = (function.kernel.ptr, cfg.grid, cfg.block)
+    return plan
+
+
+def scale_by_grad_output(grad_output, a, b=None):
+    """Multiply gradients a and b in place by the 0-d tensor grad_output, read on the device.
+
+    ``a *= g; b *= g`` with ``g = grad_output[()]``, in one launch on torch's current stream.
+    The kernel (kernels/scale.cu) reads g first and returns when ``g == 1``, touching neither
+    gradient, so the backward of a plain ``loss.backward()`` costs one launch and no memory
+    traffic; the host never reads g.  Each element is scaled in the accumulator type (float32
+    for 16-bit gradients) and rounded once.
+
+    Args:
+      grad_output: 0-d CUDA tensor, the upstream gradient of a 0-d loss.
+      a, b: contiguous CUDA tensors of grad_output's dtype and device (b may be None); float16,
+        bfloat16, float32 or float64; any shapes.
+
+    Returns:
+      None; a and b hold the scaled values.
+
+    Example:
+      >>> loss, g = cupyloss.mse_loss_value_and_grad(x, y, wrt="input")
+      >>> cupyloss.torch.scale_by_grad_output(torch.tensor(0.5, device="cuda"), g)  # g *= 0.5
+    """
+    if not isinstance(grad_output, torch.Tensor) or grad_output.dim() != 0:
+        raise ValueError(f"grad_output must be a 0-d torch.Tensor, got "
+                         f"{getattr(grad_output, 'shape', type(grad_output).__name__)}")
+    grads = [g for g in (a, b) if g is not None]
+    for name, g in zip(("a", "b"), grads):
+        if not isinstance(g, torch.Tensor) or not g.is_cuda:
+            raise TypeError(f"{name} must be a CUDA torch.Tensor, got {type(g).__name__} on "
+                            f"{getattr(g, 'device', 'the host')}")
+        if g.dtype != grad_output.dtype:
+            raise TypeError(f"{name} has dtype {g.dtype} but grad_output has dtype "
+                            f"{grad_output.dtype}")
+        if g.device != grad_output.device:
+            raise ValueError(f"{name} is on {g.device} but grad_output is on "
+                             f"{grad_output.device}")
+        if not g.is_contiguous():
+            raise ValueError(f"{name} of shape {tuple(g.shape)} and strides {g.stride()} is not "
+                             f"contiguous")
+    _dtype_info(grad_output.dtype)
+    _scale(grad_output, grads)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+def _scale(grad_output, grads) -> None:
+    """scale_by_grad_output for up to two checked gradients: one launch (none if all empty)."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return
+    import cupy
+
+    device = grad_output.get_device()
+    ptrs = [g.data_ptr() for g in grads] + [0]
+    counts = [g.numel() for g in grads] + [0]
+    vec = _dtype_info(grad_output.dtype).vec if not ((ptrs[0] | ptrs[1]) & 15) else 1
+    function, grid, block = _scale_plan(device, grad_output.dtype, vec, max(counts))
+    words = array.array("Q", bytes(8 * _SCALE.size))
+    slot = _SCALE.slot
+    words[slot["go"]] = grad_output.data_ptr()
+    words[slot["a"]], words[slot["na"]] = ptrs[0], counts[0]
+    words[slot["b"]], words[slot["nb"]] = ptrs[1], counts[1]
+    stream = _raw_stream(device)
+    if cupy.cuda.runtime.getDevice() == device:
+        _args.launch(function, grid, block, 0, stream, words)
+    else:
+        with cupy.cuda.Device(device):
+            _args.launch(function, grid, block, 0, stream, words)
+
+
+# --- one loss: its signature and ops ------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Loss:
+    """Everything generated for one registered loss."""
+
+    name: str
+    arrays: tuple            # array arguments (each has a gradient), in torch's order
+    options: tuple           # the core function's other arguments: (name, default) pairs
+    reduction: str           # the core function's default reduction
+    reductions: tuple
+    params: list             # inspect.Parameters of the public function
+    fixed: tuple             # torch arguments cupyloss lacks: (name, default), default only
+    legacy: bool             # the public function takes size_average and reduce
+    forward: object = None   # torch.ops.cupyloss.<name>.default
+    backward: object = None  # torch.ops.cupyloss.<name>_backward.default
+
+
+def _core_parameters(name):
+    """(array names, [(option, default)], default reduction) from the core signature."""
+    spec = SPECS[name]
+    params = inspect.signature(getattr(cupyloss, name)).parameters
+    options = [(p.name, p.default) for p in params.values()
+               if p.name not in spec.arrays and p.name != "reduction"]
+    for option, default in options:
+        if type(default) not in _SCHEMA_TYPES:
+            raise TypeError(f"cupyloss.torch cannot pass {name}'s option {option} (default "
+                            f"{default!r} of type {type(default).__name__}) to a torch op")
+    return spec.arrays, tuple(options), params["reduction"].default
+
+
+def _public_parameters(name, arrays, options, reduction):
+    """The public function's parameters: torch.nn.functional's when it has `name`."""
+    core = [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in arrays]
+    core += [inspect.Parameter(o, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
+             for o, d in options]
+    core.append(inspect.Parameter("reduction", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                  default=reduction))
+    reference = getattr(torch.nn.functional, name, None)
+    if reference is None:
+        order = list(inspect.signature(getattr(cupyloss, name)).parameters)
+        core.sort(key=lambda p: order.index(p.name))
+        return core, (), False
+    theirs = [p.replace(annotation=inspect.Parameter.empty)
+              for p in inspect.signature(reference).parameters.values()]
+    names = {p.name for p in theirs}
+    ours = {p.name for p in core}
+    missing = [a for a in arrays if a not in names]
+    if missing:
+        raise TypeError(f"torch.nn.functional.{name} has no argument {missing[0]}; cupyloss "
+                        f"cannot follow its signature")
+    fixed = tuple((p.name, p.default) for p in theirs
+                  if p.name not in ours and p.name not in _LEGACY)
+    extra = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in core
+             if p.name not in names]
+    legacy = all(n in names for n in _LEGACY)
+    return theirs + extra, fixed, legacy
+
+
+def _schema_args(loss: _Loss) -> str:
+    options = "".join(f", {_SCHEMA_TYPES[type(d)]} {o}" for o, d in loss.options)
+    return f"Tensor {', Tensor '.join(loss.arrays)}, str reduction{options}"
+
+
+def _flags_schema(loss: _Loss) -> str:
+    return ", ".join(f"bool grad_{a}" for a in loss.arrays)
+
+
+def _split_inputs(loss: _Loss, inputs):
+    """Op inputs -> (arrays, reduction, options dict, flags)."""
+    n, k = len(loss.arrays), len(loss.options)
+    options = {o: v for (o, _), v in zip(loss.options, inputs[n + 1:n + 1 + k])}
+    return inputs[:n], inputs[n], options, inputs[n + 1 + k:]
+
+
+def _forward_impl(loss: _Loss):
+    def impl(*inputs):
+        arrays, reduction, options, flags = _split_inputs(loss, inputs)
+        wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
+        if wrt:
+            value, grads = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
+            grads = iter(grads)
+        else:
+            value = _engine.value(loss.name, arrays, reduction, options)
+        return (value, *[next(grads) if f else a.new_empty((0,)) for a, f in zip(arrays, flags)])
+
+    impl.__name__ = loss.name
+    return impl
+
+
+def _backward_impl(loss: _Loss):
+    def impl(grad_output, *inputs):
+        arrays, reduction, options, flags = _split_inputs(loss, inputs)
+        wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
+        grads = iter(_engine.backward(loss.name, grad_output, arrays, reduction, options, wrt)
+                     if wrt else ())
+        return tuple(next(grads) if f else a.new_empty((0,)) for a, f in zip(arrays, flags))
+
+    impl.__name__ = loss.name + "_backward"
+    return impl
+
+
+def _loss_shape(loss: _Loss, arrays, reduction):
+    """Shape of the loss from metadata alone, with the core's errors (used by the fakes)."""
+    if reduction not in loss.reductions:
+        _reduction.check_reduction(reduction, loss.reductions)
+    shape = tuple(arrays[0].shape)
+    for name, other in zip(loss.arrays[1:], arrays[1:]):
+        if other.dtype != arrays[0].dtype:
+            _validate.check_same_dtype(arrays[0], other, loss.arrays[0], name)
+        shape = _validate.broadcast_shape(shape, tuple(other.shape), loss.arrays[0], name)
+    return () if reduction != "none" else shape
+
+
+def _forward_fake(loss: _Loss):
+    def fake(*inputs):
+        arrays, reduction, _, flags = _split_inputs(loss, inputs)
+        shape = _loss_shape(loss, arrays, reduction)
+        return (arrays[0].new_empty(shape),
+                *[a.new_empty(a.shape if f else (0,)) for a, f in zip(arrays, flags)])
+
+    return fake
+
+
+def _backward_fake(loss: _Loss):
+    def fake(grad_output, *inputs):
+        arrays, reduction, _, flags = _split_inputs(loss, inputs)
+        _loss_shape(loss, arrays, reduction)
+        return tuple(a.new_empty(a.shape if f else (0,)) for a, f in zip(arrays, flags))
+
+    return fake
+
+
+def _backward_mode(grad_output) -> str:
+    """'eager': real tensors, no tracing, no create_graph; 'graph': create_graph=True on real
+    tensors; 'traced': torch.compile, torch.export, functorch or another tracer."""
+    if (type(grad_output) is not torch.Tensor or torch._C._len_torch_dispatch_stack()
+            or torch._is_functional_tensor(grad_output)
+            or torch._C._functorch.is_functorch_wrapped_tensor(grad_output)):
+        return "traced"
+    return "graph" if torch.is_grad_enabled() else "eager"
+
+
+def _traced(arrays) -> bool:
+    """Whether a forward call is being traced (so it must go through the registered op)."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or any(type(a) is not torch.Tensor or torch._is_functional_tensor(a)
+                   or torch._C._functorch.is_functorch_wrapped_tensor(a) for a in arrays))
+
+
+def _save(loss: _Loss, ctx, arrays, reduction, options, flags, grads) -> None:
+    """What backward needs, on ctx (the op's autograd context or _Eager's)."""
+    tensors = [v for v in options.values() if isinstance(v, torch.Tensor)]
+    ctx.save_for_backward(*arrays, *tensors)
+    ctx.reduction = reduction
+    ctx.options = {o: (None if isinstance(v, torch.Tensor) else v) for o, v in options.items()}
+    ctx.tensor_options = [o for o, v in options.items() if isinstance(v, torch.Tensor)]
+    ctx.computed = tuple(flags)
+    # Held outside save_for_backward: the first eager backward scales them in place.
+    ctx.grads = grads if any(flags) else None
+
+
+def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
+    """The backward formula of every loss: one gradient (or None) per array argument."""
+    n = len(loss.arrays)
+    mode = _backward_mode(grad_loss)
+    grads, ctx.grads = ctx.grads, None
+    if (grads is not None and mode != "graph"
+            and all(c or not w for c, w in zip(ctx.computed, need))):
+        picked = [g if w else None for g, w in zip(grads, need)]
+        if mode == "eager":
+            _engine.scale(grad_loss, [g for g in picked if g is not None])
+            return picked
+        return [grad_loss * g if g is not None else None for g in picked]
+    saved = ctx.saved_tensors
+    options = dict(ctx.options)
+    options.update(zip(ctx.tensor_options, saved[n:]))
+    if mode == "eager":
+        wrt = tuple(a for a, w in zip(loss.arrays, need) if w)
+        if any(ctx.computed):
+            # A later backward through a retained graph: the gradients of the forward pass again
+            # (upstream 1), scaled as the first backward scaled them, so that every backward of
+            # the graph gives the same bits (gradcheck's reentrancy test asks for that).
+            got = _engine.backward(loss.name, 1.0, saved[:n], ctx.reduction, options, wrt)
+            _engine.scale(grad_loss, list(got))
+        else:
+            got = _engine.backward(loss.name, grad_loss, saved[:n], ctx.reduction, options, wrt)
+        got = iter(got)
+        return [next(got) if w else None for w in need]
+    out = loss.backward(grad_loss, *saved[:n], ctx.reduction, *options.values(), *need)
+    return [g if w else None for g, w in zip(out, need)]
+
+
+def _autograd(loss: _Loss):
+    """(setup_context, backward) registered on the forward op."""
+    n = len(loss.arrays)
+    tail = (None,) * (1 + len(loss.options) + n)
+
+    def setup_context(ctx, inputs, output):
+        arrays, reduction, options, flags = _split_inputs(loss, inputs)
+        ctx.mark_non_differentiable(*output[1:])
+        _save(loss, ctx, arrays, reduction, options, flags, output[1:])
+
+    def backward(ctx, grad_loss, *unused):
+        return (*_gradients(loss, ctx, grad_loss, ctx.needs_input_grad[:n]), *tail)
+
+    return setup_context, backward
+
+
+class _Eager(torch.autograd.Function):
+    """The ops' forward and backward for eager calls, without the dispatcher's Python layers.
+
+    torch.library.custom_op wraps an op's Python implementation and its autograd formula in
+    several Python frames and a redispatch; for a small loss they cost more host time than the
+    kernels.  Outside any tracing, the public functions call the same engine and the same
+    formula (_gradients) through this Function instead; torch.compile, opcheck and other tracers
+    see the registered ops.
+    """
+
+    @staticmethod
+    def forward(ctx, loss, reduction, options, flags, *arrays):
+        options = dict(zip((o for o, _ in loss.options), options))
+        wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
+        if wrt:
+            value, got = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
+            got = iter(got)
+            grads = [next(got) if f else None for f in flags]
+        else:
+            value, grads = _engine.value(loss.name, arrays, reduction, options), None
+        ctx.loss = loss
+        _save(loss, ctx, arrays, reduction, options, flags, grads)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        need = ctx.needs_input_grad[4:]
+        return (None, None, None, None, *_gradients(ctx.loss, ctx, grad_loss, need))
+
+
+def _register(loss: _Loss) -> None:
+    args = _schema_args(loss)
+    flags = _flags_schema(loss)
+    grads = ", ".join("Tensor" for _ in loss.arrays)
+    forward = torch.library.custom_op(
+        f"{_NAMESPACE}::{loss.name}", _forward_impl(loss), mutates_args=(),
+        schema=f"({args}, {flags}) -> (Tensor, {grads})")
+    forward.register_fake(_forward_fake(loss))
+    backward = torch.library.custom_op(
+        f"{_NAMESPACE}::{loss.name}_backward", _backward_impl(loss), mutates_args=(),
+        schema=f"(Tensor grad_output, {args}, {flags}) -> ({grads})")
+    backward.register_fake(_backward_fake(loss))
+    setup_context, formula = _autograd(loss)
+    forward.register_autograd(formula, setup_context=setup_context)
+    namespace = getattr(torch.ops, _NAMESPACE)
+    loss.forward = getattr(namespace, loss.name).default
+    loss.backward = getattr(namespace, loss.name + "_backward").default
+
+
+# --- the public functions and modules ---------------------------------------------------------
+
+def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
+    """What every generated public function does: check, pick the path, run the forward."""
+    if legacy and (legacy[0] is not None or legacy[1] is not None):
+        reduction = torch.nn._reduction.legacy_get_string(legacy[0], legacy[1])
+    if reduction not in loss.reductions:
+        _reduction.check_reduction(reduction, loss.reductions)
+    for (name, default), value in zip(loss.fixed, fixed):
+        if value is not default and (default is None or value != default):
+            raise ValueError(f"cupyloss.torch.{loss.name} does not support {name}={value!r}; "
+                             f"only the default {default!r}")
+    for name, a in zip(loss.arrays, arrays):
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__module__}."
+                            f"{type(a).__qualname__}")
+    wanted = gradients_in_forward and reduction != "none" and torch.is_grad_enabled()
+    flags = [wanted and a.requires_grad for a in arrays]
+    if _traced(arrays):
+        return loss.forward(*arrays, reduction, *options, *flags)[0]
+    return _Eager.apply(loss, reduction, options, flags, *arrays)
+
+
+_PATHS = {
+    True: "the gradients of the arguments that require grad come from the forward pass and "
+          "backward scales them by grad_output in place (nothing when it is 1)",
+    False: "backward reruns the gradient kernel with the elementwise grad_output",
+}
+
+
+def _doc(loss: _Loss, what: str, example: str) -> str:
+    core = inspect.getdoc(getattr(cupyloss, loss.name)) or ""
+    summary, _, body = core.partition("\n")
+    where = (f"torch.nn.functional.{loss.name}'s signature"
+             if getattr(torch.nn.functional, loss.name, None) is not None
+             else f"cupyloss.{loss.name}'s signature")
+    fixed = ", ".join(n for n, _ in loss.fixed)
+    limits = f" ({fixed} only at its default)" if fixed else ""
+    return (f"{summary}\n\n{what} for torch CUDA tensors, with {where}{limits}.\n"
+            f"Gradients flow to the tensor arguments that require grad.  For a reduced loss "
+            f"{_PATHS[True]}; for reduction='none' {_PATHS[False]} (cupyloss.torch's docstring "
+            f"has the details).\n{body}\n\nExample (torch):\n{example}\n")
+
+
+def _make_function(loss: _Loss):
+    params = loss.params
+    defaults = {f"_d{i}": p.default for i, p in enumerate(params)
+                if p.default is not inspect.Parameter.empty}
+    text, star = [], False
+    for i, p in enumerate(params):
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not star:
+            text.append("*")
+            star = True
+        text.append(p.name if p.default is inspect.Parameter.empty else f"{p.name}=_d{i}")
+    options = "".join(f"{o}, " for o, _ in loss.options)
+    legacy = "(size_average, reduce)" if loss.legacy else "()"
+    fixed = "".join(f"{n}, " for n, _ in loss.fixed)
+    source = (f"def {loss.name}({', '.join(text)}):\n"
+              f"    return _call(_loss, ({', '.join(loss.arrays)},), reduction, ({options}), "
+              f"{legacy}, ({fixed}))\n")
+    namespace = {"_call": _call, "_loss": loss, **defaults}
+    exec(compile(source, f"<cupyloss.torch.{loss.name}>", "exec"), namespace)
+    function = namespace[loss.name]
+    function.__module__ = __name__
+    function.__qualname__ = loss.name
+    args = ", ".join(loss.arrays)
+    function.__doc__ = _doc(loss, f"Autograd-aware cupyloss.{loss.name}",
+                            f"  >>> loss = cupyloss.torch.{loss.name}({args})  # CUDA tensors\n"
+                            f"  >>> loss.backward()")
+    return function
+
+
+def _module_name(name: str) -> str:
+    """torch.nn's class name for loss `name`, else CamelCase(name) + 'Loss'."""
+    key = name.replace("_", "").lower().removesuffix("loss")
+    for attr in dir(torch.nn.modules.loss):
+        cls = getattr(torch.nn.modules.loss, attr)
+        if (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and attr.endswith("Loss")
+                and attr.lower().removesuffix("loss") == key):
+            return attr
+    return "".join(part.capitalize() for part in name.split("_")).removesuffix("Loss") + "Loss"
+
+
+class _LossModule(torch.nn.Module):
+    """Base of the generated loss modules: keeps the options, calls the function."""
+
+    _function = None
+    _arguments: tuple = ()
+
+    def _configure(self, values: dict) -> None:
+        torch.nn.Module.__init__(self)
+        if values.get("size_average") is not None or values.get("reduce") is not None:
+            values["reduction"] = torch.nn._reduction.legacy_get_string(
+                values.pop("size_average"), values.pop("reduce"))
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(name, value)
+            else:
+                setattr(self, name, value)
+
+    def extra_repr(self) -> str:
+        shown = [n for n in self._arguments if n not in _LEGACY]
+        return ", ".join(f"{n}={getattr(self, n)!r}" for n in shown
+                         if not isinstance(getattr(self, n), torch.Tensor))
+
+
+def _make_module(loss: _Loss, function):
+    options = [p for p in loss.params if p.name not in loss.arrays]
+    defaults = {f"_d{i}": p.default for i, p in enumerate(options)}
+    init_args = ", ".join(f"{p.name}=_d{i}" for i, p in enumerate(options))
+    keep = ", ".join(f"{p.name!r}: {p.name}" for p in options)
+    call = ", ".join(f"{p.name}=self.{p.name}" for p in options if p.name not in _LEGACY)
+    arrays = ", ".join(loss.arrays)
+    source = (f"def __init__(self, {init_args}):\n"
+              f"    self._configure({{{keep}}})\n"
+              f"def forward(self, {arrays}):\n"
+              f"    return _function({arrays}, {call})\n")
+    namespace = {"_function": function, **defaults}
+    exec(compile(source, f"<cupyloss.torch.{_module_name(loss.name)}>", "exec"), namespace)
+    name = _module_name(loss.name)
+    cls = type(name, (_LossModule,), {
+        "__init__": namespace["__init__"], "forward": namespace["forward"],
+        "_arguments": tuple(p.name for p in options), "__module__": __name__,
+        "__doc__": _doc(loss, f"nn.Module form of cupyloss.torch.{loss.name}: the constructor "
+                              f"takes its options, forward({arrays}) returns the loss,",
+                        f"  >>> crit = cupyloss.torch.{name}()\n"
+                        f"  >>> crit({arrays}).backward()  # CUDA tensors")})
+    cls.__qualname__ = name
+    return cls
+
+
+def _build(name: str) -> tuple:
+    arrays, options, reduction = _core_parameters(name)
+    params, fixed, legacy = _public_parameters(name, arrays, options, reduction)
+    loss = _Loss(name, arrays, options, reduction, SPECS[name].reductions, params, fixed, legacy)
+    _register(loss)
+    function = _make_function(loss)
+    return loss, function, _make_module(loss, function)
+
+
+LOSSES: dict = {}        # name -> the generated function
+MODULES: dict = {}       # name -> the generated nn.Module class
+_GENERATED: dict = {}    # name -> _Loss
+
+for _name in SPECS:
+    _GENERATED[_name], LOSSES[_name], MODULES[_name] = _build(_name)
+    setattr(sys.modules[__name__], _name, LOSSES[_name])
+    setattr(sys.modules[__name__], MODULES[_name].__name__, MODULES[_name])
+del _name
+
+__all__ = sorted([*LOSSES, *(cls.__name__ for cls in MODULES.values()), "LOSSES", "MODULES",
+                  "gradients_in_forward", "scale_by_grad_output"])

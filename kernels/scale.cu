@@ -1,0 +1,51 @@
+// Scale gradients that were computed in the forward pass by the upstream gradient, in place.
+//
+// The torch adapter (cupyloss/torch.py) computes a reduced loss and its gradients in one pass
+// (value_and_grad with grad_output = 1).  In backward the upstream gradient g of the 0-d loss
+// arrives as a device scalar; the chain rule needs
+//   grad_input  = g * d loss / d input       grad_target = g * d loss / d target
+// so each saved gradient is multiplied by g where it lies.  g is read here, on the device (the
+// host never looks at it): when g == 1, the plain `loss.backward()`, every thread returns after
+// that one load and no gradient byte is read or written.  Skipping is exact: x * 1 == x for
+// every x, NaN and infinities included.
+//
+// a and b are contiguous; either may be empty (n == 0, pointer null).  VEC > 1 uses 16-byte
+// loads and stores for both (the host picks it only when both pointers are 16-byte aligned);
+// the last n % VEC elements of each go one at a time.
+#include "common.cuh"
+
+namespace cupyloss {
+
+template <typename T, int VEC>
+__device__ __forceinline__ void scale_span(T* __restrict__ p, const long long n,
+                                           const acc_t<T> g, const long long start,
+                                           const long long stride) {
+    const long long vectors = n / VEC;
+    if constexpr (VEC > 1) {
+        static_assert(sizeof(Vec<T, VEC>) == sizeof(int4), "vector accesses are 16 bytes");
+        for (long long v = start; v < vectors; v += stride) {
+            Vec<T, VEC> w = reinterpret_cast<Vec<T, VEC>*>(p)[v];
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) w.v[j] = from_acc<T>(to_acc(w.v[j]) * g);
+            reinterpret_cast<Vec<T, VEC>*>(p)[v] = w;
+        }
+    }
+    for (long long i = vectors * VEC + start; i < n; i += stride)
+        p[i] = from_acc<T>(to_acc(p[i]) * g);
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256) scale_by_grad_output(
+        const T* __restrict__ go,               // [] the upstream gradient of the 0-d loss
+        T* __restrict__ a, const long long na,  // [na] input's gradient; null when na == 0
+        T* __restrict__ b, const long long nb) {  // [nb] target's gradient; null when nb == 0
+    using A = acc_t<T>;
+    const A g = to_acc(go[0]);
+    if (g == A(1)) return;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    scale_span<T, VEC>(a, na, g, start, stride);
+    scale_span<T, VEC>(b, nb, g, start, stride);
+}
+
+}  // namespace cupyloss
