@@ -107,3 +107,22 @@ def test_torch_without_cuda_is_refused_before_any_launch():
     x = torch.ones(4, 3, dtype=torch.bfloat16, requires_grad=True).t()
     with pytest.raises(TypeError, match="on cpu"):
         cupyloss.mse_loss_value_and_grad(x, x)
+
+
+def test_operands_on_two_devices_are_refused_naming_both():
+    from cupyloss import _dispatch, _validate
+
+    a = _dispatch.Operand(0, (3,), (1,), np.dtype(np.float32), 0, None)
+    b = _dispatch.Operand(0, (3,), (1,), np.dtype(np.float32), 1, None)
+    with pytest.raises(ValueError, match="input is on CUDA device 0 but target is on CUDA "
+                                         "device 1"):
+        _validate.check_same_device(a, b, "input", "target")
+    _validate.check_same_device(a, a, "input", "target")
+
+
+def test_unsupported_dtype_names_the_argument_and_the_supported_ones():
+    from cupyloss import _validate
+
+    err = _validate.unsupported_dtype("target", "int64")
+    assert isinstance(err, TypeError)
+    assert str(err).startswith("target has dtype int64; cupyloss supports float16")
