@@ -225,7 +225,15 @@ def sweep(reps: int, bw: float, device: str) -> list[dict]:
         have_torch = False
     compiled = {}
     if have_torch:
-        compiled = {name: torch.compile(_torch_loss(name), dynamic=True)
+        # One static graph per size: dynamic shapes give inductor reductions that are not split
+        # across blocks (tens of GB/s), which is not what a user of torch.compile sees.
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                    4 * len(SWEEP_SIZES))
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 16 * len(SWEEP_SIZES))
+        compiled = {name: torch.compile(_torch_loss(name), dynamic=False)
                     for name in ("mse", "kl", "hinge")}
     rows = []
     for name in ("mse", "kl", "hinge"):
@@ -294,6 +302,7 @@ def write_plot(rows: list[dict], path: str) -> str:
     except ImportError:
         print(f"matplotlib is not installed: wrote only {pathlib.Path(path).with_suffix('.md')}")
         return markdown
+    colors = {impl: f"C{k}" for k, impl in enumerate(impls)}
     fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         for col, what in enumerate(passes):
@@ -302,7 +311,7 @@ def write_plot(rows: list[dict], path: str) -> str:
                 pts = [(n, table[(name, what, impl, n)]) for n in sizes
                        if (name, what, impl, n) in table]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, label=impl,
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=impl, color=colors[impl],
                             lw=2.2 if impl == "cupyloss" else 1.2)
             ax.axhline(bw, color="gray", ls="--", lw=1, label="copy bandwidth")
             ax.set_xscale("log", base=2)
