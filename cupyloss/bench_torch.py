@@ -1,0 +1,189 @@
+"""Benchmark cupyloss.torch's forward + loss.backward() against torch eager and torch.compile.
+
+    python -m cupyloss.bench_torch [--reps 20] [--scale 1.0] [--small-only] [--json out.json]
+
+small   1K float32 elements, mse_loss: host microseconds per `loss = f(x, y); loss.backward()`
+        (the time the Python thread spends per call, the GPU never being the bottleneck), for
+        cupyloss.torch with gradients from the forward pass (the default), with the rerun
+        backward (gradients_in_forward=False), and torch eager's F.mse_loss.
+large   the KernelBench sizes, float32, gradients of both arguments asked for:
+          mse    mse_loss(x, y), x, y [32768, 32768]
+          kl     kl_div(p, q, 'batchmean') of probabilities p, q [16384, 16384] (cupyloss fuses
+                 the log with log_input=False; torch is given torch.log(p))
+          hinge  hinge_loss(x, t), x [32768, 32768], t [32768] (torch: clamp(1 - x t).mean())
+        GPU milliseconds (median of --reps, CUDA events, after warm-up) of forward + backward
+        for: cupyloss.torch with gradients from the forward pass, the same with an upstream
+        gradient of 0.5 (the scaling kernel then reads and writes the gradients), the rerun
+        backward, torch eager and torch.compile; and each one's ratio to cupyloss.torch's.
+--scale shrinks every side of the large workloads.  Never used as a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import cupyloss.torch as CF
+
+
+def _free() -> None:
+    """Give cached blocks back so one phase's memory does not crowd the next."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    try:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+    except ImportError:  # pragma: no cover - cupyloss always has CuPy
+        pass
+
+
+def _gpu_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() on the current stream, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _host_us(fn, calls: int = 2000, rounds: int = 5) -> float:
+    """Median over rounds of the host microseconds per fn() call, synchronising between rounds."""
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+def _fwd_bwd(loss_fn, args, upstream=None):
+    """A closure doing forward + backward with fresh .grad (None) each time, as a training step."""
+    def run():
+        for a in args:
+            a.grad = None
+        loss = loss_fn(*args)
+        if upstream is None:
+            loss.backward()
+        else:
+            loss.backward(upstream)
+    return run
+
+
+def small() -> dict:
+    x = torch.randn(1024, device="cuda", requires_grad=True)
+    y = torch.randn(1024, device="cuda")
+    rows = {}
+    rows["cupyloss.torch (gradients in forward)"] = _host_us(_fwd_bwd(CF.mse_loss, (x, y)))
+    CF.gradients_in_forward = False
+    try:
+        rows["cupyloss.torch (rerun backward)"] = _host_us(_fwd_bwd(CF.mse_loss, (x, y)))
+    finally:
+        CF.gradients_in_forward = True
+    rows["torch eager F.mse_loss"] = _host_us(_fwd_bwd(torch.nn.functional.mse_loss, (x, y)))
+    base = rows["cupyloss.torch (gradients in forward)"]
+    print("1K float32 mse_loss, forward + loss.backward(), host us per call:")
+    for who, us in rows.items():
+        print(f"  {who:40s} {us:8.1f} us   ({us / base:.2f}x cupyloss.torch)")
+    ratio = base / rows["torch eager F.mse_loss"]
+    print(f"  cupyloss.torch / torch eager = {ratio:.2f} (target <= 0.70)")
+    return {"host_us": rows, "ratio_to_eager": ratio}
+
+
+def _workloads(scale: float):
+    big, mid = int(32768 * scale), int(16384 * scale)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    F = torch.nn.functional
+
+    def hinge_ref(a, b):
+        return torch.clamp(1 - a * b, min=0).mean()
+
+    x = torch.randn(big, big, device="cuda", generator=g, requires_grad=True)
+    y = torch.randn(big, big, device="cuda", generator=g, requires_grad=True)
+    yield "mse", (x, y), CF.mse_loss, F.mse_loss
+    del x, y
+    _free()
+    p = torch.rand(mid, mid, device="cuda", generator=g) + 1e-3
+    p = (p / p.sum(-1, keepdim=True)).requires_grad_()
+    q = torch.rand(mid, mid, device="cuda", generator=g) + 1e-3
+    q = (q / q.sum(-1, keepdim=True)).requires_grad_()
+    yield ("kl", (p, q),
+           lambda a, b: CF.kl_div(a, b, reduction="batchmean", log_input=False),
+           lambda a, b: F.kl_div(torch.log(a), b, reduction="batchmean"))
+    del p, q
+    _free()
+    s = torch.randn(big, big, device="cuda", generator=g, requires_grad=True)
+    t = torch.sign(torch.randn(big, device="cuda", generator=g)).requires_grad_()
+    yield "hinge", (s, t), CF.hinge_loss, hinge_ref
+
+
+def large(reps: int, scale: float) -> list:
+    import torch._dynamo
+
+    rows = []
+    half = torch.tensor(0.5, device="cuda")
+    for name, args, ours, theirs in _workloads(scale):
+        times = {}
+        times["cupyloss.torch"] = _gpu_ms(_fwd_bwd(ours, args), reps)
+        times["cupyloss.torch, upstream 0.5"] = _gpu_ms(_fwd_bwd(ours, args, half), reps)
+        CF.gradients_in_forward = False
+        try:
+            times["cupyloss.torch, rerun backward"] = _gpu_ms(_fwd_bwd(ours, args), reps)
+        finally:
+            CF.gradients_in_forward = True
+        _free()
+        times["torch eager"] = _gpu_ms(_fwd_bwd(theirs, args), reps)
+        _free()
+        torch._dynamo.reset()
+        times["torch.compile"] = _gpu_ms(_fwd_bwd(torch.compile(theirs), args), reps)
+        _free()
+        base = times["cupyloss.torch"]
+        shape = "x".join(map(str, args[0].shape))
+        print(f"{name} [{shape}] float32, forward + backward, GPU ms (median of {reps}):")
+        for who, ms in times.items():
+            print(f"  {who:34s} {ms:9.3f} ms   ({ms / base:.2f}x cupyloss.torch's time)")
+        rows.append({"workload": name, "shape": list(args[0].shape), "ms": times})
+        del args
+        _free()
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--small-only", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; torch {torch.__version__}")
+    result = {"device": device, "small": small()}
+    _free()
+    if not args.small_only:
+        result["large"] = large(args.reps, args.scale)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""cupyloss.jax on a GPU: values and gradients under jax.jit and jax.grad against jax.grad of
+jnp references, on XLA's stream, inside larger jitted programs."""
+
+import os
+
+import numpy as np
+import pytest
+
+# CuPy allocates the kernels' results beside XLA: keep JAX from taking 75% of the GPU up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import cupyloss  # noqa: E402
+import cupyloss.jax as JL  # noqa: E402
+from cupyloss._pointwise import SPECS  # noqa: E402
+from test_jax_adapter import _arguments  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _jax_gpu():
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError as exc:
+        pytest.skip(f"JAX has no GPU backend: {exc}")
+    if not devices:
+        pytest.skip("JAX sees no GPU")
+
+
+def _elementwise(name, x, t, **kw):
+    """jnp references, written the way torch defines each loss."""
+    if name == "mse_loss":
+        return (x - t) ** 2
+    if name == "kl_div":
+        if not kw.get("log_input", True):
+            x = jnp.log(x)
+        if kw.get("log_target", False):
+            return jnp.exp(t) * (t - x)
+        return jax.scipy.special.xlogy(t, t) - t * x
+    if name == "hinge_loss":
+        return jnp.maximum(kw.get("margin", 1.0) - x * t, 0.0)
+    raise NotImplementedError(f"no jnp reference for {name} in this test")
+
+
+def _reference(name, x, t, reduction, **kw):
+    values = _elementwise(name, x, t, **kw)
+    if reduction == "none":
+        return values
+    if reduction == "sum":
+        return jnp.sum(values)
+    if reduction == "batchmean":
+        return jnp.sum(values) / x.shape[0]
+    return jnp.mean(values)
+
+
+REFERENCED = ("mse_loss", "kl_div", "hinge_loss")
+CASES = [(n, r) for n in REFERENCED for r in SPECS[n].reductions]
+
+
+def _gpu(a):
+    return jax.device_put(jnp.asarray(a), jax.devices("gpu")[0])
+
+
+@pytest.mark.parametrize("name, reduction", CASES)
+def test_jit_grad_matches_jnp_reference(name, reduction):
+    x, t = map(_gpu, _arguments(name, shape=(257, 129), target_shape=(129,)))
+    w = _gpu(np.random.default_rng(2).standard_normal(
+        (257, 129) if reduction == "none" else ()).astype(np.float32))
+
+    def ours(a, b):
+        return jnp.sum(JL.LOSSES[name](a, b, reduction=reduction) * w)
+
+    def theirs(a, b):
+        return jnp.sum(_reference(name, a, b, reduction) * w)
+
+    value, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1)))(x, t)
+    want_value, want_grads = jax.jit(jax.value_and_grad(theirs, argnums=(0, 1)))(x, t)
+    # fp32 sums of terms of both signs: rounding is relative to the terms, not to the sum.
+    terms = float(jnp.sum(jnp.abs(_elementwise(name, x, t) * w)))
+    np.testing.assert_allclose(np.asarray(value), np.asarray(want_value), rtol=2e-5,
+                               atol=2e-5 * terms / (x.shape[0] if reduction == "batchmean"
+                                                    else x.size if reduction == "mean" else 1))
+    for g, want in zip(grads, want_grads):
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=2e-5,
+                                   atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("name", REFERENCED)
+def test_same_numbers_as_the_core_on_cupy(name):
+    import cupy
+
+    x, t = _arguments(name, shape=(33, 1025))
+    reduction = SPECS[name].reductions[-1]
+    loss, (gx, gt) = jax.value_and_grad(
+        lambda a, b: JL.LOSSES[name](a, b, reduction=reduction), argnums=(0, 1))(_gpu(x), _gpu(t))
+    v, (cx, ct) = getattr(cupyloss, name + "_value_and_grad")(
+        cupy.asarray(x), cupy.asarray(t), reduction=reduction)
+    assert np.asarray(loss) == cupy.asnumpy(v)                 # same kernels, same bits
+    assert np.array_equal(np.asarray(gx), cupy.asnumpy(cx))     # cotangent 1: x * 1 == x
+    assert np.array_equal(np.asarray(gt), cupy.asnumpy(ct))
+
+
+def test_grad_of_one_argument_and_eager_calls():
+    x, t = map(_gpu, _arguments("hinge_loss", shape=(64, 33), target_shape=(33,)))
+    g = jax.grad(JL.hinge_loss, argnums=1)(x, t, 1.0, "sum")      # no jit
+    want = jax.grad(lambda a, b: _reference("hinge_loss", a, b, "sum"), argnums=1)(x, t)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_bit_inputs(dtype):
+    x, t = _arguments("mse_loss", shape=(128, 257))
+    a, b = _gpu(x).astype(dtype), _gpu(t).astype(dtype)
+    got = jax.jit(JL.mse_loss)(a, b)
+    want = _reference("mse_loss", a.astype(jnp.float32), b.astype(jnp.float32), "mean")
+    assert got.dtype == a.dtype
+    np.testing.assert_allclose(np.asarray(got).astype(np.float32), np.asarray(want), rtol=8e-3)
+    g = jax.grad(JL.mse_loss)(a, b)
+    assert g.dtype == a.dtype and g.shape == a.shape
+
+
+def test_inside_a_larger_program_on_xlas_stream():
+    """Work before and after the callback in one jitted program: ordering on XLA's stream."""
+    x, t = map(_gpu, _arguments("kl_div", shape=(512, 1000)))
+
+    def program(a, b):
+        a = jax.nn.log_softmax(a * 3.0, axis=-1)
+        loss = JL.kl_div(a, b, reduction="batchmean")
+        return loss * 2.0 + jnp.sum(a) * 0.0, jnp.exp(a)[0, 0]
+
+    def reference(a, b):
+        a = jax.nn.log_softmax(a * 3.0, axis=-1)
+        return _reference("kl_div", a, b, "batchmean") * 2.0, jnp.exp(a)[0, 0]
+
+    for _ in range(3):
+        got = jax.jit(program)(x, t)
+        want = jax.jit(reference)(x, t)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-5)
+    g = jax.jit(jax.grad(lambda a, b: program(a, b)[0]))(x, t)
+    h = jax.jit(jax.grad(lambda a, b: reference(a, b)[0]))(x, t)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4,
+                               atol=1e-5 * float(jnp.max(jnp.abs(h))))

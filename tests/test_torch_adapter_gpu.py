@@ -1,0 +1,268 @@
+"""cupyloss.torch on a GPU: the kernels' numbers through autograd, gradcheck and opcheck on CUDA,
+torch.compile with inductor, CUDA-graph capture, the scaling kernel, streams and inputs."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupyloss  # noqa: E402
+import cupyloss.torch as CF  # noqa: E402
+from cupyloss._pointwise import SPECS  # noqa: E402
+from test_torch_adapter import _arguments  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CASES = [(n, r) for n in SPECS for r in SPECS[n].reductions]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.fixture(autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+
+
+def _on_gpu(name, dtype=torch.float64, shape=(33, 129), target_shape=None, seed=0):
+    x, t, kw = _arguments(name, shape=shape, target_shape=target_shape, seed=seed)
+    return x.to("cuda", dtype), t.to("cuda", dtype), kw
+
+
+# --- the numbers --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, reduction", CASES)
+def test_autograd_gives_the_core_functions_numbers(name, reduction, dtype):
+    """loss.backward() (upstream 1): bitwise the core's value_and_grad; an upstream g: the core's
+    gradients times g rounded once (exact products of two values of the dtype, rounded to it);
+    'none': bitwise the core's backward with the same elementwise upstream."""
+    core = getattr(cupyloss, name + "_value_and_grad")
+    x, t, kw = _on_gpu(name, dtype, target_shape=(129,))
+    a, b = x.clone().requires_grad_(), t.clone().requires_grad_()
+    loss = CF.LOSSES[name](a, b, reduction=reduction, **kw)
+    value, (gx, gt) = core(x, t, reduction=reduction, **kw)
+    assert torch.equal(loss.detach(), value)
+    if reduction == "none":
+        w = torch.randn(loss.shape, device="cuda", dtype=dtype)
+        loss.backward(w)
+        want = getattr(cupyloss, name + "_backward")(w, x, t, reduction=reduction, **kw)
+        assert torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
+        return
+    loss.backward()
+    assert torch.equal(a.grad, gx) and torch.equal(b.grad, gt)
+    a.grad = b.grad = None
+    go = torch.tensor(0.37, device="cuda", dtype=dtype)
+    CF.LOSSES[name](a, b, reduction=reduction, **kw).backward(go)
+    for got, g in ((a.grad, gx), (b.grad, gt)):
+        assert torch.equal(got, (g.double() * go.double()).to(dtype))
+
+
+@pytest.mark.parametrize("name, reduction", CASES)
+def test_gradcheck_on_cuda(name, reduction):
+    x, t, kw = _on_gpu(name, shape=(7, 33))
+    x.requires_grad_()
+    t.requires_grad_()
+    f = CF.LOSSES[name]
+    if reduction == "none":
+        w = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+        assert torch.autograd.gradcheck(lambda p, q: (f(p, q, reduction="none", **kw) * w).sum(),
+                                        (x, t))
+    assert torch.autograd.gradcheck(lambda p, q: f(p, q, reduction=reduction, **kw), (x, t))
+    assert torch.autograd.gradcheck(lambda p, q: f(p, q, reduction=reduction, **kw) * -1.7,
+                                    (x, t))
+
+
+def test_gradcheck_broadcast_target_on_cuda():
+    x, t, _ = _on_gpu("hinge_loss", shape=(9, 33), target_shape=(33,))
+    assert torch.autograd.gradcheck(lambda p, q: CF.hinge_loss(p, q, reduction="sum"),
+                                    (x.requires_grad_(), t.requires_grad_()))
+
+
+def test_matches_torch_autograd_in_float64():
+    F = torch.nn.functional
+    x, t, _ = _on_gpu("kl_div")
+    for reduction in ("batchmean", "sum", "none"):
+        a, b = x.clone().requires_grad_(), t.clone().requires_grad_()
+        mine = CF.kl_div(a, b, reduction=reduction)
+        a2, b2 = x.clone().requires_grad_(), t.clone().requires_grad_()
+        theirs = F.kl_div(a2, b2, reduction=reduction)
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=0)
+        w = torch.randn(mine.shape, dtype=mine.dtype, device="cuda")
+        mine.backward(w)
+        theirs.backward(w)
+        torch.testing.assert_close(a.grad, a2.grad, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(b.grad, b2.grad, rtol=1e-12, atol=1e-15)
+    a, b = x.clone().requires_grad_(), t.clone().requires_grad_()
+    crit, ref = CF.MSELoss(reduction="sum"), torch.nn.MSELoss(reduction="sum")
+    torch.testing.assert_close(crit(a, b), ref(a, b), rtol=1e-12, atol=0)
+
+
+def test_retained_graph_gives_each_upstream_its_gradient():
+    x, t, _ = _on_gpu("mse_loss", torch.float32)
+    x.requires_grad_()
+    loss = CF.mse_loss(x, t)
+    _, g1 = cupyloss.mse_loss_value_and_grad(x.detach(), t, wrt="input")
+    for c in (1.0, 3.0, 1.0, -0.5):
+        (g,) = torch.autograd.grad(loss, x, torch.tensor(c, device="cuda"), retain_graph=True)
+        assert torch.equal(g, g1 * c)     # first (fast path) and later (rerun) backward alike
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_opcheck_on_cuda(name):
+    x, t, kw = _on_gpu(name, shape=(5, 7))
+    options = [d for _, d in CF._GENERATED[name].options]
+    forward = getattr(torch.ops.cupyloss, name).default
+    backward = getattr(torch.ops.cupyloss, name + "_backward").default
+    for reduction in SPECS[name].reductions:
+        for flags in ((True, True), (False, True), (False, False)):
+            torch.library.opcheck(forward, (x.clone().requires_grad_(flags[0]),
+                                            t.clone().requires_grad_(flags[1]), reduction,
+                                            *options, *flags))
+            go = torch.randn(() if reduction != "none" else x.shape, dtype=x.dtype,
+                             device="cuda")
+            torch.library.opcheck(backward, (go, x, t, reduction, *options, *flags))
+
+
+# --- compile, graphs, streams ------------------------------------------------------------------
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(129, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 129)).to("cuda", dtype)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_torch_compile_fullgraph_with_inductor(name):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    x, t, kw = _on_gpu(name, torch.float32)
+    head = (lambda y: y.log_softmax(-1)) if name == "kl_div" else (lambda y: y)
+    model = _model()
+    reduction = SPECS[name].reductions[-1]
+
+    def step(a, b):
+        return CF.LOSSES[name](head(model(a)), b, reduction=reduction, **kw)
+
+    eager = step(x, t)
+    want = torch.autograd.grad(eager, list(model.parameters()))
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(2):
+        loss = compiled(x, t)
+        got = torch.autograd.grad(loss, list(model.parameters()))
+        torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_cuda_graph_capture_of_a_training_step(name):
+    """Warm up on a side stream, capture forward + loss + backward + SGD step, replay: the
+    parameters follow eager training step for step."""
+    x, t, kw = _on_gpu(name, torch.float32, shape=(300, 129))
+    head = (lambda y: y.log_softmax(-1)) if name == "kl_div" else (lambda y: y)
+    reduction = SPECS[name].reductions[-1]
+
+    def trainer():
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+        def step(a, b):
+            opt.zero_grad(set_to_none=True)
+            loss = CF.LOSSES[name](head(model(a)), b, reduction=reduction, **kw)
+            loss.backward()
+            opt.step()
+            return loss
+        return model, step
+
+    model_e, step_e = trainer()
+    eager = [step_e(x, t).item() for _ in range(5)]
+
+    model_g, step_g = trainer()
+    static_x, static_t = x.clone(), t.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm = [step_g(static_x, static_t).item() for _ in range(2)]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step_g(static_x, static_t)
+    replayed = []
+    for _ in range(3):
+        graph.replay()
+        replayed.append(static_loss.item())
+    np.testing.assert_allclose(warm + replayed, eager, rtol=1e-5)
+    for p, q in zip(model_g.parameters(), model_e.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_work_runs_on_torchs_current_stream():
+    x, t, _ = _on_gpu("hinge_loss", torch.float32, shape=(2048, 1031), target_shape=(1031,))
+    a = x.clone().requires_grad_()
+    CF.hinge_loss(a, t).backward()
+    want = a.grad.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b = x.clone().requires_grad_()
+        torch.cuda._sleep(50_000_000)   # a busy side stream: work elsewhere would race ahead
+        (CF.hinge_loss(b, t) * 2).backward()
+        got = b.grad / 2
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+
+
+def test_inputs_are_never_written():
+    for name, reduction in CASES:
+        x, t, kw = _on_gpu(name, torch.float32)
+        x.requires_grad_()
+        t.requires_grad_()
+        before = [(a.detach().clone(), a._version) for a in (x, t)]
+        loss = CF.LOSSES[name](x, t, reduction=reduction, **kw)
+        loss.backward(torch.randn_like(loss))
+        for a, (copy, version) in zip((x, t), before):
+            assert torch.equal(a.detach(), copy) and a._version == version, (name, reduction)
+
+
+def test_gradients_only_for_arguments_that_require_grad():
+    x, t, _ = _on_gpu("mse_loss", torch.float32)
+    x.requires_grad_()
+    before = torch.cuda.memory_allocated()
+    loss = CF.mse_loss(x, t)
+    held = torch.cuda.memory_allocated() - before   # the loss and the input's gradient only
+    assert held < x.numel() * 4 + 4096
+    loss.backward()
+    assert x.grad is not None and t.grad is None
+
+
+# --- the scaling kernel ------------------------------------------------------------------------
+
+_PAYLOAD_NAN = 0x7FC0BEEF   # a quiet NaN with a payload; any arithmetic returns canonical NaN
+
+
+@pytest.mark.parametrize("n", [1, 3, 31, 33, 4095, 4097, 1 << 20])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_by_grad_output(n, dtype):
+    a = torch.randn(n, device="cuda", dtype=dtype)
+    b = torch.randn(n // 2 + 1, device="cuda", dtype=dtype)
+    want_a = (a.double() * 0.75).to(dtype)
+    want_b = (b.double() * 0.75).to(dtype)
+    CF.scale_by_grad_output(torch.tensor(0.75, device="cuda", dtype=dtype), a, b)
+    assert torch.equal(a, want_a) and torch.equal(b, want_b)     # 0.75 = 3/4: exact products
+    c = torch.randn(n + 1, device="cuda", dtype=dtype)
+    tail = c[1:]                             # misaligned: the kernel goes one element at a time
+    want = (tail.double() * -3.0).to(dtype)
+    CF.scale_by_grad_output(torch.tensor(-3.0, device="cuda", dtype=dtype), tail)
+    assert torch.equal(tail, want)
+
+
+def test_scale_by_one_touches_no_gradient_memory():
+    """A NaN with a payload survives only if nothing rewrote it: multiplying by 1 would give the
+    canonical NaN.  With g = 2 the same buffer comes back canonical (the probe can see writes)."""
+    bits = torch.full((1 << 20,), _PAYLOAD_NAN, dtype=torch.int32, device="cuda")
+    grad = bits.view(torch.float32)
+    CF.scale_by_grad_output(torch.tensor(1.0, device="cuda"), grad, grad[:5])
+    assert torch.equal(bits, torch.full_like(bits, _PAYLOAD_NAN))
+    CF.scale_by_grad_output(torch.tensor(2.0, device="cuda"), grad)
+    assert not torch.any(bits == _PAYLOAD_NAN)
