@@ -76,7 +76,7 @@ class Kernels:
         device = _cuda_device(buffer)
         stack = contextlib.ExitStack()
         stack.enter_context(cupy.cuda.Device(device))
-        stack.enter_context(cupy.cuda.ExternalStream(ctx.stream, device))
+        stack.enter_context(cupy.cuda.Stream.from_external(_XlaStream(ctx.stream)))
         return stack
 
     def write(self, out, result) -> None:
@@ -103,6 +103,16 @@ class Kernels:
     def backward(self, name, grad_output, arrays, reduction, options, wrt):
         return getattr(cupyloss, name + "_backward")(grad_output, *arrays, reduction=reduction,
                                                      wrt=wrt, **options)
+
+
+class _XlaStream:
+    """XLA's cudaStream_t in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
 
 
 def _cuda_device(buffer) -> int:

@@ -110,7 +110,6 @@ class Kernels:
 _engine = Kernels()
 
 
-_SCALE = _args.Layout([("go", 1), ("a", 1), ("na", 1), ("b", 1), ("nb", 1)])
 _SCALE_PLANS: dict = {}
 _TORCH_DTYPES: dict = {}
 
@@ -184,30 +183,29 @@ def scale_by_grad_output(grad_output, a, b=None):
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream)
+_cupy = None
 
 
 def _scale(grad_output, grads) -> None:
     """scale_by_grad_output for up to two checked gradients: one launch (none if all empty)."""
-    grads = [g for g in grads if g.numel()]
-    if not grads:
+    global _cupy
+    if _cupy is None:
+        import cupy as _cupy
+    live = [(g.data_ptr(), g.numel()) for g in grads if g.numel()]
+    if not live:
         return
-    import cupy
-
+    (a, na), (b, nb) = (live + [(0, 0)])[:2]
     device = grad_output.get_device()
-    ptrs = [g.data_ptr() for g in grads] + [0]
-    counts = [g.numel() for g in grads] + [0]
-    vec = _dtype_info(grad_output.dtype).vec if not ((ptrs[0] | ptrs[1]) & 15) else 1
-    function, grid, block = _scale_plan(device, grad_output.dtype, vec, max(counts))
-    words = array.array("Q", bytes(8 * _SCALE.size))
-    slot = _SCALE.slot
-    words[slot["go"]] = grad_output.data_ptr()
-    words[slot["a"]], words[slot["na"]] = ptrs[0], counts[0]
-    words[slot["b"]], words[slot["nb"]] = ptrs[1], counts[1]
+    dtype = grad_output.dtype
+    vec = _dtype_info(dtype).vec if not ((a | b) & 15) else 1
+    function, grid, block = _scale_plan(device, dtype, vec, max(na, nb))
+    # scale_by_grad_output's parameters (kernels/scale.cu), one 64-bit word each.
+    words = array.array("Q", (grad_output.data_ptr(), a, na, b, nb))
     stream = _raw_stream(device)
-    if cupy.cuda.runtime.getDevice() == device:
+    if _cupy.cuda.runtime.getDevice() == device:
         _args.launch(function, grid, block, 0, stream, words)
     else:
-        with cupy.cuda.Device(device):
+        with _cupy.cuda.Device(device):
             _args.launch(function, grid, block, 0, stream, words)
 
 
@@ -225,6 +223,8 @@ class _Loss:
     params: list             # inspect.Parameters of the public function
     fixed: tuple             # torch arguments cupyloss lacks: (name, default), default only
     legacy: bool             # the public function takes size_average and reduce
+    option_names: tuple = ()
+    no_flags: tuple = ()     # a False per array: no gradient computed in the forward pass
     forward: object = None   # torch.ops.cupyloss.<name>.default
     backward: object = None  # torch.ops.cupyloss.<name>_backward.default
 
@@ -344,33 +344,40 @@ def _backward_fake(loss: _Loss):
     return fake
 
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_is_functional = torch._is_functional_tensor
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _backward_mode(grad_output) -> str:
     """'eager': real tensors, no tracing, no create_graph; 'graph': create_graph=True on real
     tensors; 'traced': torch.compile, torch.export, functorch or another tracer."""
-    if (type(grad_output) is not torch.Tensor or torch._C._len_torch_dispatch_stack()
-            or torch._is_functional_tensor(grad_output)
-            or torch._C._functorch.is_functorch_wrapped_tensor(grad_output)):
+    if (type(grad_output) is not torch.Tensor or _dispatch_modes()
+            or _is_functional(grad_output) or _is_wrapped(grad_output)):
         return "traced"
     return "graph" if torch.is_grad_enabled() else "eager"
 
 
 def _traced(arrays) -> bool:
     """Whether a forward call is being traced (so it must go through the registered op)."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or any(type(a) is not torch.Tensor or torch._is_functional_tensor(a)
-                   or torch._C._functorch.is_functorch_wrapped_tensor(a) for a in arrays))
+    if torch.compiler.is_compiling() or _dispatch_modes():
+        return True
+    for a in arrays:
+        if type(a) is not torch.Tensor or _is_functional(a) or _is_wrapped(a):
+            return True
+    return False
 
 
-def _save(loss: _Loss, ctx, arrays, reduction, options, flags, grads) -> None:
+def _save(ctx, arrays, reduction, options, flags, grads) -> None:
     """What backward needs, on ctx (the op's autograd context or _Eager's)."""
-    tensors = [v for v in options.values() if isinstance(v, torch.Tensor)]
-    ctx.save_for_backward(*arrays, *tensors)
+    tensors = {o: v for o, v in options.items() if isinstance(v, torch.Tensor)}
+    ctx.save_for_backward(*arrays, *tensors.values())
     ctx.reduction = reduction
-    ctx.options = {o: (None if isinstance(v, torch.Tensor) else v) for o, v in options.items()}
-    ctx.tensor_options = [o for o, v in options.items() if isinstance(v, torch.Tensor)]
-    ctx.computed = tuple(flags)
+    ctx.options = options
+    ctx.tensor_options = tuple(tensors)
+    ctx.computed = flags
     # Held outside save_for_backward: the first eager backward scales them in place.
-    ctx.grads = grads if any(flags) else None
+    ctx.grads = grads if True in flags else None
 
 
 def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
@@ -390,7 +397,7 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
     options.update(zip(ctx.tensor_options, saved[n:]))
     if mode == "eager":
         wrt = tuple(a for a, w in zip(loss.arrays, need) if w)
-        if any(ctx.computed):
+        if True in ctx.computed:
             # A later backward through a retained graph: the gradients of the forward pass again
             # (upstream 1), scaled as the first backward scaled them, so that every backward of
             # the graph gives the same bits (gradcheck's reentrancy test asks for that).
@@ -412,7 +419,7 @@ def _autograd(loss: _Loss):
     def setup_context(ctx, inputs, output):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
         ctx.mark_non_differentiable(*output[1:])
-        _save(loss, ctx, arrays, reduction, options, flags, output[1:])
+        _save(ctx, arrays, reduction, options, tuple(flags), output[1:])
 
     def backward(ctx, grad_loss, *unused):
         return (*_gradients(loss, ctx, grad_loss, ctx.needs_input_grad[:n]), *tail)
@@ -432,22 +439,22 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss, reduction, options, flags, *arrays):
-        options = dict(zip((o for o, _ in loss.options), options))
-        wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
-        if wrt:
+        options = dict(zip(loss.option_names, options))
+        if True in flags:
+            wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
             value, got = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
             got = iter(got)
             grads = [next(got) if f else None for f in flags]
         else:
             value, grads = _engine.value(loss.name, arrays, reduction, options), None
         ctx.loss = loss
-        _save(loss, ctx, arrays, reduction, options, flags, grads)
+        _save(ctx, arrays, reduction, options, flags, grads)
         return value
 
     @staticmethod
     def backward(ctx, grad_loss):
-        need = ctx.needs_input_grad[4:]
-        return (None, None, None, None, *_gradients(ctx.loss, ctx, grad_loss, need))
+        return (None, None, None, None,
+                *_gradients(ctx.loss, ctx, grad_loss, ctx.needs_input_grad[4:]))
 
 
 def _register(loss: _Loss) -> None:
@@ -485,8 +492,10 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
         if not isinstance(a, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__module__}."
                             f"{type(a).__qualname__}")
-    wanted = gradients_in_forward and reduction != "none" and torch.is_grad_enabled()
-    flags = [wanted and a.requires_grad for a in arrays]
+    if gradients_in_forward and reduction != "none" and torch.is_grad_enabled():
+        flags = tuple(a.requires_grad for a in arrays)
+    else:
+        flags = loss.no_flags
     if _traced(arrays):
         return loss.forward(*arrays, reduction, *options, *flags)[0]
     return _Eager.apply(loss, reduction, options, flags, *arrays)
@@ -603,7 +612,8 @@ def _make_module(loss: _Loss, function):
 def _build(name: str) -> tuple:
     arrays, options, reduction = _core_parameters(name)
     params, fixed, legacy = _public_parameters(name, arrays, options, reduction)
-    loss = _Loss(name, arrays, options, reduction, SPECS[name].reductions, params, fixed, legacy)
+    loss = _Loss(name, arrays, options, reduction, SPECS[name].reductions, params, fixed, legacy,
+                 tuple(o for o, _ in options), (False,) * len(arrays))
     _register(loss)
     function = _make_function(loss)
     return loss, function, _make_module(loss, function)

@@ -110,6 +110,10 @@ def main() -> int:
     worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(grads, eager_grads))
     report("torch.compile(fullgraph=True): mse_loss", [float(loss), float(eager_loss)], worst)
 
+    # A fresh model: autograd nodes kept alive from the eager steps above (by `loss`, say) would
+    # accumulate its gradients on the default stream, which a capture cannot depend on.
+    del loss, eager_loss, grads, eager_grads
+    model = _model(torch, 64, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)

@@ -20,7 +20,7 @@ template <typename T, int VEC>
 __device__ __forceinline__ void scale_span(T* __restrict__ p, const long long n,
                                            const acc_t<T> g, const long long start,
                                            const long long stride) {
-    const long long vectors = n / VEC;
+    const long long vectors = VEC > 1 ? n / VEC : 0;  // VEC == 1: the loop below does all
     if constexpr (VEC > 1) {
         static_assert(sizeof(Vec<T, VEC>) == sizeof(int4), "vector accesses are 16 bytes");
         for (long long v = start; v < vectors; v += stride) {

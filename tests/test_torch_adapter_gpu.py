@@ -161,7 +161,8 @@ def test_cuda_graph_capture_of_a_training_step(name):
     parameters follow eager training step for step."""
     x, t, kw = _on_gpu(name, torch.float32, shape=(300, 129))
     head = (lambda y: y.log_softmax(-1)) if name == "kl_div" else (lambda y: y)
-    reduction = SPECS[name].reductions[-1]
+    # The mean (batchmean for kl_div): a sum over 38700 elements makes SGD diverge to NaN.
+    reduction = "batchmean" if "batchmean" in SPECS[name].reductions else "mean"
 
     def trainer():
         model = _model()
