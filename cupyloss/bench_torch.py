@@ -164,26 +164,34 @@ def large(reps: int, scale: float) -> list:
     rows = []
     half = torch.tensor(0.5, device="cuda")
     for name, args, ours, theirs in _workloads(scale):
-        times = {}
-        times["cupyloss.torch"] = _gpu_ms(_fwd_bwd(ours, args), reps)
-        times["cupyloss.torch, upstream 0.5"] = _gpu_ms(_fwd_bwd(ours, args, half), reps)
+        times, peaks = {}, {}
+        inputs = torch.cuda.memory_allocated()
+
+        def measure(who, fn):
+            _free()
+            torch.cuda.reset_peak_memory_stats()
+            times[who] = _gpu_ms(fn, reps)
+            peaks[who] = (torch.cuda.max_memory_allocated() - inputs) / 2**30
+
+        measure("cupyloss.torch", _fwd_bwd(ours, args))
+        measure("cupyloss.torch, upstream 0.5", _fwd_bwd(ours, args, half))
         CF.gradients_in_forward = False
         try:
-            times["cupyloss.torch, rerun backward"] = _gpu_ms(_fwd_bwd(ours, args), reps)
+            measure("cupyloss.torch, rerun backward", _fwd_bwd(ours, args))
         finally:
             CF.gradients_in_forward = True
-        _free()
-        times["torch eager"] = _gpu_ms(_fwd_bwd(theirs, args), reps)
-        _free()
+        measure("torch eager", _fwd_bwd(theirs, args))
         torch._dynamo.reset()
-        times["torch.compile"] = _gpu_ms(_fwd_bwd(torch.compile(theirs), args), reps)
-        _free()
+        measure("torch.compile", _fwd_bwd(torch.compile(theirs), args))
         base = times["cupyloss.torch"]
         shape = "x".join(map(str, args[0].shape))
-        print(f"{name} [{shape}] float32, forward + backward, GPU ms (median of {reps}):")
+        print(f"{name} [{shape}] float32, forward + backward, GPU ms (median of {reps}) and peak "
+              f"memory beyond the inputs:")
         for who, ms in times.items():
-            print(f"  {who:34s} {ms:9.3f} ms   ({ms / base:.2f}x cupyloss.torch's time)")
-        rows.append({"workload": name, "shape": list(args[0].shape), "ms": times})
+            print(f"  {who:34s} {ms:9.3f} ms   ({ms / base:.2f}x cupyloss.torch's time)  "
+                  f"{peaks[who]:6.2f} GiB")
+        rows.append({"workload": name, "shape": list(args[0].shape), "ms": times,
+                     "peak_gib": peaks})
         del args
         _free()
     return rows
