@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - JAX older than 0.7
 _KDLCUDA = 2
 
 
-class Kernels:
+class _Kernels:
     """What the callbacks run: CuPy views of XLA's buffers, cupyloss's functions, copies back."""
 
     def view(self, buffer):
@@ -125,7 +125,7 @@ def _cuda_device(buffer) -> int:
 
 
 # Swapped by the CPU tests for an engine over NumPy views and tests/reference.py.
-_engine = Kernels()
+_engine = _Kernels()
 
 
 # --- the callbacks -------------------------------------------------------------------------------
@@ -168,7 +168,9 @@ def _struct(shape, dtype):
 
 
 def _loss_shape(name, arrays, reduction):
-    """The loss's shape from metadata, with the core's errors, before anything is traced."""
+    """The loss's shape from metadata, with the core's errors, before anything is traced: the
+    registry entry's ``loss_shape(input_shape, reduction)`` where it has one, else the
+    arguments' broadcast shape.  Floating arguments must share a dtype."""
     spec = SPECS[name]
     if reduction not in spec.reductions:
         _reduction.check_reduction(reduction, spec.reductions)
@@ -177,9 +179,13 @@ def _loss_shape(name, arrays, reduction):
         raise _validate.unsupported_dtype(spec.arrays[0], first.dtype)
     shape = tuple(first.shape)
     for array_name, other in zip(spec.arrays[1:], arrays[1:]):
-        if other.dtype != first.dtype:
+        if other.dtype != first.dtype and jnp.issubdtype(other.dtype, jnp.floating):
             _validate.check_same_dtype(first, other, spec.arrays[0], array_name)
-        shape = _validate.broadcast_shape(shape, tuple(other.shape), spec.arrays[0], array_name)
+        if not hasattr(spec, "loss_shape"):
+            shape = _validate.broadcast_shape(shape, tuple(other.shape), spec.arrays[0],
+                                              array_name)
+    if hasattr(spec, "loss_shape"):   # a registry entry that knows its loss's shape
+        return tuple(spec.loss_shape(shape, reduction))
     return () if reduction != "none" else shape
 
 

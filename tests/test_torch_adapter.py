@@ -364,6 +364,14 @@ def test_double_backward_is_refused_when_it_is_asked_for(engine, reduction):
         g.sum().backward()
 
 
+def test_torch_func_transforms_are_refused(engine):
+    x, t, _ = _arguments("mse_loss")
+    with pytest.raises(NotImplementedError, match=r"torch.func transform"):
+        torch.func.grad(lambda a: CF.mse_loss(a, t))(x)
+    with pytest.raises(NotImplementedError, match=r"torch.func transform"):
+        torch.vmap(lambda a, b: CF.mse_loss(a, b))(x, t)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_opcheck(engine, name):
     x, t, kw = _arguments(name)
