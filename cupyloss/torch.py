@@ -58,11 +58,12 @@ differentiating them again raises: the backward ops have no derivatives of their
 transforms (grad, vmap) are refused with NotImplementedError.
 
 Measured on an H100 (python -m cupyloss.bench_torch, 2026-11-22): MSE of two float32
-[32768, 32768] tensors, forward + loss.backward() with both gradients, takes 6.2 ms with the
-gradients from the forward pass, 9.0 ms with the rerun backward, 12.5 ms with gradients in forward
-and an upstream gradient of 0.5 (torch.compile: 8.8 ms).  At 1K elements the host time is about
-1.4x torch eager's (about 220 us against 157 us per forward + backward): the Python autograd
-Function, its backward node and the launches cost more than torch's C++ path.
+[32768, 32768] tensors, forward + loss.backward() with both gradients, takes 6.3 ms with the
+gradients from the forward pass, 9.1 ms with the rerun backward, 12.6 ms with gradients in forward
+and an upstream gradient of 0.5 (torch.compile: 8.8 ms).  At 1K elements the host time is 1.25x
+torch eager's (171 us against 136 us per forward + backward; the forward alone 36 us against
+20 us): the Python autograd Function, its backward node and the launches cost more than torch's
+C++ path.
 
 Arguments must be CUDA tensors of one floating dtype (float16, bfloat16, float32, float64) on one
 device; unlike torch, a mixed-dtype pair is refused, not promoted, and under autocast the loss
