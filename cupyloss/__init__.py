@@ -15,10 +15,21 @@ from cupyloss.pointwise import (
     mse_loss_backward,
     mse_loss_value_and_grad,
 )
+from cupyloss.rowwise import (
+    cross_entropy,
+    cross_entropy_backward,
+    cross_entropy_value_and_grad,
+    nll_loss,
+    nll_loss_backward,
+    nll_loss_value_and_grad,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "cross_entropy",
+    "cross_entropy_backward",
+    "cross_entropy_value_and_grad",
     "hinge_loss",
     "hinge_loss_backward",
     "hinge_loss_value_and_grad",
@@ -28,4 +39,7 @@ __all__ = [
     "mse_loss",
     "mse_loss_backward",
     "mse_loss_value_and_grad",
+    "nll_loss",
+    "nll_loss_backward",
+    "nll_loss_value_and_grad",
 ]

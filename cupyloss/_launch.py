@@ -227,3 +227,143 @@ def sum_rows_launch(cols: int, limits: DeviceLimits) -> Launch:
     """One thread per column, grid-stride past the device's resident-thread count."""
     grid = max(1, min(_cdiv(cols, BLOCK), limits.sm_count * BLOCKS_PER_SM))
     return Launch((grid,), (BLOCK,), 0)
+
+
+# --- Row-wise launches (kernels/rowwise.cu) ------------------------------------------------------
+
+ROW_VECS = 8            # 16-byte vectors of a row one thread holds in registers (ROW_VECS there)
+ROW_SCRATCH = 64        # accumulator slots of dynamic shared memory (ROW_SCRATCH there)
+# Threads per row (a "team"), from a warp's quarter to a block.  A row of n 16-byte vectors gets
+# the smallest team that holds it in registers at ROW_VECS vectors a thread, so each thread has
+# ROW_VECS independent loads in flight; a row longer than a block holds is split over
+# ceil(n / (BLOCK * ROW_VECS)) blocks of a cooperative launch.
+ROW_TEAMS = (8, 16, 32, 64, 128, BLOCK)
+ROW_MAX_COLS = 2**31 - 1    # classes a row may have (in-row indices are 32-bit)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLaunch:
+    """A launch of cross_entropy_rows: tpr threads per row, k blocks per row (k > 1: cooperative,
+    grid = groups * k with every block resident)."""
+
+    grid: tuple
+    block: tuple
+    shared: int
+    tpr: int
+    k: int
+
+    @property
+    def cooperative(self) -> bool:
+        return self.k > 1
+
+
+def row_team(cols: int, itemsize: int) -> tuple[int, int]:
+    """(threads per row, blocks per row) that hold a row of `cols` elements in registers."""
+    vectors = max(1, cols // (16 // itemsize))
+    for tpr in ROW_TEAMS:
+        if tpr * ROW_VECS >= vectors:
+            return tpr, 1
+    return BLOCK, _cdiv(vectors, BLOCK * ROW_VECS)
+
+
+def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: bool,
+               light: bool, limits: DeviceLimits, blocks_per_sm: int) -> RowLaunch:
+    """Launch for cross_entropy_rows over [rows, cols] (blocks_per_sm: its resident blocks).
+
+    grad: the gradient is written, so a row must be held on chip: the team from `row_team`, and
+    k blocks per row when it exceeds a block (capped at the resident blocks; past that the blocks
+    stream their share twice).  Without a gradient a row streams through once: k > 1 only when
+    there are too few rows to give every resident block one.  light: nothing but one element per
+    row is read (nll_loss), so the smallest team.  Grids never exceed the resident blocks: the
+    rows go round in a grid-stride loop.
+    """
+    if cols > ROW_MAX_COLS:
+        raise ValueError(f"rows of {cols} classes exceed the {ROW_MAX_COLS} a row may have")
+    resident = max(1, limits.sm_count * blocks_per_sm)
+    tpr, k = (ROW_TEAMS[0], 1) if light else row_team(cols, itemsize)
+    if k > 1 and not grad:
+        k = max(1, min(k, resident // max(rows, 1)))
+    k = min(k, resident)
+    shared = check_shared(ROW_SCRATCH * acc_itemsize, limits, "cross_entropy_rows")
+    if k > 1:
+        groups = max(1, min(rows, resident // k))
+        return RowLaunch((groups * k,), (BLOCK,), shared, BLOCK, k)
+    blocks = _cdiv(max(rows, 1), BLOCK // tpr)
+    return RowLaunch((max(1, min(blocks, resident, limits.max_grid_x)),), (BLOCK,), shared, tpr, 1)
+
+
+def thread_per_row_launch(rows: int, acc_itemsize: int, limits: DeviceLimits,
+                          blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
+    """One thread per row (cross_entropy_cols), grid-stride past the resident blocks."""
+    grid = max(1, min(_cdiv(max(rows, 1), BLOCK), limits.sm_count * blocks_per_sm,
+                      limits.max_grid_x))
+    shared = check_shared(ROW_SCRATCH * acc_itemsize, limits, "cross_entropy_cols")
+    return Launch((grid,), (BLOCK,), shared)
+
+
+def merged_stride(shape: tuple, strides: tuple):
+    """The element stride of dims `shape` walked as one C-order index, or None if they do not
+    merge (size-1 dims are skipped; no dims, or all of size 1, give 0)."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    if not dims:
+        return 0
+    inner = dims[-1][1]
+    expect = inner * dims[-1][0]
+    for n, s in reversed(dims[:-1]):
+        if s != expect:
+            return None
+        expect = s * n
+    return inner
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassGeometry:
+    """An input with the class axis at dim 1 viewed as [N, C, inner] (rows = N * inner), and
+    each operand's element strides along (n, c, d); None for an operand that is absent."""
+
+    rows: int
+    cols: int
+    inner: int
+    batch_shape: tuple      # the shape of a reduction='none' loss
+    x: tuple                # (xn, xc, xd)
+    t: tuple                # (tn, tc, td); tc = 0 for class indices
+
+    @property
+    def contiguous_classes(self) -> bool:
+        """Whether cross_entropy_rows applies: one position per row, classes at stride 1."""
+        return self.inner == 1 and self.x[1] == 1 and self.t[1] in (0, 1)
+
+
+def class_geometry(x_shape: tuple, x_strides: tuple, t_shape: tuple, t_strides: tuple,
+                   prob: bool):
+    """The ClassGeometry of input (C,) or (N, C, d1, ...) and its target, whose shape the caller
+    has checked: () / (N, d1, ...) class indices, or the input's shape with `prob`.  None when
+    an operand's d1, ... dims do not merge into one stride (make it contiguous first)."""
+    if len(x_shape) == 1:
+        n, c, inner_shape = 1, x_shape[0], ()
+        xn, xc, x_inner = 0, x_strides[0], ()
+        t_lead = ()
+    else:
+        n, c, inner_shape = x_shape[0], x_shape[1], tuple(x_shape[2:])
+        xn, xc, x_inner = x_strides[0], x_strides[1], tuple(x_strides[2:])
+    inner = 1
+    for size in inner_shape:
+        inner *= size
+    xd = merged_stride(inner_shape, x_inner)
+    if prob:
+        tn, tc = (0, t_strides[0]) if len(x_shape) == 1 else (t_strides[0], t_strides[1])
+        td = merged_stride(inner_shape, tuple(t_strides[2:]))
+    else:
+        tc = 0
+        tn = 0 if len(x_shape) == 1 else t_strides[0]
+        td = merged_stride(inner_shape, tuple(t_strides[1:])) if len(x_shape) > 1 else 0
+    if xd is None or td is None:
+        return None
+    batch = () if len(x_shape) == 1 else (n, *inner_shape)
+    if n == 1:
+        xn = tn = 0
+    if inner == 1:
+        xd = td = 0
+    if c == 1:
+        xc, tc = 1, (1 if prob else 0)
+    return ClassGeometry(n * inner, c, inner, batch, (xn, xc, xd), (tn, tc, td))

@@ -65,6 +65,16 @@ def scale_name(ctype: str, vec: int) -> str:
     return f"cupyloss::scale_by_grad_output<{ctype}, {vec}>"
 
 
+ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum")
+
+
+def rowwise_name(kernel: str, ctype: str, general: bool = True) -> str:
+    """Name expression of a rowwise.cu kernel: cross_entropy_rows<ctype, general>, others<ctype>."""
+    if kernel == "cross_entropy_rows":
+        return f"cupyloss::{kernel}<{ctype}, {'true' if general else 'false'}>"
+    return f"cupyloss::{kernel}<{ctype}>"
+
+
 def units() -> list[tuple[str, list[str]]]:
     """Every compilation unit: (source file, its name expressions).  CI compiles each."""
     pointwise = [
@@ -77,7 +87,11 @@ def units() -> list[tuple[str, list[str]]]:
     reduce = [reduce_name("sum_rows", info.ctype) for info in _dtypes.DTYPES.values()]
     scale = [scale_name(info.ctype, vec) for info in _dtypes.DTYPES.values()
              for vec in sorted({1, info.vec})]
-    return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale)]
+    rowwise = [rowwise_name(kernel, info.ctype, general) for kernel in ROWWISE_KERNELS
+               for info in _dtypes.DTYPES.values()
+               for general in ((False, True) if kernel == "cross_entropy_rows" else (True,))]
+    return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
+            ("rowwise.cu", rowwise)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,7 +24,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 def _calls(x, t):
     """(name, function, args) of every public entry point of cupyloss on input x, target t."""
-    for loss in ("mse_loss", "kl_div", "hinge_loss"):
+    for loss in ("mse_loss", "kl_div", "hinge_loss", "cross_entropy", "nll_loss"):
         yield loss, getattr(cupyloss, loss), (x, t)
         yield loss + "_backward", getattr(cupyloss, loss + "_backward"), (1.0, x, t)
         yield loss + "_value_and_grad", getattr(cupyloss, loss + "_value_and_grad"), (x, t)

@@ -379,3 +379,129 @@ def test_launches_reject_shared_memory_over_the_limit(make, need):
 def test_sum_rows_launch_stays_within_the_device(cols):
     (grid,) = _launch.sum_rows_launch(cols, H100).grid
     assert 1 <= grid <= min(_cdiv(cols, BLOCK), H100.sm_count * BLOCKS_PER_SM)
+
+
+# --- row-wise launches (cross_entropy_rows and friends) -------------------------------------------
+
+ITEMSIZES = (2, 4, 8)  # 16-bit, float32, float64: 8, 4 and 2 elements a 16-byte vector
+
+
+@pytest.mark.parametrize("itemsize", ITEMSIZES)
+@pytest.mark.parametrize("cols", [1, 7, 8, 63, 64, 65, 255, 1000, 4096, 8191, 8192, 8193, 16384,
+                                  16385, 50257, 128256, 2**20 + 3])
+def test_row_team_holds_the_row_with_the_smallest_team(itemsize, cols):
+    vec = 16 // itemsize
+    vectors = max(1, cols // vec)
+    tpr, k = _launch.row_team(cols, itemsize)
+    assert tpr in _launch.ROW_TEAMS and k >= 1
+    assert tpr * k * _launch.ROW_VECS >= vectors  # the row fits the team's registers
+    if k == 1 and tpr > _launch.ROW_TEAMS[0]:
+        assert (tpr // 2) * _launch.ROW_VECS < vectors  # and a smaller team would not hold it
+    if k > 1:
+        assert tpr == BLOCK and (k - 1) * BLOCK * _launch.ROW_VECS < vectors
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 8192, 32768, 10**7])
+@pytest.mark.parametrize("cols, itemsize", [(10, 4), (4096, 4), (128256, 2), (2**21, 4)])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per_sm):
+    cfg = _launch.row_launch(rows, cols, itemsize, 4, grad, False, H100, per_sm)
+    resident = H100.sm_count * per_sm
+    assert 1 <= cfg.grid[0] <= resident and cfg.block == (BLOCK,)
+    assert cfg.shared == _launch.ROW_SCRATCH * 4
+    tpr, k = _launch.row_team(cols, itemsize)
+    if cfg.k > 1:
+        # Cooperative: whole groups of k blocks, every block resident at once.
+        assert cfg.cooperative and cfg.tpr == BLOCK and cfg.grid[0] % cfg.k == 0
+        assert cfg.grid[0] // cfg.k <= max(rows, 1)
+        assert cfg.k == (min(k, resident) if grad else min(k, resident // max(rows, 1)))
+    else:
+        assert not cfg.cooperative and cfg.tpr == tpr
+        # As many blocks as rows need (BLOCK / tpr rows a block), up to the resident ones.
+        assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // tpr), resident))
+    if grad and k > 1:
+        assert cfg.k == min(k, resident)  # a gradient holds its row on chip whatever rows is
+
+
+def test_row_launch_light_rows_and_limits():
+    cfg = _launch.row_launch(1000, 128256, 2, 4, False, True, H100, 2)
+    assert cfg.tpr == _launch.ROW_TEAMS[0] and cfg.k == 1      # nll_loss forward: one read a row
+    assert cfg.grid[0] == _cdiv(1000, BLOCK // cfg.tpr)
+    with pytest.raises(ValueError, match="2147483648 classes"):
+        _launch.row_launch(1, 2**31, 2, 4, True, False, H100, 2)
+    small = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                         max_shared_per_block=128)
+    with pytest.raises(ValueError, match="shared memory"):
+        _launch.row_launch(10, 10, 4, 4, True, False, small, 2)
+
+
+def test_thread_per_row_launch():
+    assert _launch.thread_per_row_launch(0, 4, H100, 3).grid == (1,)
+    assert _launch.thread_per_row_launch(1000, 4, H100, 3).grid == (_cdiv(1000, BLOCK),)
+    assert _launch.thread_per_row_launch(10**9, 8, H100, 3).grid == (132 * 3,)
+
+
+@pytest.mark.parametrize("shape, strides, want", [
+    ((), (), 0),                  # no dims: one position
+    ((1, 1), (5, 9), 0),          # only size-1 dims
+    ((4, 3), (3, 1), 1),          # C-contiguous
+    ((4, 1, 3), (3, 99, 1), 1),   # a size-1 dim in between is skipped
+    ((4, 3), (6, 2), 2),          # every other element: merges with stride 2
+    ((4, 3), (1, 4), None),       # transposed: C order does not walk it with one stride
+    ((4, 3), (4, 1), None),       # padded rows
+])
+def test_merged_stride(shape, strides, want):
+    assert _launch.merged_stride(shape, strides) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_class_geometry_addresses_every_element(data):
+    """For views of any layout: element (n, c, d) of the input, and (n, d) or (n, c, d) of the
+    target, sit at n * sn + c * sc + d * sd (d the C-order index over dims 2, ...), or the
+    geometry is None (those dims do not merge into one stride)."""
+    ndim = data.draw(st.integers(1, 4))
+    shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
+    prob = data.draw(st.booleans())
+
+    def view(shape):
+        # A contiguous buffer in a random dim order, then a random step on each dim.
+        steps = [data.draw(st.integers(1, 2)) for _ in shape]
+        base = np.zeros([n * s for n, s in zip(shape, steps)])
+        perm = data.draw(st.permutations(range(len(shape))))
+        base = np.ascontiguousarray(base.transpose(perm)).transpose(np.argsort(perm))
+        v = base[tuple(slice(None, None, s) for s in steps)]
+        return v, tuple(s // v.itemsize for s in v.strides)
+
+    x, xs = view(shape)
+    tshape = shape if prob else (() if ndim == 1 else (shape[0], *shape[2:]))
+    t, ts = view(tshape) if tshape else (np.zeros(()), ())
+    geo = _launch.class_geometry(shape, xs, tshape, ts, prob)
+    inner_x = _launch.merged_stride(shape[2:], xs[2:])
+    inner_t = _launch.merged_stride(shape[2:], ts[2:] if prob else ts[1:])
+    if inner_x is None or inner_t is None:
+        assert geo is None
+        return
+    cols = shape[1] if ndim > 1 else shape[0]
+    n_count = 1 if ndim == 1 else shape[0]
+    assert (geo.rows, geo.cols) == (n_count * geo.inner, cols)
+    assert geo.batch_shape == (() if ndim == 1 else (shape[0], *shape[2:]))
+    for n in range(n_count):
+        for c in range(cols):
+            for d in range(geo.inner):
+                idx = (c,) if ndim == 1 else (n, c, *np.unravel_index(d, shape[2:]))
+                assert _offset(x, idx) == n * geo.x[0] + c * geo.x[1] + d * geo.x[2]
+                if prob:
+                    assert _offset(t, idx) == n * geo.t[0] + c * geo.t[1] + d * geo.t[2]
+                elif ndim > 1:
+                    tidx = (n, *np.unravel_index(d, shape[2:]))
+                    assert _offset(t, tidx) == n * geo.t[0] + d * geo.t[2]
+    rows_kernel = geo.inner == 1 and (cols == 1 or xs[-1 if ndim == 1 else 1] == 1) and (
+        not prob or cols == 1 or ts[-1 if ndim == 1 else 1] == 1)
+    assert geo.contiguous_classes == rows_kernel
+
+
+def _offset(a, idx):
+    """Element offset of a[idx] from a's first element."""
+    return sum(i * s // a.itemsize for i, s in zip(idx, a.strides))

@@ -1,0 +1,576 @@
+"""The engine behind the row-wise losses (cross_entropy, nll_loss): plan once per layout, launch.
+
+`evaluate` is the one entry point.  Arrays come in through `_dispatch` as Operands; class-index
+targets (int32/int64) are read here the same ways (`_target_operand`), since the pointwise dtypes
+table holds only floating types.  The input is viewed as [N, C, inner] with the class axis at
+dim 1 (`_launch.class_geometry`): when the classes are contiguous and inner == 1 the rows kernel
+runs (a team of threads or several blocks per row, the row held in registers, see
+kernels/rowwise.cu), otherwise the thread-per-row kernel.  Everything that depends only on
+metadata is a cached Plan with packed parameter words; a call allocates its outputs and launches
+once, or twice for a 'mean' gradient over class indices, whose divisor (the summed weights of the
+counted rows) a small launch computes first on the device.  Nothing is read back to the host
+unless `check_targets` asks for it.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import math
+
+import numpy
+
+from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss._pointwise import _RawStream, _ticket
+
+# Flag bits, mirrored from the enum in kernels/rowwise.cu.
+FLAG_INDEX64 = 1
+FLAG_PROB = 2
+FLAG_NLL = 4
+FLAG_GO_DEVICE = 8
+FLAG_GO_ROWS = 16
+FLAG_MEAN_W = 32
+_FIELDS = 5                   # ROW_FIELDS: a row state's accumulators in the group exchange
+_INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """A registered row-wise loss.
+
+    kind: "cross_entropy" (softmax over the class axis) or "nll" (the input holds
+    log-probabilities); arrays: the array arguments in torch's order, those a gradient may be asked
+    for (the target's only when it holds probabilities); options: the keyword options of the
+    public function, in its order.
+    """
+
+    name: str
+    kind: str
+    reductions: tuple = ("none", "mean", "sum")
+    arrays: tuple = ("input", "target")
+    options: tuple = ()
+
+    def loss_shape(self, input_shape: tuple, reduction: str) -> tuple:
+        """The loss's shape: () when reduced, else the input's without its class axis (dim 1)."""
+        if reduction != "none" or len(input_shape) < 2:
+            return ()
+        return (input_shape[0], *input_shape[2:])
+
+
+# The registry of row-wise losses, in the shape of _pointwise.SPECS (name, reductions, arrays,
+# options) plus loss_shape for an adapter's fake tensors.
+SPECS = {
+    "cross_entropy": RowSpec("cross_entropy", "cross_entropy",
+                             options=("weight", "ignore_index", "label_smoothing",
+                                      "lse_square_scale", "softcap", "check_targets")),
+    "nll_loss": RowSpec("nll_loss", "nll", options=("weight", "ignore_index", "check_targets")),
+}
+
+_ROWS_PARAMS = ("x", "t", "w", "go", "denom", "rows", "cols", "x_rs", "t_rs", "go_rs", "g_rs",
+                "flags", "ignore", "eps", "zs", "cap", "go_value", "grad_scale", "tpr", "k",
+                "loss", "lse", "gx", "gt", "value", "partials", "ticket", "divisor", "sync",
+                "exchange")
+_COLS_PARAMS = ("x", "t", "w", "go", "denom", "rows", "cols", "inner", "xn", "xc", "xd", "tn",
+                "tc", "td", "gon", "god", "gn", "gc", "gd", "flags", "ignore", "eps", "zs", "cap",
+                "go_value", "grad_scale", "loss", "lse", "gx", "gt", "value", "partials",
+                "ticket", "divisor")
+_WSUM_PARAMS = ("t", "w", "rows", "cols", "inner", "tn", "td", "flags", "ignore", "out",
+                "partials", "ticket")
+ROWS = _args.Layout([(name, 1) for name in _ROWS_PARAMS])
+COLS = _args.Layout([(name, 1) for name in _COLS_PARAMS])
+WSUM = _args.Layout([(name, 1) for name in _WSUM_PARAMS])
+_ONE = _args.f64_word(1.0)
+
+
+@dataclasses.dataclass
+class Launched:
+    """One kernel of a plan: CUfunction, launch shape, packed words (pointers left zero)."""
+
+    function: int
+    grid: tuple
+    block: tuple
+    shared: int
+    words: array.array
+    slot: dict
+    cooperative: bool = False
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything about a call that depends only on metadata, ready to launch."""
+
+    main: Launched
+    wsum: Launched | None       # class_weight_sum, before a 'mean' gradient over class indices
+    batch_shape: tuple
+    x_shape: tuple
+    t_shape: tuple
+    dtype: numpy.dtype
+    acc: numpy.dtype
+    value: bool                 # allocate the 0-d loss
+    loss: bool                  # allocate the per-row loss (reduction 'none')
+    lse: bool                   # allocate the per-row logsumexp
+    gx: bool                    # allocate the input gradient (unless in place)
+    gt: bool                    # allocate the target gradient (probability targets)
+    inplace: bool
+    scratch: dict               # acc-typed scratch regions: name -> (offset, size)
+    scratch_size: int
+    counters: int               # zeroed uint32 counters (cooperative groups)
+    ticket: bool
+
+
+_PLANS: dict = {}
+_RESIDENT: dict = {}            # (device, kernel name) -> blocks per SM
+
+
+def _resident(name: str, shared: int, device: int) -> int:
+    """Blocks per SM of rowwise.cu kernel `name` with `shared` bytes, from the occupancy API."""
+    key = (device, name, shared)
+    n = _RESIDENT.get(key)
+    if n is None:
+        from cupy_backends.cuda.api import driver
+
+        function = _source.function("rowwise.cu", name).kernel.ptr
+        n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            function, _launch.BLOCK, shared))
+    return n
+
+
+# --- operands ------------------------------------------------------------------------------------
+
+def _target_operand(frame, target):
+    """(Operand, is_index) of a target: int32/int64 class indices, or a floating array."""
+    if frame.name in ("torch", "torch-dlpack"):
+        import torch
+
+        index = {torch.int32: _INDEX_DTYPES[0], torch.int64: _INDEX_DTYPES[1]}.get(target.dtype)
+        if index is None:
+            return frame.operand(target, "target"), False
+        if not target.is_cuda:
+            raise TypeError(f"target is a torch.Tensor on {target.device}; cupyloss runs on "
+                            f"CUDA devices: move it with target.cuda()")
+        return _dispatch.Operand(target.data_ptr(), tuple(target.shape), target.stride(), index,
+                                 target.get_device(), target), True
+    if frame.name == "cupy":
+        view = target
+    else:  # JAX and other DLPack producers: a CuPy view, as their frame makes one
+        if getattr(target, "dtype", None) is not None and \
+                numpy.dtype(target.dtype) not in _INDEX_DTYPES:
+            return frame.operand(target, "target"), False
+        import cupy
+
+        try:
+            device_type, _ = target.__dlpack_device__()
+        except Exception as exc:
+            raise TypeError(f"target ({type(target).__name__}) does not say where its memory "
+                            f"is (__dlpack_device__ failed: {exc})") from None
+        if device_type not in (_dispatch._KDLCUDA, _dispatch._KDLCUDA_MANAGED):
+            raise TypeError(f"target is in DLPack device type {device_type}, not on a CUDA "
+                            f"device; move it to the GPU first")
+        view = cupy.from_dlpack(target)
+    if view.dtype not in _INDEX_DTYPES:
+        return frame.operand(target, "target"), False
+    itemsize = view.dtype.itemsize
+    return _dispatch.Operand(view.data.ptr, view.shape, tuple(s // itemsize for s in view.strides),
+                             view.dtype, view.data.device_id, view), True
+
+
+def _contiguous(frame, op, name):
+    """A C-contiguous copy of `op` (a CuPy array from the caller's allocator) as an Operand."""
+    import cupy
+
+    copy = cupy.ascontiguousarray(frame.cupy_view(op))
+    itemsize = copy.dtype.itemsize
+    return _dispatch.Operand(copy.data.ptr, copy.shape, tuple(s // itemsize for s in copy.strides),
+                             copy.dtype, op.device, copy)
+
+
+def _dense_class_strides(geo) -> tuple:
+    """(n, c, d) strides of a C-contiguous array of the input's shape (the gradient's)."""
+    return (0 if geo.rows == geo.inner else geo.cols * geo.inner, geo.inner if geo.inner > 1 else 1,
+            1 if geo.inner > 1 else 0)
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+def _check_shapes(spec, x, t, is_index):
+    if len(x.shape) == 0:
+        raise ValueError(f"{spec.name} needs an input of shape (C,), (N, C) or (N, C, d1, ...), "
+                         f"got a 0-d input")
+    cols = x.shape[1] if len(x.shape) > 1 else x.shape[0]
+    if cols == 0:
+        raise ValueError(f"{spec.name} needs at least one class, got input shape "
+                         f"{tuple(x.shape)}")
+    if is_index:
+        want = () if len(x.shape) == 1 else (x.shape[0], *x.shape[2:])
+        if tuple(t.shape) != want:
+            raise ValueError(f"Expected target size {list(want)}, got {list(t.shape)} (input "
+                             f"shape {tuple(x.shape)}; class indices have the input's shape "
+                             f"without dim 1)")
+        return
+    if spec.kind == "nll":
+        raise TypeError(f"nll_loss needs class indices (int32 or int64) as target, got dtype "
+                        f"{t.dtype}")
+    if t.dtype != x.dtype:
+        _validate.check_same_dtype(x, t, "input", "target")
+    if tuple(t.shape) != tuple(x.shape):
+        raise ValueError(f"probability targets must have the input's shape {tuple(x.shape)}, "
+                         f"got {tuple(t.shape)}")
+
+
+def _check_weight(w, x, cols):
+    if w.dtype != x.dtype:
+        _validate.check_same_dtype(x, w, "input", "weight")
+    if w.device != x.device:
+        _validate.check_same_device(x, w, "input", "weight")
+    if tuple(w.shape) != (cols,):
+        raise ValueError(f"weight tensor should be defined either for all {cols} classes or no "
+                         f"classes but got weight tensor of shape: {list(w.shape)}")
+
+
+def check_targets(frame, t, cols, ignore_index, stream):
+    """Raise IndexError, as torch on the CPU, if a class index lies outside [0, cols) and is not
+    ignore_index.  Reads a flag back to the host (a synchronisation): opt-in."""
+    import cupy
+
+    with cupy.cuda.Device(t.device), cupy.cuda.Stream.from_external(_RawStream(stream)):
+        v = frame.cupy_view(t)
+        bad = (v != ignore_index) & ((v < 0) | (v >= cols))
+        if bool(bad.any()):
+            raise IndexError(f"Target {int(v[bad].ravel()[0])} is out of bounds.")
+
+
+# --- plans -------------------------------------------------------------------------------------------
+
+def _flags(spec, is_index, t_dtype, go_kind, mean_w) -> int:
+    flags = 0
+    if is_index and t_dtype == _INDEX_DTYPES[1]:
+        flags |= FLAG_INDEX64
+    if not is_index:
+        flags |= FLAG_PROB
+    if spec.kind == "nll":
+        flags |= FLAG_NLL
+    if go_kind == "device":
+        flags |= FLAG_GO_DEVICE
+    elif go_kind == "array":
+        flags |= FLAG_GO_ROWS
+    if mean_w:
+        flags |= FLAG_MEAN_W
+    return flags
+
+
+def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, want_lse, inplace,
+           go_kind, go_strides, x_shape, x_strides, t_shape, t_strides, t_dtype, has_weight,
+           dtype, device) -> Plan:
+    ignore_index, smoothing, zscale, softcap = options
+    info = _dtypes.DTYPES[dtype]
+    acc = info.acc
+    limits = _launch.device_limits(device)
+    geo = _launch.class_geometry(x_shape, x_strides, t_shape, t_strides, not is_index)
+    rows, cols = geo.rows, geo.cols
+    want_g = want_gx or want_gt
+    # The divisor of the 0-d loss: summed weights of counted rows (class indices, 'mean'), the
+    # row count (probabilities, 'mean'), else 1.
+    mean_w = reduction == "mean" and is_index
+    divisor = float(rows) if reduction == "mean" and not is_index else 1.0
+    grad_scale = 1.0 / divisor if divisor else math.nan
+    flags = _flags(spec, is_index, t_dtype, go_kind, mean_w and want_value)
+    common = {"rows": rows, "cols": cols, "flags": flags,
+              "ignore": _args.i64_word(ignore_index), "eps": _args.f64_word(smoothing),
+              "zs": _args.f64_word(zscale), "cap": _args.f64_word(softcap),
+              "go_value": _ONE, "grad_scale": _args.f64_word(grad_scale),
+              "divisor": _args.f64_word(divisor)}
+    go_rs = go_strides or (0, 0)
+    g_strides = geo.x if inplace else _dense_class_strides(geo)
+    scratch: dict = {}
+    size = 0
+
+    def region(name, n):
+        nonlocal size
+        scratch[name] = (size, n)
+        size += n
+
+    counters = 0
+    if geo.contiguous_classes:
+        general = spec.kind == "nll" or not is_index or smoothing != 0.0
+        name = _source.rowwise_name("cross_entropy_rows", info.ctype, general)
+        shared = _launch.ROW_SCRATCH * acc.itemsize
+        cfg = _launch.row_launch(rows, cols, dtype.itemsize, acc.itemsize, want_g,
+                                 spec.kind == "nll" and not want_g, limits,
+                                 _resident(name, shared, device))
+        words = ROWS.template({**common, "x_rs": geo.x[0], "t_rs": geo.t[0], "go_rs": go_rs[0],
+                               "g_rs": g_strides[0], "tpr": cfg.tpr, "k": cfg.k})
+        main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
+                        cfg.shared, words, ROWS.slot, cfg.cooperative)
+        if cfg.cooperative:
+            groups = cfg.grid[0] // cfg.k
+            counters = groups
+            region("exchange", groups * 2 * cfg.k * _FIELDS)
+    else:
+        name = _source.rowwise_name("cross_entropy_cols", info.ctype)
+        shared = _launch.ROW_SCRATCH * acc.itemsize
+        cfg = _launch.thread_per_row_launch(rows, acc.itemsize, limits,
+                                            _resident(name, shared, device))
+        xn, xc, xd = geo.x
+        tn, tc, td = geo.t
+        gn, gc, gd = g_strides
+        words = COLS.template({**common, "inner": geo.inner, "xn": xn, "xc": xc, "xd": xd,
+                               "tn": tn, "tc": tc, "td": td, "gon": go_rs[0], "god": go_rs[1],
+                               "gn": gn, "gc": gc, "gd": gd})
+        main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
+                        cfg.shared, words, COLS.slot)
+    nblocks = main.grid[0]
+    if want_value and nblocks > 1:
+        region("partials", 2 * nblocks)
+    wsum = None
+    if mean_w and want_g:
+        wname = _source.rowwise_name("class_weight_sum", info.ctype)
+        wcfg = _launch.flat_launch(rows, 1, acc.itemsize, limits)
+        wwords = WSUM.template({"rows": rows, "cols": cols, "inner": geo.inner, "tn": geo.t[0],
+                                "td": geo.t[2], "flags": flags & FLAG_INDEX64,
+                                "ignore": _args.i64_word(ignore_index)})
+        wsum = Launched(_source.function("rowwise.cu", wname).kernel.ptr, wcfg.grid, wcfg.block,
+                        wcfg.shared, wwords, WSUM.slot)
+        region("denom", 1)
+        if wcfg.grid[0] > 1:
+            region("wsum_partials", wcfg.grid[0])
+    ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
+    return Plan(main, wsum, geo.batch_shape, tuple(x_shape), tuple(t_shape), dtype, acc,
+                want_value and reduction != "none", want_value and reduction == "none",
+                want_lse, want_gx and not inplace, want_gt, inplace, scratch, size, counters,
+                ticket)
+
+
+def _make_plan(*args) -> Plan:
+    """Build the plan of a call on its device (kernels are loaded per device)."""
+    import cupy
+
+    with cupy.cuda.Device(args[-1]):
+        return _build(*args)
+
+
+# --- running -----------------------------------------------------------------------------------------
+
+def _launch_cooperative(launched: Launched, words: array.array, stream: int) -> None:
+    """cuLaunchCooperativeKernel: every block of the grid resident at once (the groups of blocks
+    that share a row wait for each other)."""
+    from cupy_backends.cuda.api import driver
+
+    base = words.buffer_info()[0]
+    params = array.array("Q", (base + 8 * i for i in range(len(words))))
+    driver.launchCooperativeKernel(launched.function, launched.grid[0], 1, 1, launched.block[0],
+                                   1, 1, launched.shared, stream, params.buffer_info()[0])
+
+
+def _run(plan: Plan, frame, x, t, w, go, go_value, stream):
+    """Allocate the outputs, fill the pointer words, launch.  Returns (value or loss, gx, gt, lse)."""
+    main = plan.main
+    words = array.array("Q", main.words)
+    slot = main.slot
+    words[slot["x"]] = x.ptr
+    words[slot["t"]] = t.ptr
+    if w is not None:
+        words[slot["w"]] = w.ptr
+    if go is not None:
+        words[slot["go"]] = go.ptr
+    elif go_value != 1.0:
+        words[slot["go_value"]] = _args.f64_word(go_value)
+    like = x.array
+    dtype = plan.dtype
+    out = gx = gt = lse = None
+    if plan.value:
+        out, words[slot["value"]] = frame.empty((), dtype, like)
+    elif plan.loss:
+        out, words[slot["loss"]] = frame.empty(plan.batch_shape, dtype, like)
+    if plan.lse:
+        lse, words[slot["lse"]] = frame.empty(plan.batch_shape, plan.acc, like)
+    if plan.inplace:
+        gx, words[slot["gx"]] = x.array, x.ptr
+    elif plan.gx:
+        gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
+    if plan.gt:
+        gt, words[slot["gt"]] = frame.empty(plan.t_shape, dtype, like)
+    ticket = _ticket(x.device, stream) if plan.ticket else 0
+    scratch_ptr = 0
+    if plan.scratch_size:
+        _, scratch_ptr = frame.empty((plan.scratch_size,), plan.acc, like)
+    step = plan.acc.itemsize
+
+    def at(name):
+        return scratch_ptr + step * plan.scratch[name][0]
+
+    if "partials" in plan.scratch:
+        words[slot["partials"]] = at("partials")
+        words[slot["ticket"]] = ticket
+    if "exchange" in plan.scratch:
+        words[slot["exchange"]] = at("exchange")
+        _, words[slot["sync"]] = frame.zeros((plan.counters,), numpy.dtype(numpy.float32), like)
+    if plan.wsum is not None:
+        wwords = array.array("Q", plan.wsum.words)
+        ws = plan.wsum.slot
+        wwords[ws["t"]] = t.ptr
+        if w is not None:
+            wwords[ws["w"]] = w.ptr
+        wwords[ws["out"]] = words[slot["denom"]] = at("denom")
+        if "wsum_partials" in plan.scratch:
+            wwords[ws["partials"]] = at("wsum_partials")
+            wwords[ws["ticket"]] = ticket
+        _args.launch(plan.wsum.function, plan.wsum.grid, plan.wsum.block, plan.wsum.shared,
+                     stream, wwords)
+    if main.cooperative:
+        _launch_cooperative(main, words, stream)
+    else:
+        _args.launch(main.function, main.grid, main.block, main.shared, stream, words)
+    result = frame.result
+    return [None if a is None else result(a) for a in (out, gx, gt, lse)]
+
+
+def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ignore_index=-100,
+             label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0, check=False,
+             want_value=True, wrt=(), grad_output=1.0, inplace=False, want_lse=False):
+    """[loss or None, input gradient or None, target gradient or None, lse or None] of one call.
+
+    wrt: the names ("input", "target") whose gradients are written.  Arrays come from and go
+    back to the caller's framework (see _dispatch).
+    """
+    frame = _dispatch.frame_of(input, "input")
+    other = _dispatch.frame_of(target, "target")
+    if other is not frame:
+        _dispatch.check_same_frame(frame, other, input, target, "input", "target")
+    x = frame.operand(input, "input")
+    t, is_index = _target_operand(frame, target)
+    _check_shapes(spec, x, t, is_index)
+    dtype, device = x.dtype, x.device
+    if t.device != device:
+        _validate.check_same_device(x, t, "input", "target")
+    cols = x.shape[1] if len(x.shape) > 1 else x.shape[0]
+    w = None
+    if weight is not None:
+        if _dispatch.frame_of(weight, "weight") is not frame:
+            _dispatch.check_same_frame(frame, _dispatch.frame_of(weight, "weight"), input,
+                                       weight, "input", "weight")
+        w = frame.operand(weight, "weight")
+        _check_weight(w, x, cols)
+    if reduction not in spec.reductions:
+        _reduction.check_reduction(reduction, spec.reductions)
+    smoothing = float(label_smoothing)
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    softcap = float(softcap)
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap must be > 0 (or 0 for none), got {softcap}")
+    zscale = float(lse_square_scale)
+    for name in wrt:
+        if name not in spec.arrays:
+            raise ValueError(f"wrt names {name!r}; {spec.name} takes 'input' or 'target'")
+    want_gx, want_gt = "input" in wrt, "target" in wrt
+    if want_gt and is_index:
+        raise ValueError(f"target holds class indices ({t.dtype}): it has no gradient; ask for "
+                         f"wrt='input'")
+    if inplace:
+        if not want_gx:
+            raise ValueError("inplace=True writes the input's gradient, but wrt does not name "
+                             "'input'")
+        if frame.name not in ("cupy", "torch", "torch-dlpack"):
+            raise ValueError(f"inplace=True writes into the input's memory; {frame.name} arrays "
+                             f"are immutable")
+        if any(s == 0 and n > 1 for n, s in zip(x.shape, x.strides)):
+            raise ValueError(f"inplace=True needs an input whose elements are distinct in memory, "
+                             f"got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
+    go_kind, go_value, go = "host", 1.0, None
+    go_strides = None
+    if wrt:
+        if type(grad_output) is float or type(grad_output) is int:
+            go_value = float(grad_output)
+        else:
+            go = _validate.check_grad_output(frame, grad_output, dtype, device)
+            if isinstance(go, float):
+                go_value, go = go, None
+            else:
+                go_kind = "device" if go.shape == () else "array"
+                if go_kind == "array":
+                    _validate.check_grad_output_shape(go.shape, spec.loss_shape(x.shape, "none"),
+                                                      reduction)
+                    go_strides = _go_strides(go)
+    stream = frame.stream(device)
+    if check and is_index:
+        check_targets(frame, t, cols, int(ignore_index), stream)
+    options = (int(ignore_index), smoothing if spec.kind != "nll" else 0.0,
+               zscale if spec.kind != "nll" else 0.0, softcap if spec.kind != "nll" else 0.0)
+    key = (spec.name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse,
+           inplace, go_kind, go_strides, x.shape, x.strides, t.shape, t.strides, t.dtype,
+           w is not None and w.strides, dtype, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx,
+                             want_gt, want_lse, inplace, go_kind, go_strides, x, t, w, dtype,
+                             device)
+    if plan is None or _current_device() != device:
+        return _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index,
+                         options, want_value, want_gx, want_gt, want_lse, inplace, go_kind)
+    return _run(plan, frame, x, t, w, go, go_value, stream)
+
+
+def _go_strides(go):
+    """(n, d) strides of a reduction='none' grad_output, or None if its dims do not merge."""
+    if len(go.shape) == 0:
+        return (0, 0)
+    d = _launch.merged_stride(go.shape[1:], go.strides[1:])
+    return None if d is None else (go.strides[0] if go.shape[0] > 1 else 0, d)
+
+
+def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, want_gt,
+                  want_lse, inplace, go_kind, go_strides, x, t, w, dtype, device):
+    """The cached plan for `key`, or None when an operand needs a contiguous copy first."""
+    if (_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None
+            or (w is not None and w.strides != (1,) and w.shape[0] > 1)
+            or (go_kind == "array" and go_strides is None)):
+        return None
+    plan = _PLANS[key] = _make_plan(spec, reduction, is_index, options, want_value, want_gx,
+                                    want_gt, want_lse, inplace, go_kind, go_strides, x.shape,
+                                    x.strides, t.shape, t.strides, t.dtype, w is not None, dtype,
+                                    device)
+    return plan
+
+
+def _current_device():
+    import cupy
+
+    global _current_device
+    _current_device = cupy.cuda.runtime.getDevice
+    return _current_device()
+
+
+def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, options,
+              want_value, want_gx, want_gt, want_lse, inplace, go_kind):
+    """Calls off the hot path: another current device, or operands that need contiguous copies
+    (made by CuPy on the caller's stream, with the caller's allocator)."""
+    import cupy
+
+    device = x.device
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_RawStream(stream)), \
+            frame.scratch_allocator():
+        if _launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None:
+            if inplace:
+                raise ValueError(f"inplace=True needs an input whose dims after the class axis "
+                                 f"merge into one stride, got strides {tuple(x.strides)} for "
+                                 f"shape {tuple(x.shape)}")
+            original = x
+            x = _contiguous(frame, x, "input")
+            x.array, x_copy = original.array, x.array  # outputs are allocated like the input
+            t = _contiguous(frame, t, "target")
+        else:
+            x_copy = None
+        if w is not None and w.strides != (1,) and w.shape[0] > 1:
+            w = _contiguous(frame, w, "weight")
+        go_strides = None
+        if go_kind == "array":
+            go_strides = _go_strides(go)
+            if go_strides is None:
+                go = _contiguous(frame, go, "grad_output")
+                go_strides = _go_strides(go)
+        plan = _make_plan(spec, reduction, is_index, options, want_value, want_gx, want_gt,
+                          want_lse, inplace, go_kind, go_strides, x.shape, x.strides, t.shape,
+                          t.strides, t.dtype, w is not None, x.dtype, device)
+        result = _run(plan, frame, x, t, w, go, go_value, stream)
+        del x_copy
+        return result

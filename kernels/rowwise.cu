@@ -1,0 +1,743 @@
+// Row-wise losses: cross entropy and nll_loss along a class axis, the loss and the gradient of the
+// logits from one read of the logits.
+//
+// One row is the C class scores of one sample (or of one spatial position of a sample).  With
+// logits x_c, class weights w_c (1 without a weight), label smoothing eps and z-loss scale zs:
+//
+//   z_c = softcap * tanh(x_c / softcap) with a softcap, else x_c;   dz_c/dx_c = 1 - (z_c/softcap)^2
+//   M = max_c z_c,   S = sum_c exp(z_c - M),   lse = M + log S,   p_c = exp(z_c - lse)
+//
+// class-index target y (ignored when y == ignore_index: loss 0, gradient 0):
+//   loss = (1 - eps) w_y (lse - z_y) + (eps / C) sum_c w_c (lse - z_c) + zs lse^2
+//   dloss/dz_c = K p_c - (1 - eps) w_y [c == y] - (eps / C) w_c,
+//                K = (1 - eps) w_y + (eps / C) sum_c w_c + 2 zs lse
+// probability target t_c, with t'_c = (1 - eps) t_c + eps / C and u_c = w_c t'_c:
+//   loss = sum_c u_c (lse - z_c) + zs lse^2
+//   dloss/dz_c = K p_c - u_c,  K = sum_c u_c + 2 zs lse;   dloss/dt_c = (1 - eps) w_c (lse - z_c)
+// nll_loss (x holds log-probabilities; no softmax, no smoothing, no softcap):
+//   loss = -w_y x_y,   dloss/dx_c = -w_y [c == y]
+// A class index outside [0, C) that is not ignore_index is never used as an address: the row's
+// weight w_y is NaN, so its loss and its whole gradient row are NaN (and a 'mean' over summed
+// weights is NaN).
+//
+// A row's softmax state is the tuple (m, s, a, b, t) over the elements seen so far:
+//   m = max z,  s = sum exp(z - m),  a = sum u (m - z),  b = sum u,  t = z_y (one contributor)
+// so that sum_c u_c (lse - z_c) = b log S + a.  Every term of a and of log S is >= 0: nothing
+// cancels, however large lse and z are.  States of disjoint parts merge exactly, as online softmax:
+//   M = max(m1, m2),  s = s1 e^(m1 - M) + s2 e^(m2 - M),  a = (a1 + b1 (M - m1)) + (a2 + b2 (M - m2))
+// The merge is symmetric bitwise, so the shuffle butterflies leave every lane the same state.  An
+// element z = -inf adds 0 to s and u * inf to a (0 * -inf is NaN, as torch's t * log_softmax is).
+//
+// Kernels:
+//   cross_entropy_rows   classes contiguous.  A team of tpr threads (8..256, from the table in
+//                        cupyloss/_launch.py) takes a row; each thread holds ROW_VECS 16-byte
+//                        vectors of it in registers, so the gradient is written from registers
+//                        after one read.  A row longer than a block's registers is split over k
+//                        blocks of one cooperative launch that exchange their states through global
+//                        memory (a counter per group, no float atomics); past k blocks' registers a
+//                        row is streamed twice (tiles).
+//   cross_entropy_cols   any strides (the class axis at dim 1 of (N, C, d1, ...)): a thread per
+//                        row; adjacent threads read adjacent positions, so loads coalesce.
+//   class_weight_sum     the 'mean' divisor sum_r w_{y_r} over counted rows, a launch before a
+//                        gradient launch that needs it (the gradient is scaled by it).
+// Indices are 64-bit; the 0-d loss is finished in the same launch (last-block ticket).
+#include "common.cuh"
+
+namespace cupyloss {
+
+enum : long long {
+    ROW_INDEX64 = 1,      // class-index targets are int64 (else int32)
+    ROW_PROB = 2,         // targets are probabilities shaped like the input
+    ROW_NLL = 4,          // nll_loss: the input holds log-probabilities
+    ROW_GO_DEVICE = 8,    // grad_output is read from go[0]
+    ROW_GO_ROWS = 16,     // grad_output is read per row (reduction 'none')
+    ROW_MEAN_W = 32,      // the 0-d loss is divided by the summed weights of the counted rows
+};
+
+constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_launch.ROW_VECS)
+constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
+constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
+
+__device__ __forceinline__ float neg_inf(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double neg_inf(double) {
+    return __longlong_as_double((long long)0xfff0000000000000ull);
+}
+__device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fffffff); }
+__device__ __forceinline__ double quiet_nan(double) {
+    return __longlong_as_double(0x7ff8000000000000ll);
+}
+__device__ __forceinline__ float ex(float v) { return expf(v); }
+__device__ __forceinline__ double ex(double v) { return exp(v); }
+__device__ __forceinline__ float lg(float v) { return logf(v); }
+__device__ __forceinline__ double lg(double v) { return log(v); }
+__device__ __forceinline__ float th(float v) { return tanhf(v); }
+__device__ __forceinline__ double th(double v) { return tanh(v); }
+__device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
+
+template <typename A>
+struct RowStat {
+    A m, s, a, b, t;
+};
+
+template <typename A>
+__device__ __forceinline__ RowStat<A> empty_stat() {
+    return {neg_inf(A(0)), A(0), A(0), A(0), A(0)};
+}
+
+// s e^(m - M): nothing when s == 0 (an empty or all -inf part, whose m may be -inf like M).
+template <typename A>
+__device__ __forceinline__ A rescaled(A s, A m, A M) { return s == A(0) ? A(0) : s * ex(m - M); }
+
+// b (M - m): nothing when the part is empty or all -inf (its a already holds u * inf terms).
+template <typename A>
+__device__ __forceinline__ A shifted(A b, A m, A M) {
+    return (b == A(0) || m == neg_inf(A(0))) ? A(0) : b * (M - m);
+}
+
+template <typename A>
+__device__ __forceinline__ A exp_from(A z, A m) { return z == neg_inf(A(0)) ? A(0) : ex(z - m); }
+
+template <typename A>
+__device__ __forceinline__ A dist_to(A m, A z) { return z == neg_inf(A(0)) ? -neg_inf(A(0)) : m - z; }
+
+template <typename A>
+__device__ __forceinline__ RowStat<A> merge(const RowStat<A>& x, const RowStat<A>& o) {
+    RowStat<A> r;
+    r.m = amax(x.m, o.m);
+    r.s = rescaled(x.s, x.m, r.m) + rescaled(o.s, o.m, r.m);
+    r.a = (x.a + shifted(x.b, x.m, r.m)) + (o.a + shifted(o.b, o.m, r.m));
+    r.b = x.b + o.b;
+    r.t = x.t + o.t;
+    return r;
+}
+
+// Move the state's reference max to mb >= m.
+template <typename A>
+__device__ __forceinline__ void rebase(RowStat<A>& st, A mb) {
+    st.s = rescaled(st.s, st.m, mb);
+    st.a = st.a + shifted(st.b, st.m, mb);
+    st.m = mb;
+}
+
+template <typename A>
+__device__ __forceinline__ void push(RowStat<A>& st, A z, A u, bool track) {
+    if (z > st.m) rebase(st, z);
+    st.s += exp_from(z, st.m);
+    if (track) {
+        st.a += u * dist_to(st.m, z);
+        st.b += u;
+    }
+}
+
+template <typename A>
+__device__ __forceinline__ RowStat<A> shfl_xor(const RowStat<A>& v, int o) {
+    return {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o),
+            __shfl_xor_sync(0xffffffffu, v.a, o), __shfl_xor_sync(0xffffffffu, v.b, o),
+            __shfl_xor_sync(0xffffffffu, v.t, o)};
+}
+
+template <typename A>
+__device__ __forceinline__ void store_stat(A* p, const RowStat<A>& v) {
+    p[0] = v.m; p[1] = v.s; p[2] = v.a; p[3] = v.b; p[4] = v.t;
+}
+
+template <typename A>
+__device__ __forceinline__ RowStat<A> load_stat(const A* p) {
+    return {p[0], p[1], p[2], p[3], p[4]};
+}
+
+template <typename A>
+__device__ __forceinline__ RowStat<A> load_stat_cg(const A* p) {  // written by other blocks
+    return {__ldcg(p), __ldcg(p + 1), __ldcg(p + 2), __ldcg(p + 3), __ldcg(p + 4)};
+}
+
+// The merged state of each team of tpr consecutive threads, in every thread of the team.  Every
+// thread of the block calls it.  Within a warp a fixed butterfly; across the warps of a team the
+// warps' states in warp order.  scratch: [8 warps][ROW_FIELDS].
+template <typename A>
+__device__ __forceinline__ RowStat<A> team_merge(RowStat<A> v, int tpr, A* scratch) {
+    const int width = tpr < 32 ? tpr : 32;
+    for (int o = width >> 1; o > 0; o >>= 1) v = merge(v, shfl_xor(v, o));
+    if (tpr <= 32) {
+        __syncwarp();  // the team's loads of this row precede any lane's stores (in-place)
+        return v;
+    }
+    const int warp = threadIdx.x >> 5;
+    __syncthreads();  // scratch may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) store_stat(scratch + warp * ROW_FIELDS, v);
+    __syncthreads();
+    const int per_team = tpr >> 5;
+    const int first = warp / per_team * per_team;
+    RowStat<A> r = load_stat(scratch + first * ROW_FIELDS);
+    for (int w = first + 1; w < first + per_team; ++w)
+        r = merge(r, load_stat(scratch + w * ROW_FIELDS));
+    return r;
+}
+
+// The merged state of the k blocks that share a row (a cooperative launch, so all are resident).
+// Block `member` publishes its state in exchange[parity][member], counts itself in *counter and
+// waits until all k have, then every block merges the k states in member order: the same result
+// in every block.  exchange is double-buffered by row parity: a block can be at most one row ahead
+// of the slowest, so the buffer it writes was read by all.  `it` counts this group's rows.
+template <typename A>
+__device__ __forceinline__ RowStat<A> group_merge(const RowStat<A>& v, A* exchange,
+                                                  unsigned int* counter, int k, int member,
+                                                  long long it) {
+    A* slot = exchange + (it & 1) * k * ROW_FIELDS;
+    if (threadIdx.x == 0) {
+        store_stat(slot + member * ROW_FIELDS, v);
+        __threadfence();
+        atomicInc(counter, 0xffffffffu);  // + 1 (an integer count: no float atomics)
+        const unsigned int target = (unsigned int)((it + 1) * k);
+        while (*reinterpret_cast<volatile unsigned int*>(counter) < target) __nanosleep(32);
+        __threadfence();
+    }
+    __syncthreads();
+    RowStat<A> r = load_stat_cg(slot);
+    for (int j = 1; j < k; ++j) r = merge(r, load_stat_cg(slot + j * ROW_FIELDS));
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ long long read_index(const void* p, long long off, bool idx64) {
+    return idx64 ? static_cast<const long long*>(p)[off]
+                 : (long long)static_cast<const int*>(p)[off];
+}
+
+// What every row of a launch shares.
+template <typename A>
+struct RowArgs {
+    bool prob, nll, idx64, smooth, track, zloss;
+    A eps, one_minus_eps, eps_c, cap, zs;
+    long long ignore_index, cols;
+};
+
+template <typename A>
+__device__ __forceinline__ RowArgs<A> row_args(long long flags, long long ignore_index,
+                                               double smoothing, double zscale, double softcap,
+                                               long long cols) {
+    RowArgs<A> ra;
+    ra.prob = (flags & ROW_PROB) != 0;
+    ra.nll = (flags & ROW_NLL) != 0;
+    ra.idx64 = (flags & ROW_INDEX64) != 0;
+    ra.eps = A(smoothing);
+    ra.one_minus_eps = A(1) - ra.eps;
+    ra.eps_c = ra.eps / A(cols);
+    ra.smooth = smoothing != 0.0 && !ra.nll;
+    ra.track = ra.prob || ra.smooth;
+    ra.cap = A(softcap);
+    ra.zs = A(zscale);
+    ra.zloss = zscale != 0.0;
+    ra.ignore_index = ignore_index;
+    ra.cols = cols;
+    return ra;
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ A zval(T raw, const RowArgs<A>& ra) {
+    const A v = to_acc(raw);
+    return ra.cap > A(0) ? ra.cap * th(v / ra.cap) : v;
+}
+
+// u_c: the weight of (lse - z_c) in the loss (w_c for smoothing, w_c t'_c for probabilities).
+template <typename T, typename A>
+__device__ __forceinline__ A elem_u(const T* __restrict__ weight, int c, A tv,
+                                    const RowArgs<A>& ra) {
+    const A w = weight != nullptr ? to_acc(weight[c]) : A(1);
+    return ra.prob ? w * (ra.one_minus_eps * tv + ra.eps_c) : w;
+}
+
+// One row's target: the class index and its weight.
+template <typename A>
+struct RowTarget {
+    long long y;
+    bool ignored, oor;
+    A wy;
+};
+
+template <typename T, typename A>
+__device__ __forceinline__ RowTarget<A> row_target(const void* tgt, long long off,
+                                                   const T* __restrict__ weight,
+                                                   const RowArgs<A>& ra) {
+    RowTarget<A> rt{-1, false, false, A(1)};
+    if (ra.prob) return rt;
+    rt.y = read_index<T>(tgt, off, ra.idx64);
+    rt.ignored = rt.y == ra.ignore_index;
+    rt.oor = !rt.ignored && (rt.y < 0 || rt.y >= ra.cols);
+    rt.wy = rt.ignored ? A(0)
+          : rt.oor ? quiet_nan(A(0))
+          : weight != nullptr ? to_acc(weight[rt.y]) : A(1);
+    return rt;
+}
+
+// A row's loss and the factors of its gradient, from its merged state.
+template <typename A>
+struct RowResult {
+    A loss, lse, log_s, m, k, g;
+};
+
+template <typename A>
+__device__ __forceinline__ RowResult<A> finalize(const RowStat<A>& st, const RowTarget<A>& rt,
+                                                 const RowArgs<A>& ra) {
+    RowResult<A> o;
+    o.m = st.m;
+    o.log_s = lg(st.s);
+    o.lse = st.m + o.log_s;
+    o.g = A(0);
+    const A z2 = ra.zloss ? ra.zs * o.lse * o.lse : A(0);
+    const A dz2 = ra.zloss ? A(2) * ra.zs * o.lse : A(0);
+    if (ra.nll) {
+        o.loss = rt.ignored ? A(0) : -rt.wy * st.t;
+        o.k = A(0);
+    } else if (ra.prob) {
+        o.loss = st.b * o.log_s + st.a + z2;
+        o.k = st.b + dz2;
+    } else {
+        A loss = ra.one_minus_eps * rt.wy * (o.log_s + (st.m - st.t));
+        A k = ra.one_minus_eps * rt.wy + dz2;
+        if (ra.smooth) {
+            loss += ra.eps_c * (st.b * o.log_s + st.a);
+            k += ra.eps_c * st.b;
+        }
+        o.loss = rt.ignored ? A(0) : loss + z2;
+        o.k = k;
+    }
+    return o;
+}
+
+// dloss/dz_c dz_c/dx_c times the row's upstream gradient g (o.g) of a counted cross-entropy row;
+// tv, w: t_c and w_c where used.
+template <typename A>
+__device__ __forceinline__ A grad_input(A z, int c, A tv, A w, const RowResult<A>& o,
+                                        const RowTarget<A>& rt, const RowArgs<A>& ra) {
+    const A p = ex(z - o.lse);
+    A corr;
+    if (ra.prob) {
+        corr = w * (ra.one_minus_eps * tv + ra.eps_c);
+    } else {
+        corr = c == rt.y ? ra.one_minus_eps * rt.wy : A(0);
+        if (ra.smooth) corr += ra.eps_c * w;
+    }
+    A gz = o.g * (o.k * p - corr);
+    if (ra.cap > A(0)) {
+        const A q = z / ra.cap;
+        gz *= A(1) - q * q;
+    }
+    return gz;
+}
+
+// dloss/dt_c times g (probability targets).
+template <typename A>
+__device__ __forceinline__ A grad_target(A z, A w, const RowResult<A>& o, const RowArgs<A>& ra) {
+    return o.g * ra.one_minus_eps * w * (o.log_s + dist_to(o.m, z));
+}
+
+// The 0-d loss, value[0] = L / D: L sums every thread's `loss`; D is denom[0] when given, else
+// the sum of every thread's `wsum` under ROW_MEAN_W, else `divisor`.  Several blocks leave
+// partials [2, nblocks]; the block that draws the last ticket adds them in block order.  Every
+// thread of the block calls it.
+template <typename T>
+__device__ __forceinline__ void finish_value(acc_t<T> loss, acc_t<T> wsum, T* __restrict__ value,
+                                             const acc_t<T>* __restrict__ denom, bool mean_w,
+                                             double divisor, acc_t<T>* __restrict__ partials,
+                                             unsigned int* __restrict__ ticket,
+                                             acc_t<T>* scratch) {
+    using A = acc_t<T>;
+    if (value == nullptr) return;
+    const long long nblocks = gridDim.x;
+    A l = block_sum(loss, scratch);
+    A w = block_sum(wsum, scratch);
+    if (nblocks > 1) {
+        A* flag = scratch + ROW_SCRATCH - 1;
+        if (threadIdx.x == 0) {
+            partials[blockIdx.x] = l;
+            partials[nblocks + blockIdx.x] = w;
+            __threadfence();
+            const bool last = atomicInc(ticket, (unsigned int)(nblocks - 1))
+                              == (unsigned int)(nblocks - 1);
+            *flag = last ? A(1) : A(0);
+        }
+        __syncthreads();
+        if (*flag == A(0)) return;
+        __threadfence();
+        A pl = A(0), pw = A(0);
+        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x) {
+            pl += __ldcg(partials + j);
+            pw += __ldcg(partials + nblocks + j);
+        }
+        l = block_sum(pl, scratch);
+        w = block_sum(pw, scratch);
+    }
+    if (threadIdx.x == 0) {
+        const A d = denom != nullptr ? denom[0] : mean_w ? w : A(divisor);
+        value[0] = from_acc<T>(l / d);
+    }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> load16(const T* p, bool keep) {
+    const int4 raw = keep ? __ldcg(reinterpret_cast<const int4*>(p))
+                          : __ldcs(reinterpret_cast<const int4*>(p));
+    return *reinterpret_cast<const Vec<T, VEC>*>(&raw);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> load_any(const T* p, bool vec) {
+    if (vec) return load16<T, VEC>(p, false);
+    Vec<T, VEC> v;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) v.v[e] = p[e];
+    return v;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_any(T* p, const acc_t<T> (&g)[VEC], bool vec) {
+    Vec<T, VEC> v;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
+    if (vec) {
+        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+    } else {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) p[e] = v.v[e];
+    }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// Classes contiguous: a team of tpr threads per row, or k blocks per row (see the file comment).
+// Rows go to teams in a grid-stride loop that every thread of a block runs the same number of
+// times (inactive teams take part in the block's merges).  GENERAL: probability targets, label
+// smoothing or nll_loss; otherwise class-index cross entropy alone, with fewer live registers.
+// Indices within a row are 32-bit (cols < 2^31, checked on the host); row offsets are 64-bit.
+// At most 128 registers a thread: two blocks per SM overlap one row's loads with another's stores.
+template <typename T, bool GENERAL>
+__global__ void __launch_bounds__(256, 2) cross_entropy_rows(
+        const T* x,                          // [rows, cols]: row r at x + r * x_rs
+        const void* tgt,                     // int32/int64 [rows] at r * t_rs, or T probabilities
+                                             // [rows, cols] with row r at r * t_rs
+        const T* __restrict__ weight,        // [cols] or null
+        const T* __restrict__ go,            // [rows] at r * go_rs, [1], or unused
+        const acc_t<T>* __restrict__ denom,  // [1] summed weights for a 'mean' gradient, or null
+        const long long rows, const long long cols,
+        const long long x_rs, const long long t_rs, const long long go_rs, const long long g_rs,
+        const long long flags, const long long ignore_index,
+        const double smoothing, const double zscale, const double softcap,
+        const double go_value, const double grad_scale,
+        const long long tpr,                 // threads per row: a power of two, 8..blockDim.x
+        const long long k,                   // blocks per row; > 1 only with tpr == blockDim.x
+        T* __restrict__ loss,                // [rows] or null
+        acc_t<T>* __restrict__ lse,          // [rows] or null
+        T* gx,                               // [rows, cols] at r * g_rs (may be x), or null
+        T* __restrict__ gt,                  // [rows, cols] contiguous, or null
+        T* __restrict__ value,               // [1] or null
+        acc_t<T>* __restrict__ partials,     // [2, gridDim.x] when value and gridDim.x > 1
+        unsigned int* __restrict__ ticket,
+        const double divisor,
+        unsigned int* __restrict__ sync,     // [gridDim.x / k] zeroed counters when k > 1
+        acc_t<T>* __restrict__ exchange) {   // [gridDim.x / k, 2, k, ROW_FIELDS] when k > 1
+    using A = acc_t<T>;
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int NV = ROW_VECS;
+    extern __shared__ unsigned char smem_raw[];
+    A* scratch = reinterpret_cast<A*>(smem_raw);  // [ROW_SCRATCH]
+
+    RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, cols);
+    if (!GENERAL) ra.prob = ra.nll = ra.smooth = ra.track = false;
+    const bool want_g = gx != nullptr || gt != nullptr;
+    const bool go_rows = (flags & ROW_GO_ROWS) != 0;
+    const bool mean_w = (flags & ROW_MEAN_W) != 0;
+    A g_all = A(0);
+    if (want_g && !go_rows) {
+        g_all = ((flags & ROW_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+        if (denom != nullptr) g_all /= denom[0];
+    }
+    const int ncols = (int)cols;
+    const int t = (int)tpr;
+    const int lane = threadIdx.x & (t - 1);
+    const int kk = (int)k;
+    const int teams = kk > 1 ? 1 : blockDim.x / t;
+    const int team = kk > 1 ? 0 : threadIdx.x / t;
+    const int member = kk > 1 ? blockIdx.x % kk : 0;
+    const long long unit = kk > 1 ? blockIdx.x / kk : blockIdx.x;
+    const long long units = kk > 1 ? gridDim.x / kk : gridDim.x;
+    const int span = t * NV;  // vectors of a tile
+    A lacc = A(0), wacc = A(0);
+
+    long long it = 0;
+    for (long long r0 = unit * teams; r0 < rows; r0 += units * teams, ++it) {
+        const long long r = r0 + team;
+        const bool active = r < rows;
+        const T* xr = x + (active ? r : 0) * x_rs;
+        const T* tr = ra.prob ? static_cast<const T*>(tgt) + (active ? r : 0) * t_rs : nullptr;
+        RowTarget<A> rt{-1, false, false, A(1)};
+        if (active) rt = row_target<T, A>(tgt, r * t_rs, weight, ra);
+        const bool read = active && !ra.nll && !(rt.ignored && lse == nullptr);
+
+        // The row as head scalars (up to the first 16-byte boundary), vectors, tail scalars; this
+        // block's share of the vectors is [v0, v1), the head goes to member 0, the tail to k - 1.
+        const int mis = (int)((reinterpret_cast<unsigned long long>(xr) & 15ull) / sizeof(T));
+        const int h = mis ? min(ncols, VEC - mis) : 0;
+        const int nv = (ncols - h) / VEC;
+        const int tail = ncols - h - nv * VEC;
+        const int cv = (nv + kk - 1) / kk;
+        const int v0 = min(nv, member * cv);
+        const int v1 = min(nv, v0 + cv);
+        const int ntiles = (v1 - v0 + span - 1) / span;
+        const bool has_head = member == 0 && lane < h;
+        const bool has_tail = member == kk - 1 && lane < tail;
+        const int c_tail = h + nv * VEC + lane;
+        const bool t_vec = ra.prob && aligned16(tr + h);
+
+        RowStat<A> st = empty_stat<A>();
+        Vec<T, VEC> xv[NV];
+        T xh = T(), xt = T();
+        if (read) {
+            if (has_head) {
+                xh = xr[lane];
+                push(st, zval(xh, ra),
+                     ra.track ? elem_u<T, A>(weight, lane, ra.prob ? to_acc(tr[lane]) : A(0), ra)
+                              : A(0), ra.track);
+            }
+            if (has_tail) {
+                xt = xr[c_tail];
+                push(st, zval(xt, ra),
+                     ra.track ? elem_u<T, A>(weight, c_tail, ra.prob ? to_acc(tr[c_tail]) : A(0),
+                                             ra) : A(0), ra.track);
+            }
+            for (int ti = 0; ti < ntiles; ++ti) {
+                const int vb = v0 + ti * span + lane;
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int j = vb + i * t;
+                    if (j < v1) xv[i] = load16<T, VEC>(xr + h + j * VEC, ntiles > 1);
+                }
+                // Vector by vector: rebase on a new max (softcap is increasing, so the max of z
+                // is the softcap of the max of x), then add the vector's terms.
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int j = vb + i * t;
+                    if (j >= v1) continue;
+                    A vmax = to_acc(xv[i].v[0]);
+                    #pragma unroll
+                    for (int e = 1; e < VEC; ++e) vmax = amax(vmax, to_acc(xv[i].v[e]));
+                    const A zmax = ra.cap > A(0) ? ra.cap * th(vmax / ra.cap) : vmax;
+                    if (zmax > st.m) rebase(st, zmax);
+                    Vec<T, VEC> tv;
+                    if (ra.prob) tv = load_any<T, VEC>(tr + h + j * VEC, t_vec);
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        const A z = zval(xv[i].v[e], ra);
+                        st.s += exp_from(z, st.m);
+                        if (ra.track) {
+                            const A u = elem_u<T, A>(weight, h + j * VEC + e,
+                                                     ra.prob ? to_acc(tv.v[e]) : A(0), ra);
+                            st.a += u * dist_to(st.m, z);
+                            st.b += u;
+                        }
+                    }
+                }
+            }
+        }
+        // z_y from one thread (the group's first block), read before any block of the row stores.
+        if (active && lane == 0 && member == 0 && !ra.prob && !rt.ignored && !rt.oor)
+            st.t = ra.nll ? to_acc(xr[rt.y]) : zval(xr[rt.y], ra);
+        st = team_merge(st, t, scratch);
+        if (kk > 1) {
+            st = group_merge(st, exchange + unit * 2 * kk * ROW_FIELDS, sync + unit, kk, member,
+                             it);
+        }
+        RowResult<A> o = finalize(st, rt, ra);
+
+        if (active && lane == 0 && member == 0) {
+            if (loss != nullptr) loss[r] = from_acc<T>(o.loss);
+            if (lse != nullptr) lse[r] = o.lse;
+            lacc += o.loss;
+            if (mean_w && !rt.ignored) wacc += rt.wy;
+        }
+        if (!want_g || !active) continue;
+
+        o.g = go_rows ? to_acc(go[r * go_rs]) * A(grad_scale) : g_all;
+        T* gr = gx != nullptr ? gx + r * g_rs : nullptr;
+        T* gtr = gt != nullptr ? gt + r * cols : nullptr;
+        const bool g_vec = gr != nullptr && aligned16(gr + h);
+        if (ra.nll || rt.ignored) {
+            // No softmax: 0 everywhere (NaN for an out-of-range nll target), -w_y g at y.
+            const A fill = rt.oor ? quiet_nan(A(0)) : A(0);
+            const A at_y = rt.ignored ? A(0) : -rt.wy * o.g;
+            if (has_head) gr[lane] = from_acc<T>(lane == rt.y ? at_y : fill);
+            if (has_tail) gr[c_tail] = from_acc<T>(c_tail == rt.y ? at_y : fill);
+            for (int j = v0 + lane; j < v1; j += t) {
+                const int c0 = h + j * VEC;
+                A gi[VEC];
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) gi[e] = c0 + e == rt.y ? at_y : fill;
+                store_any<T, VEC>(gr + c0, gi, g_vec);
+            }
+            continue;
+        }
+        const bool gt_vec = gtr != nullptr && aligned16(gtr + h);
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            if (s == 0 ? !has_head : !has_tail) continue;
+            const int c = s == 0 ? lane : c_tail;
+            const A z = zval(s == 0 ? xh : xt, ra);
+            const A w = weight != nullptr && ra.track ? to_acc(weight[c]) : A(1);
+            const A tv = ra.prob ? to_acc(tr[c]) : A(0);
+            if (gr != nullptr) gr[c] = from_acc<T>(grad_input(z, c, tv, w, o, rt, ra));
+            if (gtr != nullptr) gtr[c] = from_acc<T>(grad_target(z, w, o, ra));
+        }
+        for (int ti = 0; ti < ntiles; ++ti) {
+            const int vb = v0 + ti * span + lane;
+            if (ntiles > 1) {
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int j = vb + i * t;
+                    if (j < v1) xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int j = vb + i * t;
+                if (j >= v1) continue;
+                const int c0 = h + j * VEC;
+                Vec<T, VEC> tv;
+                if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
+                A gi[VEC];
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
+                    gi[e] = grad_input(zval(xv[i].v[e], ra), c0 + e,
+                                       ra.prob ? to_acc(tv.v[e]) : A(0), w, o, rt, ra);
+                }
+                if (gr != nullptr) store_any<T, VEC>(gr + c0, gi, g_vec);
+                if (GENERAL && gtr != nullptr) {
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
+                        gi[e] = grad_target(zval(xv[i].v[e], ra), w, o, ra);
+                    }
+                    store_any<T, VEC>(gtr + c0, gi, gt_vec);
+                }
+            }
+        }
+    }
+    finish_value<T>(lacc, wacc, value, denom, mean_w, divisor, partials, ticket, scratch);
+}
+
+// Any strides: row r = (n, d) of an input viewed as [N, C, inner]; a thread per row, classes
+// walked with stride xc.  The gradient re-reads the row (adjacent threads share cache lines).
+template <typename T>
+__global__ void __launch_bounds__(256) cross_entropy_cols(
+        const T* x,                          // element (n, c, d) at n * xn + c * xc + d * xd
+        const void* tgt,                     // index (n, d) at n * tn + d * td, or T probabilities
+                                             // (n, c, d) at n * tn + c * tc + d * td
+        const T* __restrict__ weight,        // [cols] or null
+        const T* __restrict__ go,            // (n, d) at n * gon + d * god, [1], or unused
+        const acc_t<T>* __restrict__ denom,  // [1] or null
+        const long long rows, const long long cols, const long long inner,  // rows = N * inner
+        const long long xn, const long long xc, const long long xd,
+        const long long tn, const long long tc, const long long td,
+        const long long gon, const long long god,
+        const long long gn, const long long gc, const long long gd,  // gx strides (may be x's)
+        const long long flags, const long long ignore_index,
+        const double smoothing, const double zscale, const double softcap,
+        const double go_value, const double grad_scale,
+        T* __restrict__ loss,                // [rows] or null
+        acc_t<T>* __restrict__ lse,          // [rows] or null
+        T* gx,                               // or null
+        T* __restrict__ gt,                  // [N, cols, inner] contiguous, or null
+        T* __restrict__ value, acc_t<T>* __restrict__ partials,
+        unsigned int* __restrict__ ticket, const double divisor) {
+    using A = acc_t<T>;
+    extern __shared__ unsigned char smem_raw[];
+    A* scratch = reinterpret_cast<A*>(smem_raw);
+    const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, cols);
+    const bool want_g = gx != nullptr || gt != nullptr;
+    const bool go_rows = (flags & ROW_GO_ROWS) != 0;
+    const bool mean_w = (flags & ROW_MEAN_W) != 0;
+    A g_all = A(0);
+    if (want_g && !go_rows) {
+        g_all = ((flags & ROW_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+        if (denom != nullptr) g_all /= denom[0];
+    }
+    const T* tp = static_cast<const T*>(tgt);
+    A lacc = A(0), wacc = A(0);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += stride) {
+        const long long n = r / inner;
+        const long long d = r - n * inner;
+        const T* xr = x + n * xn + d * xd;
+        const T* tr = tp + n * tn + d * td;
+        const RowTarget<A> rt = row_target<T, A>(tgt, n * tn + d * td, weight, ra);
+        const bool read = !ra.nll && !(rt.ignored && lse == nullptr);
+        RowStat<A> st = empty_stat<A>();
+        if (read) {
+            for (long long c = 0; c < cols; ++c) {
+                const A u = ra.track ? elem_u<T, A>(weight, c, ra.prob ? to_acc(tr[c * tc]) : A(0),
+                                                    ra) : A(0);
+                push(st, zval(xr[c * xc], ra), u, ra.track);
+            }
+        }
+        if (!ra.prob && !rt.ignored && !rt.oor)
+            st.t = ra.nll ? to_acc(xr[rt.y * xc]) : zval(xr[rt.y * xc], ra);
+        RowResult<A> o = finalize(st, rt, ra);
+        if (loss != nullptr) loss[r] = from_acc<T>(o.loss);
+        if (lse != nullptr) lse[r] = o.lse;
+        lacc += o.loss;
+        if (mean_w && !rt.ignored) wacc += rt.wy;
+        if (!want_g) continue;
+        o.g = go_rows ? to_acc(go[n * gon + d * god]) * A(grad_scale) : g_all;
+        T* gr = gx != nullptr ? gx + n * gn + d * gd : nullptr;
+        T* gtr = gt != nullptr ? gt + (n * cols) * inner + d : nullptr;
+        if (ra.nll || rt.ignored) {
+            const A fill = rt.oor ? quiet_nan(A(0)) : A(0);
+            const A at_y = rt.ignored ? A(0) : -rt.wy * o.g;
+            for (long long c = 0; c < cols; ++c) gr[c * gc] = from_acc<T>(c == rt.y ? at_y : fill);
+            continue;
+        }
+        for (int c = 0; c < (int)cols; ++c) {
+            const A z = zval(xr[c * xc], ra);
+            const A w = weight != nullptr && ra.track ? to_acc(weight[c]) : A(1);
+            const A tv = ra.prob ? to_acc(tr[c * tc]) : A(0);
+            if (gr != nullptr) gr[c * gc] = from_acc<T>(grad_input(z, c, tv, w, o, rt, ra));
+            if (gtr != nullptr) gtr[c * inner] = from_acc<T>(grad_target(z, w, o, ra));
+        }
+    }
+    finish_value<T>(lacc, wacc, value, denom, mean_w, divisor, partials, ticket, scratch);
+}
+
+// out[0] = sum over rows (n, d) of the counted rows' weights: 0 for ignore_index, w_y (1 without
+// a weight) in range, NaN out of range.  The divisor of a 'mean' over class-index targets.
+template <typename T>
+__global__ void __launch_bounds__(256) class_weight_sum(
+        const void* tgt,                     // index (n, d) at n * tn + d * td
+        const T* __restrict__ weight,        // [cols] or null
+        const long long rows, const long long cols, const long long inner,
+        const long long tn, const long long td,
+        const long long flags, const long long ignore_index,
+        acc_t<T>* __restrict__ out,          // [1]
+        acc_t<T>* __restrict__ partials,     // [gridDim.x] when gridDim.x > 1
+        unsigned int* __restrict__ ticket) {
+    using A = acc_t<T>;
+    extern __shared__ unsigned char smem_raw[];
+    A* scratch = reinterpret_cast<A*>(smem_raw);
+    const RowArgs<A> ra = row_args<A>(flags, ignore_index, 0.0, 0.0, 0.0, cols);
+    A acc = A(0);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += stride) {
+        const long long n = r / inner;
+        const long long d = r - n * inner;
+        const RowTarget<A> rt = row_target<T, A>(tgt, n * tn + d * td, weight, ra);
+        if (!rt.ignored) acc += rt.wy;
+    }
+    const A v[1] = {acc};
+    A* const outs[1] = {out};
+    const A div[1] = {A(1)};
+    grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x, scratch);
+}
+
+}  // namespace cupyloss
