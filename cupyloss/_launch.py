@@ -99,12 +99,18 @@ def divide(n: int, magic: tuple[int, int, int]) -> int:
 
 # --- Broadcast geometry ------------------------------------------------------------------------
 
-GEOMETRY_DTYPE = numpy.dtype([
-    ("ndim", "<i8"),
-    ("dim", [("magic", "<u8"), ("shift1", "<i8"), ("shift2", "<i8"), ("divisor", "<i8")],
-     (MAX_DIMS,)),
-    ("stride", "<i8", (3, MAX_DIMS)),
-])
+@functools.lru_cache(maxsize=None)
+def geometry_dtype(operands: int) -> numpy.dtype:
+    """The host mirror of kernels/common.cuh's Geometry<operands>: every field 64-bit."""
+    return numpy.dtype([
+        ("ndim", "<i8"),
+        ("dim", [("magic", "<u8"), ("shift1", "<i8"), ("shift2", "<i8"), ("divisor", "<i8")],
+         (MAX_DIMS,)),
+        ("stride", "<i8", (operands, MAX_DIMS)),
+    ])
+
+
+GEOMETRY_DTYPE = geometry_dtype(3)  # input, target and grad_output
 
 
 def broadcast_strides(shape: tuple, strides: tuple, out_shape: tuple) -> tuple:
@@ -138,12 +144,14 @@ def coalesce(shape: tuple, strides: list[tuple]) -> tuple[tuple, list[tuple]]:
     return out_shape, out_strides
 
 
-def geometry(shape: tuple, strides: list[tuple]) -> numpy.ndarray:
-    """Pack a coalesced shape and up to 3 operands' strides into the kernel's Geometry struct."""
+def geometry(shape: tuple, strides: list[tuple], operands: int = 3) -> numpy.ndarray:
+    """Pack a coalesced shape and up to `operands` operands' strides into Geometry<operands>."""
     ndim = len(shape)
     if ndim > MAX_DIMS:
         raise ValueError(f"geometry of {ndim} dims exceeds {MAX_DIMS}")
-    g = numpy.zeros(1, GEOMETRY_DTYPE)
+    if len(strides) > operands:
+        raise ValueError(f"{len(strides)} operands' strides do not fit Geometry<{operands}>")
+    g = numpy.zeros(1, geometry_dtype(operands))
     g["ndim"] = ndim
     for d, size in enumerate(shape):
         m, s1, s2 = divider(max(size, 1))

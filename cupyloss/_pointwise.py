@@ -1,70 +1,60 @@
 """The engine behind every pointwise loss: plan once per layout, then allocate and launch.
 
-`evaluate` is the one entry point.  Its arguments come through `_dispatch` as Operands (pointer,
-shape, strides, dtype, device) whatever framework they belong to.  Everything that depends only
-on metadata (shapes, strides, dtype, alignment, device, reduction, options, which outputs) is
-computed once and cached as a Plan holding the kernel, its launch configuration and its packed
-parameter words.  A call with a cached plan validates, allocates its outputs and launches once:
-the 0-d loss is finished inside the same kernel (grid_sum_out in kernels/common.cuh).  Only a
-gradient of an operand broadcast along several rows (issue: a per-channel parameter) takes
-second launches (`sum_rows`).  Nothing is read back to the host.
+`evaluate` is the one entry point.  A loss (a LossSpec of _registry) has K array operands, 2 to
+4, in torch's order; each comes through `_dispatch` as an Operand (pointer, shape, strides, dtype,
+device) whatever framework it belongs to, is broadcast on its own (never materialised) and has
+its own gradient on request.  An optional operand left out (None) reads as the spec's fill
+value, and a Python number where the public function accepts one reads as that number; neither
+has a gradient.  Everything that depends only on metadata (shapes, strides, dtype, alignment,
+device, reduction, the functor's options, which outputs) is computed once and cached as a Plan
+holding the kernel, its launch configuration and its packed parameter words (the functor's
+Params struct among them).  A call with a cached plan validates, allocates its outputs and
+launches once: the 0-d loss is finished inside the same kernel (grid_sum_out in
+kernels/common.cuh).  Only a gradient of an operand broadcast along several rows (a
+per-channel parameter) takes second launches (`sum_rows`).  Nothing is read back to the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy
 
 from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss._registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
 
-# Flag bits, mirrored from the enum in kernels/pointwise.cu.
-FLAG_LOG_TARGET = 1
-FLAG_PROB_INPUT = 2
-FLAG_GO_DEVICE = 4
-FLAG_GO_ELEMENTWISE = 8
+# Flag bits and operand kinds, mirrored from the enums in kernels/pointwise.cu.
+FLAG_GO_DEVICE = 1
+FLAG_GO_ELEMENTWISE = 2
+KIND_FULL, KIND_ROW, KIND_SCALAR = 0, 1, 2
 _ONE = _args.f64_word(1.0)    # the grad_output word every plan starts with
 
 
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-    """A registered pointwise loss: its functor in kernels/losses.cuh and its arguments.
-
-    arrays: the array arguments in torch's order (each has a gradient); options: the names of the
-    keyword options the functor reads, in the order the public function passes them.
-    """
-
-    name: str
-    functor: str
-    reductions: tuple = ("none", "mean", "sum")
-    arrays: tuple = ("input", "target")
-    options: tuple = ()
+def _scalar_words(k: int) -> list[tuple[str, int]]:
+    # struct Scalars<T, K> in kernels/pointwise.cu: value, g[K], partials, ticket, divisor.
+    return [("value", 1), ("g0", k), ("partials", 1), ("ticket", 1), ("divisor", 1)]
 
 
-# The registry: one line per pointwise loss.
-SPECS = {
-    "mse_loss": LossSpec("mse_loss", "MseOp"),
-    "kl_div": LossSpec("kl_div", "KlDivOp", ("none", "mean", "sum", "batchmean"),
-                       options=("log_target", "log_input")),
-    "hinge_loss": LossSpec("hinge_loss", "HingeOp", options=("margin",)),
-}
+@functools.lru_cache(maxsize=None)
+def flat_layout(k: int, params: int) -> _args.Layout:
+    """Parameters of pointwise_flat for K operands and a Params struct of `params` words."""
+    geo = _launch.geometry_dtype(k + 1).itemsize // 8
+    return _args.Layout([("in", k), ("fill", k), ("go", 1), ("geo", geo), ("n", 1),
+                         ("params", params), ("flags", 1), ("go_value", 1), ("grad_scale", 1),
+                         ("loss", 1)] + _scalar_words(k) + [("g", k), ("ws", k)])
 
 
-def _scalar_words(prefix: str) -> list[tuple[str, int]]:
-    # struct Scalars<T> in kernels/pointwise.cu: value, gx, gt, partials, ticket, divisor.
-    return [(prefix + f, 1) for f in ("value", "gx0", "gt0", "partials", "ticket", "divisor")]
+@functools.lru_cache(maxsize=None)
+def rows_layout(k: int, params: int) -> _args.Layout:
+    """Parameters of pointwise_rows for K operands and a Params struct of `params` words."""
+    return _args.Layout([("in", k), ("fill", k), ("kind", k), ("go", 1), ("rows", 1),
+                         ("cols", 1), ("rows_per_block", 1), ("tx", 1), ("params", params),
+                         ("flags", 1), ("go_value", 1), ("grad_scale", 1), ("loss", 1)]
+                        + _scalar_words(k) + [("g", k), ("ws", k)])
 
 
-_GEO_WORDS = _launch.GEOMETRY_DTYPE.itemsize // 8
-FLAT = _args.Layout([("x", 1), ("t", 1), ("go", 1), ("geo", _GEO_WORDS), ("n", 1),
-                     ("margin", 1), ("flags", 1), ("go_value", 1), ("grad_scale", 1),
-                     ("loss", 1)] + _scalar_words("")
-                    + [("gx", 1), ("gt", 1), ("gx_ws", 1), ("gt_ws", 1)])
-ROWS = _args.Layout([("x", 1), ("t", 1), ("go", 1), ("rows", 1), ("cols", 1),
-                     ("rows_per_block", 1), ("tx", 1), ("margin", 1), ("flags", 1),
-                     ("go_value", 1), ("grad_scale", 1), ("loss", 1)] + _scalar_words("")
-                    + [("g_full", 1), ("ws", 1), ("g_row", 1)])
 SUM_ROWS = _args.Layout([("ws", 1), ("rows", 1), ("cols", 1), ("out", 1)])
 
 
@@ -76,27 +66,28 @@ class Plan:
     grid: tuple
     block: tuple
     shared: int
-    words: object            # array('Q'): the packed parameters, pointers left zero
-    slot: dict               # parameter name -> word index (the layout's)
+    words: object            # array('Q'): the packed parameters, per-call words left zero
+    slot: dict               # parameter name -> first word index (the layout's)
     out_shape: tuple
     n: int
-    modes: tuple             # per operand (input, target): direct, scalar, bcast or row
     loss: bool               # allocate the elementwise loss
     value: bool              # allocate the 0-d loss
-    grads: tuple             # per operand: None or where its gradient goes (see _grad_slot)
+    grads: tuple             # per operand: None or where its gradient goes: "g", "g0",
+                             # "sum_rows" (a workspace summed by sum_rows) or "zeros"
     partials: int            # accumulator elements of scratch for several blocks (0: none)
     acc: numpy.dtype
-    ws: tuple = (None, None)  # per operand: (rows, cols, permutation or None) of a workspace
+    ws: tuple = ()           # per operand: (rows, cols, permutation or None) of a workspace
     sum_rows: int = 0        # CUfunction of sum_rows for this dtype (when ws is used)
     too_many_dims: bool = False
-    shapes: tuple = ()       # the operands' shapes (their gradients' shapes)
-    contiguous: tuple = (False, False)  # whether each operand is C-contiguous
+    shapes: tuple = ()       # per operand: its shape (its gradient's), None when not an array
+    contiguous: tuple = ()   # per operand: whether it is C-contiguous
 
     def __post_init__(self):
-        # What _run does per call, precomputed: (result index, word slot or -1, shape, how) for
-        # every output; result 0 is the loss, 1 and 2 the input and target gradients; how is
+        # What _run does per call, precomputed.  allocs: (result index, word slot or -1, shape,
+        # how) for every output; result 0 is the loss, k + 1 operand k's gradient; how is
         # "empty", "like" (the operand is C-contiguous: the cheapest allocation copies its
-        # metadata) or "zeros".
+        # metadata) or "zeros".  in_slots: (operand, word) of every array operand's pointer;
+        # number_slots: (operand, word) of every operand given as a number.
         slot = self.slot
         self.allocs = []
         if self.value:
@@ -104,14 +95,20 @@ class Plan:
         elif self.loss:
             self.allocs.append((0, slot["loss"], self.out_shape, "empty"))
         for k, where in enumerate(self.grads):
-            if where is not None:
-                in_words = where not in ("zeros", "sum_rows")
-                how = "zeros" if where == "zeros" else "like" if self.contiguous[k] else "empty"
-                self.allocs.append((k + 1, slot[where] if in_words else -1, self.shapes[k], how))
+            if where is None:
+                continue
+            word = {"g": "g", "g0": "g0"}.get(where)
+            how = "zeros" if where == "zeros" else "like" if self.contiguous[k] else "empty"
+            self.allocs.append((k + 1, slot[word] + k if word else -1, self.shapes[k], how))
         self.slow = self.too_many_dims or any(self.ws)
+        self.empty_results = (None,) * (len(self.shapes) + 1)
+        self.results = tuple(index for index, _, _, _ in self.allocs)
         if slot:
-            self.sx, self.st, self.sgo, self.sgov = (slot[k] for k in ("x", "t", "go",
-                                                                       "go_value"))
+            self.in_slots = [(k, slot["in"] + k) for k, s in enumerate(self.shapes)
+                             if s is not None]
+            self.number_slots = [(k, slot["fill"] + k) for k, s in enumerate(self.shapes)
+                                 if s is None]
+            self.sgo, self.sgov = slot["go"], slot["go_value"]
             self.spartials, self.sticket = slot["partials"], slot["ticket"]
 
 
@@ -148,21 +145,6 @@ def _mode(size: int, n: int) -> str:
     return "scalar" if size == 1 else "bcast"
 
 
-def _flags(spec: LossSpec, options: tuple, go_kind: str) -> tuple[float, int]:
-    """(margin, flags) words of the functor options and the grad_output kind."""
-    opts = dict(zip(spec.options, options))
-    flags = 0
-    if opts.get("log_target", False):
-        flags |= FLAG_LOG_TARGET
-    if not opts.get("log_input", True):
-        flags |= FLAG_PROB_INPUT
-    if go_kind == "device":
-        flags |= FLAG_GO_DEVICE
-    elif go_kind == "array":
-        flags |= FLAG_GO_ELEMENTWISE
-    return float(opts.get("margin", 1.0)), flags
-
-
 def _resident(name: str, shared: int, limits) -> int:
     """Blocks per SM of pointwise kernel `name`, from its compiled register count."""
     attrs = _source.function("pointwise.cu", name).attributes
@@ -177,105 +159,127 @@ def _make_plan(*args) -> Plan:
         return _build(*args)
 
 
-def _build(spec, reduction, options, want_value, want_grads, go_kind, go_shape, go_strides,
-           x_shape, x_strides, t_shape, t_strides, dtype, aligned, device) -> Plan:
+def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides,
+           layouts, dtype, aligned, device) -> Plan:
+    """The plan of a call; layouts[k] is (shape, strides) of array operand k, else None."""
     info = _dtypes.DTYPES[dtype]
     limits = _launch.device_limits(device)
     acc = info.acc.itemsize
-    out_shape = _validate.broadcast_shape(x_shape, t_shape)
+    k_ops = len(spec.operands)
+    shapes = tuple(lay[0] if lay is not None else None for lay in layouts)
+    views = dict(spec.views)
+    viewed, vstrides = [], []
+    for name, lay in zip(spec.operands, layouts):
+        if lay is None:
+            viewed.append(())
+            vstrides.append(())
+            continue
+        shape, strides = lay
+        if name in views:
+            view = views[name](shapes[0], shape)
+            strides = tuple(strides) + (0,) * (len(view) - len(shape))
+            shape = view
+        viewed.append(tuple(shape))
+        vstrides.append(tuple(strides))
+    present = [k for k in range(k_ops) if layouts[k] is not None]
+    out_shape = _validate.broadcast_shapes([viewed[k] for k in present],
+                                           [spec.operands[k] for k in present])
     if go_kind == "array":
         _validate.check_grad_output_shape(go_shape, out_shape, reduction)
     n = math.prod(out_shape)
-    strides = [_launch.broadcast_strides(x_shape, x_strides, out_shape),
-               _launch.broadcast_strides(t_shape, t_strides, out_shape)]
+    strides = [_launch.broadcast_strides(viewed[k], vstrides[k], out_shape)
+               if layouts[k] is not None else (0,) * len(out_shape) for k in range(k_ops)]
     go_layout = None
     if go_kind == "array":
         go_layout = _launch.broadcast_strides(go_shape, go_strides, out_shape)
-        strides.append(go_layout)
+    strides.append(go_layout if go_layout is not None else (0,) * len(out_shape))
     shape, cstrides = _launch.coalesce(out_shape, strides)
-    modes = (_mode(math.prod(x_shape), n), _mode(math.prod(t_shape), n))
-    margin, flags = _flags(spec, options, go_kind)
-    scale = _reduction.grad_scale(reduction, n, x_shape)
-    divisor = _reduction.divisor(reduction, n, x_shape)
+    modes = tuple(_mode(math.prod(viewed[k]), n) if layouts[k] is not None else "fill"
+                  for k in range(k_ops))
+    flags = (FLAG_GO_DEVICE if go_kind == "device" else
+             FLAG_GO_ELEMENTWISE if go_kind == "array" else 0)
+    scale = _reduction.grad_scale(reduction, n, shapes[0])
+    divisor = _reduction.divisor(reduction, n, shapes[0])
     reduced = reduction != "none"
-    common = {"margin": _args.f64_word(margin), "flags": flags, "go_value": _ONE,
+    fill = [_args.f64_word(spec.fill)] * k_ops
+    common = {"fill": fill, "params": spec.pack(params), "flags": flags, "go_value": _ONE,
               "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
-    shapes = (x_shape, t_shape)
-    contiguous = (x_strides == _contiguous_strides(x_shape),
-                  t_strides == _contiguous_strides(t_shape))
+    contiguous = tuple(lay is not None and tuple(lay[1]) == _contiguous_strides(lay[0])
+                       for lay in layouts)
+    sum_rows = _sum_rows_function(info)
+
+    def plan(function, cfg, words, layout, grads, ws, scalars):
+        nblocks = math.prod(cfg.grid)
+        return Plan(function, cfg.grid, cfg.block, cfg.shared, words, layout.slot, out_shape,
+                    n, not reduced and want_value, reduced and want_value, tuple(grads),
+                    (k_ops + 1) * nblocks if nblocks > 1 and scalars else 0, info.acc,
+                    tuple(ws), sum_rows if any(ws) else 0, shapes=shapes, contiguous=contiguous)
 
     if len(shape) == 2 and n > 0:
         rows, cols = shape
-        full, row = (cols, 1), (0, 1)
-        kinds = [st == full or st == row for st in cstrides[:2]]
-        # The row operand must be one row (not a full-size view with a stride-0 dim, whose
-        # gradient is full-size too).
-        row_operand = 0 if cstrides[0] == row else 1
-        if (all(kinds) and (cstrides[0] == row) != (cstrides[1] == row)
-                and modes[row_operand] != "direct"
-                and (go_layout is None or cstrides[2] == full)):
+        kinds = []
+        for k in range(k_ops):
+            st = cstrides[k]
+            if modes[k] == "fill" or (modes[k] == "scalar" and st == (0, 0)):
+                kinds.append(KIND_SCALAR)
+            elif modes[k] == "direct" and st == (cols, 1):
+                kinds.append(KIND_FULL)
+            elif modes[k] == "bcast" and st == (0, 1) and math.prod(viewed[k]) == cols:
+                kinds.append(KIND_ROW)
+            else:
+                kinds.append(None)
+        if (None not in kinds and KIND_ROW in kinds
+                and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
-            modes = tuple("row" if st == row else m for st, m in zip(cstrides[:2], modes))
-            row_is_x = modes[0] == "row"
-            name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, row_is_x)
+            name = _source.pointwise_name("rows", info.ctype, spec.functor, vec)
             shared = max(_launch.BLOCK * vec, _launch.BLOCK // 32) * acc
             cfg = _launch.rows_launch(rows, cols, vec, acc, limits,
                                       _resident(name, shared, limits))
-            nblocks = math.prod(cfg.grid)
-            words = ROWS.template({**common, "rows": rows, "cols": cols,
-                                   "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})
-            grads, ws = [None, None], [None, None]
-            for k in range(2):
+            layout = rows_layout(k_ops, spec.param_words)
+            words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
+                                     "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})
+            grads, ws = [None] * k_ops, [None] * k_ops
+            for k in range(k_ops):
                 if not want_grads[k]:
                     continue
-                if modes[k] == "row" and cfg.grid[1] == 1:
-                    grads[k] = "g_row"
-                elif modes[k] == "row":
+                if kinds[k] == KIND_ROW and cfg.grid[1] > 1:
                     grads[k] = "sum_rows"
                     ws[k] = (cfg.grid[1], cols, None)
                 else:
-                    grads[k] = "g_full"
-            return Plan(_source.function("pointwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
-                        cfg.shared, words, ROWS.slot, out_shape, n, modes,
-                        not reduced and want_value, reduced and want_value, tuple(grads),
-                        3 * nblocks if nblocks > 1 and reduced and want_value else 0, info.acc,
-                        tuple(ws), _sum_rows_function(info) if any(ws) else 0, shapes=shapes,
-                        contiguous=contiguous)
+                    grads[k] = "g0" if kinds[k] == KIND_SCALAR else "g"
+            scalars = reduced and want_value or "g0" in grads
+            return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout,
+                        grads, ws, scalars)
 
     if len(shape) > _launch.MAX_DIMS:  # evaluate makes the operands contiguous and retries
-        return Plan(0, (), (), 0, None, {}, out_shape, n, modes, False, False, (), 0, info.acc,
+        return Plan(0, (), (), 0, None, {}, out_shape, n, False, False, (), 0, info.acc,
                     too_many_dims=True, shapes=shapes, contiguous=contiguous)
     vec = 1
-    if len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides) \
-            and "bcast" not in modes:
+    if (len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides)
+            and "bcast" not in modes):
         vec = info.vec
-    while len(cstrides) < 3:
-        cstrides.append((0,) * len(shape))
     name = _source.pointwise_name("flat", info.ctype, spec.functor, vec)
     shared = _launch.BLOCK // 32 * acc
     cfg = _launch.flat_launch(n, vec, acc, limits, _resident(name, shared, limits))
-    nblocks = math.prod(cfg.grid)
-    words = FLAT.template({**common, "geo": _args.struct_words(_launch.geometry(shape, cstrides)),
-                           "n": n})
-    grads, ws = [None, None], [None, None]
-    for k in range(2):
+    layout = flat_layout(k_ops, spec.param_words)
+    geo = _launch.geometry(shape, cstrides, k_ops + 1)
+    words = layout.template({**common, "geo": _args.struct_words(geo), "n": n})
+    grads, ws = [None] * k_ops, [None] * k_ops
+    for k in range(k_ops):
         if not want_grads[k]:
             continue
         if modes[k] == "direct":
-            grads[k] = ("gx", "gt")[k]
+            grads[k] = "g"
         elif modes[k] == "scalar":
-            grads[k] = ("gx0", "gt0")[k]
+            grads[k] = "g0"
         elif n == 0:
             grads[k] = "zeros"
         else:
             grads[k] = "sum_rows"
-            ws[k] = _workspace(out_shape, shapes[k])
-    scalars = reduced and want_value or "gx0" in grads or "gt0" in grads
-    return Plan(_source.function("pointwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
-                cfg.shared, words, FLAT.slot, out_shape, n, modes, not reduced and want_value,
-                reduced and want_value, tuple(grads), 3 * nblocks if nblocks > 1 and scalars
-                else 0, info.acc, tuple(ws), _sum_rows_function(info) if any(ws) else 0,
-                shapes=shapes, contiguous=contiguous)
+            ws[k] = _workspace(out_shape, viewed[k])
+    scalars = reduced and want_value or "g0" in grads
+    return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout, grads,
+                ws, scalars)
 
 
 def _workspace(out_shape: tuple, operand_shape: tuple) -> tuple:
@@ -302,30 +306,76 @@ class _RawStream:
         return (0, self.ptr)
 
 
-def evaluate(spec: LossSpec, input, target, *, reduction: str, options: tuple,
-             want_value: bool, wrt: tuple, grad_output=1.0):
-    """Loss value (or None) and gradients for the names in `wrt` (others None), in one pass.
+def _operands(spec, frame, arrays):
+    """(first operand, operands, layouts, pointer bits) of any number of arrays; None and numbers
+    (floats) pass through with layout None.  Every framework is compared before any is read."""
+    names = spec.operands
+    first = arrays[0]
+    for k in range(1, len(arrays)):
+        a = arrays[k]
+        if a is not None and a.__class__ is not float and a.__class__ is not first.__class__:
+            other = _dispatch.frame_of(a, names[k])
+            if other is not frame:
+                _dispatch.check_same_frame(frame, other, first, a, names[0], names[k])
+    x = frame.operand(first, names[0])
+    ops = [x]
+    layouts = [(x.shape, x.strides)]
+    bits = x.ptr
+    for k in range(1, len(arrays)):
+        a = arrays[k]
+        if a is None or a.__class__ is float:
+            ops.append(a)
+            layouts.append(None)
+            continue
+        op = frame.operand(a, names[k])
+        if op.dtype != x.dtype:
+            _validate.check_same_dtype(x, op, names[0], names[k])
+        if op.device != x.device:
+            _validate.check_same_device(x, op, names[0], names[k])
+        ops.append(op)
+        layouts.append((op.shape, op.strides))
+        bits |= op.ptr
+    return x, ops, tuple(layouts), bits
 
-    Arrays come from and go back to the caller's framework (see _dispatch).
+
+def evaluate(spec: LossSpec, arrays, *, reduction: str, params: tuple, want_value: bool,
+             want_grads: tuple, grad_output=1.0):
+    """[loss or None, then per operand its gradient or None]: the loss and the gradients of the
+    operands with a true `want_grads` entry, from one pass.
+
+    arrays: one entry per spec.operands, each an array, None (an optional operand left out) or
+    a float (a number standing for an array; no gradient).  params: the functor's options in
+    the order of spec.params.  Arrays come from and go back to the caller's framework (see
+    _dispatch).  The hot path of every call: keep it lean.
     """
-    frame = _dispatch.frame_of(input, "input")
-    other = _dispatch.frame_of(target, "target")
-    if other is not frame:
-        _dispatch.check_same_frame(frame, other, input, target, "input", "target")
-    x = frame.operand(input, "input")
-    t = frame.operand(target, "target")
-    dtype, device = x.dtype, x.device
-    if t.dtype != dtype:
-        _validate.check_same_dtype(x, t, "input", "target")
-    if t.device != device:
-        _validate.check_same_device(x, t, "input", "target")
+    names = spec.operands
+    first = arrays[0]
+    frame = _dispatch.frame_of(first, names[0])
+    if spec.fixed and len(arrays) == 2:  # most losses: input and target, straight through
+        t = arrays[1]
+        if t.__class__ is not first.__class__:   # frameworks compared before any is read
+            other = _dispatch.frame_of(t, names[1])
+            if other is not frame:
+                _dispatch.check_same_frame(frame, other, first, t, names[0], names[1])
+        x = frame.operand(first, names[0])
+        op = frame.operand(t, names[1])
+        dtype, device = x.dtype, x.device
+        if op.dtype != dtype:
+            _validate.check_same_dtype(x, op, names[0], names[1])
+        if op.device != device:
+            _validate.check_same_device(x, op, names[0], names[1])
+        ops = (x, op)
+        layouts = ((x.shape, x.strides), (op.shape, op.strides))
+        bits = x.ptr | op.ptr
+    else:
+        x, ops, layouts, bits = _operands(spec, frame, arrays)
+        dtype, device = x.dtype, x.device
     if reduction not in spec.reductions:
         _reduction.check_reduction(reduction, spec.reductions)
-    want_grads = ("input" in wrt, "target" in wrt)
     go_kind, go_value, go = "host", 1.0, None
     go_shape = go_strides = None
-    if wrt:
-        if type(grad_output) is float or type(grad_output) is int:
+    if True in want_grads:
+        if grad_output.__class__ is float or grad_output.__class__ is int:
             go_value = float(grad_output)
         else:
             go = _validate.check_grad_output(frame, grad_output, dtype, device)
@@ -334,18 +384,18 @@ def evaluate(spec: LossSpec, input, target, *, reduction: str, options: tuple,
             else:
                 go_kind = "device" if go.shape == () else "array"
                 go_shape, go_strides = go.shape, go.strides
-    aligned = not ((x.ptr | t.ptr | (go.ptr if go is not None else 0)) & 15)
-    key = (spec.name, reduction, options, want_value, want_grads, go_kind, go_shape, go_strides,
-           x.shape, x.strides, t.shape, t.strides, dtype, aligned, device)
+                bits |= go.ptr
+    key = (spec.name, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides,
+           layouts, dtype, not (bits & 15), device)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _make_plan(spec, reduction, options, want_value, want_grads,
-                                        go_kind, go_shape, go_strides, x.shape, x.strides,
-                                        t.shape, t.strides, dtype, aligned, device)
+        plan = _PLANS[key] = _make_plan(spec, reduction, params, want_value, want_grads,
+                                        go_kind, go_shape, go_strides, layouts, dtype,
+                                        not (bits & 15), device)
     if plan.slow or _current_device() != device:
-        return _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_value,
-                         wrt)
-    return _run(plan, frame, x, t, go, go_value, frame.stream(device))
+        return _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value,
+                         want_grads)
+    return _run(plan, frame, ops, go, go_value, frame.stream(device))
 
 
 def _current_device():
@@ -356,25 +406,30 @@ def _current_device():
     return _current_device()
 
 
-def _run(plan: Plan, frame, x, t, go, go_value, stream, like=None):
+def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
     """Allocate the outputs, fill the pointer words, launch.  The hot path of every call.
 
-    Outputs are allocated by `frame` like `like` (the caller's input array by default)."""
+    Outputs are allocated by `frame` like `like` (the caller's first array by default)."""
     words = _args.array.array("Q", plan.words)
-    words[plan.sx] = x.ptr
-    words[plan.st] = t.ptr
+    for k, s in plan.in_slots:
+        words[s] = ops[k].ptr
+    if plan.number_slots:
+        for k, s in plan.number_slots:
+            if ops[k] is not None:
+                words[s] = _args.f64_word(ops[k])
     if go is not None:
         words[plan.sgo] = go.ptr
     elif go_value != 1.0:
         words[plan.sgov] = _args.f64_word(go_value)
-    out = [None, None, None]
+    out = list(plan.empty_results)
     post = []
+    x = ops[0]
     if like is None:
         like = x.array
     dtype = x.dtype
     for index, slot, shape, how in plan.allocs:
         if how == "like":
-            out[index], ptr = frame.empty_like((x, t)[index - 1].array)
+            out[index], ptr = frame.empty_like(ops[index - 1].array)
         elif how == "empty":
             out[index], ptr = frame.empty(shape, dtype, like)
         else:
@@ -392,7 +447,9 @@ def _run(plan: Plan, frame, x, t, go, go_value, stream, like=None):
     else:
         _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     result = frame.result
-    return [None if a is None else result(a) for a in out]
+    for index in plan.results:
+        out[index] = result(out[index])
+    return out
 
 
 def _launch_with_workspaces(plan, frame, words, post, stream, like):
@@ -404,7 +461,7 @@ def _launch_with_workspaces(plan, frame, words, post, stream, like):
     for k, out_ptr in post:
         rows, cols, perm = plan.ws[k]
         ws, ws_ptr = frame.empty((rows * cols,), plan.acc, like)
-        words[plan.slot["ws"] if "ws" in plan.slot else plan.slot[("gx_ws", "gt_ws")[k]]] = ws_ptr
+        words[plan.slot["ws"] + k] = ws_ptr
         workspaces.append((k, ws, out_ptr))
     _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     limits = _launch.device_limits(device)
@@ -435,11 +492,12 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_value, wrt):
+def _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value, want_grads):
     """Calls off the hot path: another current device, more than MAX_DIMS dims, or
     workspaces that CuPy sums (allocated by the caller's framework, on the caller's stream)."""
     import cupy
 
+    x = ops[0]
     device = x.device
     stream = frame.stream(device)
     like = x.array
@@ -448,8 +506,14 @@ def _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_va
         if plan.too_many_dims:
             # Contiguous copies coalesce to one dim; results still go to the caller's frame.
             cupy_frame = _dispatch.CupyFrame()
-            x = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(x)), "input")
-            t = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(t)), "target")
+            copies = []
+            for name, op in zip(spec.operands, ops):
+                if op is None or type(op) is float:
+                    copies.append(op)
+                else:
+                    copies.append(cupy_frame.operand(
+                        cupy.ascontiguousarray(frame.cupy_view(op)), name))
+            ops = copies
             go_shape = go_strides = None
             go_kind = "host"
             if go is not None:
@@ -457,8 +521,15 @@ def _run_slow(spec, plan, frame, x, t, go, go_value, reduction, options, want_va
                                         "grad_output")
                 go_kind = "device" if go.shape == () else "array"
                 go_shape, go_strides = go.shape, go.strides
-            aligned = not ((x.ptr | t.ptr | (go.ptr if go is not None else 0)) & 15)
-            plan = _make_plan(spec, reduction, options, want_value,
-                              ("input" in wrt, "target" in wrt), go_kind, go_shape, go_strides,
-                              x.shape, x.strides, t.shape, t.strides, x.dtype, aligned, device)
-        return _run(plan, frame, x, t, go, go_value, stream, like)
+            bits = go.ptr if go is not None else 0
+            layouts = []
+            for op in ops:
+                if op is None or type(op) is float:
+                    layouts.append(None)
+                else:
+                    bits |= op.ptr
+                    layouts.append((op.shape, op.strides))
+            plan = _make_plan(spec, reduction, params, want_value, want_grads, go_kind,
+                              go_shape, go_strides, tuple(layouts), x.dtype, not (bits & 15),
+                              device)
+        return _run(plan, frame, ops, go, go_value, stream, like)

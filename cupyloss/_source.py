@@ -1,4 +1,4 @@
-"""Where kernels/ is, how its sources are expanded, and the cached RawModule per family.
+"""Where kernels/ is, how its sources are expanded, and the cached RawModules that compile them.
 
 The only module that knows the location of the CUDA sources: inside an installed package they sit
 in cupyloss/kernels/, in a source checkout in ../kernels/.  `#include "x.cuh"` lines are expanded
@@ -11,7 +11,7 @@ import functools
 import pathlib
 import re
 
-from cupyloss import _dtypes
+from cupyloss import _dtypes, _registry
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _CANDIDATES = (_HERE / "kernels", _HERE.parent / "kernels")
@@ -43,16 +43,15 @@ def expand(name: str) -> str:
     return inline(name)
 
 
-# name -> functor for the pointwise family; pointwise.py registers the public losses over these.
-POINTWISE_FUNCTORS = ("MseOp", "KlDivOp", "HingeOp")
+def pointwise_name(kind: str, ctype: str, functor: str, vec: int) -> str:
+    """Name expression of pointwise_flat<ctype, functor, vec> or pointwise_rows<...>."""
+    return f"cupyloss::pointwise_{kind}<{ctype}, cupyloss::{functor}, {vec}>"
 
 
-def pointwise_name(kind: str, ctype: str, functor: str, vec: int, row_is_x: bool = False) -> str:
-    """Name expression of pointwise_flat<ctype, functor, vec> or pointwise_rows<..., row_is_x>."""
-    if kind == "rows":
-        return (f"cupyloss::pointwise_rows<{ctype}, cupyloss::{functor}, {vec}, "
-                f"{'true' if row_is_x else 'false'}>")
-    return f"cupyloss::pointwise_flat<{ctype}, cupyloss::{functor}, {vec}>"
+def pointwise_names(functor: str, info) -> list[str]:
+    """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector."""
+    return [pointwise_name(kind, info.ctype, functor, vec)
+            for vec in sorted({1, info.vec}) for kind in ("flat", "rows")]
 
 
 def reduce_name(kernel: str, ctype: str) -> str:
@@ -77,13 +76,8 @@ def rowwise_name(kernel: str, ctype: str, general: bool = True) -> str:
 
 def units() -> list[tuple[str, list[str]]]:
     """Every compilation unit: (source file, its name expressions).  CI compiles each."""
-    pointwise = [
-        pointwise_name(kind, info.ctype, functor, vec, row_is_x)
-        for functor in POINTWISE_FUNCTORS
-        for info in _dtypes.DTYPES.values()
-        for vec in sorted({1, info.vec})
-        for kind, row_is_x in (("flat", False), ("rows", True), ("rows", False))
-    ]
+    pointwise = [name for functor in _registry.functors() for info in _dtypes.DTYPES.values()
+                 for name in pointwise_names(functor, info)]
     reduce = [reduce_name("sum_rows", info.ctype) for info in _dtypes.DTYPES.values()]
     scale = [scale_name(info.ctype, vec) for info in _dtypes.DTYPES.values()
              for vec in sorted({1, info.vec})]
@@ -95,17 +89,30 @@ def units() -> list[tuple[str, list[str]]]:
 
 
 @functools.lru_cache(maxsize=None)
-def module(name: str):
-    """The cupy.RawModule of kernels/`name` with all its name expressions (compiled lazily)."""
+def _groups() -> dict:
+    """(file, name expression) -> its compilation group: (functor, C type) in pointwise.cu.
+
+    A loss's first call compiles only its own functor's kernels for its dtype (a few seconds),
+    not every loss's; other files are one group each."""
+    return {("pointwise.cu", name): (functor, info.ctype)
+            for functor in _registry.functors() for info in _dtypes.DTYPES.values()
+            for name in pointwise_names(functor, info)}
+
+
+@functools.lru_cache(maxsize=None)
+def module(name: str, group=None):
+    """The cupy.RawModule of kernels/`name` with the name expressions of `group` (compiled
+    lazily; the whole file's when the file is not split into groups)."""
     import cupy
 
-    names = dict(units())[name]
+    groups = _groups()
+    names = [e for e in dict(units())[name] if groups.get((name, e)) == group]
     return cupy.RawModule(code=expand(name), options=OPTIONS, name_expressions=names)
 
 
 @functools.lru_cache(maxsize=None)
 def _function(name: str, expression: str, device_id: int):
-    return module(name).get_function(expression)
+    return module(name, _groups().get((name, expression))).get_function(expression)
 
 
 def function(name: str, expression: str):
@@ -113,3 +120,33 @@ def function(name: str, expression: str):
     import cupy
 
     return _function(name, expression, cupy.cuda.runtime.getDevice())
+
+
+def _compile_group(job) -> str:
+    """Worker of precompile: load one group's module (compiling it into CuPy's disk cache)."""
+    name, group = job
+    expression = next(e for e in dict(units())[name] if _groups().get((name, e)) == group)
+    module(name, group).get_function(expression)
+    return f"{name} {group or ''}"
+
+
+def precompile(processes: int | None = None) -> int:
+    """Compile every kernel for the current GPU ahead of use, in parallel processes.
+
+    CuPy keeps what NVRTC builds in its on-disk cache, so later processes load the kernels
+    instead of compiling them (about a second per name expression) at their first call: a
+    warm-up for a test suite, a benchmark or a new machine.  Returns the number of modules.
+    """
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    groups = _groups()
+    jobs = [(name, None) for name, _ in units() if name != "pointwise.cu"]
+    jobs += sorted({("pointwise.cu", group) for group in groups.values()})
+    processes = processes or min(len(jobs), len(os.sched_getaffinity(0)))
+    context = multiprocessing.get_context("spawn")  # each worker makes its own CUDA context
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        list(pool.map(_compile_group, jobs))
+    return len(jobs)
+

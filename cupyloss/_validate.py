@@ -46,6 +46,22 @@ def broadcast_shape(shape_a: tuple, shape_b: tuple, name_a: str = "input",
     return tuple(out)
 
 
+def broadcast_shapes(shapes: list, names: list) -> tuple:
+    """NumPy/torch broadcast of any number of shapes, or ValueError naming every argument."""
+    out = tuple(shapes[0])
+    for shape in shapes[1:]:
+        ndim = max(len(out), len(shape))
+        a = (1,) * (ndim - len(out)) + out
+        b = (1,) * (ndim - len(shape)) + tuple(shape)
+        if any(da != db and da != 1 and db != 1 for da, db in zip(a, b)):
+            if len(shapes) == 2:
+                broadcast_shape(shapes[0], shapes[1], names[0], names[1])
+            described = [f"{n} shape {tuple(s)}" for n, s in zip(names, shapes)]
+            raise ValueError(f"{', '.join(described[:-1])} and {described[-1]} do not broadcast")
+        out = tuple(db if da == 1 else da for da, db in zip(a, b))
+    return out
+
+
 def check_grad_output(frame, grad_output, dtype, device: int):
     """grad_output as a float (a host number) or an Operand of the inputs' frame and dtype."""
     if isinstance(grad_output, numbers.Real) and not isinstance(grad_output, bool):
@@ -79,14 +95,21 @@ def check_grad_output_shape(go_shape: tuple, loss_shape: tuple, reduction: str) 
                          f"{tuple(loss_shape)}")
 
 
-def check_wrt(wrt) -> tuple[tuple[str, ...], bool]:
-    """Normalise wrt to a tuple of 'input'/'target' names and whether it was a single name."""
+def check_wrt(wrt, names: tuple = ("input", "target"),
+              given: tuple | None = None) -> tuple[tuple[str, ...], bool]:
+    """Normalise wrt to a tuple of array argument names and whether it was a single name.
+
+    names: the loss's array arguments; given: those that are arrays in this call (an optional
+    one left out, or a number, has no gradient)."""
     single = isinstance(wrt, str)
-    names = (wrt,) if single else tuple(wrt)
-    for name in names:
-        if name not in ("input", "target"):
-            raise ValueError(f"wrt names {name!r}; it takes 'input', 'target' or a sequence of "
-                             f"them")
-    if len(set(names)) != len(names):
+    picked = (wrt,) if single else tuple(wrt)
+    for name in picked:
+        if name not in names:
+            choices = ", ".join(repr(n) for n in names)
+            raise ValueError(f"wrt names {name!r}; it takes {choices} or a sequence of them")
+        if given is not None and name not in given:
+            raise ValueError(f"wrt names {name!r}, which is not an array in this call, so it "
+                             f"has no gradient")
+    if len(set(picked)) != len(picked):
         raise ValueError(f"wrt names an argument twice: {wrt!r}")
-    return names, single
+    return picked, single

@@ -1,7 +1,7 @@
 """Benchmark the seed workloads against torch eager, torch.compile and plain CuPy.
 
     python -m cupyloss.bench [--scale 1.0] [--reps 20] [--json out.json] [--small-only]
-                             [--plot bench.png]
+                             [--plot bench.png] [--only mse,smooth_l1] [--family]
 
 First the small-call case: host microseconds per call on 1K-element fp32 inputs (reduced loss,
 GPU otherwise idle), cupyloss on CuPy arrays and on torch tensors against torch eager's
@@ -11,12 +11,15 @@ Times (median of --reps, CUDA events, after warm-up) the forward and value_and_g
   mse    mse_loss(x, y), x, y float32 [32768, 32768]
   kl     kl_div(p, q, 'batchmean'), probabilities in (cupyloss fuses the log), float32 [16384]^2
   hinge  mean(clamp(1 - x t, min=0)), x float32 [32768, 32768], t float32 [32768]
+  smooth_l1  smooth_l1_loss(x, y), x, y float32 [32768, 32768] (KernelBench problem 96)
 and reports GB/s of compulsory traffic (each input read once, each output written once) next
 to the device's copy bandwidth measured in the same run, and each time's ratio to cupyloss's.
 value_and_grad is compared with torch's forward + backward asking for the same gradients.
 --plot also sweeps every workload from 1K to 1G elements ([n / cols, cols], cols = min(n, 4096))
 against the same implementations and writes a PNG of GB/s against size (matplotlib, if
 installed) with the copy bandwidth as a line, and the same numbers as a markdown table beside it.
+--only runs the named workloads alone.  --family times every registered pointwise loss (forward
+and value_and_grad, every array [32768, 32768] float32) next to mse_loss, and skips the rest.
 --scale shrinks every side (0.25 runs on a small GPU).  Never used as a test.
 """
 
@@ -136,6 +139,10 @@ def _workloads(scale: float):
     s = rng.standard_normal((big, big), dtype=cupy.float32)
     t = cupy.sign(rng.standard_normal((big,), dtype=cupy.float32))
     yield "hinge", s, t
+    del s, t
+    x = rng.standard_normal((big, big), dtype=cupy.float32)
+    y = rng.standard_normal((big, big), dtype=cupy.float32)
+    yield "smooth_l1", x, y
 
 
 def _cupyloss_fns(name, a, b):
@@ -145,6 +152,9 @@ def _cupyloss_fns(name, a, b):
     if name == "kl":
         return (lambda: cupyloss.kl_div(a, b, "batchmean", log_input=False),
                 lambda: cupyloss.kl_div_value_and_grad(a, b, "batchmean", log_input=False))
+    if name == "smooth_l1":
+        return (lambda: cupyloss.smooth_l1_loss(a, b),
+                lambda: cupyloss.smooth_l1_loss_value_and_grad(a, b))
     return (lambda: cupyloss.hinge_loss(a, b),
             lambda: cupyloss.hinge_loss_value_and_grad(a, b))
 
@@ -154,6 +164,11 @@ def _cupy_fn(name, a, b):
         return lambda: cupy.mean((a - b) ** 2)
     if name == "kl":
         return lambda: cupy.sum(cupy.where(b > 0, b * cupy.log(b), 0) - b * cupy.log(a)) / a.shape[0]
+    if name == "smooth_l1":
+        def f():
+            z = cupy.abs(a - b)
+            return cupy.mean(cupy.where(z < 1, 0.5 * z * z, z - 0.5))
+        return f
     return lambda: cupy.mean(cupy.maximum(1 - a * b, 0))
 
 
@@ -168,6 +183,9 @@ def _torch_loss(name):
     elif name == "kl":
         def f(x, y):
             return F.kl_div(torch.log(x), y, reduction="batchmean")
+    elif name == "smooth_l1":
+        def f(x, y):
+            return F.smooth_l1_loss(x, y)
     else:
         def f(x, y):
             return torch.mean(torch.clamp(1 - x * y, min=0))
@@ -193,6 +211,58 @@ def _torch_fns(name, a, b, compiled=None):
         "torch eager": (lambda: f(ta, tb), fwd_bwd(f)),
         "torch.compile": (lambda: compiled(ta, tb), fwd_bwd(compiled)),
     }
+
+
+def _family_calls(x, y, u):
+    """name -> (array arguments, options) of every registered loss on [n, n] float32 arrays:
+    x, y standard normal, u uniform in (0, 1) (probabilities, targets, variances)."""
+    from cupyloss._registry import SPECS
+
+    args = {
+        "kl_div": ((x, u), {}),
+        "binary_cross_entropy": ((u, u), {}),
+        "binary_cross_entropy_with_logits": ((x, u), {}),
+        "margin_ranking_loss": ((x, y, u), {}),
+        "poisson_nll_loss": ((x, u), {}),
+        "gaussian_nll_loss": ((x, y, u), {}),
+        "sigmoid_focal_loss": ((x, u), {"reduction": "mean"}),
+    }
+    return {name: args.get(name, ((x, y), {})) for name in SPECS}
+
+
+def family(scale: float, reps: int, bw: float, device: str) -> list[dict]:
+    """Forward and value_and_grad (every gradient) of every registered loss on [n, n] float32
+    arrays, n = 32768 * scale, with each time's ratio to mse_loss's and GB/s of compulsory
+    traffic (each array read once; value_and_grad also writes one gradient per array)."""
+    n = int(32768 * scale)
+    rng = cupy.random.default_rng(2)
+    x = rng.standard_normal((n, n), dtype=cupy.float32)
+    y = rng.standard_normal((n, n), dtype=cupy.float32)
+    u = rng.random((n, n), dtype=cupy.float32) * 0.98 + 0.01
+    rows = []
+    for name, (arrays, opts) in _family_calls(x, y, u).items():
+        fwd = getattr(cupyloss, name)
+        vag = getattr(cupyloss, name + "_value_and_grad")
+        nbytes = sum(a.nbytes for a in arrays)
+        for what, fn, traffic in (("forward", lambda: fwd(*arrays, **opts), nbytes),
+                                  ("value_and_grad", lambda: vag(*arrays, **opts), 2 * nbytes)):
+            ms = _timer(fn, reps)
+            rows.append(dict(loss=name, pass_=what, ms=ms, gbps=traffic / ms / 1e6,
+                             pct_copy_bw=100 * traffic / ms / 1e6 / bw, arrays=len(arrays),
+                             device=device, shape=[n, n]))
+        cupy.get_default_memory_pool().free_all_blocks()
+    mse = {r["pass_"]: r for r in rows if r["loss"] == "mse_loss"}
+    print(f"every loss on [{n}, {n}] float32 arrays, {device} (copy {bw:.0f} GB/s):")
+    print(f"{'loss':34} {'pass':15} {'arrays':>6} {'ms':>8} {'GB/s':>6} {'%copy':>6} "
+          f"{'x mse time':>10} {'x mse GB/s':>10}")
+    for r in rows:
+        ref = mse[r["pass_"]]
+        r["ratio_to_mse"] = r["ms"] / ref["ms"]
+        r["gbps_ratio_to_mse"] = r["gbps"] / ref["gbps"]
+        print(f"{r['loss']:34} {r['pass_']:15} {r['arrays']:6d} {r['ms']:8.3f} "
+              f"{r['gbps']:6.0f} {r['pct_copy_bw']:6.1f} {r['ratio_to_mse']:10.3f} "
+              f"{r['gbps_ratio_to_mse']:10.3f}")
+    return rows
 
 
 SWEEP_SIZES = tuple(4**k for k in range(5, 16))   # 1K ... 1G elements
@@ -336,7 +406,19 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--small-only", action="store_true", help="only the small-call host cost")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="sweep sizes 1K..1G, write a plot here and a markdown table beside it")
+    ap.add_argument("--only", default=None, help="comma-separated workloads to run alone")
+    ap.add_argument("--family", action="store_true",
+                    help="every registered loss next to mse_loss, and nothing else")
     args = ap.parse_args(argv)
+
+    if args.family:
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        bw = copy_bandwidth(int(4 * 2**30 * min(args.scale, 1.0) ** 2), args.reps)
+        rows = family(args.scale, args.reps, bw, props["name"].decode())
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"family": rows}, fh, indent=1)
+        return rows
 
     small = small_calls()
     if args.small_only:
@@ -361,7 +443,10 @@ def main(argv=None) -> list[dict]:
     bw = copy_bandwidth(int(4 * 2**30 * min(args.scale, 1.0) ** 2), args.reps)
     print(f"device: {device}; copy bandwidth {bw:.0f} GB/s (read + write)")
     rows = []
+    only = set(args.only.split(",")) if args.only else None
     for name, a, b in _workloads(args.scale):
+        if only is not None and name not in only:
+            continue
         fwd_bytes = a.nbytes + b.nbytes
         vag_bytes = 2 * fwd_bytes
         ours_fwd, ours_vag = _cupyloss_fns(name, a, b)

@@ -4,7 +4,7 @@
 //   load_acc / store  conversions between storage and accumulator types
 //   Vec<T, N>         an N-element, N*sizeof(T)-aligned register vector for 16-byte accesses
 //   IntDiv            division of 64-bit indices by a run-time constant via multiply-high
-//   Geometry          the coalesced broadcast shape and each operand's strides, passed by value
+//   Geometry<N>       the coalesced broadcast shape and N operands' strides, passed by value
 //   block_sum         deterministic block-wide sum (fixed shuffle tree, then fixed smem order)
 //   grid_sum_out      deterministic grid-wide sums written to 0-d outputs in the same launch
 //
@@ -60,23 +60,24 @@ struct IntDiv {
 
 // The broadcast shape after merging dimensions that every operand walks contiguously, innermost
 // last.  stride[k][d] is operand k's stride in elements along dim d (0 where it broadcasts).
-// Operand order: 0 = input, 1 = target, 2 = elementwise grad_output.  Every field is 64-bit so
-// that the host mirror (a NumPy structured scalar) has no padding to get wrong.
+// Operands are a loss's N - 1 array arguments in order, then the elementwise grad_output.
+// Every field is 64-bit so that the host mirror (_launch.geometry_dtype) has no padding.
+template <int N>
 struct Geometry {
     long long ndim;
     IntDiv dim[CUPYLOSS_MAX_DIMS];
-    long long stride[3][CUPYLOSS_MAX_DIMS];
+    long long stride[N][CUPYLOSS_MAX_DIMS];
 
-    // Element offsets of flat (C-order) index i in operands 0 and 1 (and 2 when `with_go`).
-    __device__ __forceinline__ void offsets(long long i, long long off[3]) const {
-        off[0] = off[1] = off[2] = 0;
+    // Element offsets of flat (C-order) index i in every operand.
+    __device__ __forceinline__ void offsets(long long i, long long (&off)[N]) const {
+        #pragma unroll
+        for (int k = 0; k < N; ++k) off[k] = 0;
         unsigned long long rest = (unsigned long long)i;
         for (int d = (int)ndim - 1; d >= 0; --d) {
             unsigned long long q = d > 0 ? dim[d].div(rest) : 0ull;
             long long r = (long long)(rest - q * (unsigned long long)dim[d].divisor);
-            off[0] += r * stride[0][d];
-            off[1] += r * stride[1][d];
-            off[2] += r * stride[2][d];
+            #pragma unroll
+            for (int k = 0; k < N; ++k) off[k] += r * stride[k][d];
             rest = q;
         }
     }

@@ -1,42 +1,86 @@
-// Pointwise loss functors: the loss of one element and its two partial derivatives.
+// Pointwise loss functors: the loss of one element and its partial derivatives.
 //
-// Every functor is stateless and works in the accumulator type A (float or double).  The
-// options a loss takes travel in LossArgs.  Adding a pointwise loss means one functor here,
-// one registry entry in cupyloss/_registry.py and one reference in tests/reference.py.
+// A functor names its array operands' count K (torch's order: input, target, then e.g. weight),
+// its parameter struct Params (every field 64-bit: double or long long, mirrored on the host
+// next to its registration in cupyloss/_registry.py), and two stateless members working in the
+// accumulator type A (float or double):
+//   value(v, p)      the loss of one element whose operands are v[0..K)
+//   grad(v, p, d)    d[k] = dl/dv[k] for every operand (the kernel keeps the ones asked for)
+// Adding a pointwise loss means one functor here, one registration in cupyloss/_registry.py and
+// one reference in tests/reference.py.
 #pragma once
 
 namespace cupyloss {
 
-template <typename A>
-struct LossArgs {
-    A margin;          // hinge_loss
-    bool log_target;   // kl_div: target holds log-probabilities
-    bool log_input;    // kl_div: input holds log-probabilities (torch's convention)
+// The parameter struct of a functor without options (a kernel parameter is never empty).
+struct NoParams {
+    long long unused;
 };
 
 __device__ __forceinline__ float lg(float v) { return logf(v); }
 __device__ __forceinline__ double lg(double v) { return log(v); }
+__device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
+__device__ __forceinline__ double lg1p(double v) { return log1p(v); }
 __device__ __forceinline__ float ex(float v) { return expf(v); }
 __device__ __forceinline__ double ex(double v) { return exp(v); }
-// A product rounded on its own, never contracted into an FMA with a later add: the hinge tie
+__device__ __forceinline__ float th(float v) { return tanhf(v); }
+__device__ __forceinline__ double th(double v) { return tanh(v); }
+__device__ __forceinline__ float pw(float b, float e) { return powf(b, e); }
+__device__ __forceinline__ double pw(double b, double e) { return pow(b, e); }
+// 1 / v correctly rounded (what the division gives), without the division's slow path.
+__device__ __forceinline__ float rcp(float v) { return __frcp_rn(v); }
+__device__ __forceinline__ double rcp(double v) { return __drcp_rn(v); }
+// A product rounded on its own, never contracted into an FMA with a later add: a tie such as
 // `margin - x*t == 0` must be decided as torch decides it.
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
+// max(v, 0) that keeps NaN (torch's clamp_min): NaN < 0 is false.
+template <typename A>
+__device__ __forceinline__ A relu(A v) { return v < A(0) ? A(0) : v; }
+// [v >= 0] as 0 or 1 (torch's clamp_min backward: ties pass, NaN is blocked).
+template <typename A>
+__device__ __forceinline__ A passes(A v) { return v >= A(0) ? A(1) : A(0); }
+// sign(v) with sign(0) = 0 and, as torch's sgn, sign(NaN) = 0.
+template <typename A>
+__device__ __forceinline__ A sign0(A v) { return A(v > A(0)) - A(v < A(0)); }
+
+// Logistic pieces of a logit x that never overflow: with e = exp(-|x|),
+//   softplus(x) = log(1 + e^x) = max(x, 0) + log1p(e),   softplus(-x) = max(-x, 0) + log1p(e),
+//   sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below, sigmoid(-x) = 1 - sigmoid(x)
+//   taken from the same two numbers, so neither loses digits to 1 - (1 - tiny).
+template <typename A>
+struct Logistic {
+    A sp_pos, sp_neg;    // softplus(x), softplus(-x)
+    A sg_pos, sg_neg;    // sigmoid(x), sigmoid(-x)
+
+    __device__ __forceinline__ explicit Logistic(A x, bool sigmoids = true) {
+        const A e = ex(-(x < A(0) ? -x : x));
+        const A l = lg1p(e);
+        sp_pos = (x > A(0) ? x : A(0)) + l;
+        sp_neg = (x < A(0) ? -x : A(0)) + l;  // a NaN x makes e, l and so both NaN
+        if (sigmoids) {
+            const A inv = rcp(A(1) + e);
+            const A small = e * inv;
+            sg_pos = x >= A(0) ? inv : small;
+            sg_neg = x >= A(0) ? small : inv;
+        }
+    }
+};
+
 // mse_loss:  l = (x - t)^2,   dl/dx = 2 (x - t),   dl/dt = -2 (x - t)
 struct MseOp {
+    static constexpr int K = 2;  // input, target
+    using Params = NoParams;
     template <typename A>
-    static __device__ __forceinline__ A value(A x, A t, const LossArgs<A>&) {
-        const A d = x - t;
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
+        const A d = v[0] - v[1];
         return d * d;
     }
     template <typename A>
-    static __device__ __forceinline__ A d_input(A x, A t, const LossArgs<A>&) {
-        return A(2) * (x - t);
-    }
-    template <typename A>
-    static __device__ __forceinline__ A d_target(A x, A t, const LossArgs<A>&) {
-        return A(-2) * (x - t);
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+        d[0] = A(2) * (v[0] - v[1]);
+        d[1] = A(-2) * (v[0] - v[1]);
     }
 };
 
@@ -52,38 +96,46 @@ struct MseOp {
 // logf's instructions, not by memory); every other value takes the literal formula above, so
 // zeros, infinities and NaNs behave exactly as kl_div(log(p), t) does in torch.
 struct KlDivOp {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        long long log_target;  // target holds log-probabilities
+        long long log_input;   // input holds log-probabilities (torch's convention)
+    };
     template <typename A>
-    static __device__ __forceinline__ A log_in(A x, const LossArgs<A>& a) {
-        return a.log_input ? x : lg(x);
+    static __device__ __forceinline__ A log_in(A x, const Params& p) {
+        return p.log_input ? x : lg(x);
     }
     template <typename A>
-    static __device__ __forceinline__ bool ratio_form(A x, A t, const LossArgs<A>& a) {
+    static __device__ __forceinline__ bool ratio_form(A x, A t, const Params& p) {
         const A inf = A(1) / A(0);
-        return !a.log_input && !a.log_target && t > A(0) && t < inf && x > A(0) && x < inf;
+        return !p.log_input && !p.log_target && t > A(0) && t < inf && x > A(0) && x < inf;
     }
     template <typename A>
-    static __device__ __forceinline__ A value(A x, A t, const LossArgs<A>& a) {
-        if (ratio_form(x, t, a)) return t * lg(t / x);
-        const A lx = log_in(x, a);
-        if (a.log_target) return ex(t) * (t - lx);
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A x = v[0], t = v[1];
+        if (ratio_form(x, t, p)) return t * lg(t / x);
+        const A lx = log_in(x, p);
+        if (p.log_target) return ex(t) * (t - lx);
         const A xlogy = t == A(0) ? A(0) : t * lg(t);
         return xlogy - t * lx;
     }
     template <typename A>
-    static __device__ __forceinline__ A d_input(A x, A t, const LossArgs<A>& a) {
-        if (ratio_form(x, t, a)) return -(t / x);
-        const A d = a.log_target ? -ex(t) : -t;
-        return a.log_input ? d : d / x;
-    }
-    template <typename A>
-    static __device__ __forceinline__ A d_target(A x, A t, const LossArgs<A>& a) {
-        if (ratio_form(x, t, a)) return lg(t / x) + A(1);
-        const A lx = log_in(x, a);
-        if (a.log_target) {
-            const A et = ex(t);
-            return et * (t - lx) + et;
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A x = v[0], t = v[1];
+        if (ratio_form(x, t, p)) {
+            d[0] = -(t / x);
+            d[1] = lg(t / x) + A(1);
+            return;
         }
-        return (t != A(0) ? lg(t) : A(0)) + t / t - lx;
+        const A dx = p.log_target ? -ex(t) : -t;
+        d[0] = p.log_input ? dx : dx / x;
+        const A lx = log_in(x, p);
+        if (p.log_target) {
+            const A et = ex(t);
+            d[1] = et * (t - lx) + et;
+        } else {
+            d[1] = (t != A(0) ? lg(t) : A(0)) + t / t - lx;
+        }
     }
 };
 
@@ -93,22 +145,388 @@ struct KlDivOp {
 //   NaN or infinite factor still gives NaN, as in torch:
 //   dl/dx = -([m - x t >= 0] t),   dl/dt = -([m - x t >= 0] x)
 struct HingeOp {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        double margin;
+    };
     template <typename A>
-    static __device__ __forceinline__ A pass(A x, A t, const LossArgs<A>& a) {
-        return a.margin - mul_rn(x, t) >= A(0) ? A(1) : A(0);
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        return relu(A(p.margin) - mul_rn(v[0], v[1]));
     }
     template <typename A>
-    static __device__ __forceinline__ A value(A x, A t, const LossArgs<A>& a) {
-        const A v = a.margin - mul_rn(x, t);
-        return v < A(0) ? A(0) : v;
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A pass = passes(A(p.margin) - mul_rn(v[0], v[1]));
+        d[0] = -(pass * v[1]);
+        d[1] = -(pass * v[0]);
+    }
+};
+
+// l1_loss:  l = |x - t|,   dl/dx = sign(x - t) = -dl/dt   (0 at the tie and, as torch's sgn,
+// for a NaN difference)
+struct L1Op {
+    static constexpr int K = 2;  // input, target
+    using Params = NoParams;
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
+        const A d = v[0] - v[1];
+        return d < A(0) ? -d : d;
     }
     template <typename A>
-    static __device__ __forceinline__ A d_input(A x, A t, const LossArgs<A>& a) {
-        return -(pass(x, t, a) * t);
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+        d[0] = sign0(v[0] - v[1]);
+        d[1] = -d[0];
+    }
+};
+
+// smooth_l1_loss, d = x - t, z = |d|:
+//   l = z^2 / (2 beta) for z < beta, z - beta / 2 otherwise;   beta == 0 is l1_loss (torch)
+//   dl/dx = -1 for d <= -beta, 1 for d >= beta, d / beta between = -dl/dt
+//   (torch's smooth_l1_loss_backward: the ties |d| == beta take the constant)
+struct SmoothL1Op {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        double beta;  // >= 0, checked on the host
+    };
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A beta = A(p.beta), d = v[0] - v[1];
+        const A z = d < A(0) ? -d : d;
+        if (p.beta == 0) return z;
+        return z < beta ? A(0.5) * z * z / beta : z - A(0.5) * beta;
     }
     template <typename A>
-    static __device__ __forceinline__ A d_target(A x, A t, const LossArgs<A>& a) {
-        return -(pass(x, t, a) * x);
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A beta = A(p.beta), diff = v[0] - v[1];
+        if (p.beta == 0) d[0] = sign0(diff);
+        else d[0] = diff <= -beta ? A(-1) : (diff >= beta ? A(1) : diff / beta);
+        d[1] = -d[0];
+    }
+};
+
+// huber_loss, d = x - t, z = |d|:
+//   l = z^2 / 2 for z < delta, delta (z - delta / 2) otherwise
+//   dl/dx = -delta for d <= -delta, delta for d >= delta, d between = -dl/dt
+struct HuberOp {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        double delta;  // > 0, checked on the host
+    };
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A delta = A(p.delta), d = v[0] - v[1];
+        const A z = d < A(0) ? -d : d;
+        return z < delta ? A(0.5) * z * z : delta * (z - A(0.5) * delta);
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A delta = A(p.delta), diff = v[0] - v[1];
+        d[0] = diff <= -delta ? -delta : (diff >= delta ? delta : diff);
+        d[1] = -d[0];
+    }
+};
+
+// binary_cross_entropy, x = input (a probability), t = target, w = weight (1 when absent):
+//   l = w ((t - 1) max(log(1 - x), -100) - t max(log x, -100))      (torch clamps each log)
+//   dl/dx = w (x - t) / max(x (1 - x), 1e-12f)          (torch's backward formula)
+//   dl/dt = w (log(1 - x) - log x) = -w logit(x)         (torch's target backward, unclamped)
+//   dl/dw = the unweighted loss
+// x outside [0, 1] (torch asserts) gives a NaN loss; the input gradient is the formula's.
+struct BceOp {
+    static constexpr int K = 3;  // input, target, weight
+    using Params = NoParams;
+    template <typename A>
+    static __device__ __forceinline__ A clamp_log(A v) { return v < A(-100) ? A(-100) : v; }
+    template <typename A>
+    static __device__ __forceinline__ A unweighted(A log_x, A log_1mx, A t) {
+        return (t - A(1)) * clamp_log(log_1mx) - t * clamp_log(log_x);
+    }
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
+        return v[2] * unweighted(lg(v[0]), lg1p(-v[0]), v[1]);
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+        const A x = v[0], t = v[1], w = v[2];
+        const A log_x = lg(x), log_1mx = lg1p(-x);
+        const A m = (A(1) - x) * x;
+        const A eps = A(1e-12f);
+        d[0] = w * (x - t) / (m < eps ? eps : m);
+        d[1] = w * (log_1mx - log_x);
+        d[2] = unweighted(log_x, log_1mx, t);
+    }
+};
+
+// binary_cross_entropy_with_logits, x = logit, t = target, w = weight, q = pos_weight (1 when
+// absent).  Torch's w ((1 - t) x - (1 + (q - 1) t) log_sigmoid(x)) is evaluated in the equal form
+//   l = w ((1 - t) softplus(x) + q t softplus(-x))
+// (non-negative terms for t in [0, 1]: no digits lost at large |x|, and exp never overflows):
+//   dl/dx = w ((1 - t) sigmoid(x) - q t sigmoid(-x)),   dl/dt = w (q softplus(-x) - softplus(x))
+//   dl/dw = the unweighted loss,                        dl/dq = w t softplus(-x)
+struct BceLogitsOp {
+    static constexpr int K = 4;  // input, target, weight, pos_weight
+    using Params = NoParams;
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
+        const Logistic<A> s(v[0], false);
+        return v[2] * ((A(1) - v[1]) * s.sp_pos + v[3] * v[1] * s.sp_neg);
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+        const A t = v[1], w = v[2], q = v[3];
+        const Logistic<A> s(v[0]);
+        d[0] = w * ((A(1) - t) * s.sg_pos - q * t * s.sg_neg);
+        d[1] = w * (q * s.sp_neg - s.sp_pos);
+        d[2] = (A(1) - t) * s.sp_pos + q * t * s.sp_neg;
+        d[3] = w * t * s.sp_neg;
+    }
+};
+
+// soft_margin_loss:  l = log(1 + exp(-x t)) = softplus(-x t)   (finite where torch's
+// log1p(exp(-x t)) overflows),   dl/dx = -t sigmoid(-x t),   dl/dt = -x sigmoid(-x t)
+struct SoftMarginOp {
+    static constexpr int K = 2;  // input, target
+    using Params = NoParams;
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
+        return Logistic<A>(-(v[0] * v[1]), false).sp_pos;
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+        const A s = Logistic<A>(-(v[0] * v[1])).sg_pos;
+        d[0] = -v[1] * s;
+        d[1] = -v[0] * s;
+    }
+};
+
+// hinge_embedding_loss:  l = [t != 1] max(0, m - x) + [t != -1] x   (torch's two wheres: a
+// target other than +-1 takes both terms)
+//   dl/dx = [t != -1] - [t != 1] [m - x >= 0],   dl/dt = 0 (the target only picks branches)
+struct HingeEmbeddingOp {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        double margin;
+    };
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A x = v[0], t = v[1];
+        A l = A(0);
+        if (t != A(1)) l += relu(A(p.margin) - x);
+        if (t != A(-1)) l += x;
+        return l;
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A x = v[0], t = v[1];
+        d[0] = A(t != A(-1)) - (t != A(1) ? passes(A(p.margin) - x) : A(0));
+        d[1] = A(0);
+    }
+};
+
+// margin_ranking_loss:  l = max(0, -t (x1 - x2) + m)
+//   with pass = [-t (x1 - x2) + m >= 0] (ties pass, NaN blocks; the products stay literal):
+//   dl/dx1 = -(t pass),   dl/dx2 = t pass,   dl/dt = -((x1 - x2) pass)
+struct MarginRankingOp {
+    static constexpr int K = 3;  // input1, input2, target
+    struct Params {
+        double margin;
+    };
+    template <typename A>
+    static __device__ __forceinline__ A margin_term(const A (&v)[K], const Params& p) {
+        return mul_rn(-v[2], v[0] - v[1]) + A(p.margin);
+    }
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        return relu(margin_term(v, p));
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A pass = passes(margin_term(v, p));
+        d[0] = -(v[2] * pass);
+        d[1] = v[2] * pass;
+        d[2] = -((v[0] - v[1]) * pass);
+    }
+};
+
+// poisson_nll_loss, x = input, t = target:
+//   log_input:   l = e^x - t x,             dl/dx = e^x - t,           dl/dt = -x
+//   otherwise:   l = x - t log(x + eps),    dl/dx = 1 - t / (x + eps), dl/dt = -log(x + eps)
+//   full adds the Stirling term t log t - t + log(2 pi t) / 2 where t > 1 (0 where t <= 1), and
+//   to dl/dt torch's backward of the masked term, m log t + (m t) / t - m + m / (2 t) with
+//   m = [t > 1]: NaN where t <= 0 (0 * log 0 and 0 / 0 survive the mask), 0 on (0, 1].
+struct PoissonNllOp {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        long long log_input;
+        long long full;
+        double eps;
+    };
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A x = v[0], t = v[1];
+        A l = p.log_input ? ex(x) - t * x : x - t * lg(x + A(p.eps));
+        if (p.full && !(t <= A(1)))
+            l += t * lg(t) - t + A(0.5) * lg(A(6.283185307179586) * t);
+        return l;
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A x = v[0], t = v[1];
+        if (p.log_input) {
+            d[0] = ex(x) - t;
+            d[1] = -x;
+        } else {
+            const A xe = x + A(p.eps);
+            d[0] = A(1) - t / xe;
+            d[1] = -lg(xe);
+        }
+        if (p.full) {
+            const A m = t <= A(1) ? A(0) : A(1);
+            d[1] += m * lg(t) + (m * t) / t - m + A(0.5) * m / t;
+        }
+    }
+};
+
+// gaussian_nll_loss, x = input, t = target, s = max(var, eps) (NaN stays NaN; a negative var is
+// clamped like any var below eps: torch raises there, after a host sync):
+//   l = (log s + (x - t)^2 / s) / 2 (+ log(2 pi) / 2 when full)
+//   dl/dx = (x - t) / s = -dl/dt,   dl/dvar = (1 / s - (x - t)^2 / s^2) / 2
+//   (torch clamps under no_grad, so var's gradient is this formula even where the clamp acts)
+struct GaussianNllOp {
+    static constexpr int K = 3;  // input, target, var
+    struct Params {
+        long long full;
+        double eps;
+    };
+    template <typename A>
+    static __device__ __forceinline__ A clamped(A var, const Params& p) {
+        const A eps = A(p.eps);
+        return var < eps ? eps : var;
+    }
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A s = clamped(v[2], p), diff = v[0] - v[1];
+        const A l = A(0.5) * (lg(s) + diff * diff / s);
+        return p.full ? l + A(0.91893853320467274) : l;
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A s = clamped(v[2], p), diff = v[0] - v[1];
+        d[0] = diff / s;
+        d[1] = -d[0];
+        d[2] = A(0.5) * (A(1) / s - diff * diff / (s * s));
+    }
+};
+
+// squared_hinge_loss:  l = max(0, m - x t)^2
+//   with h = m - x t where m - x t >= 0, else 0 (clamp's backward blocks NaN):
+//   dl/dx = -2 h t,   dl/dt = -2 h x
+struct SquaredHingeOp {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        double margin;
+    };
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A h = relu(A(p.margin) - mul_rn(v[0], v[1]));
+        return h * h;
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A u = A(p.margin) - mul_rn(v[0], v[1]);
+        const A h = u >= A(0) ? u : A(0);
+        d[0] = A(-2) * h * v[1];
+        d[1] = A(-2) * h * v[0];
+    }
+};
+
+// sigmoid_focal_loss (torchvision's), x = logit, t = target, p = sigmoid(x), r = sigmoid(-x):
+//   ce = (1 - t) softplus(x) + t softplus(-x)     (bce_with_logits, stable form)
+//   q = 1 - p_t = p (1 - t) + r t                  (no 1 - (1 - tiny))
+//   a = alpha t + (1 - alpha)(1 - t), or 1 when alpha < 0
+//   l = a ce q^gamma
+//   with dq = gamma q^(gamma - 1) (0 when gamma == 0, as torch's pow backward):
+//   dl/dx = a ((p (1 - t) - r t) q^gamma + ce dq p r (1 - 2 t))
+//   dl/dt = a' ce q^gamma + a (-x q^gamma + ce dq (r - p)),   a' = 2 alpha - 1 (0 if alpha < 0)
+struct SigmoidFocalOp {
+    static constexpr int K = 2;  // input, target
+    struct Params {
+        double alpha;
+        double gamma;
+    };
+    template <typename A>
+    static __device__ __forceinline__ A focus(A q, double gamma) {  // q^gamma
+        return gamma == 2 ? q * q : (gamma == 1 ? q : pw(q, A(gamma)));
+    }
+    template <typename A>
+    static __device__ __forceinline__ A weight(A t, const Params& p) {
+        const A alpha = A(p.alpha);
+        return p.alpha >= 0 ? alpha * t + (A(1) - alpha) * (A(1) - t) : A(1);
+    }
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        const A t = v[1];
+        const Logistic<A> s(v[0]);
+        const A ce = (A(1) - t) * s.sp_pos + t * s.sp_neg;
+        const A q = s.sg_pos * (A(1) - t) + s.sg_neg * t;
+        return weight(t, p) * ce * focus(q, p.gamma);
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        const A x = v[0], t = v[1];
+        const Logistic<A> s(x);
+        const A ce = (A(1) - t) * s.sp_pos + t * s.sp_neg;
+        const A q = s.sg_pos * (A(1) - t) + s.sg_neg * t;
+        const A mod = focus(q, p.gamma);
+        const A dq = p.gamma == 0 ? A(0)
+                   : (p.gamma == 2 ? A(2) * q : A(p.gamma) * focus(q, p.gamma - 1));
+        const A a = weight(t, p);
+        d[0] = a * ((s.sg_pos * (A(1) - t) - s.sg_neg * t) * mod
+                    + ce * dq * (s.sg_pos * s.sg_neg) * (A(1) - A(2) * t));
+        const A da = p.alpha >= 0 ? A(2) * A(p.alpha) - A(1) : A(0);
+        d[1] = da * ce * mod + a * (-x * mod + ce * dq * (s.sg_neg - s.sg_pos));
+    }
+};
+
+// log_cosh_loss, d = x - t, z = |d|:
+//   l = log(cosh d) = log1p(2 sinh(z / 2)^2) for z < 1 (no cancellation near 0, where it is
+//   d^2 / 2), z - log 2 + log1p(exp(-2 z)) otherwise (no overflow of cosh); both branches are
+//   formed for every element and one log1p taken of the selected argument, since neighbouring
+//   elements usually take different branches.  sinh(w), w < 1/2, is its Taylor polynomial
+//   (truncation below 1e-10 relative in float, 1e-19 in double).
+//   dl/dx = tanh(d) = -dl/dt
+struct LogCoshOp {
+    static constexpr int K = 2;  // input, target
+    using Params = NoParams;
+    // sinh(w) for 0 <= w < 1/2: w (1 + w^2/3! + w^4/5! + ...), Horner in w^2.
+    static __device__ __forceinline__ float sinh_small(float w) {
+        const float u = w * w;
+        return w + w * u * (1.0f / 6 + u * (1.0f / 120 + u * (1.0f / 5040 + u * (1.0f / 362880))));
+    }
+    static __device__ __forceinline__ double sinh_small(double w) {
+        const double u = w * w;
+        double q = 1.0 / 355687428096000.0;                      // 1 / 17!
+        q = 1.0 / 1307674368000.0 + u * q;                       // 1 / 15!
+        q = 1.0 / 6227020800.0 + u * q;                          // 1 / 13!
+        q = 1.0 / 39916800.0 + u * q;                            // 1 / 11!
+        q = 1.0 / 362880.0 + u * q;
+        q = 1.0 / 5040.0 + u * q;
+        q = 1.0 / 120.0 + u * q;
+        q = 1.0 / 6.0 + u * q;
+        return w + w * u * q;
+    }
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
+        const A d = v[0] - v[1];
+        const A z = d < A(0) ? -d : d;
+        const bool small = z < A(1);
+        const A s = sinh_small(A(0.5) * z);
+        const A arg = small ? A(2) * s * s : ex(A(-2) * z);
+        return (small ? A(0) : z - A(0.69314718055994531)) + lg1p(arg);
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+        d[0] = th(v[0] - v[1]);
+        d[1] = -d[0];
     }
 };
 

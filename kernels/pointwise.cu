@@ -1,26 +1,34 @@
 // One kernel family for every pointwise loss: value, gradients, or both in one pass.
 //
-// For an element with input x, target t and upstream gradient g (grad_output times the
-// reduction's scale: 1/n for mean, 1/batch for batchmean, 1 for sum and none):
-//   loss      l   = Op::value(x, t)
-//   gradients g_x = g * Op::d_input(x, t),   g_t = g * Op::d_target(x, t)
+// A loss Op (kernels/losses.cuh) takes K array operands v[0..K) in torch's order, each
+// broadcast on its own, and its own parameter struct p.  For an element with operands v and
+// upstream gradient g (grad_output times the reduction's scale: 1/n for mean, 1/batch for
+// batchmean, 1 for sum and none):
+//   loss        l   = Op::value(v, p)
+//   gradients   g_k = g * dl/dv_k            (Op::grad gives every dl/dv_k)
+// An operand whose pointer is null reads as fill[k] everywhere (an optional argument left out,
+// or a number where torch takes one) and has no gradient.  When a launch wants both, the loss
+// is evaluated right after the partials, in the same block, so the compiler computes what they
+// share (a log, an exp) once; the loss's own expression is unchanged, so a one-pass call gives
+// bitwise the numbers of separate forward and backward calls (the GPU tests check it).
 //
 // What a launch writes is chosen by its non-null output pointers:
 //   loss       elementwise loss (reduction 'none')
-//   value      the 0-d reduced loss: sum l / divisor
-//   gx0, gt0   the 0-d gradient of an operand that is one element broadcast everywhere
-//   gx, gt     gradients of an operand whose shape is the broadcast shape, at the flat index
-//   gx_ws,gt_ws  accumulator-typed gradients of a broadcast operand: per element (flat kernel)
-//              or per row block (rows kernel); reduce.cu sums them into the operand's shape
+//   o.value    the 0-d reduced loss: sum l / divisor
+//   o.g[k]     the 0-d gradient of operand k when it is one element broadcast everywhere
+//   g[k]       gradient of operand k when its shape is the broadcast shape (at the flat index);
+//              in the rows kernel also a row operand's [cols] gradient when there is one row block
+//   ws[k]      accumulator-typed gradient of a broadcast operand k: per element (flat kernel) or
+//              per row block (rows kernel); reduce.cu sums it into the operand's shape
 // The 0-d results are finished in the same launch (grid_sum_out in common.cuh): one block
 // writes them directly, several blocks leave per-block partials and the last one adds them.
 //
 // Two layouts of the broadcast shape:
 //   pointwise_flat   any strides, through Geometry (VEC > 1 only for 1-D strides 0 or 1)
-//   pointwise_rows   [rows, cols] where one operand is a single row broadcast over the rows
-//                    (ROW_IS_X: the input; otherwise the target):
-//                    that operand's gradient is summed down each column in registers, so the
-//                    broadcast operand is read once and its gradient costs no extra pass.
+//   pointwise_rows   [rows, cols] where every operand is a full [rows, cols] array, one row of
+//                    `cols` broadcast down the rows, or one element: a row operand is read once
+//                    and its gradient is summed down each column in registers, so it costs no
+//                    extra pass.
 // Both are grid-stride loops over 64-bit indices; block sums use the fixed tree in common.cuh,
 // so a given device and shape give bitwise the same results on every run.
 #include "common.cuh"
@@ -29,48 +37,64 @@
 namespace cupyloss {
 
 enum : long long {
-    FLAG_LOG_TARGET = 1,   // kl_div option
-    FLAG_PROB_INPUT = 2,   // kl_div option log_input=False: input holds probabilities
-    FLAG_GO_DEVICE = 4,    // g is read from go[0] (a 0-d device array) instead of go_value
-    FLAG_GO_ELEMENTWISE = 8,  // g is read elementwise from go (operand 2 of the geometry)
+    FLAG_GO_DEVICE = 1,       // g is read from go[0] (a 0-d device array) instead of go_value
+    FLAG_GO_ELEMENTWISE = 2,  // g is read elementwise from go (the geometry's last operand)
 };
 
-template <typename A>
-__device__ __forceinline__ LossArgs<A> make_args(double margin, long long flags) {
-    LossArgs<A> a;
-    a.margin = A(margin);
-    a.log_target = (flags & FLAG_LOG_TARGET) != 0;
-    a.log_input = (flags & FLAG_PROB_INPUT) == 0;
-    return a;
-}
+// How an operand of pointwise_rows is laid out over [rows, cols].
+enum : long long {
+    KIND_FULL = 0,    // [rows, cols], contiguous
+    KIND_ROW = 1,     // [cols], contiguous, the same row for every row
+    KIND_SCALAR = 2,  // one element (or none: the fill value)
+};
+
+// One value per array operand, passed by value as a kernel parameter.
+template <typename P, int K>
+struct PerOperand {
+    P p[K];
+};
 
 // Per-thread running sums of the quantities reduced to 0-d outputs.
-template <typename A>
+template <typename A, int K>
 struct Sums {
-    A loss = A(0), gx = A(0), gt = A(0);
+    A loss;
+    A g[K];
+    __device__ __forceinline__ Sums() : loss(A(0)) {
+        #pragma unroll
+        for (int k = 0; k < K; ++k) g[k] = A(0);
+    }
 };
 
 // The 0-d outputs of a launch: the reduced loss and the gradients of 0-d-broadcast operands.
-template <typename T>
+template <typename T, int K>
 struct Scalars {
     T* value;             // sum of the loss / divisor, or null
-    T* gx;                // sum of the input gradient (input is one broadcast element), or null
-    T* gt;                // likewise for the target
-    acc_t<T>* partials;   // [3, nblocks] when the grid has several blocks and any of the above
+    T* g[K];              // sum of operand k's gradient (one broadcast element), or null
+    acc_t<T>* partials;   // [K + 1, nblocks] when the grid has several blocks and any of the above
     unsigned int* ticket; // zero before the launch, zero again after it
     double divisor;       // n for mean, input.shape[0] for batchmean, else 1
 };
 
-template <typename T>
-__device__ __forceinline__ void finish(const Sums<acc_t<T>>& s, const Scalars<T>& o,
+template <typename T, int K>
+__device__ __forceinline__ void finish(const Sums<acc_t<T>, K>& s, const Scalars<T, K>& o,
                                        long long block, long long nblocks, acc_t<T>* scratch) {
     using A = acc_t<T>;
-    const A v[3] = {s.loss, s.gx, s.gt};
-    T* const out[3] = {o.value, o.gx, o.gt};
-    const A div[3] = {A(o.divisor), A(1), A(1)};
-    grid_sum_out<T, 3>(v, out, div, o.partials, o.ticket, block, nblocks, scratch);
+    A v[K + 1], div[K + 1];
+    T* out[K + 1];
+    v[0] = s.loss;
+    out[0] = o.value;
+    div[0] = A(o.divisor);
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        v[k + 1] = s.g[k];
+        out[k + 1] = o.g[k];
+        div[k + 1] = A(1);
+    }
+    grid_sum_out<T, K + 1>(v, out, div, o.partials, o.ticket, block, nblocks, scratch);
 }
 
+// VEC consecutive elements from p + i (stride 1, p 16-byte aligned when VEC > 1), or one
+// element broadcast (stride 0).
 template <typename T, int VEC>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, long long i, long long stride,
                                          acc_t<T> (&out)[VEC]) {
@@ -91,7 +115,8 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, long long i, l
 }
 
 template <typename T, int VEC>
-__device__ __forceinline__ void store_vec(T* __restrict__ p, long long i, const acc_t<T> (&in)[VEC]) {
+__device__ __forceinline__ void store_vec(T* __restrict__ p, long long i,
+                                          const acc_t<T> (&in)[VEC]) {
     Vec<T, VEC> v;
     #pragma unroll
     for (int j = 0; j < VEC; ++j) v.v[j] = from_acc<T>(in[j]);
@@ -108,46 +133,10 @@ __device__ __forceinline__ void store_vec_acc(A* __restrict__ p, long long i, co
     for (int j = 0; j < VEC; ++j) p[i + j] = in[j];
 }
 
-// The work on VEC consecutive elements starting at flat index i, whose operands are already in
-// registers.  Every output is optional.
-template <typename T, typename Op, int VEC>
-__device__ __forceinline__ void visit(const acc_t<T> (&x)[VEC], const acc_t<T> (&t)[VEC],
-                                      const acc_t<T> (&g)[VEC], const LossArgs<acc_t<T>>& a,
-                                      long long i, const Scalars<T>& o,
-                                      T* __restrict__ loss, T* __restrict__ gx, T* __restrict__ gt,
-                                      acc_t<T>* __restrict__ gx_ws, acc_t<T>* __restrict__ gt_ws,
-                                      Sums<acc_t<T>>& s) {
-    using A = acc_t<T>;
-    A r[VEC];
-    if (loss != nullptr || o.value != nullptr) {
-        #pragma unroll
-        for (int j = 0; j < VEC; ++j) r[j] = Op::value(x[j], t[j], a);
-        if (loss != nullptr) store_vec<T, VEC>(loss, i, r);
-        else {
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) s.loss += r[j];
-        }
-    }
-    if (gx != nullptr || gx_ws != nullptr || o.gx != nullptr) {
-        #pragma unroll
-        for (int j = 0; j < VEC; ++j) r[j] = g[j] * Op::d_input(x[j], t[j], a);
-        if (gx != nullptr) store_vec<T, VEC>(gx, i, r);
-        else if (gx_ws != nullptr) store_vec_acc<A, VEC>(gx_ws, i, r);
-        else {
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) s.gx += r[j];
-        }
-    }
-    if (gt != nullptr || gt_ws != nullptr || o.gt != nullptr) {
-        #pragma unroll
-        for (int j = 0; j < VEC; ++j) r[j] = g[j] * Op::d_target(x[j], t[j], a);
-        if (gt != nullptr) store_vec<T, VEC>(gt, i, r);
-        else if (gt_ws != nullptr) store_vec_acc<A, VEC>(gt_ws, i, r);
-        else {
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) s.gt += r[j];
-        }
-    }
+// An operand that is one element everywhere: p[0], or the fill value when p is null.
+template <typename T>
+__device__ __forceinline__ acc_t<T> read_fixed(const T* p, double fill) {
+    return p != nullptr ? to_acc(p[0]) : acc_t<T>(fill);
 }
 
 template <typename T>
@@ -158,95 +147,180 @@ __device__ __forceinline__ acc_t<T> upstream_scalar(const T* __restrict__ go, do
     return g * A(grad_scale);
 }
 
+// The loss of VEC elements whose operands are in registers (val[k][j]: operand k, element j).
+template <typename Op, typename A, int VEC>
+__device__ __forceinline__ void loss_of(const A (&val)[Op::K][VEC], const typename Op::Params& p,
+                                        A (&r)[VEC]) {
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        A v[Op::K];
+        #pragma unroll
+        for (int k = 0; k < Op::K; ++k) v[k] = val[k][j];
+        r[j] = Op::value(v, p);
+    }
+}
+
+// Upstream times every partial: d[k][j] = g[j] * dl/dv_k at element j.
+template <typename Op, typename A, int VEC>
+__device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g)[VEC],
+                                         const typename Op::Params& p, A (&d)[Op::K][VEC]) {
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        A v[Op::K], dj[Op::K];
+        #pragma unroll
+        for (int k = 0; k < Op::K; ++k) v[k] = val[k][j];
+        Op::grad(v, p, dj);
+        #pragma unroll
+        for (int k = 0; k < Op::K; ++k) d[k][j] = g[j] * dj[k];
+    }
+}
+
 // Flat layout.  With VEC > 1 the host guarantees a 1-D geometry whose strides are 0 or 1 and
 // 16-byte aligned pointers; elements past the last whole vector take the VEC == 1 path.
 template <typename T, typename Op, int VEC>
 __global__ void __launch_bounds__(256) pointwise_flat(
-        const T* __restrict__ x,       // input, addressed through geo.stride[0]
-        const T* __restrict__ t,       // target, addressed through geo.stride[1]
-        const T* __restrict__ go,      // grad_output: [1] or addressed through geo.stride[2]
-        const Geometry geo,            // the broadcast shape, coalesced
-        const long long n,             // elements in the broadcast shape
-        const double margin, const long long flags,
-        const double go_value,         // grad_output when it is a host scalar
-        const double grad_scale,       // 1/n, 1/batch or 1
-        T* __restrict__ loss,          // [n] or null
-        const Scalars<T> o,            // 0-d outputs and their partials [3, gridDim.x]
-        T* __restrict__ gx, T* __restrict__ gt,              // [n] or null
-        acc_t<T>* __restrict__ gx_ws, acc_t<T>* __restrict__ gt_ws) {  // [n] or null
+        const PerOperand<const T*, Op::K> in,     // operand k through geo.stride[k], or null
+        const PerOperand<double, Op::K> fill,     // what a null operand reads as
+        const T* __restrict__ go,                 // grad_output: [1] or through geo.stride[K]
+        const Geometry<Op::K + 1> geo,            // the broadcast shape, coalesced
+        const long long n,                        // elements in the broadcast shape
+        const typename Op::Params p,              // the loss's options
+        const long long flags,
+        const double go_value,                    // grad_output when it is a host scalar
+        const double grad_scale,                  // 1/n, 1/batch or 1
+        T* __restrict__ loss,                     // [n] or null
+        const Scalars<T, Op::K> o,                // 0-d outputs and their partials [K + 1, grid]
+        const PerOperand<T*, Op::K> g,            // per operand: [n] or null
+        const PerOperand<acc_t<T>*, Op::K> ws) {  // per operand: [n] or null
+    constexpr int K = Op::K;
     using A = acc_t<T>;
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [blockDim.x / 32]
-    const LossArgs<A> a = make_args<A>(margin, flags);
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
+    const bool want_value = loss != nullptr || o.value != nullptr;
+    bool want_grad = false;
+    #pragma unroll
+    for (int k = 0; k < K; ++k)
+        want_grad |= g.p[k] != nullptr || ws.p[k] != nullptr || o.g[k] != nullptr;
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
-    Sums<A> s;
+    Sums<A, K> s;
+
+    // Delivers the results of W consecutive elements (W = VEC, or 1 on the strided path) at
+    // flat index i to their outputs; val[k][j] is operand k of element j, gv[j] its upstream.
+    auto visit = [&](const auto& val, const auto& gv, long long i) {
+        constexpr int W = int(sizeof(gv) / sizeof(gv[0]));
+        auto deliver_loss = [&](const A (&r)[W]) {
+            if (loss != nullptr) {
+                store_vec<T, W>(loss, i, r);
+            } else {
+                #pragma unroll
+                for (int j = 0; j < W; ++j) s.loss += r[j];
+            }
+        };
+        if (!want_grad) {
+            A r[W];
+            loss_of<Op, A, W>(val, p, r);
+            deliver_loss(r);
+        } else {
+            A d[K][W];
+            grads_of<Op, A, W>(val, gv, p, d);
+            if (want_value) {  // after the partials, so it reuses what they computed
+                A r[W];
+                loss_of<Op, A, W>(val, p, r);
+                deliver_loss(r);
+            }
+            #pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (g.p[k] != nullptr) {
+                    store_vec<T, W>(g.p[k], i, d[k]);
+                } else if (ws.p[k] != nullptr) {
+                    store_vec_acc<A, W>(ws.p[k], i, d[k]);
+                } else if (o.g[k] != nullptr) {
+                    #pragma unroll
+                    for (int j = 0; j < W; ++j) s.g[k] += d[k][j];
+                }
+            }
+        }
+    };
 
     long long done = 0;
-    if (VEC > 1) {
+    if constexpr (VEC > 1) {
+        A fixed[K];  // stride-0 operands, read once
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            fixed[k] = geo.stride[k][0] == 0 ? read_fixed<T>(in.p[k], fill.p[k]) : A(0);
         const long long nvec = n / VEC;
         #pragma unroll 4
         for (long long v = tid; v < nvec; v += nthreads) {
             const long long i = v * VEC;
-            A xv[VEC], tv[VEC], gv[VEC];
-            load_vec<T, VEC>(x, i, geo.stride[0][0], xv);
-            load_vec<T, VEC>(t, i, geo.stride[1][0], tv);
+            A val[K][VEC], gv[VEC];
+            #pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (geo.stride[k][0] == 0) {
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) val[k][j] = fixed[k];
+                } else {
+                    load_vec<T, VEC>(in.p[k], i, 1, val[k]);
+                }
+            }
             if (go_elem) {
-                load_vec<T, VEC>(go, i, geo.stride[2][0], gv);
+                load_vec<T, VEC>(go, i, geo.stride[K][0], gv);
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j) gv[j] *= A(grad_scale);
             } else {
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j) gv[j] = g0;
             }
-            visit<T, Op, VEC>(xv, tv, gv, a, i, o, loss, gx, gt, gx_ws, gt_ws, s);
+            visit(val, gv, i);
         }
         done = nvec * VEC;
     }
     for (long long i = done + tid; i < n; i += nthreads) {
-        long long off[3];
+        long long off[K + 1];
         geo.offsets(i, off);
-        A xv[1] = {to_acc(x[off[0]])};
-        A tv[1] = {to_acc(t[off[1]])};
-        A gv[1] = {go_elem ? to_acc(go[off[2]]) * A(grad_scale) : g0};
-        visit<T, Op, 1>(xv, tv, gv, a, i, o, loss, gx, gt, gx_ws, gt_ws, s);
+        A val[K][1];
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            val[k][0] = in.p[k] != nullptr ? to_acc(in.p[k][off[k]]) : A(fill.p[k]);
+        const A gv[1] = {go_elem ? to_acc(go[off[K]]) * A(grad_scale) : g0};
+        visit(val, gv, i);
     }
-    finish<T>(s, o, blockIdx.x, gridDim.x, scratch);
+    finish<T, K>(s, o, blockIdx.x, gridDim.x, scratch);
 }
 
-// Rows layout: the broadcast shape is [rows, cols]; the operand named by ROW_IS_X (input when
-// true, target when false) is a single contiguous row of `cols` elements, every other operand
-// is a contiguous [rows, cols] array.  Block (bx, by) covers columns
-// [bx * tx * VEC, (bx + 1) * tx * VEC) of the rows [by * rows_per_block, (by + 1) * rows_per_block);
-// its threads form ty = blockDim.x / tx lanes down the rows, each taking UNROLL rows per step
-// with all their loads issued before any use.  The row operand's values stay in registers and
-// its gradient is summed down the column in registers, then across the ty lanes in shared
-// memory in lane order, and written to ws[by, col]; reduce.cu's sum_rows adds the row blocks.
-// A grid of one row block writes the row gradient straight to g_row (one launch in all).
-template <typename T, typename Op, int VEC, bool ROW_IS_X>
+// Rows layout: the broadcast shape is [rows, cols] and kind[k] says how operand k covers it
+// (KIND_FULL, KIND_ROW or KIND_SCALAR; the host guarantees at least one row operand).  Block
+// (bx, by) covers columns [bx * tx * VEC, (bx + 1) * tx * VEC) of the rows
+// [by * rows_per_block, (by + 1) * rows_per_block); its threads form ty = blockDim.x / tx lanes
+// down the rows, each taking UNROLL rows per step with all their loads issued before any use.
+// Row and scalar operands stay in registers; a row operand's gradient is summed down the
+// column in registers, then across the ty lanes in shared memory in lane order, and written to
+// ws[k][by, col] (reduce.cu's sum_rows adds the row blocks) or, with one row block, straight to
+// g[k][col].  A scalar operand's gradient is a 0-d sum (grid_sum_out).
+template <typename T, typename Op, int VEC>
 __global__ void __launch_bounds__(256) pointwise_rows(
-        const T* __restrict__ x,       // [rows, cols], or [cols] when ROW_IS_X
-        const T* __restrict__ t,       // [rows, cols], or [cols] when !ROW_IS_X
-        const T* __restrict__ go,      // [rows, cols] with FLAG_GO_ELEMENTWISE, [1] or unused
+        const PerOperand<const T*, Op::K> in,     // per kind: [rows, cols], [cols], [1] or null
+        const PerOperand<double, Op::K> fill,     // what a null operand reads as
+        const PerOperand<long long, Op::K> kind,  // KIND_FULL, KIND_ROW or KIND_SCALAR
+        const T* __restrict__ go,                 // [rows, cols] with FLAG_GO_ELEMENTWISE, [1]
         const long long rows, const long long cols,
         const long long rows_per_block,
-        const long long tx,            // threads along a row: a power of two, 32..blockDim.x
-        const double margin, const long long flags,
+        const long long tx,                       // threads along a row: a power of two, 32..256
+        const typename Op::Params p,
+        const long long flags,
         const double go_value, const double grad_scale,
-        T* __restrict__ loss,          // [rows, cols] or null
-        const Scalars<T> o,            // the 0-d loss (never gradients here) and its partials
-        T* __restrict__ g_full,        // gradient of the [rows, cols] operand, or null
-        acc_t<T>* __restrict__ ws,     // [gridDim.y, cols] gradient of the row operand, or null
-        T* __restrict__ g_row) {       // [cols] gradient of the row operand when gridDim.y == 1
+        T* __restrict__ loss,                     // [rows, cols] or null
+        const Scalars<T, Op::K> o,                // 0-d loss and scalar operands' gradients
+        const PerOperand<T*, Op::K> g,            // full: [rows, cols]; row: [cols]; or null
+        const PerOperand<acc_t<T>*, Op::K> ws) {  // row: [gridDim.y, cols], or null
+    constexpr int K = Op::K;
+    constexpr int UNROLL = K <= 2 ? 4 : 2;
     using A = acc_t<T>;
-    constexpr int UNROLL = 4;
     extern __shared__ unsigned char smem_raw[];
     A* smem = reinterpret_cast<A*>(smem_raw);  // [max(ty * tx * VEC, blockDim.x / 32)]
-    const LossArgs<A> a = make_args<A>(margin, flags);
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
-    const bool want_row_grad = ws != nullptr || g_row != nullptr;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
     const A gs = A(grad_scale);
     const long long lx = threadIdx.x % tx;
@@ -256,24 +330,41 @@ __global__ void __launch_bounds__(256) pointwise_rows(
     const long long r0 = (long long)blockIdx.y * rows_per_block;
     const long long r1 = min(rows, r0 + rows_per_block);
     const bool active = c < cols;
-    const T* full = ROW_IS_X ? t : x;
-    T* gx = ROW_IS_X ? nullptr : g_full;
-    T* gt = ROW_IS_X ? g_full : nullptr;
-
-    Sums<A> s;
-    A row_vals[VEC], row_grad[VEC];
+    const bool want_value = loss != nullptr || o.value != nullptr;
+    bool want_grad = false, want_row[K];
     #pragma unroll
-    for (int j = 0; j < VEC; ++j) row_grad[j] = A(0);
-    if (active) load_vec<T, VEC>(ROW_IS_X ? x : t, c, 1, row_vals);
+    for (int k = 0; k < K; ++k) {
+        want_row[k] = kind.p[k] == KIND_ROW && (g.p[k] != nullptr || ws.p[k] != nullptr);
+        want_grad |= g.p[k] != nullptr || ws.p[k] != nullptr || o.g[k] != nullptr;
+    }
+
+    Sums<A, K> s;
+    A fixed[K][VEC], row_grad[K][VEC];
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) fixed[k][j] = row_grad[k][j] = A(0);
+        if (kind.p[k] == KIND_ROW && active) {
+            load_vec<T, VEC>(in.p[k], c, 1, fixed[k]);
+        } else if (kind.p[k] == KIND_SCALAR) {
+            const A v = read_fixed<T>(in.p[k], fill.p[k]);
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) fixed[k][j] = v;
+        }
+    }
 
     long long r = r0 + ly;
     while (active && r < r1) {
-        A fv[UNROLL][VEC], gv[UNROLL][VEC];
+        A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long ru = r + u * ty;
             if (ru < r1) {
-                load_vec<T, VEC>(full, ru * cols + c, 1, fv[u]);
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    if (kind.p[k] == KIND_FULL)
+                        load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
+                }
                 if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
             }
         }
@@ -281,36 +372,69 @@ __global__ void __launch_bounds__(256) pointwise_rows(
         for (int u = 0; u < UNROLL; ++u) {
             const long long ru = r + u * ty;
             if (ru >= r1) break;
+            const long long i = ru * cols + c;
+            A val[K][VEC];
             #pragma unroll
-            for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
-            const A (&xv)[VEC] = ROW_IS_X ? row_vals : fv[u];
-            const A (&tv)[VEC] = ROW_IS_X ? fv[u] : row_vals;
-            visit<T, Op, VEC>(xv, tv, gv[u], a, ru * cols + c, o, loss, gx, gt,
-                              nullptr, nullptr, s);
-            if (want_row_grad) {
+            for (int k = 0; k < K; ++k) {
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
-                    row_grad[j] += gv[u][j] * (ROW_IS_X ? Op::d_input(xv[j], tv[j], a)
-                                                        : Op::d_target(xv[j], tv[j], a));
+                    val[k][j] = kind.p[k] == KIND_FULL ? fv[u][k][j] : fixed[k][j];
+            }
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
+            auto deliver_loss = [&](const A (&lv)[VEC]) {
+                if (loss != nullptr) {
+                    store_vec<T, VEC>(loss, i, lv);
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) s.loss += lv[j];
+                }
+            };
+            if (!want_grad) {
+                A lv[VEC];
+                loss_of<Op, A, VEC>(val, p, lv);
+                deliver_loss(lv);
+            } else {
+                A d[K][VEC];
+                grads_of<Op, A, VEC>(val, gv[u], p, d);
+                if (want_value) {  // after the partials, so it reuses what they computed
+                    A lv[VEC];
+                    loss_of<Op, A, VEC>(val, p, lv);
+                    deliver_loss(lv);
+                }
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    if (kind.p[k] == KIND_FULL) {
+                        if (g.p[k] != nullptr) store_vec<T, VEC>(g.p[k], i, d[k]);
+                    } else if (kind.p[k] == KIND_ROW) {
+                        #pragma unroll
+                        for (int j = 0; j < VEC; ++j) row_grad[k][j] += d[k][j];
+                    } else if (o.g[k] != nullptr) {
+                        #pragma unroll
+                        for (int j = 0; j < VEC; ++j) s.g[k] += d[k][j];
+                    }
+                }
             }
         }
         r += UNROLL * ty;
     }
 
     const long long block = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    finish<T>(s, o, block, (long long)gridDim.x * gridDim.y, smem);
-    if (want_row_grad) {
-        __syncthreads();
+    finish<T, K>(s, o, block, (long long)gridDim.x * gridDim.y, smem);
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!want_row[k]) continue;
+        __syncthreads();  // smem may still be read by finish or by the previous operand
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[j];
+        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j];
         __syncthreads();
         if (ly == 0 && active) {
             #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 A acc = smem[lx * VEC + j];
-                for (long long k = 1; k < ty; ++k) acc += smem[(k * tx + lx) * VEC + j];
-                if (g_row != nullptr) g_row[c + j] = from_acc<T>(acc);
-                else ws[(long long)blockIdx.y * cols + c + j] = acc;
+                for (long long q = 1; q < ty; ++q) acc += smem[(q * tx + lx) * VEC + j];
+                if (g.p[k] != nullptr) g.p[k][c + j] = from_acc<T>(acc);
+                else ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
             }
         }
     }

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cupyloss
+from cupyloss._registry import SPECS
 
 try:
     import torch
@@ -23,15 +24,21 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
 def _calls(x, t):
-    """(name, function, args) of every public entry point of cupyloss on input x, target t."""
-    for loss in ("mse_loss", "kl_div", "hinge_loss", "cross_entropy", "nll_loss"):
-        yield loss, getattr(cupyloss, loss), (x, t)
-        yield loss + "_backward", getattr(cupyloss, loss + "_backward"), (1.0, x, t)
-        yield loss + "_value_and_grad", getattr(cupyloss, loss + "_value_and_grad"), (x, t)
+    """(name, function, args, first) of every public entry point of cupyloss with x as its first
+    array argument (named `first`: input, or input1) and t as every other required one."""
+    from cupyloss._rowwise import SPECS as ROWWISE
+
+    for loss, spec in [*SPECS.items(), *ROWWISE.items()]:
+        arrays = (x,) + (t,) * (len(spec.arrays) - 1)
+        first = spec.arrays[0]
+        yield loss, getattr(cupyloss, loss), arrays, first
+        yield loss + "_backward", getattr(cupyloss, loss + "_backward"), (1.0, *arrays), first
+        yield (loss + "_value_and_grad", getattr(cupyloss, loss + "_value_and_grad"), arrays,
+               first)
 
 
 def test_every_public_function_is_covered():
-    names = {name for name, _, _ in _calls(None, None)}
+    names = {name for name, *_ in _calls(None, None)}
     assert names == set(cupyloss.__all__)
 
 
@@ -54,10 +61,10 @@ HOST_INPUTS = [
 @pytest.mark.parametrize("make", HOST_INPUTS)
 def test_host_arrays_are_rejected_with_a_hint(make):
     x, t = make()
-    for name, function, args in _calls(x, t):
-        with pytest.raises(TypeError, match=r"^input is a .* in host memory") as info:
+    for name, function, args, first in _calls(x, t):
+        with pytest.raises(TypeError, match=rf"^{first} is a .* in host memory") as info:
             function(*args)
-        assert "cupy.asarray(input)" in str(info.value), name
+        assert f"cupy.asarray({first})" in str(info.value), name
 
 
 class _FakeDlpack:
@@ -74,8 +81,9 @@ class _FakeDlpack:
 
 
 def test_dlpack_from_the_host_is_rejected():
-    for name, function, args in _calls(_FakeDlpack(1), _FakeDlpack(1)):
-        with pytest.raises(TypeError, match=r"input is a .*_FakeDlpack in DLPack device type 1"):
+    for name, function, args, first in _calls(_FakeDlpack(1), _FakeDlpack(1)):
+        with pytest.raises(TypeError, match=rf"{first} is a .*_FakeDlpack in DLPack device "
+                                            rf"type 1"):
             function(*args)
 
 
@@ -87,8 +95,9 @@ def test_objects_that_are_no_arrays_are_rejected():
 @needs_torch
 def test_cpu_tensors_are_rejected_naming_the_argument():
     x = torch.ones(3)
-    for name, function, args in _calls(x, x):
-        with pytest.raises(TypeError, match=r"^input is a torch.Tensor on cpu.*input\.cuda\(\)"):
+    for name, function, args, first in _calls(x, x):
+        with pytest.raises(TypeError, match=rf"^{first} is a torch.Tensor on cpu.*"
+                                            rf"{first}\.cuda\(\)"):
             function(*args)
 
 

@@ -1,0 +1,113 @@
+"""The registry of pointwise losses: one entry per loss, next to the host mirror of its options.
+
+Each entry names the loss's functor in kernels/losses.cuh, its array arguments in torch's order
+(required ones; then optional ones, which default to None and then read as `fill` everywhere),
+the reductions it takes, and `params`: the host mirror of the functor's Params struct, its fields
+in declaration order, each a C ``double`` (F64) or ``long long`` (I64, also for bools), so the
+kernel parameter is a run of 64-bit words.  A functor without options has NoParams (one unused
+word).  `views` maps an array argument to the shape torch views it as before broadcasting
+(gaussian_nll_loss's var).  Adding a pointwise loss: its functor, one entry here, a reference in
+tests/reference.py, and the public functions in pointwise.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cupyloss import _args
+
+F64 = "f64"
+I64 = "i64"
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """A registered pointwise loss (see the module docstring)."""
+
+    name: str
+    functor: str
+    arrays: tuple = ("input", "target")
+    optional: tuple = ()
+    params: tuple = ()          # ((field, F64 | I64), ...): the functor's Params, in order
+    reductions: tuple = ("none", "mean", "sum")
+    fill: float = 1.0           # what an optional array left out reads as
+    views: tuple = ()           # ((array, view(input_shape, shape) -> shape), ...)
+    numbers: tuple = ()         # array arguments that may also be a Python number
+    # Derived: every array argument, required then optional (the kernel's operands in order);
+    # whether every call gives all of them as arrays; the want_grads of no gradient and of all.
+    operands: tuple = dataclasses.field(init=False)
+    fixed: bool = dataclasses.field(init=False)
+    no_grads: tuple = dataclasses.field(init=False)
+    all_grads: tuple = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        operands = self.arrays + self.optional
+        object.__setattr__(self, "operands", operands)
+        object.__setattr__(self, "fixed", not self.optional and not self.numbers)
+        object.__setattr__(self, "no_grads", (False,) * len(operands))
+        object.__setattr__(self, "all_grads", (True,) * len(operands))
+
+    @property
+    def param_words(self) -> int:
+        """Words of the functor's Params struct (NoParams is one)."""
+        return max(1, len(self.params))
+
+    def pack(self, values: tuple) -> list[int]:
+        """The Params struct's words for option values given in field order."""
+        if len(values) != len(self.params):
+            raise ValueError(f"{self.name} takes {len(self.params)} options "
+                             f"{[f for f, _ in self.params]}, got {len(values)}")
+        words = [_args.f64_word(v) if kind == F64 else _args.i64_word(int(v))
+                 for (_, kind), v in zip(self.params, values)]
+        return words or [0]
+
+
+def gaussian_var_view(input_shape: tuple, var_shape: tuple) -> tuple:
+    """The shape torch's gaussian_nll_loss gives var, or ValueError as torch raises it.
+
+    The input's shape: kept.  The input's shape without its last dim: a trailing 1 is added.
+    Same number of dims with exactly one mismatched dim, where var has size 1: kept.
+    """
+    input_shape, var_shape = tuple(input_shape), tuple(var_shape)
+    if var_shape == input_shape:
+        return var_shape
+    if input_shape[:-1] == var_shape:
+        return var_shape + (1,)
+    if (len(input_shape) == len(var_shape)
+            and sum(v for i, v in zip(input_shape, var_shape) if i != v) == 1):
+        return var_shape
+    raise ValueError("var is of incorrect size")
+
+
+_MARGIN = (("margin", F64),)
+
+# The registry: one entry per pointwise loss, in the order the public functions are listed.
+SPECS = {spec.name: spec for spec in (
+    LossSpec("mse_loss", "MseOp"),
+    LossSpec("kl_div", "KlDivOp", params=(("log_target", I64), ("log_input", I64)),
+             reductions=("none", "mean", "sum", "batchmean")),
+    LossSpec("hinge_loss", "HingeOp", params=_MARGIN),
+    LossSpec("l1_loss", "L1Op"),
+    LossSpec("smooth_l1_loss", "SmoothL1Op", params=(("beta", F64),)),
+    LossSpec("huber_loss", "HuberOp", params=(("delta", F64),)),
+    LossSpec("binary_cross_entropy", "BceOp", optional=("weight",)),
+    LossSpec("binary_cross_entropy_with_logits", "BceLogitsOp",
+             optional=("weight", "pos_weight")),
+    LossSpec("soft_margin_loss", "SoftMarginOp"),
+    LossSpec("hinge_embedding_loss", "HingeEmbeddingOp", params=_MARGIN),
+    LossSpec("margin_ranking_loss", "MarginRankingOp", arrays=("input1", "input2", "target"),
+             params=_MARGIN),
+    LossSpec("poisson_nll_loss", "PoissonNllOp",
+             params=(("log_input", I64), ("full", I64), ("eps", F64))),
+    LossSpec("gaussian_nll_loss", "GaussianNllOp", arrays=("input", "target", "var"),
+             params=(("full", I64), ("eps", F64)), views=(("var", gaussian_var_view),),
+             numbers=("var",)),
+    LossSpec("squared_hinge_loss", "SquaredHingeOp", params=_MARGIN),
+    LossSpec("sigmoid_focal_loss", "SigmoidFocalOp", params=(("alpha", F64), ("gamma", F64))),
+    LossSpec("log_cosh_loss", "LogCoshOp"),
+)}
+
+
+def functors() -> tuple:
+    """Every registered functor, once each, in registration order."""
+    return tuple(dict.fromkeys(spec.functor for spec in SPECS.values()))

@@ -1,0 +1,246 @@
+"""The pointwise engine's host path on a CPU: plans, packed words and where each output goes.
+
+A fake device (H100 limits, kernels that resolve to a dummy function, launches recorded instead
+of run) and a fake framework over NumPy arrays drive `_pointwise.evaluate` exactly as a call on
+a GPU would, up to the launch.  What the kernels compute is tested on the GPU
+(test_pointwise_gpu.py); here: every registered loss plans every layout, its words hold the
+right pointers, options and kinds, every gradient asked for (and only those) has an output of
+its argument's shape, and a cached plan is reused.
+"""
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+import cupyloss
+from cupyloss import _args, _dispatch, _launch, _pointwise, _registry, _source
+
+H100 = _launch.DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                            max_shared_per_block=49152)
+
+
+class HostArray(np.ndarray):
+    """A NumPy array the fake framework below claims."""
+
+
+def arr(shape, value=0.5):
+    return np.full(shape, value, np.float32).view(HostArray)
+
+
+class FakeFrame:
+    """_dispatch's frame protocol over NumPy arrays: pointers are their host addresses."""
+
+    name = "fake"
+
+    def operand(self, x, name):
+        return _dispatch.Operand(x.ctypes.data, x.shape,
+                                 tuple(s // x.itemsize for s in x.strides), x.dtype, 0, x)
+
+    def stream(self, device):
+        return 0
+
+    def empty(self, shape, dtype, like):
+        a = np.empty(shape, dtype).view(HostArray)
+        return a, a.ctypes.data
+
+    def empty_like(self, a):
+        b = np.empty_like(a).view(HostArray)
+        return b, b.ctypes.data
+
+    def zeros(self, shape, dtype, like):
+        a = np.zeros(shape, dtype).view(HostArray)
+        return a, a.ctypes.data
+
+    def result(self, a):
+        return a
+
+    def scratch_allocator(self):
+        return contextlib.nullcontext()
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """Record of resolved kernels and launches; the engine runs against the fake device."""
+    record = types.SimpleNamespace(kernels=[], launches=[])
+    function = types.SimpleNamespace(attributes={"num_regs": 48},
+                                     kernel=types.SimpleNamespace(ptr=1))
+
+    def resolve(file, expression):
+        record.kernels.append(expression)
+        return function
+
+    def launch(fn, grid, block, shared, stream, words):
+        record.launches.append((grid, list(words)))
+
+    def with_workspaces(plan, frame, words, post, stream, like):
+        for k, _ in post:
+            words[plan.slot["ws"] + k] = 0x1000 + k
+        launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
+        record.launches.extend(("sum_rows", k, plan.ws[k]) for k, _ in post)
+
+    def slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value, want_grads):
+        return _pointwise._run(plan, frame, ops, go, go_value, 0)
+
+    monkeypatch.setattr(_launch, "device_limits", lambda d: H100)
+    monkeypatch.setattr(_source, "function", resolve)
+    monkeypatch.setattr(_args, "launch", launch)
+    monkeypatch.setattr(_pointwise, "_make_plan", lambda *a: _pointwise._build(*a))
+    monkeypatch.setattr(_pointwise, "_current_device", lambda: 0)
+    monkeypatch.setattr(_pointwise, "_ticket", lambda d, s: 0x7)
+    monkeypatch.setattr(_pointwise, "_launch_with_workspaces", with_workspaces)
+    monkeypatch.setattr(_pointwise, "_run_slow", slow)
+    monkeypatch.setattr(_pointwise, "_PLANS", {})
+    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame())
+    return record
+
+
+def _words(spec, kernel, words, name):
+    """The words of parameter `name` in a launch of `kernel` ('flat' or 'rows')."""
+    make = _pointwise.rows_layout if kernel == "rows" else _pointwise.flat_layout
+    layout = make(len(spec.operands), spec.param_words)
+    start = layout.slot[name]
+    names = list(layout.slot)
+    end = layout.slot[names[names.index(name) + 1]] if name != names[-1] else layout.size
+    return words[start:end]
+
+
+# (input shape, target shape), each here for the kernel and gradient route it takes.
+LAYOUTS = [
+    ((64, 96), (64, 96)),    # flat, vectorised
+    ((4099, 96), (96,)),     # rows: the target is one row; its gradient over many row blocks
+    ((8, 96), (96,)),        # rows, one block: the row gradient written directly
+    ((1000, 7), (1000, 1)),  # flat: a column broadcast, its gradient through sum_rows
+    ((3,), ()),              # a 0-d target: its gradient a grid sum
+    ((0, 5), (5,)),          # empty: the broadcast target's gradient is zeros
+]
+
+
+def _arrays(spec, input_shape, target_shape):
+    if spec.name == "margin_ranking_loss":
+        return [arr(input_shape), arr(target_shape), arr(target_shape, 1.0)]
+    arrays = [arr(input_shape), arr(target_shape)]
+    if spec.name == "gaussian_nll_loss":
+        arrays.append(arr(input_shape, 1.0))
+    return arrays
+
+
+@pytest.mark.parametrize("input_shape,target_shape", LAYOUTS)
+@pytest.mark.parametrize("name", list(_registry.SPECS))
+def test_every_loss_plans_every_layout(device, name, input_shape, target_shape):
+    """value, backward and value_and_grad: one pointwise launch each, the pointers of every
+    array in its words, one gradient per array of that array's shape."""
+    spec = _registry.SPECS[name]
+    arrays = _arrays(spec, input_shape, target_shape)
+    extras = {e: arr(target_shape[-1:]) for e in spec.optional}
+    for kw in ({}, extras):
+        given = arrays + list(kw.values())
+        value = getattr(cupyloss, name)(*arrays, reduction="sum", **kw)
+        grads = getattr(cupyloss, name + "_backward")(1.0, *arrays, reduction="sum", **kw)
+        loss, grads2 = getattr(cupyloss, name + "_value_and_grad")(*arrays, reduction="sum",
+                                                                  **kw)
+        assert value.shape == loss.shape == ()
+        assert [g.shape for g in grads] == [g.shape for g in grads2] == [a.shape for a in given]
+    main = [launch for launch in device.launches if launch[0] != "sum_rows"]
+    assert len(main) == 6
+    kernel = "rows" if "pointwise_rows" in device.kernels[-1] else "flat"
+    words = main[-1][1]
+    pointers = _words(spec, kernel, words, "in")
+    assert pointers == [a.ctypes.data for a in given] + [0] * (len(spec.operands) - len(given))
+
+
+def test_kernel_choice_and_gradient_routes(device):
+    """Which kernel each layout takes and where each gradient goes, on the fake H100."""
+    spec = _registry.SPECS["binary_cross_entropy_with_logits"]
+    x, t = arr((4099, 96)), arr((4099, 96))
+    cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t, weight=arr((96,)),
+                                                             pos_weight=arr(()))
+    assert device.kernels[-1] == ("cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4>")
+    (plan,) = _pointwise._PLANS.values()
+    assert plan.grads == ("g", "g", "sum_rows", "g0")   # full, full, row, 0-d
+    words = device.launches[0][1]
+    assert _words(spec, "rows", words, "kind") == [_pointwise.KIND_FULL, _pointwise.KIND_FULL,
+                                                   _pointwise.KIND_ROW, _pointwise.KIND_SCALAR]
+    assert plan.partials == 5 * np.prod(plan.grid)   # the loss and 4 operands' 0-d sums
+    assert device.launches[1] == ("sum_rows", 2, (plan.grid[1], 96, None))
+
+
+def test_absent_and_number_operands_read_their_fill(device):
+    """An optional array left out reads as 1; a number var reads as itself, set per call."""
+    spec = _registry.SPECS["gaussian_nll_loss"]
+    x = arr((10, 7))
+    cupyloss.gaussian_nll_loss(x, x, 0.25)
+    cupyloss.gaussian_nll_loss(x, x, 4.0)
+    assert len(_pointwise._PLANS) == 1   # one plan: the number is a per-call word
+    fills = [_words(spec, "flat", words, "fill")[2] for _, words in device.launches]
+    assert fills == [_args.f64_word(0.25), _args.f64_word(4.0)]
+    assert [_words(spec, "flat", words, "in")[2] for _, words in device.launches] == [0, 0]
+    bce = _registry.SPECS["binary_cross_entropy"]
+    cupyloss.binary_cross_entropy(x, x)
+    assert _words(bce, "flat", device.launches[-1][1], "fill") == [_args.f64_word(1.0)] * 3
+
+
+def test_params_are_the_functors_struct(device):
+    """Options land in the functor's Params words, in declaration order, 64-bit each."""
+    x = arr((16, 16))
+    cupyloss.poisson_nll_loss(x, x, log_input=False, full=True, eps=0.125)
+    spec = _registry.SPECS["poisson_nll_loss"]
+    assert _words(spec, "flat", device.launches[-1][1], "params") == [
+        0, 1, _args.f64_word(0.125)]
+    cupyloss.mse_loss(x, x)
+    mse = _registry.SPECS["mse_loss"]
+    assert _words(mse, "flat", device.launches[-1][1], "params") == [0]   # NoParams
+
+
+def test_a_cached_plan_is_reused(device):
+    x, t = arr((32, 8)), arr((8,))
+    for _ in range(3):
+        cupyloss.margin_ranking_loss_value_and_grad(x, x, t)
+    assert len(_pointwise._PLANS) == 1 and len(device.launches) >= 3
+
+
+def test_only_the_gradients_asked_for_are_allocated(device):
+    x = arr((16, 16))
+    g = cupyloss.binary_cross_entropy_with_logits_backward(1.0, x, x, pos_weight=arr((16,)),
+                                                           wrt="pos_weight")
+    assert g.shape == (16,)
+    (plan,) = _pointwise._PLANS.values()
+    assert plan.grads[:3] == (None, None, None) and plan.grads[3] is not None
+
+
+def test_var_shapes_view_like_torch(device):
+    """var one short of the input gains a trailing 1 (its gradient keeps var's shape); shapes
+    torch rejects raise its ValueError before any launch."""
+    x = arr((12, 5))
+    _, (_, _, g_var) = cupyloss.gaussian_nll_loss_value_and_grad(x, x, arr((12,), 1.0))
+    assert g_var.shape == (12,)
+    launches = len(device.launches)
+    with pytest.raises(ValueError, match="var is of incorrect size"):
+        cupyloss.gaussian_nll_loss(x, x, arr((5,), 1.0))
+    assert len(device.launches) == launches
+
+
+def test_wrt_names_arguments_by_torchs_names(device):
+    x = arr((4, 4))
+    with pytest.raises(ValueError, match="wrt names 'input'; it takes 'input1', 'input2', "
+                                         "'target'"):
+        cupyloss.margin_ranking_loss_backward(1.0, x, x, x, wrt="input")
+    with pytest.raises(ValueError, match="wrt names 'weight', which is not an array"):
+        cupyloss.binary_cross_entropy_backward(1.0, x, x, wrt="weight")
+    g_w, g_x = cupyloss.binary_cross_entropy_backward(1.0, x, x, weight=x,
+                                                      wrt=("weight", "input"))
+    assert g_w.shape == g_x.shape == (4, 4)
+
+
+@pytest.mark.parametrize("operands", [3, 4, 5])
+def test_geometry_mirror_has_one_stride_row_per_operand(operands):
+    """Geometry<N> in common.cuh: ndim, MAX_DIMS divisors of four words, N x MAX_DIMS strides."""
+    dims = _launch.MAX_DIMS
+    dtype = _launch.geometry_dtype(operands)
+    assert dtype.itemsize == 8 * (1 + 4 * dims + operands * dims)
+    g = _launch.geometry((6, 7), [(7, 1)] * operands, operands)
+    assert g["stride"].shape == (1, operands, dims)
+    assert g["stride"][0, operands - 1, :2].tolist() == [7, 1]
+    with pytest.raises(ValueError, match="do not fit Geometry<3>"):
+        _launch.geometry((6,), [(1,)] * 4, 3)
