@@ -5,6 +5,7 @@
 //   Vec<T, N>         an N-element, N*sizeof(T)-aligned register vector for 16-byte accesses
 //   IntDiv            division of 64-bit indices by a run-time constant via multiply-high
 //   Geometry<N>       the coalesced broadcast shape and N operands' strides, passed by value
+//   Compensated       a per-thread running sum with Kahan's error compensation
 //   block_sum         deterministic block-wide sum (fixed shuffle tree, then fixed smem order)
 //   grid_sum_out      deterministic grid-wide sums written to 0-d outputs in the same launch
 //
@@ -81,6 +82,24 @@ struct Geometry {
             rest = q;
         }
     }
+};
+
+// A running sum that carries the rounding error of each addition into the next (Kahan's
+// compensated summation): n additions in sequence lose O(eps) instead of O(n eps) of the
+// magnitude they add up.  The compensation is dropped once the sum is not finite, so an inf
+// stays inf (instead of inf - inf = NaN) and a NaN stays NaN.  Plain adds and subtracts, so
+// FMA contraction cannot reassociate them.
+template <typename A>
+struct Compensated {
+    A sum = A(0);
+    A c = A(0);   // minus the low-order part lost so far
+    __device__ __forceinline__ void add(A v) {
+        const A y = v - c;
+        const A t = sum + y;
+        c = isfinite(t) ? (t - sum) - y : A(0);
+        sum = t;
+    }
+    __device__ __forceinline__ A value() const { return sum - c; }
 };
 
 // Deterministic sum over the block: a fixed butterfly within each warp, then warp 0 adds the

@@ -54,16 +54,22 @@ struct PerOperand {
     P p[K];
 };
 
-// Per-thread running sums of the quantities reduced to 0-d outputs.
+// Per-thread running sums of the quantities reduced to 0-d outputs.  A thread adds thousands of
+// values in sequence at large sizes, so each sum is compensated; the W values of one visit are
+// added plainly first (W <= 8), and their sum goes into the compensated one.
 template <typename A, int K>
 struct Sums {
-    A loss;
-    A g[K];
-    __device__ __forceinline__ Sums() : loss(A(0)) {
-        #pragma unroll
-        for (int k = 0; k < K; ++k) g[k] = A(0);
-    }
+    Compensated<A> loss;
+    Compensated<A> g[K];
 };
+
+template <typename A, int W>
+__device__ __forceinline__ A sum_of(const A (&r)[W]) {
+    A part = r[0];
+    #pragma unroll
+    for (int j = 1; j < W; ++j) part += r[j];
+    return part;
+}
 
 // The 0-d outputs of a launch: the reduced loss and the gradients of 0-d-broadcast operands.
 template <typename T, int K>
@@ -81,12 +87,12 @@ __device__ __forceinline__ void finish(const Sums<acc_t<T>, K>& s, const Scalars
     using A = acc_t<T>;
     A v[K + 1], div[K + 1];
     T* out[K + 1];
-    v[0] = s.loss;
+    v[0] = s.loss.value();
     out[0] = o.value;
     div[0] = A(o.divisor);
     #pragma unroll
     for (int k = 0; k < K; ++k) {
-        v[k + 1] = s.g[k];
+        v[k + 1] = s.g[k].value();
         out[k + 1] = o.g[k];
         div[k + 1] = A(1);
     }
@@ -215,8 +221,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
             if (loss != nullptr) {
                 store_vec<T, W>(loss, i, r);
             } else {
-                #pragma unroll
-                for (int j = 0; j < W; ++j) s.loss += r[j];
+                s.loss.add(sum_of<A, W>(r));
             }
         };
         if (!want_grad) {
@@ -238,8 +243,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
                 } else if (ws.p[k] != nullptr) {
                     store_vec_acc<A, W>(ws.p[k], i, d[k]);
                 } else if (o.g[k] != nullptr) {
-                    #pragma unroll
-                    for (int j = 0; j < W; ++j) s.g[k] += d[k][j];
+                    s.g[k].add(sum_of<A, W>(d[k]));
                 }
             }
         }
@@ -339,11 +343,12 @@ __global__ void __launch_bounds__(256) pointwise_rows(
     }
 
     Sums<A, K> s;
-    A fixed[K][VEC], row_grad[K][VEC];
+    A fixed[K][VEC];
+    Compensated<A> row_grad[K][VEC];  // a row operand's gradient, summed down the rows
     #pragma unroll
     for (int k = 0; k < K; ++k) {
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) fixed[k][j] = row_grad[k][j] = A(0);
+        for (int j = 0; j < VEC; ++j) fixed[k][j] = A(0);
         if (kind.p[k] == KIND_ROW && active) {
             load_vec<T, VEC>(in.p[k], c, 1, fixed[k]);
         } else if (kind.p[k] == KIND_SCALAR) {
@@ -386,8 +391,7 @@ __global__ void __launch_bounds__(256) pointwise_rows(
                 if (loss != nullptr) {
                     store_vec<T, VEC>(loss, i, lv);
                 } else {
-                    #pragma unroll
-                    for (int j = 0; j < VEC; ++j) s.loss += lv[j];
+                    s.loss.add(sum_of<A, VEC>(lv));
                 }
             };
             if (!want_grad) {
@@ -408,10 +412,9 @@ __global__ void __launch_bounds__(256) pointwise_rows(
                         if (g.p[k] != nullptr) store_vec<T, VEC>(g.p[k], i, d[k]);
                     } else if (kind.p[k] == KIND_ROW) {
                         #pragma unroll
-                        for (int j = 0; j < VEC; ++j) row_grad[k][j] += d[k][j];
+                        for (int j = 0; j < VEC; ++j) row_grad[k][j].add(d[k][j]);
                     } else if (o.g[k] != nullptr) {
-                        #pragma unroll
-                        for (int j = 0; j < VEC; ++j) s.g[k] += d[k][j];
+                        s.g[k].add(sum_of<A, VEC>(d[k]));
                     }
                 }
             }
@@ -426,7 +429,7 @@ __global__ void __launch_bounds__(256) pointwise_rows(
         if (!want_row[k]) continue;
         __syncthreads();  // smem may still be read by finish or by the previous operand
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j];
+        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j].value();
         __syncthreads();
         if (ly == 0 && active) {
             #pragma unroll

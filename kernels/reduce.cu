@@ -8,7 +8,7 @@
 
 namespace cupyloss {
 
-// out[k] = sum over r of ws[r, k], r ascending.
+// out[k] = sum over r of ws[r, k], r ascending, compensated (rows can number in the 100,000s).
 template <typename T>
 __global__ void __launch_bounds__(256) sum_rows(
         const acc_t<T>* __restrict__ ws,  // [rows, cols], contiguous
@@ -17,9 +17,9 @@ __global__ void __launch_bounds__(256) sum_rows(
     using A = acc_t<T>;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < cols; k += stride) {
-        A acc = A(0);
-        for (long long r = 0; r < rows; ++r) acc += ws[r * cols + k];
-        out[k] = from_acc<T>(acc);
+        Compensated<A> acc;
+        for (long long r = 0; r < rows; ++r) acc.add(ws[r * cols + k]);
+        out[k] = from_acc<T>(acc.value());
     }
 }
 

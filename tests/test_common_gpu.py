@@ -1,0 +1,50 @@
+"""Device helpers of kernels/common.cuh, driven one thread at a time by small test kernels."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+_KERNEL = r"""
+extern "C" __global__ void add_all(const float* v, long long n, float* out) {
+    cupyloss::Compensated<float> c;
+    float plain = 0.0f;
+    for (long long i = 0; i < n; ++i) { c.add(v[i]); plain += v[i]; }
+    out[0] = c.value();
+    out[1] = plain;
+}
+"""
+
+
+def _add_all(values):
+    import cupy
+
+    from cupyloss import _source
+
+    kernel = cupy.RawKernel(_source.expand("common.cuh") + _KERNEL, "add_all",
+                            options=_source.OPTIONS)
+    v = cupy.asarray(np.asarray(values, np.float32))
+    out = cupy.zeros(2, cupy.float32)
+    kernel((1,), (1,), (v, np.int64(v.size), out))
+    return out.get()
+
+
+def test_compensated_sum_keeps_what_a_plain_sum_drops():
+    """1 + 2^20 x 2^-24: each addend is below half an ulp of 1, so a plain fp32 sum stays at 1;
+    the compensated one gives the exact 1.0625."""
+    compensated, plain = _add_all([1.0] + [2.0**-24] * 2**20)
+    assert plain == 1.0
+    assert compensated == 1.0 + 2.0**-4
+
+
+@pytest.mark.parametrize("values, want", [
+    ([1.0, np.inf, 1.0, 2.0], np.inf),          # inf stays inf, not inf - inf = NaN
+    ([1.0, -np.inf, 3.0], -np.inf),
+    ([np.inf, -np.inf, 1.0], np.nan),            # as a plain sum
+    ([1.0, np.nan, 2.0], np.nan),
+    ([3.0e38, 3.0e38, -1.0], np.inf),            # overflow is inf, as a plain sum
+])
+def test_compensated_sum_of_non_finite_values_is_the_plain_sums(values, want):
+    compensated, plain = _add_all(values)
+    np.testing.assert_equal(compensated, np.float32(want))
+    np.testing.assert_equal(plain, np.float32(want))
