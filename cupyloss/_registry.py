@@ -13,6 +13,7 @@ tests/reference.py, and the public functions in pointwise.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 from cupyloss import _args
 
@@ -111,3 +112,32 @@ SPECS = {spec.name: spec for spec in (
 def functors() -> tuple:
     """Every registered functor, once each, in registration order."""
     return tuple(dict.fromkeys(spec.functor for spec in SPECS.values()))
+
+
+# The modules holding a family's registry (a SPECS dict, name -> entry with at least `arrays` and
+# `reductions`), in the order the adapters list their losses.  The core never imports an adapter
+# or a framework; the adapters read every family from here.
+FAMILIES = ("cupyloss._pointwise", "cupyloss._rowwise")
+
+
+def all_losses() -> dict:
+    """Every registered loss of every family: name -> its registry entry.
+
+    Pointwise losses come first (this module's SPECS), then each family in FAMILIES that
+    imports (a family module that is absent is left out); a name registered by two families
+    raises ValueError.
+    """
+    losses = dict(SPECS)
+    for module_name in FAMILIES[1:]:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        for name, spec in module.SPECS.items():
+            if name in losses:
+                raise ValueError(f"loss {name!r} is registered by {module_name} and by another "
+                                 f"family")
+            losses[name] = spec
+    return losses

@@ -5,9 +5,12 @@
     crit = CF.MSELoss(); crit(pred, y).backward()
     step = torch.compile(lambda x, y: CF.mse_loss(model(x), y), fullgraph=True)
 
-Everything here is generated from cupyloss's registry (`cupyloss._pointwise.SPECS`) and the
-signatures of the core functions when this module is imported, so a loss registered later needs
-no code here.  For each loss ``f``:
+Everything here is generated from cupyloss's registry of every family
+(`cupyloss._registry.all_losses()`: the pointwise losses and the row-wise cross_entropy and
+nll_loss) and the signatures of the core functions when this module is imported, so a loss
+registered later needs no code here.  A registered loss that cannot be wrapped (its entry lacks
+`arrays` or `reductions`, an option's default has no torch schema type) is left out with a
+RuntimeWarning and its reason in ``cupyloss.torch.SKIPPED``.  For each loss ``f``:
 
   ``cupyloss.torch.f``      a function with torch.nn.functional.f's signature when torch has
                             ``f`` (``size_average``/``reduce`` mapped to a reduction as torch
@@ -53,9 +56,11 @@ that traces (torch.compile, torch.export, opcheck, fake or functional tensors) g
 ops.  Under torch.compile the first backward multiplies the saved gradients by g out of place
 instead of in place (AOTAutograd does not let a backward mutate a forward output, and a compiled
 graph may run its backward more than once); torch.compile fuses that product with its
-neighbours.  create_graph=True gives first-order gradients through the rerun path, but
-differentiating them again raises: the backward ops have no derivatives of their own.  torch.func
-transforms (grad, vmap) are refused with NotImplementedError.
+neighbours.  A direct call of ``torch.ops.cupyloss.f`` gets the product out of place too: the
+gradients are then outputs of the op, which its caller holds.  create_graph=True gives
+first-order gradients through the rerun path, but differentiating them again raises: the
+backward ops have no derivatives of their own.  torch.func transforms (grad, vmap) are refused
+with NotImplementedError.
 
 Measured on an H100 (python -m cupyloss.bench_torch, 2026-11-22): MSE of two float32
 [32768, 32768] tensors, forward + loss.backward() with both gradients, takes 6.3 ms with the
@@ -80,12 +85,13 @@ import dataclasses
 import inspect
 import sys
 import textwrap
+import warnings
 
 import torch
 
 import cupyloss
 from cupyloss import _args, _dtypes, _launch, _reduction, _source, _validate
-from cupyloss._pointwise import SPECS
+from cupyloss._registry import all_losses
 
 # Compute the gradients of a reduced loss in the forward pass (see the module docstring).
 gradients_in_forward = True
@@ -93,6 +99,9 @@ gradients_in_forward = True
 _NAMESPACE = "cupyloss"
 _LEGACY = ("size_average", "reduce")
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "Tensor?"}
+
+# Every registered loss of every family (cupyloss._registry.all_losses).
+SPECS = all_losses()
 
 
 # --- the work behind the ops ------------------------------------------------------------------
@@ -393,16 +402,26 @@ def _traced(loss: _Loss, arrays) -> bool:
     return False
 
 
-def _save(ctx, arrays, reduction, options, flags, grads) -> None:
-    """What backward needs, on ctx (the op's autograd context or _Eager's)."""
+def _save(ctx, arrays, reduction, options, flags, grads, private) -> None:
+    """What backward needs, on ctx (the op's autograd context or _Eager's).
+
+    private: whether the gradients of the forward pass are held by nothing but ctx (_Eager's),
+    so that the first backward may scale them in place; the op's are also its outputs, which
+    its caller holds and which must not change when backward runs.
+    """
     tensors = {o: v for o, v in options.items() if isinstance(v, torch.Tensor)}
     ctx.save_for_backward(*arrays, *tensors.values())
     ctx.reduction = reduction
     ctx.options = options
     ctx.tensor_options = tuple(tensors)
-    ctx.computed = flags
+    ctx.private = private
+    # Only a reduced loss's gradients are used: for 'none' g is elementwise and the gradient is
+    # its product with the loss's Jacobian (summed over broadcast dims, or over a row), not g
+    # times the gradients of upstream 1; backward reruns.
+    used = True in flags and reduction != "none"
+    ctx.computed = flags if used else (False,) * len(flags)
     # Held outside save_for_backward: the first eager backward scales them in place.
-    ctx.grads = grads if True in flags else None
+    ctx.grads = grads if used else None
 
 
 def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
@@ -413,7 +432,7 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
     if (grads is not None and mode != "graph"
             and all(c or not w for c, w in zip(ctx.computed, need))):
         picked = [g if w else None for g, w in zip(grads, need)]
-        if mode == "eager":
+        if mode == "eager" and ctx.private:
             _engine.scale(grad_loss, [g for g in picked if g is not None])
             return picked
         return [grad_loss * g if g is not None else None for g in picked]
@@ -444,7 +463,7 @@ def _autograd(loss: _Loss):
     def setup_context(ctx, inputs, output):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
         ctx.mark_non_differentiable(*output[1:])
-        _save(ctx, arrays, reduction, options, tuple(flags), output[1:])
+        _save(ctx, arrays, reduction, options, tuple(flags), output[1:], private=False)
 
     def backward(ctx, grad_loss, *unused):
         return (*_gradients(loss, ctx, grad_loss, ctx.needs_input_grad[:n]), *tail)
@@ -473,7 +492,7 @@ class _Eager(torch.autograd.Function):
         else:
             value, grads = _engine.value(loss.name, arrays, reduction, options), None
         ctx.loss = loss
-        _save(ctx, arrays, reduction, options, flags, grads)
+        _save(ctx, arrays, reduction, options, flags, grads, private=True)
         return value
 
     @staticmethod
@@ -577,13 +596,20 @@ def _make_function(loss: _Loss):
 
 
 def _module_name(name: str) -> str:
-    """torch.nn's class name for loss `name`, else CamelCase(name) + 'Loss'."""
-    key = name.replace("_", "").lower().removesuffix("loss")
+    """torch.nn's class name for loss `name`, else CamelCase(name) + 'Loss'.
+
+    torch.nn's class is the one whose own forward calls torch.nn.functional.<name> (BCELoss for
+    binary_cross_entropy, NLLLoss for nll_loss): names do not map by spelling alone.
+    """
+    found = []
     for attr in dir(torch.nn.modules.loss):
         cls = getattr(torch.nn.modules.loss, attr)
+        forward = getattr(cls, "__dict__", {}).get("forward")
         if (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and attr.endswith("Loss")
-                and attr.lower().removesuffix("loss") == key):
-            return attr
+                and forward is not None and name in forward.__code__.co_names):
+            found.append(attr)
+    if len(found) == 1:
+        return found[0]
     return "".join(part.capitalize() for part in name.split("_")).removesuffix("Loss") + "Loss"
 
 
@@ -635,25 +661,51 @@ def _make_module(loss: _Loss, function):
     return cls
 
 
-def _build(name: str) -> tuple:
+def _describe(name: str, spec) -> _Loss:
+    """The _Loss of a registry entry, or TypeError saying why it cannot be wrapped; registers
+    nothing, so a refused loss leaves no op behind."""
+    for field in ("arrays", "reductions"):
+        if not hasattr(spec, field):
+            raise TypeError(f"its registry entry ({type(spec).__name__}) has no {field!r}")
+    for suffix in ("", "_backward", "_value_and_grad"):
+        if not callable(getattr(cupyloss, name + suffix, None)):
+            raise TypeError(f"cupyloss has no function {name + suffix}")
     arrays, options, reduction = _core_parameters(name)
     params, fixed, legacy = _public_parameters(name, arrays, options, reduction)
-    loss = _Loss(name, arrays, options, reduction, SPECS[name].reductions, params, fixed, legacy,
+    return _Loss(name, arrays, options, reduction, spec.reductions, params, fixed, legacy,
                  tuple(o for o, _ in options), (False,) * len(arrays))
+
+
+def _build(loss: _Loss) -> tuple:
     _register(loss)
     function = _make_function(loss)
-    return loss, function, _make_module(loss, function)
+    return function, _make_module(loss, function)
 
 
 LOSSES: dict = {}        # name -> the generated function
 MODULES: dict = {}       # name -> the generated nn.Module class
+SKIPPED: dict = {}       # name -> why a registered loss got no function, module or ops
 _GENERATED: dict = {}    # name -> _Loss
 
-for _name in SPECS:
-    _GENERATED[_name], LOSSES[_name], MODULES[_name] = _build(_name)
-    setattr(sys.modules[__name__], _name, LOSSES[_name])
-    setattr(sys.modules[__name__], MODULES[_name].__name__, MODULES[_name])
-del _name
+
+def _generate(specs: dict) -> None:
+    """Generate every wrappable loss of `specs`; record the others in SKIPPED, with a warning."""
+    module = sys.modules[__name__]
+    for name, spec in specs.items():
+        try:
+            loss = _describe(name, spec)
+        except TypeError as exc:
+            SKIPPED[name] = str(exc)
+            warnings.warn(f"cupyloss.torch leaves out {name}: {exc}", RuntimeWarning,
+                          stacklevel=2)
+            continue
+        _GENERATED[name] = loss
+        LOSSES[name], MODULES[name] = _build(loss)
+        setattr(module, name, LOSSES[name])
+        setattr(module, MODULES[name].__name__, MODULES[name])
+
+
+_generate(SPECS)
 
 __all__ = sorted([*LOSSES, *(cls.__name__ for cls in MODULES.values()), "LOSSES", "MODULES",
-                  "gradients_in_forward", "scale_by_grad_output"])
+                  "SKIPPED", "gradients_in_forward", "scale_by_grad_output"])

@@ -1,5 +1,6 @@
 """cupyloss.torch without a GPU: what is generated, the signatures, the errors, and the autograd
-wiring (paths, gradcheck, opcheck, torch.compile) with the kernels swapped for tests/reference.py.
+wiring (paths, gradcheck, opcheck, torch.compile) with the kernels swapped for the float64
+references of every family (tests/operands.py: tests/reference.py, tests/reference_rowwise.py).
 
 The adapter's ops call `cupyloss.torch._engine`.  `reference_engine` replaces it with one that
 evaluates the float64 NumPy references on CPU tensors, so every test here runs the real ops,
@@ -18,43 +19,44 @@ torch = pytest.importorskip("torch")
 
 import cupyloss  # noqa: E402
 import cupyloss.torch as CF  # noqa: E402
-import reference  # noqa: E402
-from cupyloss._pointwise import SPECS  # noqa: E402
+import operands  # noqa: E402
+from operands import SPECS, ref_grads, ref_loss  # noqa: E402
 
 F = torch.nn.functional
 
 
 class ReferenceEngine:
-    """The adapter's engine on CPU tensors through tests/reference.py, recording each call."""
+    """The adapter's engine on CPU tensors through the float64 references, recording each call."""
 
     def __init__(self):
         self.calls = []
 
     @staticmethod
     def _np(t):
-        return t.detach().to(torch.float64).numpy()
+        t = t.detach()
+        return (t.to(torch.float64) if t.is_floating_point() else t).numpy()
 
     def _kw(self, name, options):
         return {k: (self._np(v) if isinstance(v, torch.Tensor) else v)
                 for k, v in options.items()}
 
-    def value(self, name, arrays, reduction, options):
-        self.calls.append(("value", name, reduction, ()))
-        v = reference.loss(name, *map(self._np, arrays), reduction=reduction,
-                           **self._kw(name, options))
+    def _value(self, name, arrays, reduction, options):
+        v = ref_loss(name, list(map(self._np, arrays)), reduction, **self._kw(name, options))
         return torch.tensor(v, dtype=arrays[0].dtype)
 
+    def value(self, name, arrays, reduction, options):
+        self.calls.append(("value", name, reduction, ()))
+        return self._value(name, arrays, reduction, options)
+
     def _grads(self, name, arrays, reduction, options, wrt, grad_output):
-        every = reference.grads(name, *map(self._np, arrays), reduction=reduction,
-                                grad_output=grad_output, **self._kw(name, options))
+        every = ref_grads(name, list(map(self._np, arrays)), reduction, grad_output,
+                          **self._kw(name, options))
         index = {a: k for k, a in enumerate(SPECS[name].arrays)}
         return tuple(torch.tensor(every[index[w]], dtype=arrays[0].dtype) for w in wrt)
 
     def value_and_grad(self, name, arrays, reduction, options, wrt):
         self.calls.append(("value_and_grad", name, reduction, wrt))
-        v = reference.loss(name, *map(self._np, arrays), reduction=reduction,
-                           **self._kw(name, options))
-        return (torch.tensor(v, dtype=arrays[0].dtype),
+        return (self._value(name, arrays, reduction, options),
                 self._grads(name, arrays, reduction, options, wrt, 1.0))
 
     def backward(self, name, grad_output, arrays, reduction, options, wrt):
@@ -72,29 +74,55 @@ class ReferenceEngine:
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches emptied before and after a test: dynamo keys them by code object,
+    and every case of a parametrized test compiles the same `step` code (a closure over a
+    different loss and model each time), so without a reset the cases' guards pile up until
+    dynamo's recompile_limit (8) stops the ninth case, which fullgraph=True turns into an error."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def engine(monkeypatch):
     e = ReferenceEngine()
     monkeypatch.setattr(CF, "_engine", e)
     return e
 
 
-def _arguments(name, shape=(4, 5), target_shape=None, dtype=torch.float64, seed=0):
-    """Inputs inside each loss's smooth region, so finite differences see no kink."""
-    g = torch.Generator().manual_seed(seed)
-    target_shape = shape if target_shape is None else target_shape
-    if name == "kl_div":
-        x = torch.rand(shape, generator=g, dtype=dtype) * 0.8 + 0.1      # log-probabilities
-        t = torch.rand(target_shape, generator=g, dtype=dtype) * 0.8 + 0.1
-        return x.log(), t, {}
-    if name == "hinge_loss":
-        # margin - x t kept >= 0.1 away from 0: the hinge's kink is never crossed by eps.
-        t = (torch.rand(target_shape, generator=g, dtype=dtype) + 0.5) * torch.where(
-            torch.rand(target_shape, generator=g) < 0.5, -1.0, 1.0).to(dtype)
-        z = (torch.rand(shape, generator=g, dtype=dtype) * 0.9 + 0.1) * torch.where(
-            torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).to(dtype)
-        return (1.0 - z) / t, t, {}
-    return (torch.randn(shape, generator=g, dtype=dtype),
-            torch.randn(target_shape, generator=g, dtype=dtype), {})
+def _arguments(name, shape=(4, 5), target_shape=None, dtype=torch.float64, seed=0,
+               with_optional=False):
+    """(the loss's required arrays as tensors, keyword arguments): values inside each loss's
+    smooth region (tests/operands.py), so finite differences see no kink; class indices stay
+    int64; with_optional adds the optional arrays (weight, pos_weight) as keywords."""
+    arrays, extras = operands.operands(name, shape, target_shape, with_optional, seed)
+
+    def tensor(a):
+        return torch.tensor(a, dtype=dtype if np.issubdtype(a.dtype, np.floating) else None)
+
+    return tuple(map(tensor, arrays)), {k: tensor(v) for k, v in extras.items()}
+
+
+def _floating(args):
+    """A bool per array: whether it can require grad (class indices cannot)."""
+    return tuple(a.is_floating_point() for a in args)
+
+
+def _checked(name, args, kw, f, reduction, weights=None):
+    """(f of the arrays finite differences can check, those arrays requiring grad); the other
+    arrays are held fixed.  With weights: the sum of the loss times them."""
+    wanted = operands.differentiable(name)
+    leaves = tuple(a.detach().clone().requires_grad_() for a, w in zip(args, wanted) if w)
+
+    def call(*xs):
+        it = iter(xs)
+        loss = f(*[next(it) if w else a for a, w in zip(args, wanted)], reduction=reduction, **kw)
+        return loss if weights is None else (loss * weights).sum()
+
+    return call, leaves
 
 
 def _reductions(name):
@@ -102,6 +130,13 @@ def _reductions(name):
 
 
 CASES = [(n, r) for n in SPECS for r in SPECS[n].reductions]
+# Every case, and again with the optional arrays (weight, pos_weight) for the losses that have them.
+GRAD_CASES = [(n, r, False) for n, r in CASES] + [(n, r, True) for n, r in CASES
+                                                   if operands.optional(n)]
+
+
+def _case_id(case):
+    return "-".join([case[0], case[1]] + (["optional"] if case[2] else []))
 
 
 # --- what is generated ----------------------------------------------------------------------------
@@ -121,7 +156,9 @@ def test_import_cupyloss_torch_imports_no_jax():
 
 
 def test_every_registered_loss_has_a_function_a_module_and_ops():
+    assert CF.SKIPPED == {}
     assert set(CF.LOSSES) == set(SPECS) == set(CF.MODULES)
+    assert {"cross_entropy", "nll_loss"} <= set(SPECS)      # the row-wise family too
     for name in SPECS:
         assert getattr(CF, name) is CF.LOSSES[name]
         assert getattr(CF, CF.MODULES[name].__name__) is CF.MODULES[name]
@@ -134,9 +171,23 @@ def test_module_names_follow_torch():
     assert CF.MODULES["mse_loss"].__name__ == "MSELoss"
     assert CF.MODULES["kl_div"].__name__ == "KLDivLoss"
     assert CF.MODULES["hinge_loss"].__name__ == "HingeLoss"   # torch has no hinge loss
+    assert CF.MODULES["binary_cross_entropy"].__name__ == "BCELoss"
+    assert CF.MODULES["binary_cross_entropy_with_logits"].__name__ == "BCEWithLogitsLoss"
+    assert CF.MODULES["cross_entropy"].__name__ == "CrossEntropyLoss"
+    assert CF.MODULES["nll_loss"].__name__ == "NLLLoss"
+    assert CF.MODULES["sigmoid_focal_loss"].__name__ == "SigmoidFocalLoss"
     for name, cls in CF.MODULES.items():
         if hasattr(F, name):
             assert isinstance(getattr(torch.nn, cls.__name__, None), type), name
+
+
+def test_an_entry_that_cannot_be_wrapped_is_left_out_with_its_reason(monkeypatch):
+    """An incomplete registry entry costs its own loss, not the import; nothing is registered."""
+    monkeypatch.setattr(CF, "SKIPPED", {})
+    with pytest.warns(RuntimeWarning, match=r"leaves out half_done_loss: .*has no 'reductions'"):
+        CF._generate({"half_done_loss": type("Entry", (), {"arrays": ("input", "target")})()})
+    assert "has no 'reductions'" in CF.SKIPPED["half_done_loss"]
+    assert "half_done_loss" not in CF.LOSSES and not hasattr(torch.ops.cupyloss, "half_done_loss")
 
 
 def _plain(sig):
@@ -176,12 +227,15 @@ def test_every_public_name_has_a_docstring_with_an_example():
 # --- errors, with the real kernels' engine (no GPU needed: refused before any launch) -----------
 
 def test_cpu_tensors_are_refused_with_a_hint():
-    x = torch.randn(3, requires_grad=True)
     for name in SPECS:
-        with pytest.raises(TypeError, match=r"input is a torch.Tensor on cpu.*input.cuda\(\)"):
-            CF.LOSSES[name](x, torch.randn(3))
+        args, _ = _arguments(name, dtype=torch.float32)
+        first = SPECS[name].arrays[0]
+        args[0].requires_grad_()
+        hint = rf"{first} is a torch.Tensor on cpu.*{first}.cuda\(\)"
+        with pytest.raises(TypeError, match=hint):
+            CF.LOSSES[name](*args)
         with pytest.raises(TypeError, match=r"on cpu"):
-            CF.MODULES[name]()(x, torch.randn(3))
+            CF.MODULES[name]()(*args)
 
 
 def test_non_tensors_are_refused():
@@ -205,10 +259,10 @@ def test_scale_by_grad_output_checks_its_arguments():
         CF.scale_by_grad_output(torch.tensor(2.0), torch.ones(2))
 
 
-def test_bad_options_fail_at_trace_time_like_at_run_time(engine):
+def test_bad_options_fail_at_trace_time_like_at_run_time(engine, fresh_dynamo):
     """The checks run on metadata, so torch.compile reports them while tracing (wrapped in its
     own exception type), with the message the eager call gives."""
-    x, t, _ = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     with pytest.raises(ValueError, match=r"'avg' is not a valid value for reduction"):
         CF.mse_loss(x, t, reduction="avg")
     with pytest.raises(Exception, match=r"'avg' is not a valid value for reduction"):
@@ -222,62 +276,73 @@ def test_bad_options_fail_at_trace_time_like_at_run_time(engine):
 
 # --- autograd wiring, through the reference engine ------------------------------------------------
 
-@pytest.mark.parametrize("name, reduction", CASES)
-def test_gradcheck(engine, name, reduction):
+@pytest.mark.parametrize("case", GRAD_CASES, ids=_case_id)
+def test_gradcheck(engine, case):
     """float64 finite differences: the first backward (fast path for reduced losses), the later
     ones gradcheck makes through the same graph (rerun path), and a random upstream gradient."""
-    x, t, kw = _arguments(name)
-    x.requires_grad_()
-    t.requires_grad_()
+    name, reduction, with_optional = case
+    args, kw = _arguments(name, with_optional=with_optional)
     f = CF.LOSSES[name]
     if reduction == "none":
-        w = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
-        assert torch.autograd.gradcheck(lambda a, b: (f(a, b, reduction="none", **kw) * w).sum(),
-                                        (x, t))
-    assert torch.autograd.gradcheck(lambda a, b: f(a, b, reduction=reduction, **kw), (x, t))
-    assert torch.autograd.gradcheck(lambda a, b: f(a, b, reduction=reduction, **kw) * 0.37,
-                                    (x, t))
+        shape = ref_loss(name, [a.numpy() for a in args], "none").shape
+        w = torch.randn(shape, dtype=args[0].dtype, generator=torch.Generator().manual_seed(1))
+        assert torch.autograd.gradcheck(*_checked(name, args, kw, f, "none", w))
+    assert torch.autograd.gradcheck(*_checked(name, args, kw, f, reduction))
+    call, leaves = _checked(name, args, kw, f, reduction)
+    assert torch.autograd.gradcheck(lambda *xs: call(*xs) * 0.37, leaves)
 
 
-def test_gradcheck_broadcast_target(engine):
-    x, t, _ = _arguments("hinge_loss", shape=(6, 5), target_shape=(5,))
-    assert torch.autograd.gradcheck(lambda a, b: CF.hinge_loss(a, b),
-                                    (x.requires_grad_(), t.requires_grad_()))
+@pytest.mark.parametrize("name, target_shape",
+                         [("hinge_loss", (5,)), ("margin_ranking_loss", (5,)),
+                          ("binary_cross_entropy_with_logits", (6, 1))])
+def test_gradcheck_broadcast_target(engine, name, target_shape):
+    args, kw = _arguments(name, shape=(6, 5), target_shape=target_shape)
+    assert torch.autograd.gradcheck(*_checked(name, args, kw, CF.LOSSES[name], "sum"))
+
+
+def test_gradcheck_gaussian_var_per_row(engine):
+    """var of the input's shape without its last dim: torch views it as [..., 1]."""
+    (x, t, _), _ = _arguments("gaussian_nll_loss", shape=(6, 5))
+    var = torch.rand(6, dtype=x.dtype, generator=torch.Generator().manual_seed(3)) + 0.5
+    assert torch.autograd.gradcheck(lambda a, b, v: CF.gaussian_nll_loss(a, b, v),
+                                    (x.requires_grad_(), t.requires_grad_(),
+                                     var.requires_grad_()))
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_reduced_loss_takes_grads_from_forward_and_scales_them(engine, name):
-    x, t, kw = _arguments(name)
-    x.requires_grad_()
-    loss = CF.LOSSES[name](x, t, reduction="sum", **kw)
-    assert engine.calls == [("value_and_grad", name, "sum", ("input",))]
+    args, kw = _arguments(name)
+    x = args[0].requires_grad_()
+    loss = CF.LOSSES[name](*args, reduction="sum", **kw)
+    assert engine.calls == [("value_and_grad", name, "sum", (SPECS[name].arrays[0],))]
     (loss * 3).backward()
     assert engine.kinds() == ["value_and_grad", "scale"]
-    g = reference.grads(name, x.detach().numpy(), t.numpy(), reduction="sum", grad_output=3.0)
+    g = ref_grads(name, [a.detach().numpy() for a in args], "sum", 3.0)
     np.testing.assert_allclose(x.grad.numpy(), g[0], rtol=1e-12)
-    assert t.grad is None
+    assert all(a.grad is None for a in args[1:])
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_none_reduction_reruns_with_the_elementwise_upstream(engine, name):
-    x, t, kw = _arguments(name)
-    t.requires_grad_()
-    loss = CF.LOSSES[name](x, t, reduction="none", **kw)
+    """The last array that can have a gradient (the input where the target holds indices)."""
+    args, kw = _arguments(name)
+    k = max(i for i, f in enumerate(_floating(args)) if f)
+    args[k].requires_grad_()
+    loss = CF.LOSSES[name](*args, reduction="none", **kw)
     assert engine.calls == [("value", name, "none", ())]
     w = torch.randn(loss.shape, dtype=loss.dtype)
     loss.backward(w)
-    assert engine.calls[1] == ("backward", name, "none", ("target",))
-    g = reference.grads(name, x.numpy(), t.detach().numpy(), reduction="none",
-                        grad_output=w.numpy())
-    np.testing.assert_allclose(t.grad.numpy(), g[1], rtol=1e-12)
-    assert x.grad is None
+    assert engine.calls[1] == ("backward", name, "none", (SPECS[name].arrays[k],))
+    g = ref_grads(name, [a.detach().numpy() for a in args], "none", w.numpy())
+    np.testing.assert_allclose(args[k].grad.numpy(), g[k], rtol=1e-12)
+    assert all(a.grad is None for i, a in enumerate(args) if i != k)
 
 
 def test_retained_graph_reruns_after_the_first_backward(engine):
-    x, t, _ = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     x.requires_grad_()
     loss = CF.mse_loss(x, t)
-    want = reference.grads("mse_loss", x.detach().numpy(), t.numpy())[0]
+    want = ref_grads("mse_loss", [x.detach().numpy(), t.numpy()], "mean")[0]
     grads = []
     for scale in (2.0, 5.0, 1.0):
         (g,) = torch.autograd.grad(loss, x, torch.tensor(scale, dtype=x.dtype),
@@ -290,7 +355,7 @@ def test_retained_graph_reruns_after_the_first_backward(engine):
 
 def test_gradients_in_forward_off_reruns_every_reduction(engine, monkeypatch):
     monkeypatch.setattr(CF, "gradients_in_forward", False)
-    x, t, _ = _arguments("kl_div")
+    (x, t), _ = _arguments("kl_div")
     x.requires_grad_()
     CF.kl_div(x, t, reduction="batchmean").backward()
     assert engine.calls == [("value", "kl_div", "batchmean", ()),
@@ -298,7 +363,7 @@ def test_gradients_in_forward_off_reruns_every_reduction(engine, monkeypatch):
 
 
 def test_no_grad_computes_the_value_alone(engine):
-    x, t, _ = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     x.requires_grad_()
     with torch.no_grad():
         CF.mse_loss(x, t)
@@ -307,7 +372,7 @@ def test_no_grad_computes_the_value_alone(engine):
 
 
 def test_grad_of_one_argument_when_both_require_grad(engine):
-    x, t, _ = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     x.requires_grad_()
     t.requires_grad_()
     loss = CF.mse_loss(x, t)
@@ -318,20 +383,20 @@ def test_grad_of_one_argument_when_both_require_grad(engine):
 
 
 def test_inputs_are_never_written(engine):
-    for name in SPECS:
-        for reduction in _reductions(name):
-            x, t, kw = _arguments(name)
-            x.requires_grad_()
-            t.requires_grad_()
-            before = [(a.detach().clone(), a._version) for a in (x, t)]
-            loss = CF.LOSSES[name](x, t, reduction=reduction, **kw)
-            loss.backward(torch.randn(loss.shape, dtype=loss.dtype))
-            for a, (copy, version) in zip((x, t), before):
-                assert torch.equal(a.detach(), copy) and a._version == version
+    for name, reduction, with_optional in GRAD_CASES:
+        args, kw = _arguments(name, with_optional=with_optional)
+        for a, f in zip(args, _floating(args)):
+            a.requires_grad_(f)
+        given = (*args, *kw.values())
+        before = [(a.detach().clone(), a._version) for a in given]
+        loss = CF.LOSSES[name](*args, reduction=reduction, **kw)
+        loss.backward(torch.randn(loss.shape, dtype=loss.dtype))
+        for a, (copy, version) in zip(given, before):
+            assert torch.equal(a.detach(), copy) and a._version == version, name
 
 
 def test_legacy_size_average_and_reduce_map_like_torch(engine):
-    x, t, _ = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     with pytest.warns(UserWarning, match="reduction='sum'"):
         got = CF.mse_loss(x, t, size_average=False)
     assert torch.equal(got, CF.mse_loss(x, t, reduction="sum"))
@@ -341,12 +406,12 @@ def test_legacy_size_average_and_reduce_map_like_torch(engine):
 
 
 def test_modules_call_the_functions_with_their_options(engine):
-    x, t, _ = _arguments("kl_div")
+    (x, t), _ = _arguments("kl_div")
     crit = CF.KLDivLoss(reduction="batchmean", log_target=True)
     assert torch.equal(crit(x, t), CF.kl_div(x, t, reduction="batchmean", log_target=True))
     assert "log_target=True" in repr(crit) and "batchmean" in repr(crit)
     h = CF.HingeLoss(margin=2.0, reduction="sum")
-    x, t, _ = _arguments("hinge_loss")
+    (x, t), _ = _arguments("hinge_loss")
     assert torch.equal(h(x, t), CF.hinge_loss(x, t, margin=2.0, reduction="sum"))
 
 
@@ -354,7 +419,7 @@ def test_modules_call_the_functions_with_their_options(engine):
 def test_double_backward_is_refused_when_it_is_asked_for(engine, reduction):
     """create_graph=True works (first-order gradients are right) but differentiating them
     raises instead of silently dropping the loss's second derivative."""
-    x, t, _ = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     x.requires_grad_()
     (g,) = torch.autograd.grad(CF.mse_loss(x, t, reduction=reduction).sum(), x,
                                create_graph=True)
@@ -365,28 +430,62 @@ def test_double_backward_is_refused_when_it_is_asked_for(engine, reduction):
 
 
 def test_torch_func_transforms_are_refused(engine):
-    x, t, _ = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     with pytest.raises(NotImplementedError, match=r"torch.func transform"):
         torch.func.grad(lambda a: CF.mse_loss(a, t))(x)
     with pytest.raises(NotImplementedError, match=r"torch.func transform"):
         torch.vmap(lambda a, b: CF.mse_loss(a, b))(x, t)
 
 
-@pytest.mark.parametrize("name", list(SPECS))
-def test_opcheck(engine, name):
-    x, t, kw = _arguments(name)
-    options = [dict(p for p in CF._GENERATED[name].options)[o] for o, _ in
-               CF._GENERATED[name].options]
+def _flag_sets(args):
+    """Gradient flags to try: every array that can have one, the first alone, none."""
+    every = _floating(args)
+    return every, (True,) + (False,) * (len(args) - 1), (False,) * len(args)
+
+
+@pytest.mark.parametrize("name, with_optional",
+                         [(n, False) for n in SPECS] + [(n, True) for n in SPECS
+                                                        if operands.optional(n)])
+def test_opcheck(engine, name, with_optional):
+    args, kw = _arguments(name, with_optional=with_optional)
+    options = [kw.get(o, d) for o, d in CF._GENERATED[name].options]
     forward = getattr(torch.ops.cupyloss, name).default
     backward = getattr(torch.ops.cupyloss, name + "_backward").default
     for reduction in _reductions(name):
-        for flags in ((True, True), (True, False), (False, False)):
-            args = (x.clone().requires_grad_(flags[0]), t.clone().requires_grad_(flags[1]),
-                    reduction, *options, *flags)
-            torch.library.opcheck(forward, args)
-            shape = () if reduction != "none" else x.shape
-            go = torch.randn(shape, dtype=x.dtype)
-            torch.library.opcheck(backward, (go, x, t, reduction, *options, *flags))
+        for flags in _flag_sets(args):
+            given = [a.clone().requires_grad_(f) for a, f in zip(args, flags)]
+            torch.library.opcheck(forward, (*given, reduction, *options, *flags))
+            shape = ref_loss(name, [a.numpy() for a in args], reduction).shape
+            go = torch.randn(shape, dtype=args[0].dtype)
+            torch.library.opcheck(backward, (go, *args, reduction, *options, *flags))
+
+
+def test_op_outputs_stay_as_returned_when_backward_runs(engine):
+    """The op's gradient outputs are its caller's: backward (here with a negative upstream, as a
+    negative focal loss under opcheck's |sum| gets) multiplies out of place."""
+    (x, t), _ = _arguments("mse_loss")
+    x.requires_grad_()
+    out = torch.ops.cupyloss.mse_loss.default(x, t, "sum", True, False)
+    kept = out[1].clone()
+    (g,) = torch.autograd.grad(out[0], x, torch.tensor(-2.0, dtype=x.dtype))
+    assert torch.equal(out[1], kept)
+    torch.testing.assert_close(g, -2.0 * kept, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name, target_shape", [("hinge_loss", (5,)), ("cross_entropy", None)])
+def test_op_with_gradient_flags_at_none_reruns_backward(engine, name, target_shape):
+    """reduction='none' with gradients asked of the forward op: backward still applies the
+    elementwise upstream through the loss's Jacobian (a broadcast target sums over its rows; a
+    row-wise loss mixes a row's classes), not upstream times the saved gradients."""
+    args, _ = _arguments(name, target_shape=target_shape)
+    args[0].requires_grad_()
+    options = [d for _, d in CF._GENERATED[name].options]
+    flags = (True,) + (False,) * (len(args) - 1)
+    out = getattr(torch.ops.cupyloss, name).default(*args, "none", *options, *flags)
+    w = torch.randn(out[0].shape, dtype=out[0].dtype, generator=torch.Generator().manual_seed(2))
+    (g,) = torch.autograd.grad(out[0], args[0], w)
+    want = ref_grads(name, [a.detach().numpy() for a in args], "none", w.numpy())[0]
+    np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
 
 
 def _tiny_model():
@@ -395,21 +494,27 @@ def _tiny_model():
                                torch.nn.Linear(8, 5)).double()
 
 
+# What puts a model's output into a loss's domain: log-probabilities, probabilities.
+HEADS = {"kl_div": lambda y: y.log_softmax(-1), "nll_loss": lambda y: y.log_softmax(1),
+         "binary_cross_entropy": torch.sigmoid}
+
+
 @pytest.mark.parametrize("name", list(SPECS))
-def test_compile_fullgraph_matches_eager(engine, name):
+def test_compile_fullgraph_matches_eager(engine, fresh_dynamo, name):
     """A model's forward and the loss compile as one graph; the compiled backward (run twice
     through a retained graph) gives eager's gradients."""
-    x, t, kw = _arguments(name)
+    (x, *rest), kw = _arguments(name)
     model = _tiny_model()
-    head = (lambda y: y.log_softmax(-1)) if name == "kl_div" else (lambda y: y)
+    head = HEADS.get(name, lambda y: y)
 
-    def step(a, b):
-        return CF.LOSSES[name](head(model(a)), b, reduction=_reductions(name)[-1], **kw) * 0.5
+    def step(a, *others):
+        return CF.LOSSES[name](head(model(a)), *others, reduction=_reductions(name)[-1],
+                               **kw) * 0.5
 
-    eager = step(x, t)
+    eager = step(x, *rest)
     want = torch.autograd.grad(eager, list(model.parameters()))
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    loss = compiled(x, t)
+    loss = compiled(x, *rest)
     torch.testing.assert_close(loss, eager, rtol=1e-12, atol=0)
     for _ in range(2):
         got = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)

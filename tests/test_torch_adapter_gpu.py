@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 
 import cupyloss  # noqa: E402
 import cupyloss.torch as CF  # noqa: E402
-from cupyloss._pointwise import SPECS  # noqa: E402
-from test_torch_adapter import _arguments  # noqa: E402
+from operands import SPECS  # noqa: E402
+from test_torch_adapter import HEADS, _arguments, _checked, _flag_sets, _floating  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -23,9 +23,17 @@ def _cuda():
         pytest.skip("torch has no CUDA")
 
 
-def _on_gpu(name, dtype=torch.float64, shape=(33, 129), target_shape=None, seed=0):
-    x, t, kw = _arguments(name, shape=shape, target_shape=target_shape, seed=seed)
-    return x.to("cuda", dtype), t.to("cuda", dtype), kw
+def _on_gpu(name, dtype=torch.float64, shape=(33, 129), target_shape=None, seed=0,
+            with_optional=False):
+    """_arguments on the GPU: floating arrays (and optional arrays) in dtype, indices as int64."""
+    args, kw = _arguments(name, shape=shape, target_shape=target_shape, seed=seed,
+                          with_optional=with_optional)
+    move = lambda a: a.to("cuda", dtype if a.is_floating_point() else a.dtype)  # noqa: E731
+    return tuple(map(move, args)), {k: move(v) for k, v in kw.items()}
+
+
+def _names_with_grads(name, args):
+    return tuple(n for n, f in zip(SPECS[name].arrays, _floating(args)) if f)
 
 
 # --- the numbers --------------------------------------------------------------------------------
@@ -37,50 +45,58 @@ def test_autograd_gives_the_core_functions_numbers(name, reduction, dtype):
     gradients times g rounded once (exact products of two values of the dtype, rounded to it);
     'none': bitwise the core's backward with the same elementwise upstream."""
     core = getattr(cupyloss, name + "_value_and_grad")
-    x, t, kw = _on_gpu(name, dtype, target_shape=(129,))
-    a, b = x.clone().requires_grad_(), t.clone().requires_grad_()
-    loss = CF.LOSSES[name](a, b, reduction=reduction, **kw)
-    value, (gx, gt) = core(x, t, reduction=reduction, **kw)
+    args, kw = _on_gpu(name, dtype, target_shape=(129,))
+    wrt = _names_with_grads(name, args)
+    leaves = [a.clone().requires_grad_(f) for a, f in zip(args, _floating(args))]
+    with_grad = [a for a in leaves if a.requires_grad]
+    loss = CF.LOSSES[name](*leaves, reduction=reduction, **kw)
+    value, grads = core(*args, reduction=reduction, wrt=wrt, **kw)
     assert torch.equal(loss.detach(), value)
     if reduction == "none":
         w = torch.randn(loss.shape, device="cuda", dtype=dtype)
         loss.backward(w)
-        want = getattr(cupyloss, name + "_backward")(w, x, t, reduction=reduction, **kw)
-        assert torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
+        want = getattr(cupyloss, name + "_backward")(w, *args, reduction=reduction, wrt=wrt, **kw)
+        assert all(torch.equal(a.grad, g) for a, g in zip(with_grad, want))
         return
     loss.backward()
-    assert torch.equal(a.grad, gx) and torch.equal(b.grad, gt)
-    a.grad = b.grad = None
+    assert all(torch.equal(a.grad, g) for a, g in zip(with_grad, grads))
+    for a in with_grad:
+        a.grad = None
     go = torch.tensor(0.37, device="cuda", dtype=dtype)
-    CF.LOSSES[name](a, b, reduction=reduction, **kw).backward(go)
-    for got, g in ((a.grad, gx), (b.grad, gt)):
-        assert torch.equal(got, (g.double() * go.double()).to(dtype))
+    CF.LOSSES[name](*leaves, reduction=reduction, **kw).backward(go)
+    for a, g in zip(with_grad, grads):
+        assert torch.equal(a.grad, (g.double() * go.double()).to(dtype))
 
 
 @pytest.mark.parametrize("name, reduction", CASES)
 def test_gradcheck_on_cuda(name, reduction):
-    x, t, kw = _on_gpu(name, shape=(7, 33))
-    x.requires_grad_()
-    t.requires_grad_()
+    args, kw = _on_gpu(name, shape=(7, 33))
     f = CF.LOSSES[name]
     if reduction == "none":
-        w = torch.randn(x.shape, dtype=x.dtype, device="cuda")
-        assert torch.autograd.gradcheck(lambda p, q: (f(p, q, reduction="none", **kw) * w).sum(),
-                                        (x, t))
-    assert torch.autograd.gradcheck(lambda p, q: f(p, q, reduction=reduction, **kw), (x, t))
-    assert torch.autograd.gradcheck(lambda p, q: f(p, q, reduction=reduction, **kw) * -1.7,
-                                    (x, t))
+        w = torch.randn(f(*args, reduction="none", **kw).shape, dtype=args[0].dtype,
+                        device="cuda")
+        assert torch.autograd.gradcheck(*_checked(name, args, kw, f, "none", w))
+    assert torch.autograd.gradcheck(*_checked(name, args, kw, f, reduction))
+    call, leaves = _checked(name, args, kw, f, reduction)
+    assert torch.autograd.gradcheck(lambda *xs: call(*xs) * -1.7, leaves)
+
+
+@pytest.mark.parametrize("name", ["binary_cross_entropy", "binary_cross_entropy_with_logits",
+                                  "cross_entropy", "nll_loss"])
+def test_gradcheck_with_optional_arrays_on_cuda(name):
+    args, kw = _on_gpu(name, shape=(7, 33), with_optional=True)
+    assert torch.autograd.gradcheck(*_checked(name, args, kw, CF.LOSSES[name], "mean"))
 
 
 def test_gradcheck_broadcast_target_on_cuda():
-    x, t, _ = _on_gpu("hinge_loss", shape=(9, 33), target_shape=(33,))
+    (x, t), _ = _on_gpu("hinge_loss", shape=(9, 33), target_shape=(33,))
     assert torch.autograd.gradcheck(lambda p, q: CF.hinge_loss(p, q, reduction="sum"),
                                     (x.requires_grad_(), t.requires_grad_()))
 
 
 def test_matches_torch_autograd_in_float64():
     F = torch.nn.functional
-    x, t, _ = _on_gpu("kl_div")
+    (x, t), _ = _on_gpu("kl_div")
     for reduction in ("batchmean", "sum", "none"):
         a, b = x.clone().requires_grad_(), t.clone().requires_grad_()
         mine = CF.kl_div(a, b, reduction=reduction)
@@ -98,7 +114,7 @@ def test_matches_torch_autograd_in_float64():
 
 
 def test_retained_graph_gives_each_upstream_its_gradient():
-    x, t, _ = _on_gpu("mse_loss", torch.float32)
+    (x, t), _ = _on_gpu("mse_loss", torch.float32)
     x.requires_grad_()
     loss = CF.mse_loss(x, t)
     _, g1 = cupyloss.mse_loss_value_and_grad(x.detach(), t, wrt="input")
@@ -109,18 +125,17 @@ def test_retained_graph_gives_each_upstream_its_gradient():
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_opcheck_on_cuda(name):
-    x, t, kw = _on_gpu(name, shape=(5, 7))
-    options = [d for _, d in CF._GENERATED[name].options]
+    args, kw = _on_gpu(name, shape=(5, 7), with_optional=True)
+    options = [kw.get(o, d) for o, d in CF._GENERATED[name].options]
     forward = getattr(torch.ops.cupyloss, name).default
     backward = getattr(torch.ops.cupyloss, name + "_backward").default
     for reduction in SPECS[name].reductions:
-        for flags in ((True, True), (False, True), (False, False)):
-            torch.library.opcheck(forward, (x.clone().requires_grad_(flags[0]),
-                                            t.clone().requires_grad_(flags[1]), reduction,
-                                            *options, *flags))
-            go = torch.randn(() if reduction != "none" else x.shape, dtype=x.dtype,
-                             device="cuda")
-            torch.library.opcheck(backward, (go, x, t, reduction, *options, *flags))
+        for flags in _flag_sets(args):
+            given = [a.clone().requires_grad_(f) for a, f in zip(args, flags)]
+            torch.library.opcheck(forward, (*given, reduction, *options, *flags))
+            shape = CF.LOSSES[name](*args, reduction=reduction, **kw).shape
+            go = torch.randn(shape, dtype=args[0].dtype, device="cuda")
+            torch.library.opcheck(backward, (go, *args, reduction, *options, *flags))
 
 
 # --- compile, graphs, streams ------------------------------------------------------------------
@@ -136,19 +151,19 @@ def test_torch_compile_fullgraph_with_inductor(name):
     import torch._dynamo
 
     torch._dynamo.reset()
-    x, t, kw = _on_gpu(name, torch.float32)
-    head = (lambda y: y.log_softmax(-1)) if name == "kl_div" else (lambda y: y)
+    (x, *rest), kw = _on_gpu(name, torch.float32)
+    head = HEADS.get(name, lambda y: y)
     model = _model()
     reduction = SPECS[name].reductions[-1]
 
-    def step(a, b):
-        return CF.LOSSES[name](head(model(a)), b, reduction=reduction, **kw)
+    def step(a, *others):
+        return CF.LOSSES[name](head(model(a)), *others, reduction=reduction, **kw)
 
-    eager = step(x, t)
+    eager = step(x, *rest)
     want = torch.autograd.grad(eager, list(model.parameters()))
     compiled = torch.compile(step, fullgraph=True)
     for _ in range(2):
-        loss = compiled(x, t)
+        loss = compiled(x, *rest)
         got = torch.autograd.grad(loss, list(model.parameters()))
         torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
         for g, w in zip(got, want):
@@ -159,8 +174,8 @@ def test_torch_compile_fullgraph_with_inductor(name):
 def test_cuda_graph_capture_of_a_training_step(name):
     """Warm up on a side stream, capture forward + loss + backward + SGD step, replay: the
     parameters follow eager training step for step."""
-    x, t, kw = _on_gpu(name, torch.float32, shape=(300, 129))
-    head = (lambda y: y.log_softmax(-1)) if name == "kl_div" else (lambda y: y)
+    (x, *rest), kw = _on_gpu(name, torch.float32, shape=(300, 129))
+    head = HEADS.get(name, lambda y: y)
     # The mean (batchmean for kl_div): a sum over 38700 elements makes SGD diverge to NaN.
     reduction = "batchmean" if "batchmean" in SPECS[name].reductions else "mean"
 
@@ -170,17 +185,17 @@ def test_cuda_graph_capture_of_a_training_step(name):
 
         def step(a, b):
             opt.zero_grad(set_to_none=True)
-            loss = CF.LOSSES[name](head(model(a)), b, reduction=reduction, **kw)
+            loss = CF.LOSSES[name](head(model(a)), *b, reduction=reduction, **kw)
             loss.backward()
             opt.step()
             return loss
         return model, step
 
     model_e, step_e = trainer()
-    eager = [step_e(x, t).item() for _ in range(5)]
+    eager = [step_e(x, rest).item() for _ in range(5)]
 
     model_g, step_g = trainer()
-    static_x, static_t = x.clone(), t.clone()
+    static_x, static_t = x.clone(), [a.clone() for a in rest]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -199,7 +214,7 @@ def test_cuda_graph_capture_of_a_training_step(name):
 
 
 def test_work_runs_on_torchs_current_stream():
-    x, t, _ = _on_gpu("hinge_loss", torch.float32, shape=(2048, 1031), target_shape=(1031,))
+    (x, t), _ = _on_gpu("hinge_loss", torch.float32, shape=(2048, 1031), target_shape=(1031,))
     a = x.clone().requires_grad_()
     CF.hinge_loss(a, t).backward()
     want = a.grad.clone()
@@ -216,18 +231,19 @@ def test_work_runs_on_torchs_current_stream():
 
 def test_inputs_are_never_written():
     for name, reduction in CASES:
-        x, t, kw = _on_gpu(name, torch.float32)
-        x.requires_grad_()
-        t.requires_grad_()
-        before = [(a.detach().clone(), a._version) for a in (x, t)]
-        loss = CF.LOSSES[name](x, t, reduction=reduction, **kw)
+        args, kw = _on_gpu(name, torch.float32, with_optional=True)
+        for a, f in zip(args, _floating(args)):
+            a.requires_grad_(f)
+        given = (*args, *kw.values())
+        before = [(a.detach().clone(), a._version) for a in given]
+        loss = CF.LOSSES[name](*args, reduction=reduction, **kw)
         loss.backward(torch.randn_like(loss))
-        for a, (copy, version) in zip((x, t), before):
+        for a, (copy, version) in zip(given, before):
             assert torch.equal(a.detach(), copy) and a._version == version, (name, reduction)
 
 
 def test_gradients_only_for_arguments_that_require_grad():
-    x, t, _ = _on_gpu("mse_loss", torch.float32)
+    (x, t), _ = _on_gpu("mse_loss", torch.float32)
     x.requires_grad_()
     before = torch.cuda.memory_allocated()
     loss = CF.mse_loss(x, t)

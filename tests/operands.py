@@ -1,0 +1,138 @@
+"""Operands of every registered loss inside its smooth domain, and the float64 references of every
+family behind one call, for the adapters' tests (torch and JAX, CPU and GPU).
+
+Finite differences in float64 (torch.autograd.gradcheck's eps is 1e-6) see a loss's derivative
+only where the loss is smooth, so every kink, clamp and branch point is kept at least 0.1 away:
+hinge-like losses have ``margin - x t`` of magnitude >= 0.1, l1/smooth_l1/huber have
+``|x - t|`` >= 0.1 away from 0 and from beta/delta (1), binary_cross_entropy's input lies in
+[0.05, 0.95] (its log clamp at -100 is never reached), probability targets lie in [0, 1],
+poisson targets are counts, gaussian variances lie in [0.5, 2] (far above eps).  Class-index
+targets are int64.
+"""
+
+import numpy as np
+
+import reference
+import reference_rowwise
+from cupyloss._registry import all_losses
+
+SPECS = all_losses()
+
+# Arrays that only pick a branch of their loss: finite differences of them see a jump, not a
+# slope (hinge_embedding_loss compares its +-1 target with 1 and -1), or that are integers.
+SELECTORS = {"hinge_embedding_loss": ("target",), "cross_entropy": ("target",),
+             "nll_loss": ("target",)}
+ROWWISE = {"cross_entropy": (reference_rowwise.cross_entropy,
+                             reference_rowwise.cross_entropy_grads),
+           "nll_loss": (reference_rowwise.nll_loss, reference_rowwise.nll_loss_grads)}
+MARGIN = 1.0      # the default margin of hinge_loss, squared_hinge_loss, hinge_embedding_loss
+
+
+def optional(name) -> tuple:
+    """The optional array arguments of a loss (weight, pos_weight), given by keyword."""
+    spec = SPECS[name]
+    if name in ROWWISE:
+        return ("weight",)
+    return tuple(getattr(spec, "optional", ()))
+
+
+def differentiable(name) -> tuple:
+    """A bool per required array: whether finite differences of the loss in it are its gradient
+    (a floating array that is not a selector)."""
+    return tuple(a not in SELECTORS.get(name, ()) for a in SPECS[name].arrays)
+
+
+def _either_sign(rng, shape, low=0.1, high=1.0):
+    """Magnitudes in [low, high] with random signs."""
+    return rng.uniform(low, high, shape) * rng.choice([-1.0, 1.0], shape)
+
+
+def _labels(rng, shape):
+    return rng.choice([-1.0, 1.0], shape)
+
+
+def _both_branches(rng, shape, kink=1.0):
+    """Differences on both sides of |d| == kink, each at least 0.1 from it and from 0."""
+    inner = rng.uniform(0.1, kink - 0.1, shape)
+    outer = rng.uniform(kink + 0.1, kink + 1.0, shape)
+    return np.where(rng.random(shape) < 0.5, inner, outer) * rng.choice([-1.0, 1.0], shape)
+
+
+def operands(name, shape=(4, 5), target_shape=None, with_optional=False, seed=0):
+    """(required arrays in the loss's order, {optional array: values} when with_optional).
+
+    float64 NumPy arrays (int64 class indices).  ``shape`` is the first array's, ``target_shape``
+    the target's (it must broadcast to ``shape``; row-wise losses ignore it: class indices have
+    the input's shape without the class axis).  Optional arrays have the broadcast shape's last
+    dim (pointwise) or the class count (row-wise) and values in [0.5, 2].
+    """
+    rng = np.random.default_rng(seed)
+    ts = shape if target_shape is None else tuple(target_shape)
+    out = np.broadcast_shapes(shape, ts)
+    normal = rng.standard_normal
+    if name == "kl_div":
+        a = [np.log(rng.uniform(0.1, 0.9, shape)), rng.uniform(0.1, 0.9, ts)]
+    elif name in ("hinge_loss", "squared_hinge_loss"):
+        t = rng.uniform(0.5, 1.5, ts) * rng.choice([-1.0, 1.0], ts)
+        a = [(MARGIN - _either_sign(rng, shape)) / t, t]      # margin - x t = +-[0.1, 1]
+    elif name == "soft_margin_loss":
+        a = [normal(shape), _labels(rng, ts)]
+    elif name == "l1_loss":
+        t = normal(ts)
+        a = [t + _either_sign(rng, shape), t]
+    elif name in ("smooth_l1_loss", "huber_loss"):
+        t = normal(ts)
+        a = [t + _both_branches(rng, shape), t]                # beta = delta = 1
+    elif name == "binary_cross_entropy":
+        t = np.where(rng.random(ts) < 0.3, np.round(rng.random(ts)), rng.random(ts))
+        a = [rng.uniform(0.05, 0.95, shape), t]
+    elif name in ("binary_cross_entropy_with_logits", "sigmoid_focal_loss"):
+        t = np.where(rng.random(ts) < 0.3, np.round(rng.random(ts)), rng.random(ts))
+        a = [2.0 * normal(shape), t]
+    elif name == "hinge_embedding_loss":
+        a = [MARGIN - _either_sign(rng, shape), _labels(rng, ts)]
+    elif name == "margin_ranking_loss":
+        x1, t = normal(shape), _labels(rng, ts)
+        # -t (x1 - x2) + margin (0) = +-[0.1, 1]
+        a = [x1, np.broadcast_to(x1 + t * _either_sign(rng, out), out).copy(), t]
+    elif name == "poisson_nll_loss":
+        a = [0.5 * normal(shape), rng.poisson(3.0, ts).astype(np.float64)]
+    elif name == "gaussian_nll_loss":
+        a = [normal(shape), normal(ts), rng.uniform(0.5, 2.0, shape)]
+    elif name in ROWWISE:
+        x = 2.0 * normal(shape)
+        if name == "nll_loss":
+            x = x - np.log(np.sum(np.exp(x), axis=1, keepdims=True))   # log_softmax
+        rows = (shape[0], *shape[2:]) if len(shape) > 1 else ()
+        a = [x, rng.integers(0, shape[1] if len(shape) > 1 else shape[0], rows)]
+    else:
+        a = [normal(shape), normal(ts)]
+    extras = {}
+    if with_optional:
+        width = shape[1] if name in ROWWISE else out[-1]
+        extras = {e: rng.uniform(0.5, 2.0, (width,)) for e in optional(name)}
+    return tuple(np.asarray(v) for v in a), extras
+
+
+def _numeric(options):
+    """The core function's options the references take: its host-side checks (check_targets,
+    check_var) change no number."""
+    return {k: v for k, v in options.items() if k not in ("check_targets", "check_var")}
+
+
+def ref_loss(name, arrays, reduction, **options):
+    """float64 value of any registered loss (options as keywords, optional arrays included)."""
+    if name in ROWWISE:
+        return np.asarray(ROWWISE[name][0](*arrays, reduction=reduction, **_numeric(options)))
+    return np.asarray(reference.loss(name, *arrays, reduction=reduction, **_numeric(options)))
+
+
+def ref_grads(name, arrays, reduction, grad_output=1.0, **options) -> tuple:
+    """float64 gradients of any registered loss: one per required array (None for class indices)."""
+    if name in ROWWISE:
+        got = ROWWISE[name][1](*arrays, reduction=reduction, grad_output=grad_output,
+                               **_numeric(options))
+        return got if isinstance(got, tuple) else (got, None)
+    every = reference.grads(name, *arrays, reduction=reduction, grad_output=grad_output,
+                            **_numeric(options))
+    return tuple(every[:len(SPECS[name].arrays)])
