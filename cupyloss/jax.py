@@ -4,9 +4,11 @@
     jax.jit(jax.grad(lambda a, b: JL.mse_loss(a, b)))(a, b)
     jax.value_and_grad(JL.kl_div, argnums=(0, 1))(jnp.log(p), q, "batchmean")
 
-Generated from cupyloss's registry (`cupyloss._pointwise.SPECS`) when this module is imported:
-each loss ``f`` is ``cupyloss.jax.f`` with the core function's signature (``f(input, target, ...,
-reduction=...)``), so a loss registered later needs no code here.
+Generated from cupyloss's registry of every family (`cupyloss._registry.all_losses()`: the
+pointwise losses and the row-wise cross_entropy and nll_loss) when this module is imported: each
+loss ``f`` is ``cupyloss.jax.f`` with the core function's signature (``f(input, target, ...,
+reduction=...)``), so a loss registered later needs no code here.  A registered loss that cannot
+be wrapped is left out with a RuntimeWarning and its reason in ``cupyloss.jax.SKIPPED``.
 
 How it runs: each call is a ``jax.experimental.buffer_callback`` (JAX 0.7 or later): under jit
 it is a node of the XLA program that hands the callback XLA's device buffers and XLA's CUDA
@@ -22,7 +24,9 @@ one): for a reduced loss the forward pass runs value_and_grad once and the backw
 the saved gradients by the cotangent (a constant 1 under jax.grad, which XLA folds away); for
 reduction='none' the backward runs the gradient kernel with the elementwise cotangent.  vmap
 runs the callback once per batch element.  Arguments must be CUDA arrays of one floating dtype
-(float16, bfloat16, float32, float64); options are static Python values.
+(float16, bfloat16, float32, float64), except class indices (int32 or int64: values work,
+jax.grad refuses integer arguments as it does everywhere); options are static Python values,
+except array options (weight, pos_weight), which are operands without a gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import functools
 import inspect
 import math
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +43,7 @@ import numpy
 
 import cupyloss
 from cupyloss import _dtypes, _reduction, _validate
-from cupyloss._pointwise import SPECS
+from cupyloss._registry import all_losses
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -47,6 +52,9 @@ except ImportError as exc:  # pragma: no cover - JAX older than 0.7
                       f"this JAX is {jax.__version__}") from exc
 
 _KDLCUDA = 2
+
+# Every registered loss of every family (cupyloss._registry.all_losses).
+SPECS = all_losses()
 
 
 class _Kernels:
@@ -130,20 +138,26 @@ _engine = _Kernels()
 
 # --- the callbacks -------------------------------------------------------------------------------
 
-def _value_callback(name, reduction, options):
+def _split(name, options, extra, views):
+    """(the required arrays' views, the options with the array options' views added)."""
+    n = len(SPECS[name].arrays)
+    return views[:n], {**dict(options), **dict(zip(extra, views[n:]))}
+
+
+def _value_callback(name, reduction, options, extra):
     def callback(ctx, out, *arrays):
         with _engine.stream(ctx, arrays[0]):
-            views = [_engine.view(a) for a in arrays]
-            _engine.write(out, _engine.value(name, views, reduction, dict(options)))
+            views, kw = _split(name, options, extra, [_engine.view(a) for a in arrays])
+            _engine.write(out, _engine.value(name, views, reduction, kw))
 
     return callback
 
 
-def _value_and_grad_callback(name, reduction, options, wrt):
+def _value_and_grad_callback(name, reduction, options, extra, wrt):
     def callback(ctx, out, *arrays):
         with _engine.stream(ctx, arrays[0]):
-            views = [_engine.view(a) for a in arrays]
-            value, grads = _engine.value_and_grad(name, views, reduction, dict(options), wrt)
+            views, kw = _split(name, options, extra, [_engine.view(a) for a in arrays])
+            value, grads = _engine.value_and_grad(name, views, reduction, kw, wrt)
             _engine.write(out[0], value)
             for buffer, grad in zip(out[1], grads):
                 _engine.write(buffer, grad)
@@ -151,12 +165,11 @@ def _value_and_grad_callback(name, reduction, options, wrt):
     return callback
 
 
-def _backward_callback(name, reduction, options, wrt):
+def _backward_callback(name, reduction, options, extra, wrt):
     def callback(ctx, out, grad_output, *arrays):
         with _engine.stream(ctx, arrays[0]):
-            views = [_engine.view(a) for a in arrays]
-            grads = _engine.backward(name, _engine.view(grad_output), views, reduction,
-                                     dict(options), wrt)
+            views, kw = _split(name, options, extra, [_engine.view(a) for a in arrays])
+            grads = _engine.backward(name, _engine.view(grad_output), views, reduction, kw, wrt)
             for buffer, grad in zip(out, grads):
                 _engine.write(buffer, grad)
 
@@ -190,47 +203,55 @@ def _loss_shape(name, arrays, reduction):
 
 
 @functools.lru_cache(maxsize=None)
-def _function(name, reduction, options):
-    """The custom_vjp function of the arrays for one loss, reduction and options."""
+def _function(name, reduction, options, extra=()):
+    """The custom_vjp function of the arrays for one loss, reduction and options: the required
+    arrays, then the array options named in `extra` (weight, pos_weight), which get no gradient."""
     names = SPECS[name].arrays
     n = len(names)
+    total = n + len(extra)
 
     def value(*arrays):
-        shape = _loss_shape(name, arrays, reduction)
-        call = buffer_callback(_value_callback(name, reduction, options),
+        shape = _loss_shape(name, arrays[:n], reduction)
+        call = buffer_callback(_value_callback(name, reduction, options, extra),
                                _struct(shape, arrays[0].dtype), vmap_method="sequential")
         return call(*arrays)
 
     def forward(*primals):
         arrays = tuple(p.value for p in primals)
+        for option, p in zip(extra, primals[n:]):
+            if p.perturbed:
+                raise NotImplementedError(f"cupyloss.jax.{name} has no gradient with respect to "
+                                          f"{option}; pass it through jax.lax.stop_gradient")
         wrt = tuple(a for a, p in zip(names, primals) if p.perturbed)
         if reduction == "none" or not wrt:
             markers = tuple(jnp.zeros((0,), jnp.bool_) if p.perturbed else None
-                            for p in primals)
+                            for p in primals[:n])
             return value(*arrays), (None, arrays, markers)
-        shape = _loss_shape(name, arrays, reduction)
+        shape = _loss_shape(name, arrays[:n], reduction)
         index = {a: k for k, a in enumerate(names)}
         structs = (_struct(shape, arrays[0].dtype),
                    tuple(_struct(arrays[index[w]].shape, arrays[0].dtype) for w in wrt))
-        call = buffer_callback(_value_and_grad_callback(name, reduction, options, wrt), structs,
-                               vmap_method="sequential")
+        call = buffer_callback(_value_and_grad_callback(name, reduction, options, extra, wrt),
+                               structs, vmap_method="sequential")
         loss, grads = call(*arrays)
         grads = iter(grads)
-        return loss, (tuple(next(grads) if p.perturbed else None for p in primals), None, None)
+        return loss, (tuple(next(grads) if p.perturbed else None for p in primals[:n]), None,
+                      None)
 
     def backward(residuals, g):
         saved, arrays, markers = residuals
         if isinstance(g, jax.custom_derivatives.SymbolicZero):
-            return (None,) * n
+            return (None,) * total
         if saved is not None:
-            return tuple(None if s is None else g * s for s in saved)
+            return (*[None if s is None else g * s for s in saved], *[None] * len(extra))
         wrt = tuple(a for a, m in zip(names, markers) if m is not None)
         structs = tuple(_struct(a.shape, a.dtype) for a, m in zip(arrays, markers)
                         if m is not None)
-        call = buffer_callback(_backward_callback(name, reduction, options, wrt), structs,
+        call = buffer_callback(_backward_callback(name, reduction, options, extra, wrt), structs,
                                vmap_method="sequential")
         grads = iter(call(g, *arrays))
-        return tuple(next(grads) if m is not None else None for m in markers)
+        return (*[next(grads) if m is not None else None for m in markers],
+                *[None] * len(extra))
 
     function = jax.custom_vjp(value)
     function.defvjp(forward, backward, symbolic_zeros=True)
@@ -245,21 +266,28 @@ def _make(name):
     params = [p.replace(annotation=inspect.Parameter.empty) for p in core.parameters.values()]
     signature = inspect.Signature(params)
     option_names = [p.name for p in params if p.name not in spec.arrays and p.name != "reduction"]
+    # Options that default to None take arrays (weight, pos_weight): operands, not static values.
+    array_options = {p.name for p in params if p.name in option_names and p.default is None}
 
     def loss(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         values = bound.arguments
-        options = []
+        options, extra, extras = [], [], []
         for option in option_names:
             v = values[option]
+            if option in array_options and v is not None:
+                extra.append(option)
+                extras.append(jnp.asarray(v))
+                continue
             if v is not None and not isinstance(v, (bool, int, float, str)):
                 raise TypeError(f"cupyloss.jax.{name}: option {option} must be a Python "
                                 f"bool, int, float or str (a static value), got "
                                 f"{type(v).__name__}")
             options.append((option, v))
         arrays = [jnp.asarray(values[a]) for a in spec.arrays]
-        return _function(name, values["reduction"], tuple(options))(*arrays)
+        return _function(name, values["reduction"], tuple(options), tuple(extra))(*arrays,
+                                                                                  *extras)
 
     loss.__name__ = loss.__qualname__ = name
     loss.__module__ = __name__
@@ -276,10 +304,34 @@ def _make(name):
     return loss
 
 
-LOSSES: dict = {}        # name -> the generated function
-for _name in SPECS:
-    LOSSES[_name] = _make(_name)
-    setattr(sys.modules[__name__], _name, LOSSES[_name])
-del _name
+def _why_not(name, spec):
+    """Why loss `name` cannot be wrapped, or None."""
+    for field in ("arrays", "reductions"):
+        if not hasattr(spec, field):
+            return f"its registry entry ({type(spec).__name__}) has no {field!r}"
+    for suffix in ("", "_backward", "_value_and_grad"):
+        if not callable(getattr(cupyloss, name + suffix, None)):
+            return f"cupyloss has no function {name + suffix}"
+    return None
 
-__all__ = sorted([*LOSSES, "LOSSES"])
+
+LOSSES: dict = {}        # name -> the generated function
+SKIPPED: dict = {}       # name -> why a registered loss got no function
+
+
+def _generate(specs: dict) -> None:
+    """Generate every wrappable loss of `specs`; record the others in SKIPPED, with a warning."""
+    for name, spec in specs.items():
+        reason = _why_not(name, spec)
+        if reason is not None:
+            SKIPPED[name] = reason
+            warnings.warn(f"cupyloss.jax leaves out {name}: {reason}", RuntimeWarning,
+                          stacklevel=2)
+            continue
+        LOSSES[name] = _make(name)
+        setattr(sys.modules[__name__], name, LOSSES[name])
+
+
+_generate(SPECS)
+
+__all__ = sorted([*LOSSES, "LOSSES", "SKIPPED"])

@@ -1,5 +1,6 @@
 """cupyloss.jax without a GPU: what is generated and the custom_vjp wiring, with the kernels
-swapped for tests/reference.py on JAX's CPU backend (buffer_callback runs there too).
+swapped for the float64 references of every family (tests/operands.py) on JAX's CPU backend
+(buffer_callback runs there too).
 
 `reference_engine` gives the callbacks NumPy views of XLA's CPU buffers and the float64
 references, so jit, grad, value_and_grad, symbolic zeros and vmap are exercised for real; the
@@ -19,12 +20,12 @@ import jax.numpy as jnp  # noqa: E402
 
 import cupyloss  # noqa: E402
 import cupyloss.jax as JL  # noqa: E402
-import reference  # noqa: E402
-from cupyloss._pointwise import SPECS  # noqa: E402
+import operands  # noqa: E402
+from operands import SPECS, ref_grads, ref_loss  # noqa: E402
 
 
 class ReferenceEngine:
-    """The callbacks' engine on CPU buffers through tests/reference.py, recording each call."""
+    """The callbacks' engine on CPU buffers through the float64 references, recording each call."""
 
     def __init__(self):
         self.calls = []
@@ -42,17 +43,16 @@ class ReferenceEngine:
 
     def value(self, name, arrays, reduction, options):
         self.calls.append(("value", name, ()))
-        return reference.loss(name, *arrays, reduction=reduction, **options)
+        return ref_loss(name, list(arrays), reduction, **options)
 
     def _grads(self, name, arrays, reduction, options, wrt, grad_output):
-        every = reference.grads(name, *arrays, reduction=reduction, grad_output=grad_output,
-                                **options)
+        every = ref_grads(name, list(arrays), reduction, grad_output, **options)
         index = {a: k for k, a in enumerate(SPECS[name].arrays)}
         return tuple(every[index[w]] for w in wrt)
 
     def value_and_grad(self, name, arrays, reduction, options, wrt):
         self.calls.append(("value_and_grad", name, wrt))
-        return (reference.loss(name, *arrays, reduction=reduction, **options),
+        return (ref_loss(name, list(arrays), reduction, **options),
                 self._grads(name, arrays, reduction, options, wrt, 1.0))
 
     def backward(self, name, grad_output, arrays, reduction, options, wrt):
@@ -68,21 +68,26 @@ def engine(monkeypatch):
     return e
 
 
-def _arguments(name, shape=(4, 5), target_shape=None, seed=0):
-    rng = np.random.default_rng(seed)
-    target_shape = shape if target_shape is None else target_shape
-    if name == "kl_div":
-        return (np.log(rng.uniform(0.1, 0.9, shape)).astype(np.float32),
-                rng.uniform(0.1, 0.9, target_shape).astype(np.float32))
-    if name == "hinge_loss":
-        t = rng.uniform(0.5, 1.5, target_shape) * rng.choice([-1.0, 1.0], target_shape)
-        z = rng.uniform(0.1, 1.0, shape) * rng.choice([-1.0, 1.0], shape)
-        return ((1.0 - z) / t).astype(np.float32), t.astype(np.float32)
-    return (rng.standard_normal(shape).astype(np.float32),
-            rng.standard_normal(target_shape).astype(np.float32))
+def _arguments(name, shape=(4, 5), target_shape=None, seed=0, with_optional=False):
+    """(the loss's required arrays, keyword arrays) as float32 NumPy arrays inside each loss's
+    smooth region (tests/operands.py); class indices as int32 (JAX's default integer)."""
+    arrays, extras = operands.operands(name, shape, target_shape, with_optional, seed)
+
+    def cast(a):
+        return a.astype(np.float32 if np.issubdtype(a.dtype, np.floating) else np.int32)
+
+    return tuple(map(cast, arrays)), {k: cast(v) for k, v in extras.items()}
+
+
+def _floating(args):
+    """Indices of the arrays jax.grad can differentiate (not class indices)."""
+    return tuple(i for i, a in enumerate(args) if np.issubdtype(a.dtype, np.floating))
 
 
 CASES = [(n, r) for n in SPECS for r in SPECS[n].reductions]
+# Every case, and again with the optional arrays (weight, pos_weight) for the losses that have them.
+GRAD_CASES = [(n, r, False) for n, r in CASES] + [(n, r, True) for n, r in CASES
+                                                   if operands.optional(n)]
 
 
 def test_import_cupyloss_jax_imports_no_torch():
@@ -92,7 +97,9 @@ def test_import_cupyloss_jax_imports_no_torch():
 
 
 def test_every_registered_loss_is_generated_with_the_core_signature():
+    assert JL.SKIPPED == {}
     assert set(JL.LOSSES) == set(SPECS)
+    assert {"cross_entropy", "nll_loss"} <= set(SPECS)      # the row-wise family too
     for name in SPECS:
         assert getattr(JL, name) is JL.LOSSES[name]
         ours = inspect.signature(JL.LOSSES[name]).parameters.values()
@@ -103,7 +110,7 @@ def test_every_registered_loss_is_generated_with_the_core_signature():
 
 
 def test_errors_are_raised_while_tracing():
-    x, t = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     with pytest.raises(ValueError, match=r"'avg' is not a valid value for reduction"):
         JL.mse_loss(x, t, reduction="avg")
     with pytest.raises(ValueError, match=r"do not broadcast"):
@@ -114,57 +121,66 @@ def test_errors_are_raised_while_tracing():
         JL.hinge_loss(x, t, margin=jnp.float32(1.0))
 
 
-@pytest.mark.parametrize("name, reduction", CASES)
-def test_values_and_gradients_under_jit(engine, name, reduction):
-    x, t = _arguments(name)
-    f = jax.jit(lambda a, b: JL.LOSSES[name](a, b, reduction=reduction))
-    np.testing.assert_allclose(np.asarray(f(x, t)),
-                               reference.loss(name, x, t, reduction=reduction), rtol=1e-6)
-    w = np.random.default_rng(1).standard_normal(np.shape(f(x, t))).astype(np.float32)
+@pytest.mark.parametrize("name, reduction, with_optional", GRAD_CASES)
+def test_values_and_gradients_under_jit(engine, name, reduction, with_optional):
+    args, kw = _arguments(name, with_optional=with_optional)
+    f = jax.jit(lambda *a: JL.LOSSES[name](*a, reduction=reduction, **kw))
+    np.testing.assert_allclose(np.asarray(f(*args)), ref_loss(name, args, reduction, **kw),
+                               rtol=1e-6)
+    w = np.random.default_rng(1).standard_normal(np.shape(f(*args))).astype(np.float32)
 
-    def scalar(a, b):
-        return jnp.sum(JL.LOSSES[name](a, b, reduction=reduction) * w)
+    def scalar(*a):
+        return jnp.sum(JL.LOSSES[name](*a, reduction=reduction, **kw) * w)
 
-    gx, gt = jax.jit(jax.grad(scalar, argnums=(0, 1)))(x, t)
-    want = reference.grads(name, x, t, reduction=reduction, grad_output=w)
-    np.testing.assert_allclose(np.asarray(gx), want[0], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(gt), want[1], rtol=1e-5, atol=1e-7)
+    argnums = _floating(args)
+    got = jax.jit(jax.grad(scalar, argnums=argnums))(*args)
+    want = ref_grads(name, args, reduction, w, **kw)
+    for g, k in zip(got, argnums):
+        np.testing.assert_allclose(np.asarray(g), want[k], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_only_differentiated_arguments_get_gradients(engine, name):
-    x, t = _arguments(name)
+    args, _ = _arguments(name)
+    names = SPECS[name].arrays
     reduction = SPECS[name].reductions[-1]
-    jax.grad(lambda a, b: JL.LOSSES[name](a, b, reduction=reduction))(x, t)
-    assert engine.calls == [("value_and_grad", name, ("input",))]
+    jax.grad(lambda *a: JL.LOSSES[name](*a, reduction=reduction))(*args)
+    assert engine.calls == [("value_and_grad", name, (names[0],))]
     engine.calls.clear()
-    jax.grad(lambda a, b: jnp.sum(JL.LOSSES[name](a, b, reduction="none")), argnums=1)(x, t)
-    assert engine.calls == [("value", name, ()), ("backward", name, ("target",))]
+    k = _floating(args)[-1]        # the input where the target holds class indices
+    jax.grad(lambda *a: jnp.sum(JL.LOSSES[name](*a, reduction="none")), argnums=k)(*args)
+    assert engine.calls == [("value", name, ()), ("backward", name, (names[k],))]
+
+
+def test_array_options_get_no_gradient(engine):
+    args, kw = _arguments("binary_cross_entropy", with_optional=True)
+    with pytest.raises(NotImplementedError, match=r"no gradient with respect to weight"):
+        jax.grad(lambda w: JL.binary_cross_entropy(*args, weight=w))(kw["weight"])
 
 
 def test_broadcast_target_gradient(engine):
-    x, t = _arguments("hinge_loss", shape=(6, 5), target_shape=(5,))
+    (x, t), _ = _arguments("hinge_loss", shape=(6, 5), target_shape=(5,))
     g = jax.grad(JL.hinge_loss, argnums=1)(x, t, 1.0, "sum")
-    want = reference.grads("hinge_loss", x, t, reduction="sum")[1]
+    want = ref_grads("hinge_loss", [x, t], "sum")[1]
     np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5)
 
 
 def test_cotangent_scales_saved_gradients(engine):
-    x, t = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     _, pullback = jax.vjp(lambda a: JL.mse_loss(a, t), x)
     (g,) = pullback(jnp.float32(2.5))
-    want = reference.grads("mse_loss", x, t, grad_output=2.5)[0]
+    want = ref_grads("mse_loss", [x, t], "mean", 2.5)[0]
     np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5)
 
 
 def test_vmap_runs_per_element(engine):
-    x, t = _arguments("mse_loss", shape=(3, 4, 5))
+    (x, t), _ = _arguments("mse_loss", shape=(3, 4, 5))
     got = jax.vmap(lambda a, b: JL.mse_loss(a, b, reduction="sum"))(x, t)
-    want = [reference.loss("mse_loss", a, b, reduction="sum") for a, b in zip(x, t)]
+    want = [ref_loss("mse_loss", [a, b], "sum") for a, b in zip(x, t)]
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
 
 
 def test_cpu_arrays_are_refused_by_the_kernels():
-    x, t = _arguments("mse_loss")
+    (x, t), _ = _arguments("mse_loss")
     with pytest.raises(Exception, match=r"runs on CUDA devices"):
         JL.mse_loss(jnp.asarray(x), jnp.asarray(t)).block_until_ready()

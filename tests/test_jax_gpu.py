@@ -15,8 +15,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import cupyloss  # noqa: E402
 import cupyloss.jax as JL  # noqa: E402
-from cupyloss._pointwise import SPECS  # noqa: E402
-from test_jax_adapter import _arguments  # noqa: E402
+import operands  # noqa: E402
+from operands import SPECS  # noqa: E402
+from test_jax_adapter import _arguments, _floating  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +68,7 @@ def _gpu(a):
 
 @pytest.mark.parametrize("name, reduction", CASES)
 def test_jit_grad_matches_jnp_reference(name, reduction):
-    x, t = map(_gpu, _arguments(name, shape=(257, 129), target_shape=(129,)))
+    x, t = map(_gpu, _arguments(name, shape=(257, 129), target_shape=(129,))[0])
     w = _gpu(np.random.default_rng(2).standard_normal(
         (257, 129) if reduction == "none" else ()).astype(np.float32))
 
@@ -90,23 +91,32 @@ def test_jit_grad_matches_jnp_reference(name, reduction):
                                    atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("name", REFERENCED)
-def test_same_numbers_as_the_core_on_cupy(name):
+@pytest.mark.parametrize("name, with_optional",
+                         [(n, False) for n in SPECS] + [(n, True) for n in SPECS
+                                                        if operands.optional(n)])
+def test_same_numbers_as_the_core_on_cupy(name, with_optional):
+    """Every loss of every family: jax.value_and_grad gives the core's value and gradients on
+    CuPy bit for bit (weight and pos_weight as operands when given; class indices as int32)."""
     import cupy
 
-    x, t = _arguments(name, shape=(33, 1025))
+    args, kw = _arguments(name, shape=(33, 1025), with_optional=with_optional)
     reduction = SPECS[name].reductions[-1]
-    loss, (gx, gt) = jax.value_and_grad(
-        lambda a, b: JL.LOSSES[name](a, b, reduction=reduction), argnums=(0, 1))(_gpu(x), _gpu(t))
-    v, (cx, ct) = getattr(cupyloss, name + "_value_and_grad")(
-        cupy.asarray(x), cupy.asarray(t), reduction=reduction)
+    argnums = _floating(args)
+    loss, grads = jax.value_and_grad(
+        lambda *a: JL.LOSSES[name](*a, reduction=reduction,
+                                   **{k: _gpu(v) for k, v in kw.items()}),
+        argnums=argnums)(*map(_gpu, args))
+    wrt = tuple(SPECS[name].arrays[k] for k in argnums)
+    v, core = getattr(cupyloss, name + "_value_and_grad")(
+        *map(cupy.asarray, args), reduction=reduction, wrt=wrt,
+        **{k: cupy.asarray(w) for k, w in kw.items()})
     assert np.asarray(loss) == cupy.asnumpy(v)                 # same kernels, same bits
-    assert np.array_equal(np.asarray(gx), cupy.asnumpy(cx))     # cotangent 1: x * 1 == x
-    assert np.array_equal(np.asarray(gt), cupy.asnumpy(ct))
+    for g, c in zip(grads, core):                               # cotangent 1: x * 1 == x
+        assert np.array_equal(np.asarray(g), cupy.asnumpy(c))
 
 
 def test_grad_of_one_argument_and_eager_calls():
-    x, t = map(_gpu, _arguments("hinge_loss", shape=(64, 33), target_shape=(33,)))
+    x, t = map(_gpu, _arguments("hinge_loss", shape=(64, 33), target_shape=(33,))[0])
     g = jax.grad(JL.hinge_loss, argnums=1)(x, t, 1.0, "sum")      # no jit
     want = jax.grad(lambda a, b: _reference("hinge_loss", a, b, "sum"), argnums=1)(x, t)
     np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=2e-5, atol=1e-5)
@@ -114,7 +124,7 @@ def test_grad_of_one_argument_and_eager_calls():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sixteen_bit_inputs(dtype):
-    x, t = _arguments("mse_loss", shape=(128, 257))
+    (x, t), _ = _arguments("mse_loss", shape=(128, 257))
     a, b = _gpu(x).astype(dtype), _gpu(t).astype(dtype)
     got = jax.jit(JL.mse_loss)(a, b)
     want = _reference("mse_loss", a.astype(jnp.float32), b.astype(jnp.float32), "mean")
@@ -126,7 +136,7 @@ def test_sixteen_bit_inputs(dtype):
 
 def test_inside_a_larger_program_on_xlas_stream():
     """Work before and after the callback in one jitted program: ordering on XLA's stream."""
-    x, t = map(_gpu, _arguments("kl_div", shape=(512, 1000)))
+    x, t = map(_gpu, _arguments("kl_div", shape=(512, 1000))[0])
 
     def program(a, b):
         a = jax.nn.log_softmax(a * 3.0, axis=-1)
