@@ -197,9 +197,9 @@ def _check_shapes(spec, x, t, is_index):
         raise ValueError(f"{spec.name} needs an input of shape (C,), (N, C) or (N, C, d1, ...), "
                          f"got a 0-d input")
     cols = x.shape[1] if len(x.shape) > 1 else x.shape[0]
-    if cols == 0:
-        raise ValueError(f"{spec.name} needs at least one class, got input shape "
-                         f"{tuple(x.shape)}")
+    if cols == 0 or cols > _launch.ROW_MAX_COLS:
+        raise ValueError(f"{spec.name} needs 1 to {_launch.ROW_MAX_COLS} classes, got input "
+                         f"shape {tuple(x.shape)}")
     if is_index:
         want = () if len(x.shape) == 1 else (x.shape[0], *x.shape[2:])
         if tuple(t.shape) != want:
@@ -292,7 +292,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
     counters = 0
     if geo.contiguous_classes:
         general = spec.kind == "nll" or not is_index or smoothing != 0.0
-        name = _source.rowwise_name("cross_entropy_rows", info.ctype, general)
+        mode = 2 if general else 1 if want_g else 0
+        name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode)
         shared = _launch.ROW_SCRATCH * acc.itemsize
         cfg = _launch.row_launch(rows, cols, dtype.itemsize, acc.itemsize, want_g,
                                  spec.kind == "nll" and not want_g, limits,

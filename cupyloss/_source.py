@@ -67,10 +67,11 @@ def scale_name(ctype: str, vec: int) -> str:
 ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum")
 
 
-def rowwise_name(kernel: str, ctype: str, general: bool = True) -> str:
-    """Name expression of a rowwise.cu kernel: cross_entropy_rows<ctype, general>, others<ctype>."""
+def rowwise_name(kernel: str, ctype: str, mode: int = 2) -> str:
+    """Name expression of a rowwise.cu kernel: cross_entropy_rows<ctype, mode> (0 the class-index
+    loss alone, 1 with its gradient, 2 everything else), the others <ctype>."""
     if kernel == "cross_entropy_rows":
-        return f"cupyloss::{kernel}<{ctype}, {'true' if general else 'false'}>"
+        return f"cupyloss::{kernel}<{ctype}, {mode}>"
     return f"cupyloss::{kernel}<{ctype}>"
 
 
@@ -81,9 +82,9 @@ def units() -> list[tuple[str, list[str]]]:
     reduce = [reduce_name("sum_rows", info.ctype) for info in _dtypes.DTYPES.values()]
     scale = [scale_name(info.ctype, vec) for info in _dtypes.DTYPES.values()
              for vec in sorted({1, info.vec})]
-    rowwise = [rowwise_name(kernel, info.ctype, general) for kernel in ROWWISE_KERNELS
+    rowwise = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
                for info in _dtypes.DTYPES.values()
-               for general in ((False, True) if kernel == "cross_entropy_rows" else (True,))]
+               for mode in ((0, 1, 2) if kernel == "cross_entropy_rows" else (2,))]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
             ("rowwise.cu", rowwise)]
 

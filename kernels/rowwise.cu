@@ -34,8 +34,8 @@
 //                        vectors of it in registers, so the gradient is written from registers
 //                        after one read.  A row longer than a block's registers is split over k
 //                        blocks of one cooperative launch that exchange their states through global
-//                        memory (a counter per group, no float atomics); past k blocks' registers a
-//                        row is streamed twice (tiles).
+//                        memory (a counter per group, no float atomics); past k blocks' registers
+//                        (k is capped) a block streams its share twice (tiles).
 //   cross_entropy_cols   any strides (the class axis at dim 1 of (N, C, d1, ...)): a thread per
 //                        row; adjacent threads read adjacent positions, so loads coalesce.
 //   class_weight_sum     the 'mean' divisor sum_r w_{y_r} over counted rows, a launch before a
@@ -57,6 +57,10 @@ enum : long long {
 constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_launch.ROW_VECS)
 constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
 constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
+// cross_entropy_rows variants: the class-index loss alone (no gradient code, half the vectors a
+// tile, so twice the resident blocks), with its gradient, and everything else (probability
+// targets, label smoothing, nll_loss).
+enum : int { ROW_FORWARD = 0, ROW_GRAD = 1, ROW_GENERAL = 2 };
 
 __device__ __forceinline__ float neg_inf(float) { return __int_as_float(0xff800000); }
 __device__ __forceinline__ double neg_inf(double) {
@@ -66,13 +70,16 @@ __device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fff
 __device__ __forceinline__ double quiet_nan(double) {
     return __longlong_as_double(0x7ff8000000000000ll);
 }
-__device__ __forceinline__ float ex(float v) { return expf(v); }
-__device__ __forceinline__ double ex(double v) { return exp(v); }
 __device__ __forceinline__ float lg(float v) { return logf(v); }
 __device__ __forceinline__ double lg(double v) { return log(v); }
 __device__ __forceinline__ float th(float v) { return tanhf(v); }
 __device__ __forceinline__ double th(double v) { return tanh(v); }
 __device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
+// e^v of the softmax terms: float through exp2f (the ex2 unit: relative error about 2^-22, plus
+// the one rounding of v * log2 e), double exactly.  Once per element on every pass, so it
+// decides how much arithmetic hides under the memory traffic.
+__device__ __forceinline__ float fexp(float v) { return exp2f(v * 1.4426950408889634f); }
+__device__ __forceinline__ double fexp(double v) { return exp(v); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 
 template <typename A>
@@ -87,7 +94,7 @@ __device__ __forceinline__ RowStat<A> empty_stat() {
 
 // s e^(m - M): nothing when s == 0 (an empty or all -inf part, whose m may be -inf like M).
 template <typename A>
-__device__ __forceinline__ A rescaled(A s, A m, A M) { return s == A(0) ? A(0) : s * ex(m - M); }
+__device__ __forceinline__ A rescaled(A s, A m, A M) { return s == A(0) ? A(0) : s * fexp(m - M); }
 
 // b (M - m): nothing when the part is empty or all -inf (its a already holds u * inf terms).
 template <typename A>
@@ -96,7 +103,7 @@ __device__ __forceinline__ A shifted(A b, A m, A M) {
 }
 
 template <typename A>
-__device__ __forceinline__ A exp_from(A z, A m) { return z == neg_inf(A(0)) ? A(0) : ex(z - m); }
+__device__ __forceinline__ A exp_from(A z, A m) { return z == neg_inf(A(0)) ? A(0) : fexp(z - m); }
 
 template <typename A>
 __device__ __forceinline__ A dist_to(A m, A z) { return z == neg_inf(A(0)) ? -neg_inf(A(0)) : m - z; }
@@ -311,7 +318,7 @@ __device__ __forceinline__ RowResult<A> finalize(const RowStat<A>& st, const Row
 template <typename A>
 __device__ __forceinline__ A grad_input(A z, int c, A tv, A w, const RowResult<A>& o,
                                         const RowTarget<A>& rt, const RowArgs<A>& ra) {
-    const A p = ex(z - o.lse);
+    const A p = fexp(z - o.lse);
     A corr;
     if (ra.prob) {
         corr = w * (ra.one_minus_eps * tv + ra.eps_c);
@@ -410,12 +417,14 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 
 // Classes contiguous: a team of tpr threads per row, or k blocks per row (see the file comment).
 // Rows go to teams in a grid-stride loop that every thread of a block runs the same number of
-// times (inactive teams take part in the block's merges).  GENERAL: probability targets, label
-// smoothing or nll_loss; otherwise class-index cross entropy alone, with fewer live registers.
+// times (inactive teams take part in the block's merges).  MODE: see ROW_FORWARD.
 // Indices within a row are 32-bit (cols < 2^31, checked on the host); row offsets are 64-bit.
-// At most 128 registers a thread: two blocks per SM overlap one row's loads with another's stores.
-template <typename T, bool GENERAL>
-__global__ void __launch_bounds__(256, 2) cross_entropy_rows(
+// Resident blocks per SM: four for the forward variant (64 registers), three with a gradient (80:
+// a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an H100), two for
+// the general variant.  Several blocks per SM overlap one row's loads with another's stores.
+template <typename T, int MODE>
+__global__ void __launch_bounds__(256, MODE == ROW_FORWARD ? 4 : MODE == ROW_GRAD ? 3 : 2)
+cross_entropy_rows(
         const T* x,                          // [rows, cols]: row r at x + r * x_rs
         const void* tgt,                     // int32/int64 [rows] at r * t_rs, or T probabilities
                                              // [rows, cols] with row r at r * t_rs
@@ -440,14 +449,15 @@ __global__ void __launch_bounds__(256, 2) cross_entropy_rows(
         unsigned int* __restrict__ sync,     // [gridDim.x / k] zeroed counters when k > 1
         acc_t<T>* __restrict__ exchange) {   // [gridDim.x / k, 2, k, ROW_FIELDS] when k > 1
     using A = acc_t<T>;
+    constexpr bool GENERAL = MODE == ROW_GENERAL;
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int NV = ROW_VECS;
+    constexpr int NV = MODE == ROW_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile a thread
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [ROW_SCRATCH]
 
     RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, cols);
     if (!GENERAL) ra.prob = ra.nll = ra.smooth = ra.track = false;
-    const bool want_g = gx != nullptr || gt != nullptr;
+    const bool want_g = MODE != ROW_FORWARD && (gx != nullptr || gt != nullptr);
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
     A g_all = A(0);
@@ -526,12 +536,14 @@ __global__ void __launch_bounds__(256, 2) cross_entropy_rows(
                     for (int e = 1; e < VEC; ++e) vmax = amax(vmax, to_acc(xv[i].v[e]));
                     const A zmax = ra.cap > A(0) ? ra.cap * th(vmax / ra.cap) : vmax;
                     if (zmax > st.m) rebase(st, zmax);
+                    // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
+                    const A mref = st.m == neg_inf(A(0)) ? A(0) : st.m;
                     Vec<T, VEC> tv;
                     if (ra.prob) tv = load_any<T, VEC>(tr + h + j * VEC, t_vec);
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         const A z = zval(xv[i].v[e], ra);
-                        st.s += exp_from(z, st.m);
+                        st.s += fexp(z - mref);
                         if (ra.track) {
                             const A u = elem_u<T, A>(weight, h + j * VEC + e,
                                                      ra.prob ? to_acc(tv.v[e]) : A(0), ra);

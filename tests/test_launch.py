@@ -415,19 +415,30 @@ def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per
         # Cooperative: whole groups of k blocks, every block resident at once.
         assert cfg.cooperative and cfg.tpr == BLOCK and cfg.grid[0] % cfg.k == 0
         assert cfg.grid[0] // cfg.k <= max(rows, 1)
-        assert cfg.k == (min(k, resident) if grad else min(k, resident // max(rows, 1)))
+        assert cfg.k == (min(k, _launch.ROW_MAX_SPLIT, resident) if grad
+                         else min(k, resident // max(rows, 1)))
     else:
-        assert not cfg.cooperative and cfg.tpr == tpr
+        assert not cfg.cooperative
+        # Without a gradient, a warp per row once rows fill a quarter of the resident warps.
+        warps = not grad and 4 * rows >= resident * (BLOCK // _launch.ROW_FORWARD_TEAM)
+        assert cfg.tpr == (min(tpr, _launch.ROW_FORWARD_TEAM) if warps else tpr)
         # As many blocks as rows need (BLOCK / tpr rows a block), up to the resident ones.
-        assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // tpr), resident))
+        assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // cfg.tpr), resident))
     if grad and k > 1:
-        assert cfg.k == min(k, resident)  # a gradient holds its row on chip whatever rows is
+        # A gradient holds its row on chip whatever rows is, over at most ROW_MAX_SPLIT blocks.
+        assert cfg.k == min(k, _launch.ROW_MAX_SPLIT, resident)
 
 
 def test_row_launch_light_rows_and_limits():
     cfg = _launch.row_launch(1000, 128256, 2, 4, False, True, H100, 2)
     assert cfg.tpr == _launch.ROW_TEAMS[0] and cfg.k == 1      # nll_loss forward: one read a row
     assert cfg.grid[0] == _cdiv(1000, BLOCK // cfg.tpr)
+    # The two benchmark shapes: KernelBench 95 and a Llama-3 vocabulary in bfloat16.
+    assert _launch.row_launch(32768, 4096, 4, 4, False, False, H100, 4).tpr == 32
+    assert _launch.row_launch(32768, 4096, 4, 4, True, False, H100, 3).tpr == 128
+    assert _launch.row_launch(8192, 128256, 2, 4, False, False, H100, 4).tpr == 32
+    llm = _launch.row_launch(8192, 128256, 2, 4, True, False, H100, 3)
+    assert (llm.tpr, llm.k, llm.grid) == (BLOCK, 4, (132 * 3 // 4 * 4,))
     with pytest.raises(ValueError, match="2147483648 classes"):
         _launch.row_launch(1, 2**31, 2, 4, True, False, H100, 2)
     small = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,

@@ -1,0 +1,152 @@
+"""Benchmark cross_entropy against torch eager and torch.compile at two shapes.
+
+    python -m cupyloss.bench_rowwise [--reps 20] [--scale 1.0] [--json out.json] [--no-compile]
+
+Workloads (int64 targets, 'mean' reduction, about 1% of them ignore_index):
+  kb95  32768 x 4096 float32 logits (KernelBench level 1, problem 95)
+  llm   8192 x 128256 bfloat16 logits (a Llama-3 vocabulary)
+
+Passes: forward (the loss) and value_and_grad (the loss and d loss / d logits written to a new
+array; cupyloss also in place, into the logits).  torch's value_and_grad is its forward plus
+backward asking for the logits' gradient.  Times are medians of --reps runs (CUDA events, after
+warm-up) on torch's current stream, all arrays torch tensors.  GB/s counts compulsory traffic:
+the logits and targets read once, the gradient written once.  Percentages are of the device's
+bandwidth measured in the same run: a read-only sum for the forward, a copy (read + write) for
+value_and_grad.  --scale shrinks the rows (0.25 on a small GPU).  Never used as a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import cupyloss
+
+
+def _timer(torch, fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over reps runs on torch's current stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def bandwidth(torch, reps: int) -> tuple[float, float]:
+    """(read GB/s of a float32 sum over 4 GiB, read + write GB/s of a 2 GiB copy)."""
+    x = torch.ones(2**30, dtype=torch.float32, device="cuda")
+    read = 4 * 2**30 / _timer(torch, lambda: x.sum(), reps) / 1e6
+    del x
+    src = torch.ones(2**29, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    copy = 2 * 2**31 / _timer(torch, lambda: dst.copy_(src), reps) / 1e6
+    del src, dst
+    torch.cuda.empty_cache()
+    return read, copy
+
+
+def _workload(torch, name, scale):
+    rows, cols, dtype = {"kb95": (32768, 4096, torch.float32),
+                         "llm": (8192, 128256, torch.bfloat16)}[name]
+    rows = max(1, int(rows * scale))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda", generator=gen).to(dtype)
+    t = torch.randint(0, cols, (rows,), device="cuda", generator=gen)
+    t[torch.rand(rows, device="cuda", generator=gen) < 0.01] = -100
+    return x, t
+
+
+def _impls(torch, x, t, compile_: bool):
+    """name -> (forward, value_and_grad or None) callables."""
+    import torch.nn.functional as F
+
+    def f(a, b):
+        return F.cross_entropy(a, b)
+
+    leaf = x.detach().clone().requires_grad_()
+
+    def fwd_bwd(fn):
+        def run():
+            return torch.autograd.grad(fn(leaf, t), (leaf,))
+        return run
+
+    # In place: each run overwrites the logits with their gradient, and the next run takes those
+    # (finite) values as logits; the work does not depend on the values.
+    scratch = x.clone()
+
+    def inplace():
+        return cupyloss.cross_entropy_value_and_grad(scratch, t, inplace=True)
+
+    impls = {
+        "cupyloss": (lambda: cupyloss.cross_entropy(x, t),
+                     lambda: cupyloss.cross_entropy_value_and_grad(x, t)),
+        "cupyloss inplace": (None, inplace),
+        "torch eager": (lambda: f(x, t), fwd_bwd(f)),
+    }
+    if compile_:
+        compiled = torch.compile(f, dynamic=False)
+        impls["torch.compile"] = (lambda: compiled(x, t), fwd_bwd(compiled))
+    return impls
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    args = ap.parse_args(argv)
+
+    import cupy
+    import torch
+
+    device = torch.cuda.get_device_name()
+    read_bw, copy_bw = bandwidth(torch, args.reps)
+    print(f"device: {device}; read {read_bw:.0f} GB/s (float32 sum), copy {copy_bw:.0f} GB/s "
+          f"(read + write)")
+    rows = []
+    for name in ("kb95", "llm"):
+        x, t = _workload(torch, name, args.scale)
+        read_bytes = x.numel() * x.element_size() + t.numel() * t.element_size()
+        nbytes = {"forward": read_bytes, "value_and_grad": read_bytes + x.numel() * x.element_size()}
+        limit = {"forward": read_bw, "value_and_grad": copy_bw}
+        impls = _impls(torch, x, t, not args.no_compile)
+        times = {}
+        for who, (fwd, vag) in impls.items():
+            if fwd is not None:
+                times[(who, "forward")] = _timer(torch, fwd, args.reps)
+            if vag is not None:
+                times[(who, "value_and_grad")] = _timer(torch, vag, args.reps)
+        for (who, what), ms in times.items():
+            gbps = nbytes[what] / ms / 1e6
+            rows.append(dict(workload=name, shape=list(x.shape), dtype=str(x.dtype).split(".")[-1],
+                             impl=who, pass_=what, ms=ms, gbps=gbps,
+                             pct_limit=100 * gbps / limit[what],
+                             x_cupyloss=ms / times[("cupyloss", what)], device=device,
+                             read_gbps=read_bw, copy_gbps=copy_bw))
+        del x, t, impls
+        torch.cuda.empty_cache()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    print(f"{'workload':8} {'pass':15} {'impl':17} {'ms':>8} {'GB/s':>7} {'%limit':>7} "
+          f"{'x cupyloss':>10}")
+    for r in rows:
+        print(f"{r['workload']:8} {r['pass_']:15} {r['impl']:17} {r['ms']:8.3f} "
+              f"{r['gbps']:7.0f} {r['pct_limit']:7.1f} {r['x_cupyloss']:10.2f}")
+    print("%limit: forward against the read bandwidth, value_and_grad against the copy "
+          "bandwidth")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,470 @@
+"""GPU tests of the row-wise losses (cross_entropy, nll_loss) against tests/reference_rowwise.py.
+
+Class counts are chosen at the kernels' edges: 1 (a one-class softmax), 7 (all head and tail
+scalars), the team sizes of the launch table (8..256 threads holding 8 16-byte vectors each:
+rows of 64..2048 vectors), a row just past one block's registers (split over 2 and 3 blocks of a
+cooperative launch) and a row past every resident block's registers (streamed in tiles).
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import reference_rowwise as ref
+from gpu_util import BFLOAT16, DTYPES, TINY, assert_close, to_host
+
+pytestmark = pytest.mark.gpu
+
+# C by the table in cupyloss/_launch.py: team edges for float32 (4 elements a vector) and 16-bit
+# (8): 8 threads x 8 vectors = 256 / 512 elements, 32 x 8 = 1024 / 2048, 256 x 8 = 8192 / 16384.
+COLS = (1, 2, 7, 31, 33, 255, 256, 257, 1000, 1025, 2049, 4096, 8191, 8193, 16385)
+ROWS = (1, 2, 3, 31, 33, 64, 129)
+
+
+def _cl():
+    import cupyloss
+
+    return cupyloss
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _put(host, dtype):
+    """A float64 host array -> (device array of dtype, its rounded values as float64)."""
+    rounded = np.asarray(host, np.float64).astype(dtype)
+    return _cupy().asarray(rounded), rounded.astype(np.float64)
+
+
+def _layout(dev, kind):
+    """The same values as a contiguous array, a view whose rows start off 16-byte boundaries,
+    or a transposed (class axis not contiguous) view."""
+    cp = _cupy()
+    if kind == "offset" and dev.ndim >= 1:
+        big = cp.zeros(dev.shape[:-1] + (dev.shape[-1] + 1,), dev.dtype)
+        big[..., 1:] = dev
+        return big[..., 1:]
+    if kind == "transposed" and dev.ndim == 2:
+        return cp.ascontiguousarray(dev.T).T
+    return dev
+
+
+def _targets(rng, batch, cols, ignore_frac):
+    y = rng.integers(0, cols, batch)
+    return np.where(rng.random(batch) < ignore_frac, -100, y)
+
+
+def _value_scale(per_row, reduction, divisor):
+    """What a reduced value's rounding is relative to: sum |l_r| / divisor."""
+    total = np.nansum(np.abs(per_row))
+    if reduction == "mean" and divisor and np.isfinite(divisor):
+        return total / abs(divisor)
+    return total
+
+
+@st.composite
+def _cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    kind = draw(st.sampled_from(["index", "index", "prob", "nll"]))
+    shape_kind = draw(st.sampled_from(["2d", "2d", "2d", "1d", "nd"]))
+    cols = draw(st.sampled_from(COLS))
+    if shape_kind == "1d":
+        shape = (cols,)
+    elif shape_kind == "nd":
+        shape = (draw(st.integers(1, 3)), min(cols, 40), draw(st.integers(1, 5)),
+                 draw(st.integers(1, 3)))
+    else:
+        rows = draw(st.sampled_from(ROWS))
+        shape = (max(1, min(rows, 2_000_000 // cols)), cols)
+    opts = {}
+    if kind != "nll":
+        opts["label_smoothing"] = draw(st.sampled_from([0.0, 0.0, 0.1, 1.0]))
+        opts["lse_square_scale"] = draw(st.sampled_from([0.0, 0.0, 1e-3]))
+        opts["softcap"] = draw(st.sampled_from([0.0, 0.0, 5.0]))
+    return dict(dtype=dtype, kind=kind, shape=shape, opts=opts,
+                weighted=draw(st.booleans()),
+                reduction=draw(st.sampled_from(["none", "mean", "sum"])),
+                layout=draw(st.sampled_from(["contiguous", "contiguous", "offset",
+                                             "transposed"])),
+                go_kind=draw(st.sampled_from(["host", "device"])),
+                special=draw(st.sampled_from([False, False, True])),
+                index64=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=_cases())
+def test_against_reference(case):
+    """value, backward and value_and_grad of every kind, dtype and layout against float64."""
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(case["seed"])
+    dtype, kind, shape, opts = case["dtype"], case["kind"], case["shape"], case["opts"]
+    cols = shape[1] if len(shape) > 1 else shape[0]
+    batch = ref.batch_shape(shape)
+    x64 = rng.standard_normal(shape) * 3
+    if case["special"]:  # masked classes and the odd NaN: torch's NaN/inf pattern
+        x64 = np.where(rng.random(shape) < 0.05, -np.inf, x64)
+        x64 = np.where(rng.random(shape) < 0.002, np.nan, x64)
+    if kind == "nll":  # log-probabilities; a row of only -inf becomes NaN, on both sides
+        with np.errstate(all="ignore"):
+            x64 = x64 - np.log(np.sum(np.exp(np.where(np.isnan(x64), 0, x64)),
+                                      axis=1 if len(shape) > 1 else 0, keepdims=True))
+    x, xr = _put(x64, dtype)
+    x = _layout(x, case["layout"])
+    if kind == "prob":
+        p = rng.random(shape)
+        t, tr = _put(p / p.sum(axis=1 if len(shape) > 1 else 0, keepdims=True), dtype)
+    else:
+        tr = _targets(rng, batch, cols, 0.2).astype(np.int64 if case["index64"] else np.int32)
+        t = cp.asarray(tr)
+    w = wr = None
+    if case["weighted"]:
+        w, wr = _put(rng.uniform(0.2, 2.0, cols), dtype)
+    reduction = case["reduction"]
+    if reduction == "none" and batch != ():
+        go_host = rng.standard_normal(batch)
+        go, gor = _put(go_host, dtype)
+    elif case["go_kind"] == "device":
+        go, gor = _put(np.float64(0.75), dtype)
+    else:
+        go, gor = 0.75, 0.75
+    if kind == "nll":
+        want = ref.nll_loss(xr, tr, wr, reduction=reduction)
+        per_row = ref.nll_loss(xr, tr, wr, reduction="none")
+        gx_want, gt_want = ref.nll_loss_grads(xr, tr, wr, reduction=reduction,
+                                              grad_output=gor), None
+        name = "nll_loss"
+    else:
+        want = ref.cross_entropy(xr, tr, wr, reduction=reduction, **opts)
+        per_row = ref.cross_entropy(xr, tr, wr, reduction="none", **opts)
+        gx_want, gt_want = ref.cross_entropy_grads(xr, tr, wr, reduction=reduction,
+                                                   grad_output=gor, **opts)
+        name = "cross_entropy"
+    wrt = ("input", "target") if kind == "prob" else "input"
+    label = f"{name} {case}"
+    divisor = (np.sum([wr[y] if wr is not None else 1 for y in np.ravel(tr) if y != -100])
+               if kind != "prob" else np.prod(batch))
+    vscale = _value_scale(per_row, reduction, divisor)
+    fn = getattr(cl, name)
+    got = fn(x, t, w, reduction=reduction, **opts)
+    assert got.dtype == dtype and got.shape == np.shape(want)
+    assert_close(to_host(got), want, dtype, vscale if reduction != "none" else None,
+                 "value " + label)
+    grads = getattr(cl, name + "_backward")(go, x, t, w, reduction=reduction, wrt=wrt, **opts)
+    value, grads2 = getattr(cl, name + "_value_and_grad")(x, t, w, reduction=reduction,
+                                                         grad_output=go, wrt=wrt, **opts)
+    assert_close(to_host(value), want, dtype, vscale if reduction != "none" else None,
+                 "value_and_grad value " + label)
+    for what, g in (("backward", grads), ("value_and_grad", grads2)):
+        gx = g[0] if kind == "prob" else g
+        assert gx.shape == shape and gx.dtype == dtype and gx.flags.c_contiguous
+        assert_close(to_host(gx), gx_want, dtype, None, f"{what} input gradient {label}")
+        if kind == "prob":
+            assert_close(to_host(g[1]), gt_want, dtype, None, f"{what} target gradient {label}")
+
+
+@pytest.mark.parametrize("dtype, cols, rows", [
+    (np.float32, 8193, 5),          # just past a block's registers: 2 blocks a row
+    (np.float32, 20000, 7),         # 3 blocks a row, rows looping over fewer groups
+    (BFLOAT16, 128256, 24),         # an LLM vocabulary: 8 blocks a row
+    (np.float32, 2**21 + 5, 2),     # past every resident block's registers: streamed in tiles
+])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_long_rows_split_over_blocks(dtype, cols, rows, smoothing):
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(cols)
+    x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
+    tr = _targets(rng, rows, cols, 0.2)
+    t = cp.asarray(tr)
+    opts = dict(label_smoothing=smoothing, lse_square_scale=1e-4)
+    want = ref.cross_entropy(xr, tr, **opts)
+    gx_want, _ = ref.cross_entropy_grads(xr, tr, grad_output=1.0, **opts)
+    per_row = ref.cross_entropy(xr, tr, reduction="none", **opts)
+    assert_close(to_host(cl.cross_entropy(x, t, **opts)), want, dtype,
+                 _value_scale(per_row, "mean", np.sum(tr != -100)), "forward")
+    value, gx, lse = cl.cross_entropy_value_and_grad(x, t, return_lse=True, **opts)
+    assert_close(to_host(value), want, dtype, _value_scale(per_row, "mean", np.sum(tr != -100)),
+                 "value")
+    assert_close(to_host(gx), gx_want, dtype, None, "gradient")
+    assert lse.dtype == np.float32 and lse.shape == (rows,)
+    assert_close(to_host(lse), ref.lse(xr), np.float32, None, "lse")
+    # Bitwise reproducible: the blocks' states merge in a fixed order.
+    value2, gx2 = cl.cross_entropy_value_and_grad(x, t, **opts)
+    assert cp.array_equal(value, value2) and cp.array_equal(gx, gx2)
+
+
+@pytest.mark.parametrize("dtype, rows, cols", [
+    (np.float32, 2048, 4099),       # rows enough for a warp per row without a gradient
+    (BFLOAT16, 1100, 20011),        # a warp streaming a long row in tiles
+    (np.float64, 4096, 33),
+])
+def test_forward_with_many_rows(dtype, rows, cols):
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(rows)
+    x, xr = _put(rng.standard_normal((rows, cols)) * 3, dtype)
+    tr = _targets(rng, rows, cols, 0.05)
+    t = cp.asarray(tr)
+    per_row = ref.cross_entropy(xr, tr, reduction="none")
+    assert_close(to_host(cl.cross_entropy(x, t, reduction="none")), per_row, dtype, None, "none")
+    assert_close(to_host(cl.cross_entropy(x, t)), ref.cross_entropy(xr, tr), dtype,
+                 _value_scale(per_row, "mean", np.sum(tr != -100)), "mean")
+    value, _, lse = cl.cross_entropy_value_and_grad(x, t, wrt=(), return_lse=True)
+    assert_close(to_host(lse), ref.lse(xr), np.float32 if dtype != np.float64 else dtype, None,
+                 "lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [7, 1000, 20000])
+def test_inplace_writes_the_gradient_into_the_input(dtype, cols):
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(1)
+    x, xr = _put(rng.standard_normal((9, cols)), dtype)
+    tr = _targets(rng, 9, cols, 0.2)
+    t = cp.asarray(tr)
+    want_value, want_g = cl.cross_entropy_value_and_grad(x, t, label_smoothing=0.05)
+    value, g = cl.cross_entropy_value_and_grad(x, t, label_smoothing=0.05, inplace=True)
+    assert g is x
+    assert cp.array_equal(value, want_value) and cp.array_equal(x, want_g)
+    # A view with rows off 16-byte boundaries, written where it points (its rows split into
+    # head, vectors and tail elsewhere, so the sums' order, and the last bits, may differ).
+    big, _ = _put(np.concatenate([np.zeros((9, 1)), xr], axis=1), dtype)
+    view = big[:, 1:]
+    _, g = cl.cross_entropy_value_and_grad(view, t, label_smoothing=0.05, inplace=True)
+    assert g is view and cp.all(big[:, 0] == 0)
+    want, _ = ref.cross_entropy_grads(xr, tr, label_smoothing=0.05)
+    assert_close(to_host(view), want, dtype, None, "in place, misaligned rows")
+    # nll_loss too.
+    logp = x.astype(cp.float64)
+    want = cl.nll_loss_value_and_grad(logp, t)[1]
+    assert cp.array_equal(cl.nll_loss_value_and_grad(logp, t, inplace=True)[1], want)
+
+
+def test_inplace_refusals():
+    cp = _cupy()
+    cl = _cl()
+    x = cp.zeros((1, 5), cp.float32)
+    t = cp.zeros(4, cp.int64)
+    with pytest.raises(ValueError, match="distinct in memory"):
+        cl.cross_entropy_value_and_grad(cp.broadcast_to(x, (4, 5)), t, inplace=True)
+    with pytest.raises(ValueError, match="wrt does not name 'input'"):
+        cl.cross_entropy_value_and_grad(cp.zeros((4, 5), cp.float32), t, inplace=True, wrt=())
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_out_of_range_targets(check):
+    cp = _cupy()
+    cl = _cl()
+    x = cp.asarray(np.random.default_rng(2).standard_normal((4, 6)), cp.float32)
+    t = cp.asarray([0, 9, -100, 5])
+    if check:
+        with pytest.raises(IndexError, match="Target 9 is out of bounds."):
+            cl.cross_entropy(x, t, check_targets=True)
+        with pytest.raises(IndexError, match="Target -3 is out of bounds."):
+            cl.nll_loss(x, cp.asarray([0, -3, 1, 2]), check_targets=True)
+        cl.cross_entropy(x, cp.asarray([0, 5, -100, 1]), check_targets=True)  # in range
+        return
+    loss = to_host(cl.cross_entropy(x, t, reduction="none"))
+    assert np.isnan(loss[1]) and np.all(np.isfinite(loss[[0, 2, 3]])) and loss[2] == 0
+    _, g = cl.cross_entropy_value_and_grad(x, t, reduction="sum")
+    g = to_host(g)
+    assert np.all(np.isnan(g[1])) and np.all(np.isfinite(g[[0, 2, 3]])) and np.all(g[2] == 0)
+    assert np.isnan(to_host(cl.cross_entropy(x, t)))          # the 'mean' divisor is NaN
+    _, g = cl.nll_loss_value_and_grad(x, t, reduction="sum")
+    assert np.all(np.isnan(to_host(g)[1]))
+
+
+def test_all_ignored_mean_is_nan_and_gradient_zero():
+    cp = _cupy()
+    cl = _cl()
+    x = cp.ones((5, 300), cp.float32)
+    t = cp.full(5, -100)
+    for name in ("cross_entropy", "nll_loss"):
+        value, g = getattr(cl, name + "_value_and_grad")(x, t)
+        assert np.isnan(to_host(value)) and not cp.any(g)
+
+
+def test_grad_output_forms_and_strided_views():
+    """A 0-d device grad_output, a per-row one that is a strided view, and a target view."""
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(3)
+    x, xr = _put(rng.standard_normal((40, 70)), np.float32)
+    tr = _targets(rng, 80, 70, 0.1)
+    t = cp.asarray(tr)[::2]
+    go_rows = cp.asarray(rng.standard_normal(80), cp.float32)[1::2]
+    g = cl.cross_entropy_backward(go_rows, x, t, reduction="none")
+    want, _ = ref.cross_entropy_grads(xr, tr[::2], reduction="none",
+                                      grad_output=to_host(go_rows))
+    assert_close(to_host(g), want, np.float32, None, "per-row grad_output")
+    go0 = cp.asarray(0.25, cp.float32)
+    g = cl.cross_entropy_backward(go0, x, t)
+    want, _ = ref.cross_entropy_grads(xr, tr[::2], grad_output=0.25)
+    assert_close(to_host(g), want, np.float32, None, "0-d grad_output")
+    with pytest.raises(ValueError, match="must be 0-d"):
+        cl.cross_entropy_backward(go_rows, x, t)
+
+
+def test_nd_layouts_that_need_copies():
+    """(N, C, H, W) whose H, W dims do not merge (a transposed spatial view), for input, target
+    and grad_output; results land in fresh C-contiguous arrays."""
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(4)
+    x64 = rng.standard_normal((2, 5, 3, 4))
+    x = cp.asarray(x64.transpose(0, 1, 3, 2).copy(), cp.float32).transpose(0, 1, 3, 2)
+    stored = _targets(rng, (2, 4, 3), 5, 0.2)
+    tr = stored.transpose(0, 2, 1)                    # (2, 3, 4), strides that do not merge
+    t = cp.asarray(stored).transpose(0, 2, 1)
+    xr = to_host(x)
+    value, g = cl.cross_entropy_value_and_grad(x, t, label_smoothing=0.1)
+    assert_close(to_host(value), ref.cross_entropy(xr, tr, label_smoothing=0.1), np.float32)
+    want, _ = ref.cross_entropy_grads(xr, tr, label_smoothing=0.1)
+    assert_close(to_host(g), want, np.float32)
+    go = cp.asarray(rng.standard_normal((2, 4, 3)), cp.float32).transpose(0, 2, 1)
+    g = cl.cross_entropy_backward(go, x, t, reduction="none")
+    want, _ = ref.cross_entropy_grads(xr, tr, reduction="none", grad_output=to_host(go))
+    assert_close(to_host(g), want, np.float32)
+    with pytest.raises(ValueError, match="merge into one stride"):
+        cl.cross_entropy_value_and_grad(x, t, inplace=True)
+
+
+def test_argument_errors():
+    cp = _cupy()
+    cl = _cl()
+    x = cp.zeros((4, 5), cp.float32)
+    t = cp.zeros(4, cp.int64)
+    with pytest.raises(ValueError, match="Expected target size \\[4\\], got \\[3\\]"):
+        cl.cross_entropy(x, t[:3])
+    with pytest.raises(ValueError, match="weight tensor should be defined either for all 5"):
+        cl.cross_entropy(x, t, cp.ones(4, cp.float32))
+    with pytest.raises(TypeError, match="weight has dtype float64"):
+        cl.cross_entropy(x, t, cp.ones(5, cp.float64))
+    with pytest.raises(ValueError, match="label_smoothing must be between 0.0 and 1.0"):
+        cl.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="is not a valid value for reduction"):
+        cl.cross_entropy(x, t, reduction="batchmean")
+    with pytest.raises(TypeError, match="nll_loss needs class indices"):
+        cl.nll_loss(x, x)
+    with pytest.raises(ValueError, match="class indices .* has no gradient"):
+        cl.cross_entropy_backward(1.0, x, t, wrt="target")
+    with pytest.raises(ValueError, match="probability targets must have the input's shape"):
+        cl.cross_entropy(x, x[:, :4])
+    with pytest.raises(ValueError, match="0-d input"):
+        cl.cross_entropy(x[0, 0], t[0])
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    return torch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(64, 1000), (8, 50257), (4, 21, 8, 8)])
+def test_torch_tensors_match_torch(dtype, shape):
+    """torch CUDA tensors in, torch tensors out, on torch's current stream; the numbers agree
+    with torch's own cross_entropy on the same GPU (torch at fp32 for the 16-bit inputs)."""
+    torch = _torch()
+    import torch.nn.functional as F
+
+    cl = _cl()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tdtype = getattr(torch, dtype)
+    x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(tdtype).requires_grad_()
+    batch = (shape[0], *shape[2:])
+    t = torch.randint(0, shape[1], batch, device="cuda", generator=gen)
+    t[0] = -100
+    w = torch.rand(shape[1], device="cuda", generator=gen).to(tdtype) + 0.5
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        value, g = cl.cross_entropy_value_and_grad(x, t, w, label_smoothing=0.1)
+    stream.synchronize()
+    assert isinstance(value, torch.Tensor) and isinstance(g, torch.Tensor)
+    assert g.dtype == tdtype and g.shape == x.shape and not g.requires_grad
+    xf = x.detach().float().requires_grad_()
+    want = F.cross_entropy(xf, t, w.float(), label_smoothing=0.1)
+    want.backward()
+    rtol = {"float32": 1e-5, "bfloat16": 8e-3, "float16": 1e-3}[dtype]
+    tiny = TINY[np.dtype(dtype) if dtype != "bfloat16" else BFLOAT16]  # subnormal spacing
+    torch.testing.assert_close(value.float(), want.detach(), rtol=rtol, atol=rtol)
+    torch.testing.assert_close(g.float(), xf.grad, rtol=rtol,
+                               atol=rtol * xf.grad.abs().mean() + tiny)
+    # The same bits as CuPy arrays give.
+    cp = _cupy()
+    cv, cg = cl.cross_entropy_value_and_grad(cp.from_dlpack(x.detach()), cp.from_dlpack(t),
+                                             cp.from_dlpack(w), label_smoothing=0.1)
+    assert cp.array_equal(cp.from_dlpack(value), cv) and cp.array_equal(cp.from_dlpack(g), cg)
+    loss = cl.nll_loss(torch.log_softmax(x.detach().float(), 1), t.int(), reduction="none")
+    torch.testing.assert_close(loss, F.nll_loss(torch.log_softmax(x.detach().float(), 1), t,
+                                                reduction="none"))
+
+
+def test_torch_inplace_and_allocator():
+    torch = _torch()
+    cl = _cl()
+    x = torch.randn(512, 4096, device="cuda")
+    t = torch.randint(0, 4096, (512,), device="cuda")
+    want = cl.cross_entropy_backward(1.0, x, t)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    _, g = cl.cross_entropy_value_and_grad(x, t, inplace=True)
+    assert g is x and torch.equal(x, want)
+    assert torch.cuda.memory_allocated() - before < x.numel() * 4 // 8  # no logits-sized array
+
+
+def _jax():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU")
+    return jax
+
+
+def test_jax_arrays_in_and_out():
+    jax = _jax()
+    import jax.numpy as jnp
+
+    cl = _cl()
+    rng = np.random.default_rng(6)
+    x64 = rng.standard_normal((33, 257)).astype(np.float32)
+    y = rng.integers(0, 257, 33).astype(np.int32)
+    value, g = cl.cross_entropy_value_and_grad(jnp.asarray(x64), jnp.asarray(y))
+    assert isinstance(value, jax.Array) and isinstance(g, jax.Array)
+    assert_close(np.asarray(value, np.float64), ref.cross_entropy(x64, y), np.float32)
+    want, _ = ref.cross_entropy_grads(x64, y)
+    assert_close(np.asarray(g, np.float64), want, np.float32)
+    with pytest.raises(ValueError, match="immutable"):
+        cl.cross_entropy_value_and_grad(jnp.asarray(x64), jnp.asarray(y), inplace=True)
+
+
+@pytest.mark.slow
+def test_more_than_2_to_the_31_elements():
+    """rows x classes > 2^31 (16-bit logits, 4.3 GB and as much for the gradient): the last
+    rows, past every 32-bit offset, are right."""
+    cp = _cupy()
+    cl = _cl()
+    rows, cols = 16400, 131072 + 7
+    assert rows * cols > 2**31
+    x = cp.random.default_rng(0).standard_normal((rows, cols), dtype=cp.float32).astype(
+        cp.float16)
+    t = cp.asarray(np.random.default_rng(1).integers(0, cols, rows))
+    value, g, lse = cl.cross_entropy_value_and_grad(x, t, reduction="sum", return_lse=True)
+    for r in (0, rows // 2, rows - 2, rows - 1):
+        xr = to_host(x[r:r + 1])
+        tr = cp.asnumpy(t[r:r + 1])
+        assert_close(to_host(lse[r:r + 1]), ref.lse(xr), np.float32, None, f"lse row {r}")
+        want, _ = ref.cross_entropy_grads(xr, tr, reduction="sum")
+        assert_close(to_host(g[r:r + 1]), want, np.float16, None, f"gradient row {r}")
+    per_row = to_host(lse) - to_host(x[cp.arange(rows), t])
+    assert_close(to_host(value), np.sum(per_row), np.float16, np.sum(np.abs(per_row)), "sum")
+    del g
+    cp.get_default_memory_pool().free_all_blocks()
