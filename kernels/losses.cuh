@@ -466,25 +466,34 @@ struct SigmoidFocalOp {
     static __device__ __forceinline__ A focus(A q, double gamma) {  // q^gamma
         return gamma == 2 ? q * q : (gamma == 1 ? q : pw(q, A(gamma)));
     }
+    // weight, ce and q are formed from separately rounded products (mul_rn): value and grad
+    // share them when both are wanted, and an FMA contracted differently in the two would make
+    // the one-pass loss differ from the loss alone.
     template <typename A>
     static __device__ __forceinline__ A weight(A t, const Params& p) {
         const A alpha = A(p.alpha);
-        return p.alpha >= 0 ? alpha * t + (A(1) - alpha) * (A(1) - t) : A(1);
+        return p.alpha >= 0 ? mul_rn(alpha, t) + mul_rn(A(1) - alpha, A(1) - t) : A(1);
+    }
+    template <typename A>
+    static __device__ __forceinline__ A cross_entropy(A t, const Logistic<A>& s) {
+        return mul_rn(A(1) - t, s.sp_pos) + mul_rn(t, s.sp_neg);
+    }
+    template <typename A>
+    static __device__ __forceinline__ A one_minus_pt(A t, const Logistic<A>& s) {
+        return mul_rn(s.sg_pos, A(1) - t) + mul_rn(s.sg_neg, t);
     }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A t = v[1];
         const Logistic<A> s(v[0]);
-        const A ce = (A(1) - t) * s.sp_pos + t * s.sp_neg;
-        const A q = s.sg_pos * (A(1) - t) + s.sg_neg * t;
-        return weight(t, p) * ce * focus(q, p.gamma);
+        return weight(t, p) * cross_entropy(t, s) * focus(one_minus_pt(t, s), p.gamma);
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
         const A x = v[0], t = v[1];
         const Logistic<A> s(x);
-        const A ce = (A(1) - t) * s.sp_pos + t * s.sp_neg;
-        const A q = s.sg_pos * (A(1) - t) + s.sg_neg * t;
+        const A ce = cross_entropy(t, s);
+        const A q = one_minus_pt(t, s);
         const A mod = focus(q, p.gamma);
         const A dq = p.gamma == 0 ? A(0)
                    : (p.gamma == 2 ? A(2) * q : A(p.gamma) * focus(q, p.gamma - 1));
