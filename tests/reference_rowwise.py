@@ -1,5 +1,6 @@
-"""Float64 NumPy references for the cupyloss row-wise losses (cross_entropy, nll_loss) and their
-gradients.
+"""Float64 NumPy references for the cupyloss row-wise losses and their gradients: cross_entropy
+and nll_loss along a class axis; triplet_margin_loss, cosine_embedding_loss, multi_margin_loss,
+multilabel_soft_margin_loss and Liger-Kernel's generalised JSD along the last axis (at the end).
 
 Every function takes NumPy arrays (float16, bfloat16 from ml_dtypes, float32 or float64 inputs;
 int32/int64 class indices), upcasts floats to float64 exactly and computes in float64 with
@@ -207,3 +208,205 @@ def nll_loss_grads(input, target, weight=None, ignore_index=-100, reduction="mea
         dx[rows, y] = np.where(counted, -wy * g, 0.0)
     dx[np.isnan(wy) & counted] = np.nan
     return from_rows(dx, np.shape(input))
+
+
+# --- pairwise and margin losses along the last axis -------------------------------------------
+# Rows are the last axis of (N, D) inputs (or one (D,) row); the loss has shape (N,) (or ()).
+
+def _reduce_rows(loss, reduction):
+    if reduction == "none":
+        return loss
+    return np.float64(np.sum(loss) if reduction == "sum" else np.mean(loss))
+
+
+def _row_scale(grad_output, loss_shape, reduction):
+    """Per-row upstream gradient: grad_output (elementwise for 'none'), over N for 'mean'."""
+    go = _f64(grad_output)
+    if reduction == "none":
+        return np.broadcast_to(go, loss_shape)[..., None]
+    n = max(int(np.prod(loss_shape, dtype=np.int64)), 1) if reduction == "mean" else 1
+    return np.broadcast_to(go / n, loss_shape)[..., None]
+
+
+def _pnorm_grad(v, p):
+    """(||v||_p over the last axis, d||v||_p / dv)."""
+    with np.errstate(all="ignore"):
+        if p == 2:
+            norm = np.sqrt(np.sum(v * v, axis=-1))
+            return norm, v / norm[..., None]
+        if p == 1:
+            return np.sum(np.abs(v), axis=-1), np.sign(v)
+        norm = np.sum(np.abs(v) ** p, axis=-1) ** (1.0 / p)
+        return norm, np.sign(v) * np.abs(v) ** (p - 1) / norm[..., None] ** (p - 1)
+
+
+def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2, eps=1e-6, swap=False,
+                        reduction="mean"):
+    """torch.nn.functional.triplet_margin_loss: ``max(d(a, p) - d(a, n) + margin, 0)`` per row with
+    ``d(x, y) = ||x - y + eps||_p``; with swap, d(a, n) is ``min(d(a, n), d(p, n))``."""
+    a, pos, neg = _f64(anchor), _f64(positive), _f64(negative)
+    d_ap, _ = _pnorm_grad(a - pos + eps, p)
+    d_an, _ = _pnorm_grad(a - neg + eps, p)
+    if swap:
+        d_an = np.minimum(d_an, _pnorm_grad(pos - neg + eps, p)[0])
+    return _reduce_rows(np.maximum(margin + d_ap - d_an, 0.0), reduction)
+
+
+def triplet_margin_loss_grads(anchor, positive, negative, margin=1.0, p=2, eps=1e-6,
+                              swap=False, reduction="mean", grad_output=1.0):
+    """(d/danchor, d/dpositive, d/dnegative) of :func:`triplet_margin_loss` times grad_output.
+
+    Where the hinge is active (``margin + d(a, p) - d(a, n) >= 0``, torch's clamp_min passes the
+    tie): ``d/da = g_ap - g_an``, ``d/dp = -g_ap``, ``d/dn = g_an`` with g_xy the gradient of the
+    p-norm of its difference; with swap and d(p, n) the smaller, the negative term moves to
+    (p, n) (a tie splits it evenly, as torch's minimum does).
+    """
+    a, pos, neg = _f64(anchor), _f64(positive), _f64(negative)
+    d_ap, g_ap = _pnorm_grad(a - pos + eps, p)
+    d_an, g_an = _pnorm_grad(a - neg + eps, p)
+    w_an = np.ones_like(d_an)
+    g_pn = np.zeros_like(a)
+    w_pn = np.zeros_like(d_an)
+    if swap:
+        d_pn, g_pn = _pnorm_grad(pos - neg + eps, p)
+        w_an = np.where(d_an < d_pn, 1.0, np.where(d_an == d_pn, 0.5, 0.0))
+        w_pn = 1.0 - w_an
+        d_an = np.minimum(d_an, d_pn)
+    active = (margin + d_ap - d_an >= 0).astype(np.float64)
+    g = _row_scale(grad_output, np.shape(d_ap), reduction) * active[..., None]
+    ga = g * (g_ap - w_an[..., None] * g_an)
+    gp = g * (-g_ap - w_pn[..., None] * g_pn)
+    gn = g * (w_an[..., None] * g_an + w_pn[..., None] * g_pn)
+    return ga, gp, gn
+
+
+_COS_EPS = 1e-12  # torch's EPSILON in cosine_embedding_loss
+
+
+def cosine_embedding_loss(input1, input2, target, margin=0.0, reduction="mean"):
+    """torch.nn.functional.cosine_embedding_loss: ``1 - cos`` where target is 1,
+    ``max(0, cos - margin)`` where it is -1, 0 elsewhere, with
+    ``cos = x1.x2 / sqrt((|x1|^2 + 1e-12) (|x2|^2 + 1e-12))`` per row."""
+    x1, x2, y = _f64(input1), _f64(input2), _f64(target)
+    m1 = np.sum(x1 * x1, axis=-1) + _COS_EPS
+    m2 = np.sum(x2 * x2, axis=-1) + _COS_EPS
+    cos = np.sum(x1 * x2, axis=-1) / np.sqrt(m1 * m2)
+    loss = np.where(y == 1, 1 - cos, 0.0) + np.where(y == -1, np.maximum(cos - margin, 0.0), 0.0)
+    return _reduce_rows(loss, reduction)
+
+
+def cosine_embedding_loss_grads(input1, input2, target, margin=0.0, reduction="mean",
+                                grad_output=1.0):
+    """(d/dinput1, d/dinput2): ``dcos/dx1 = x2 / sqrt(m1 m2) - cos x1 / m1`` (and symmetric),
+    times -1 where target is 1 and times [cos - margin >= 0] where it is -1."""
+    x1, x2, y = _f64(input1), _f64(input2), _f64(target)
+    m1 = np.sum(x1 * x1, axis=-1) + _COS_EPS
+    m2 = np.sum(x2 * x2, axis=-1) + _COS_EPS
+    root = np.sqrt(m1 * m2)
+    cos = np.sum(x1 * x2, axis=-1) / root
+    coef = np.where(y == 1, -1.0, 0.0) + np.where((y == -1) & (cos - margin >= 0), 1.0, 0.0)
+    g = _row_scale(grad_output, np.shape(cos), reduction) * coef[..., None]
+    g1 = g * (x2 / root[..., None] - cos[..., None] * x1 / m1[..., None])
+    g2 = g * (x1 / root[..., None] - cos[..., None] * x2 / m2[..., None])
+    return g1, g2
+
+
+def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, reduction="mean"):
+    """torch.nn.functional.multi_margin_loss: per row
+    ``sum_{c != y} w_y max(0, margin - x_y + x_c)^p / C`` (p is 1 or 2)."""
+    x = np.atleast_2d(_f64(input))
+    y = np.atleast_1d(np.asarray(target)).astype(np.int64)
+    cols = x.shape[-1]
+    wy = np.ones(len(y)) if weight is None else _f64(weight)[y]
+    z = margin - x[np.arange(len(y)), y][:, None] + x
+    h = np.where(z > 0, z if p == 1 else z * z, 0.0)
+    h[np.arange(len(y)), y] = 0.0
+    loss = wy * np.sum(h, axis=-1) / cols
+    return _reduce_rows(loss.reshape(np.shape(target)), reduction)
+
+
+def multi_margin_loss_grads(input, target, p=1, margin=1.0, weight=None, reduction="mean",
+                            grad_output=1.0):
+    """d/dinput of :func:`multi_margin_loss`: ``w_y (p == 1 ? 1 : 2 z_c) / C`` at each c != y with
+    z_c > 0 (torch's strict test), minus their sum at y."""
+    x = np.atleast_2d(_f64(input))
+    y = np.atleast_1d(np.asarray(target)).astype(np.int64)
+    rows = np.arange(len(y))
+    cols = x.shape[-1]
+    wy = np.ones(len(y)) if weight is None else _f64(weight)[y]
+    z = margin - x[rows, y][:, None] + x
+    d = np.where(z > 0, 1.0 if p == 1 else 2 * z, 0.0) * (wy / cols)[:, None]
+    d[rows, y] = 0.0
+    d[rows, y] = -np.sum(d, axis=-1)
+    g = _row_scale(grad_output, np.shape(target), reduction).reshape(-1, 1)
+    return (g * d).reshape(np.shape(input))
+
+
+def _log_sigmoid(v):
+    with np.errstate(all="ignore"):
+        return np.minimum(v, 0) - np.log1p(np.exp(-np.abs(v)))
+
+
+def multilabel_soft_margin_loss(input, target, weight=None, reduction="mean"):
+    """torch.nn.functional.multilabel_soft_margin_loss: per row
+    ``-sum_c w_c (y_c log sigmoid(x_c) + (1 - y_c) log sigmoid(-x_c)) / C``."""
+    x, t = _f64(input), _f64(target)
+    w = 1.0 if weight is None else _f64(weight)
+    terms = -(t * _log_sigmoid(x) + (1 - t) * _log_sigmoid(-x)) * w
+    return _reduce_rows(np.sum(terms, axis=-1) / x.shape[-1], reduction)
+
+
+def multilabel_soft_margin_loss_grads(input, target, weight=None, reduction="mean",
+                                      grad_output=1.0):
+    """(d/dinput, d/dtarget): ``w_c (sigmoid(x_c) - y_c) / C`` and ``-w_c x_c / C``."""
+    x, t = _f64(input), _f64(target)
+    w = 1.0 if weight is None else _f64(weight)
+    g = _row_scale(grad_output, x.shape[:-1], reduction) * w / x.shape[-1]
+    with np.errstate(all="ignore"):
+        sig = np.exp(_log_sigmoid(x))
+    return g * (sig - t), g * -x
+
+
+def jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100):
+    """Liger-Kernel's generalised Jensen-Shannon divergence of log-probability rows.
+
+    With Q = exp(input) (the student), P = exp(target) (the teacher) and M = beta P + (1 - beta) Q:
+    ``beta KL(P || M) + (1 - beta) KL(Q || M)`` summed over the elements of the counted rows
+    (those whose shift_labels entry is not ignore_index; all rows without labels) over their
+    count; beta = 0 is KL(P || Q) and beta = 1 is KL(Q || P).  A 0-d float64 result.
+    """
+    x, y = np.atleast_2d(_f64(input)), np.atleast_2d(_f64(target))
+    counted = (np.ones(len(x), bool) if shift_labels is None
+               else np.atleast_1d(np.asarray(shift_labels)) != ignore_index)
+    with np.errstate(all="ignore"):
+        q, p = np.exp(x), np.exp(y)
+        if beta == 0:
+            terms = p * (y - x)
+        elif beta == 1:
+            terms = q * (x - y)
+        else:
+            m = beta * p + (1 - beta) * q
+            terms = beta * p * y + (1 - beta) * q * x - m * np.log(m)
+        return np.float64(np.sum(terms[counted]) / np.sum(counted))
+
+
+def jsd_grads(input, target, beta=0.5, shift_labels=None, ignore_index=-100, grad_output=1.0):
+    """(d/dinput, d/dtarget) of :func:`jsd` times grad_output: ``d/dx = (1 - beta) Q (x - log M)``
+    and ``d/dy = beta P (y - log M)`` (beta = 0: ``-P`` and ``P (y - x + 1)``; beta = 1:
+    ``Q (x - y + 1)`` and ``-Q``), 0 on ignored rows."""
+    x, y = np.atleast_2d(_f64(input)), np.atleast_2d(_f64(target))
+    counted = (np.ones(len(x), bool) if shift_labels is None
+               else np.atleast_1d(np.asarray(shift_labels)) != ignore_index)
+    with np.errstate(all="ignore"):
+        q, p = np.exp(x), np.exp(y)
+        if beta == 0:
+            gx, gy = -p, p * (y - x + 1)
+        elif beta == 1:
+            gx, gy = q * (x - y + 1), -q
+        else:
+            log_m = np.log(beta * p + (1 - beta) * q)
+            gx, gy = (1 - beta) * q * (x - log_m), beta * p * (y - log_m)
+        scale = _f64(grad_output) / np.sum(counted)
+        mask = counted[:, None]
+        return (np.where(mask, gx * scale, 0.0).reshape(np.shape(input)),
+                np.where(mask, gy * scale, 0.0).reshape(np.shape(target)))

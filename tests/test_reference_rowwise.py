@@ -279,3 +279,154 @@ def test_layout_helpers_round_trip():
         cols = shape[1] if len(shape) > 1 else shape[0]
         assert rows.shape == (int(np.prod(ref.batch_shape(shape), dtype=int)), cols)
         np.testing.assert_array_equal(ref.from_rows(rows, shape), x)
+
+
+# --- pairwise and margin losses along the last axis -------------------------------------------
+
+def _grads_of(loss, tensors, rng):
+    go = torch.tensor(rng.standard_normal(tuple(loss.shape)))
+    return go.numpy(), [g.numpy() for g in torch.autograd.grad(loss, tensors, go)]
+
+
+def _leaves(*arrays):
+    return [torch.tensor(a, requires_grad=True) for a in arrays]
+
+
+@needs_torch
+@pytest.mark.parametrize("shape", [(7,), (5, 9)])
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_triplet_margin_loss_matches_torch(shape, p, swap, reduction):
+    rng = np.random.default_rng(hash((shape, p, swap, reduction)) % 2**32)
+    a, pos, neg = (rng.standard_normal(shape) for _ in range(3))
+    opts = dict(margin=0.7, p=p, eps=1e-6, swap=swap, reduction=reduction)
+    ta, tp, tn = _leaves(a, pos, neg)
+    loss = F.triplet_margin_loss(ta, tp, tn, **opts)
+    go, grads = _grads_of(loss, (ta, tp, tn), rng)
+    _close(ref.triplet_margin_loss(a, pos, neg, **opts), loss.detach().numpy(), "value")
+    for got, want in zip(ref.triplet_margin_loss_grads(a, pos, neg, grad_output=go, **opts),
+                         grads):
+        _close(got, want, "gradient")
+
+
+@needs_torch
+@pytest.mark.parametrize("shape", [(7,), (6, 5)])
+@pytest.mark.parametrize("margin", [0.0, 0.3, -0.4])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_cosine_embedding_loss_matches_torch(shape, margin, reduction):
+    rng = np.random.default_rng(hash((shape, margin, reduction)) % 2**32)
+    x1, x2 = rng.standard_normal(shape), rng.standard_normal(shape)
+    y = rng.choice([-1.0, 1.0], shape[:-1])
+    t1, t2 = _leaves(x1, x2)
+    loss = F.cosine_embedding_loss(t1, t2, torch.tensor(y), margin=margin, reduction=reduction)
+    go, grads = _grads_of(loss, (t1, t2), rng)
+    _close(ref.cosine_embedding_loss(x1, x2, y, margin, reduction), loss.detach().numpy(), "value")
+    for got, want in zip(ref.cosine_embedding_loss_grads(x1, x2, y, margin, reduction, go), grads):
+        _close(got, want, "gradient")
+
+
+@needs_torch
+@pytest.mark.parametrize("shape", [(7,), (6, 5)])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multi_margin_loss_matches_torch(shape, p, weighted, reduction):
+    rng = np.random.default_rng(hash((shape, p, weighted, reduction)) % 2**32)
+    x = rng.standard_normal(shape)
+    y = rng.integers(0, shape[-1], shape[:-1])
+    w = rng.uniform(0.2, 2.0, shape[-1]) if weighted else None
+    (tx,) = _leaves(x)
+    loss = F.multi_margin_loss(tx, torch.tensor(y), p=p, margin=0.8,
+                               weight=None if w is None else torch.tensor(w), reduction=reduction)
+    go, (gx,) = _grads_of(loss, (tx,), rng)
+    _close(ref.multi_margin_loss(x, y, p, 0.8, w, reduction), loss.detach().numpy(), "value")
+    _close(ref.multi_margin_loss_grads(x, y, p, 0.8, w, reduction, go), gx, "gradient")
+
+
+@needs_torch
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multilabel_soft_margin_loss_matches_torch(weighted, reduction):
+    rng = np.random.default_rng(hash((weighted, reduction)) % 2**32)
+    x = rng.standard_normal((6, 5)) * 4
+    t = rng.random((6, 5))                       # soft labels: the target gradient is -w x / C
+    w = rng.uniform(0.2, 2.0, 5) if weighted else None
+    tx, tt = _leaves(x, t)
+    loss = F.multilabel_soft_margin_loss(tx, tt, None if w is None else torch.tensor(w),
+                                         reduction=reduction)
+    go, grads = _grads_of(loss, (tx, tt), rng)
+    _close(ref.multilabel_soft_margin_loss(x, t, w, reduction), loss.detach().numpy(), "value")
+    for got, want in zip(ref.multilabel_soft_margin_loss_grads(x, t, w, reduction, go), grads):
+        _close(got, want, "gradient")
+
+
+def _torch_jsd(x, y, beta, labels, ignore_index=-100):
+    """Liger's generalised JSD composed from torch ops on log-probabilities."""
+    q, p = x.exp(), y.exp()
+    if beta == 0:
+        terms = F.kl_div(x, y, reduction="none", log_target=True)             # P (log P - log Q)
+    elif beta == 1:
+        terms = F.kl_div(y, x, reduction="none", log_target=True)             # Q (log Q - log P)
+    else:
+        log_m = torch.log(beta * p + (1 - beta) * q)
+        terms = beta * F.kl_div(log_m, y, reduction="none", log_target=True) + (
+            1 - beta) * F.kl_div(log_m, x, reduction="none", log_target=True)
+    counted = torch.ones(x.shape[0], dtype=torch.bool) if labels is None else (
+        torch.tensor(labels) != ignore_index)
+    return terms[counted].sum() / counted.sum()
+
+
+@needs_torch
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("labels", [False, True])
+def test_jsd_matches_torch_composition(beta, labels):
+    rng = np.random.default_rng(hash((beta, labels)) % 2**32)
+    x = np.log(rng.dirichlet(np.ones(7), 6))
+    y = np.log(rng.dirichlet(np.ones(7), 6))
+    lab = np.where(rng.random(6) < 0.3, -100, rng.integers(0, 7, 6)) if labels else None
+    if labels:
+        lab[0] = 3                                  # at least one counted row
+    tx, ty = _leaves(x, y)
+    loss = _torch_jsd(tx, ty, beta, lab)
+    go, grads = _grads_of(loss, (tx, ty), rng)
+    _close(ref.jsd(x, y, beta, lab), loss.detach().numpy(), "value")
+    for got, want in zip(ref.jsd_grads(x, y, beta, lab, grad_output=go), grads):
+        _close(got, want, "gradient")
+
+
+@pytest.mark.parametrize("name", ["triplet", "cosine", "multi_margin", "multilabel", "jsd"])
+def test_pairwise_gradients_match_finite_differences(name):
+    rng = np.random.default_rng(hash(name) % 2**32)
+    shape = (4, 6)
+    if name == "triplet":
+        args = [rng.standard_normal(shape) for _ in range(3)]
+        opts = dict(margin=2.0, p=3, swap=True)
+        f, g = ref.triplet_margin_loss, ref.triplet_margin_loss_grads
+    elif name == "cosine":
+        args = [rng.standard_normal(shape) for _ in range(2)] + [np.array([1.0, -1.0, -1.0, 1.0])]
+        opts = dict(margin=-0.5)
+        f, g = ref.cosine_embedding_loss, ref.cosine_embedding_loss_grads
+    elif name == "multi_margin":
+        args = [rng.standard_normal(shape), rng.integers(0, 6, 4)]
+        opts = dict(p=2, margin=1.5, weight=rng.uniform(0.5, 2, 6))
+        f, g = ref.multi_margin_loss, ref.multi_margin_loss_grads
+    elif name == "multilabel":
+        args = [rng.standard_normal(shape), rng.random(shape)]
+        opts = dict(weight=rng.uniform(0.5, 2, 6))
+        f, g = ref.multilabel_soft_margin_loss, ref.multilabel_soft_margin_loss_grads
+    else:
+        args = [np.log(rng.dirichlet(np.ones(6), 4)) for _ in range(2)]
+        opts = dict(beta=0.3, shift_labels=np.array([1, -100, 2, 3]))
+        f, g = ref.jsd, ref.jsd_grads
+    floats = [k for k, a in enumerate(args) if np.issubdtype(np.asarray(a).dtype, np.floating)
+              and np.ndim(a) == 2]
+    grads = g(*args, grad_output=1.3, **opts)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    for k, want in zip(floats, grads):
+        def fk(v, k=k):
+            a = list(args)
+            a[k] = v
+            return 1.3 * f(*a, **opts)
+        np.testing.assert_allclose(want, _fd(fk, args[k].copy()), rtol=1e-6, atol=1e-8,
+                                   err_msg=f"{name} argument {k}")
