@@ -50,6 +50,16 @@ def _kind(x) -> str:
     return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
+class RawStream:
+    """A raw cudaStream_t in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 # --- CuPy ---------------------------------------------------------------------------------------
 
 _ELEMENT_STRIDES: dict = {}   # (byte strides, itemsize) -> element strides

@@ -363,7 +363,6 @@ def class_geometry(x_shape: tuple, x_strides: tuple, t_shape: tuple, t_strides: 
     if len(x_shape) == 1:
         n, c, inner_shape = 1, x_shape[0], ()
         xn, xc, x_inner = 0, x_strides[0], ()
-        t_lead = ()
     else:
         n, c, inner_shape = x_shape[0], x_shape[1], tuple(x_shape[2:])
         xn, xc, x_inner = x_strides[0], x_strides[1], tuple(x_strides[2:])

@@ -296,16 +296,6 @@ def _sum_rows_function(info) -> int:
     return _source.function("reduce.cu", _source.reduce_name("sum_rows", info.ctype)).kernel.ptr
 
 
-class _RawStream:
-    """A raw cudaStream_t as the CUDA stream protocol's object (for Stream.from_external)."""
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
 def _operands(spec, frame, arrays):
     """(first operand, operands, layouts, pointer bits) of any number of arrays; None and numbers
     (floats) pass through with layout None.  Every framework is compared before any is read."""
@@ -502,7 +492,7 @@ def _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_valu
     stream = frame.stream(device)
     like = x.array
     with cupy.cuda.Device(device), \
-            cupy.cuda.Stream.from_external(_RawStream(stream)), frame.scratch_allocator():
+            cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), frame.scratch_allocator():
         if plan.too_many_dims:
             # Contiguous copies coalesce to one dim; results still go to the caller's frame.
             cupy_frame = _dispatch.CupyFrame()

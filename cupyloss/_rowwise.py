@@ -21,7 +21,7 @@ import math
 import numpy
 
 from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
-from cupyloss._pointwise import _RawStream, _ticket
+from cupyloss._pointwise import _ticket
 
 # Flag bits, mirrored from the enum in kernels/rowwise.cu.
 FLAG_INDEX64 = 1
@@ -232,7 +232,7 @@ def check_targets(frame, t, cols, ignore_index, stream):
     ignore_index.  Reads a flag back to the host (a synchronisation): opt-in."""
     import cupy
 
-    with cupy.cuda.Device(t.device), cupy.cuda.Stream.from_external(_RawStream(stream)):
+    with cupy.cuda.Device(t.device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)):
         v = frame.cupy_view(t)
         bad = (v != ignore_index) & ((v < 0) | (v >= cols))
         if bool(bad.any()):
@@ -548,7 +548,7 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
     import cupy
 
     device = x.device
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_RawStream(stream)), \
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
             frame.scratch_allocator():
         if _launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None:
             if inplace:

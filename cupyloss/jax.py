@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy
 
 import cupyloss
-from cupyloss import _dtypes, _reduction, _validate
+from cupyloss import _dispatch, _dtypes, _reduction, _validate
 from cupyloss._registry import all_losses
 
 try:
@@ -84,7 +84,7 @@ class _Kernels:
         device = _cuda_device(buffer)
         stack = contextlib.ExitStack()
         stack.enter_context(cupy.cuda.Device(device))
-        stack.enter_context(cupy.cuda.Stream.from_external(_XlaStream(ctx.stream)))
+        stack.enter_context(cupy.cuda.Stream.from_external(_dispatch.RawStream(ctx.stream)))
         return stack
 
     def write(self, out, result) -> None:
@@ -111,16 +111,6 @@ class _Kernels:
     def backward(self, name, grad_output, arrays, reduction, options, wrt):
         return getattr(cupyloss, name + "_backward")(grad_output, *arrays, reduction=reduction,
                                                      wrt=wrt, **options)
-
-
-class _XlaStream:
-    """XLA's cudaStream_t in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
 
 
 def _cuda_device(buffer) -> int:

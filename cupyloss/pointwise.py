@@ -817,11 +817,11 @@ def _check_nonnegative(var):
     """torch's ``torch.any(var < 0)`` check: reads one flag back, so it synchronises."""
     import cupy
 
-    from cupyloss import _dispatch, _pointwise
+    from cupyloss import _dispatch
 
     frame = _dispatch.frame_of(var, "var")
     op = frame.operand(var, "var")
-    stream = cupy.cuda.Stream.from_external(_pointwise._RawStream(frame.stream(op.device)))
+    stream = cupy.cuda.Stream.from_external(_dispatch.RawStream(frame.stream(op.device)))
     with cupy.cuda.Device(op.device), stream, frame.scratch_allocator():
         negative = bool((frame.cupy_view(op) < 0).any())
     if negative:
