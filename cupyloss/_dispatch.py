@@ -304,7 +304,8 @@ def check_same_frame(frame, other, x, y, name_x, name_y):
 
 
 # Read torch tensors through data_ptr()/stride() (True) or through DLPack (False).  Both give the
-# same operands on the same stream; the tests compare them.
+# same operands on the same stream; the tests compare them.  Read when a type is first seen:
+# clear _FRAMES after changing it.
 torch_fast_path = True
 
 

@@ -155,14 +155,21 @@ def test_inputs_are_never_written():
             assert torch.equal(a, c), name
 
 
+def _torch_path(monkeypatch, fast):
+    """Read torch tensors through data_ptr() (fast) or DLPack, for this test only.  Frames are
+    cached per array type, so the cache starts empty too."""
+    from cupyloss import _dispatch
+
+    monkeypatch.setattr(_dispatch, "torch_fast_path", fast)
+    monkeypatch.setattr(_dispatch, "_FRAMES", {})
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["data_ptr", "dlpack"])
 def test_work_runs_on_torchs_current_stream(fast, monkeypatch):
     """A producer writes the inputs on a side stream behind a long sleep; the loss called on that
     stream must see the new values (both the data_ptr path and the DLPack path)."""
-    from cupyloss import _dispatch
-
     torch = _torch()
-    monkeypatch.setattr(_dispatch, "torch_fast_path", fast)
+    _torch_path(monkeypatch, fast)
     x = torch.zeros(1 << 16, device="cuda")
     y = torch.zeros(1 << 16, device="cuda")
     _cl().mse_loss(x, y, reduction="sum")         # plan and compile outside the timed part
@@ -180,18 +187,14 @@ def test_work_runs_on_torchs_current_stream(fast, monkeypatch):
 
 
 def test_dlpack_and_data_ptr_paths_agree(monkeypatch):
-    from cupyloss import _dispatch
-
     torch = _torch()
     x = torch.randn(513, 77, device="cuda", dtype=torch.float16, requires_grad=True)[:, ::2]
     y = torch.randn(39, device="cuda", dtype=torch.float16)
     results = []
     for fast in (True, False):
-        monkeypatch.setattr(_dispatch, "torch_fast_path", fast)
-        _dispatch._FRAMES.clear()
+        _torch_path(monkeypatch, fast)
         out = _all_entry_points("hinge_loss", x, y, 1.5, reduction="mean")
         results.append([o.cpu() for o in out])
-    _dispatch._FRAMES.clear()
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
