@@ -63,6 +63,14 @@ from cupyloss.rowwise import (
     nll_loss_backward,
     nll_loss_value_and_grad,
 )
+from cupyloss.rowpair import (
+    cosine_embedding_loss,
+    cosine_embedding_loss_backward,
+    cosine_embedding_loss_value_and_grad,
+    triplet_margin_loss,
+    triplet_margin_loss_backward,
+    triplet_margin_loss_value_and_grad,
+)
 
 __version__ = "0.1.0"
 
@@ -73,6 +81,9 @@ __all__ = [
     "binary_cross_entropy_with_logits",
     "binary_cross_entropy_with_logits_backward",
     "binary_cross_entropy_with_logits_value_and_grad",
+    "cosine_embedding_loss",
+    "cosine_embedding_loss_backward",
+    "cosine_embedding_loss_value_and_grad",
     "cross_entropy",
     "cross_entropy_backward",
     "cross_entropy_value_and_grad",
@@ -121,4 +132,7 @@ __all__ = [
     "squared_hinge_loss",
     "squared_hinge_loss_backward",
     "squared_hinge_loss_value_and_grad",
+    "triplet_margin_loss",
+    "triplet_margin_loss_backward",
+    "triplet_margin_loss_value_and_grad",
 ]

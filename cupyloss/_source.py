@@ -75,6 +75,14 @@ def rowwise_name(kernel: str, ctype: str, mode: int = 2) -> str:
     return f"cupyloss::{kernel}<{ctype}>"
 
 
+ROWPAIR_OPS = ("TripletOp", "CosineOp")
+
+
+def rowpair_name(ctype: str, op: str, grad: bool) -> str:
+    """Name expression of rowpair.cu's rowpair_rows<ctype, op, grad>."""
+    return f"cupyloss::rowpair_rows<{ctype}, cupyloss::{op}, {'true' if grad else 'false'}>"
+
+
 def units() -> list[tuple[str, list[str]]]:
     """Every compilation unit: (source file, its name expressions).  CI compiles each."""
     pointwise = [name for functor in _registry.functors() for info in _dtypes.DTYPES.values()
@@ -85,8 +93,10 @@ def units() -> list[tuple[str, list[str]]]:
     rowwise = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
                for info in _dtypes.DTYPES.values()
                for mode in ((0, 1, 2) if kernel == "cross_entropy_rows" else (2,))]
+    rowpair = [rowpair_name(info.ctype, op, grad) for op in ROWPAIR_OPS
+               for info in _dtypes.DTYPES.values() for grad in (False, True)]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
-            ("rowwise.cu", rowwise)]
+            ("rowwise.cu", rowwise), ("rowpair.cu", rowpair)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,370 @@
+"""The engine behind the row-pair losses (triplet_margin_loss, cosine_embedding_loss).
+
+Two or three arrays of one shape, each row (the last axis) reduced to a few sums, then the row's
+loss and every array's gradient (kernels/rowpair.cu).  `evaluate` is the one entry point.  Arrays
+come in through `_dispatch` as Operands; a per-row target (cosine_embedding_loss's) is read as
+int32/int64 or as the inputs' dtype (`_rowwise._target_operand`).  Rows are the leading dims
+merged into one stride per array; an array whose leading dims do not merge is copied contiguous
+first (off the hot path).  Everything that depends only on metadata is a cached Plan with packed
+parameter words; a call allocates its outputs and launches once.  Nothing is read back to the
+host.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import math
+
+from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss._pointwise import _ticket
+from cupyloss._rowwise import _INDEX_DTYPES, _contiguous, _target_operand
+
+# Flag bits, mirrored from the enum in kernels/rowpair.cu.
+FLAG_GO_DEVICE = 1
+FLAG_GO_ROWS = 2
+FLAG_SWAP = 4
+FLAG_T_INT32 = 8
+FLAG_T_INT64 = 16
+
+
+def _torch_size_error(a_shape, b_shape):
+    """torch's broadcasting error for two shapes of one rank that differ, or None if equal."""
+    for d, (m, n) in enumerate(zip(a_shape, b_shape)):
+        if m != n:
+            hint = ("" if m != 1 and n != 1 else
+                    "; cupyloss does not broadcast these arguments: expand them to one shape")
+            return ValueError(f"The size of tensor a ({m}) must match the size of tensor b ({n}) "
+                              f"at non-singleton dimension {d}{hint}")
+    return None
+
+
+def _check_triplet(shapes, target_shape):
+    """torch's checks of triplet_margin_loss's shapes: one rank, then one shape (no broadcast)."""
+    a, p, n = shapes
+    if not len(a) == len(p) == len(n):
+        raise ValueError(f"The anchor, positive, and negative tensors are expected to have the "
+                         f"same number of dimensions, but got: anchor {len(a)}D, positive "
+                         f"{len(p)}D, and negative {len(n)}D inputs")
+    if len(a) == 0:
+        raise ValueError("triplet_margin_loss needs inputs of shape (D,) or (N, D), got 0-d "
+                         "inputs")
+    for other in (p, n):
+        error = _torch_size_error(a, other)
+        if error is not None:
+            raise error
+
+
+def _check_cosine(shapes, target_shape):
+    """torch's checks of cosine_embedding_loss's shapes."""
+    x1, x2 = shapes
+    if len(target_shape) not in (0, 1):
+        raise ValueError("0D or 1D target tensor expected, multi-target not supported")
+    if len(target_shape) == 1 and not (len(x1) == 2 and len(x2) == 2):
+        raise ValueError(f"1D target tensor expects 2D input tensors, but found inputs with "
+                         f"sizes {list(x1)} and {list(x2)}.")
+    if len(target_shape) == 0 and not (len(x1) == 1 and len(x2) == 1):
+        raise ValueError(f"0D target tensor expects 1D input tensors, but found inputs with "
+                         f"sizes {list(x1)} and {list(x2)}.")
+    error = _torch_size_error(x1, x2)
+    if error is not None:
+        raise error
+    error = _torch_size_error(tuple(target_shape), tuple(x1[:-1]))
+    if error is not None:
+        raise error
+
+
+def _triplet_options(margin, p, eps, swap):
+    """(margin, p, eps, swap) as the kernel takes them, or ValueError/TypeError."""
+    if margin <= 0:
+        raise ValueError(f"margin must be greater than 0, got {margin}")
+    p = float(p)
+    if not (p > 0 and math.isfinite(p)):
+        raise ValueError(f"triplet_margin_loss takes a finite norm degree p > 0, got {p}")
+    if not isinstance(swap, (bool, int)):
+        raise TypeError(f"swap must be a bool, got {type(swap).__name__}")
+    return float(margin), p, float(eps), bool(swap)
+
+
+def _cosine_options(margin):
+    return float(margin), 2.0, 0.0, False
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSpec:
+    """A registered row-pair loss.
+
+    op: its functor in kernels/rowpair.cu; arrays: the array arguments in torch's order;
+    differentiable: those that take a gradient (the others, a per-row target, have none);
+    target: the name of the per-row target array, if any; options: the keyword options of the
+    public function, in its order.
+    """
+
+    name: str
+    op: str
+    arrays: tuple
+    differentiable: tuple
+    options: tuple
+    check: object            # (input shapes, target shape) -> None, or raises torch's error
+    parse: object            # options -> (margin, p, eps, swap)
+    target: str | None = None
+    reductions: tuple = ("none", "mean", "sum")
+
+    def loss_shape(self, input_shape: tuple, reduction: str) -> tuple:
+        """The loss's shape: () when reduced, else the input's without its last dim."""
+        if reduction != "none":
+            return ()
+        return tuple(input_shape[:-1])
+
+
+SPECS = {
+    "triplet_margin_loss": PairSpec(
+        "triplet_margin_loss", "TripletOp", ("anchor", "positive", "negative"),
+        ("anchor", "positive", "negative"), ("margin", "p", "eps", "swap"), _check_triplet,
+        _triplet_options),
+    "cosine_embedding_loss": PairSpec(
+        "cosine_embedding_loss", "CosineOp", ("input1", "input2", "target"),
+        ("input1", "input2"), ("margin",), _check_cosine, _cosine_options, target="target"),
+}
+
+_PARAMS = ("x0", "x1", "x2", "tgt", "go", "rows", "cols", "rs0", "rs1", "rs2", "cs0", "cs1",
+           "cs2", "t_rs", "go_rs", "flags", "tpr", "p", "eps", "margin", "go_value",
+           "grad_scale", "divisor", "loss", "g0", "g1", "g2", "value", "partials", "ticket")
+LAYOUT = _args.Layout([(name, 1) for name in _PARAMS])
+_ONE = _args.f64_word(1.0)
+
+_PLANS: dict = {}
+_RESIDENT: dict = {}
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything about a call that depends only on metadata, ready to launch."""
+
+    function: int
+    grid: tuple
+    block: tuple
+    words: array.array
+    x_shape: tuple
+    loss_shape: tuple
+    dtype: object
+    acc: object
+    value: bool             # allocate the 0-d loss
+    loss: bool              # allocate the per-row loss (reduction 'none')
+    grads: tuple            # per input: allocate its gradient
+    partials: int           # acc-typed partial sums (0: none, one block)
+
+
+def _resident(name: str, device: int) -> int:
+    """Blocks per SM of rowpair.cu kernel `name`, from the occupancy API."""
+    key = (device, name)
+    n = _RESIDENT.get(key)
+    if n is None:
+        from cupy_backends.cuda.api import driver
+
+        function = _source.function("rowpair.cu", name).kernel.ptr
+        n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            function, _launch.BLOCK, 0))
+    return n
+
+
+def _row_geometry(shape, strides):
+    """(rows stride, element stride) of an array viewed as [rows, cols], or None when its leading
+    dims do not merge into one stride."""
+    if len(shape) == 1:
+        return 0, strides[0]
+    rs = _launch.merged_stride(shape[:-1], strides[:-1])
+    return None if rs is None else (rs, strides[-1])
+
+
+def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape, geos, t_rs,
+           t_dtype, dtype, device) -> Plan:
+    margin, p, eps, swap = options
+    info = _dtypes.DTYPES[dtype]
+    acc = info.acc
+    limits = _launch.device_limits(device)
+    cols = x_shape[-1]
+    loss_shape = tuple(x_shape[:-1])
+    rows = math.prod(loss_shape)
+    grad = any(grads)
+    name = _source.rowpair_name(info.ctype, spec.op, grad)
+    cfg = _launch.pair_launch(rows, cols, dtype.itemsize, grad, limits, _resident(name, device))
+    divisor = float(rows) if reduction == "mean" else 1.0
+    grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
+    flags = FLAG_SWAP if swap else 0
+    if go_kind == "device":
+        flags |= FLAG_GO_DEVICE
+    elif go_kind == "array":
+        flags |= FLAG_GO_ROWS
+    if t_dtype == _INDEX_DTYPES[0]:
+        flags |= FLAG_T_INT32
+    elif t_dtype == _INDEX_DTYPES[1]:
+        flags |= FLAG_T_INT64
+    values = {"rows": rows, "cols": cols, "t_rs": _args.i64_word(t_rs),
+              "go_rs": _args.i64_word(go_rs), "flags": flags, "tpr": cfg.tpr,
+              "p": _args.f64_word(p), "eps": _args.f64_word(eps),
+              "margin": _args.f64_word(margin), "go_value": _ONE,
+              "grad_scale": _args.f64_word(grad_scale), "divisor": _args.f64_word(divisor)}
+    for k, (rs, cs) in enumerate(geos):
+        values[f"rs{k}"] = _args.i64_word(rs)
+        values[f"cs{k}"] = _args.i64_word(cs)
+    words = LAYOUT.template(values)
+    function = _source.function("rowpair.cu", name).kernel.ptr
+    value = want_value and reduction != "none"
+    partials = cfg.grid[0] if value and cfg.grid[0] > 1 else 0
+    return Plan(function, cfg.grid, cfg.block, words, tuple(x_shape), loss_shape, dtype, acc,
+                value, want_value and reduction == "none", tuple(grads), partials)
+
+
+def _make_plan(*args) -> Plan:
+    """Build the plan of a call on its device (kernels are loaded per device)."""
+    import cupy
+
+    with cupy.cuda.Device(args[-1]):
+        return _build(*args)
+
+
+def _run(plan: Plan, frame, xs, t, go, go_value, stream):
+    """Allocate the outputs, fill the pointer words, launch.  Returns [loss, grad per input]."""
+    words = array.array("Q", plan.words)
+    slot = LAYOUT.slot
+    for k, x in enumerate(xs):
+        words[slot["x0"] + k] = x.ptr
+    if t is not None:
+        words[slot["tgt"]] = t.ptr
+    if go is not None:
+        words[slot["go"]] = go.ptr
+    elif go_value != 1.0:
+        words[slot["go_value"]] = _args.f64_word(go_value)
+    like = xs[0].array
+    out = None
+    if plan.value:
+        out, words[slot["value"]] = frame.empty((), plan.dtype, like)
+    elif plan.loss:
+        out, words[slot["loss"]] = frame.empty(plan.loss_shape, plan.dtype, like)
+    grads = [None] * len(xs)
+    for k, wanted in enumerate(plan.grads):
+        if wanted:
+            grads[k], words[slot["g0"] + k] = frame.empty(plan.x_shape, plan.dtype, like)
+    if plan.partials:
+        _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
+        words[slot["ticket"]] = _ticket(xs[0].device, stream)
+    _args.launch(plan.function, plan.grid, plan.block, 0, stream, words)
+    result = frame.result
+    return [None if a is None else result(a) for a in [out, *grads]]
+
+
+def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=True, wrt=(),
+             grad_output=1.0):
+    """[loss or None, then one gradient or None per differentiable array] of one call.
+
+    arrays: the array arguments in spec.arrays' order; options: the values of spec.options;
+    wrt: the names (of spec.differentiable) whose gradients are written.  Arrays come from and go
+    back to the caller's framework (see _dispatch).
+    """
+    names = spec.arrays
+    frame = _dispatch.frame_of(arrays[0], names[0])
+    for a, n in zip(arrays[1:], names[1:]):
+        other = _dispatch.frame_of(a, n)
+        if other is not frame:
+            _dispatch.check_same_frame(frame, other, arrays[0], a, names[0], n)
+    xs, t, is_index = [], None, False
+    for a, n in zip(arrays, names):
+        if n == spec.target:
+            t, is_index = _target_operand(frame, a)
+        else:
+            xs.append(frame.operand(a, n))
+    inputs = [n for n in names if n != spec.target]
+    dtype, device = xs[0].dtype, xs[0].device
+    for x, n in zip(xs[1:], inputs[1:]):
+        if x.dtype != dtype:
+            _validate.check_same_dtype(xs[0], x, inputs[0], n)
+        if x.device != device:
+            _validate.check_same_device(xs[0], x, inputs[0], n)
+    if t is not None:
+        if not is_index and t.dtype != dtype:
+            raise TypeError(f"{spec.target} has dtype {t.dtype}; {spec.name} takes int32, "
+                            f"int64 or the inputs' dtype {dtype}")
+        if t.device != device:
+            _validate.check_same_device(xs[0], t, inputs[0], spec.target)
+    spec.check([tuple(x.shape) for x in xs], None if t is None else tuple(t.shape))
+    if reduction not in spec.reductions:
+        _reduction.check_reduction(reduction, spec.reductions)
+    parsed = spec.parse(*options)
+    cols = xs[0].shape[-1]
+    if cols > _launch.ROW_MAX_COLS:
+        raise ValueError(f"{spec.name} takes rows of at most {_launch.ROW_MAX_COLS} elements, "
+                         f"got shape {tuple(xs[0].shape)}")
+    for name in wrt:
+        if name not in spec.differentiable:
+            choices = ", ".join(repr(n) for n in spec.differentiable)
+            raise ValueError(f"wrt names {name!r}; {spec.name} has gradients for {choices}")
+    grads = tuple(n in wrt for n in inputs)
+    go_kind, go_value, go, go_rs = "host", 1.0, None, 0
+    loss_shape = spec.loss_shape(tuple(xs[0].shape), "none")
+    if wrt:
+        if type(grad_output) is float or type(grad_output) is int:
+            go_value = float(grad_output)
+        else:
+            go = _validate.check_grad_output(frame, grad_output, dtype, device)
+            if isinstance(go, float):
+                go_value, go = go, None
+            else:
+                go_kind = "device" if go.shape == () else "array"
+                if go_kind == "array":
+                    _validate.check_grad_output_shape(go.shape, loss_shape, reduction)
+    stream = frame.stream(device)
+    geos = [_row_geometry(x.shape, x.strides) for x in xs]
+    t_rs = 0 if t is None or not t.shape else t.strides[0]
+    go_rs = 0 if go_kind != "array" else _launch.merged_stride(go.shape, go.strides)
+    key = (spec.name, reduction, parsed, want_value, grads, go_kind, go_rs, tuple(xs[0].shape),
+           tuple(geos), t_rs, None if t is None else t.dtype, dtype, device)
+    plan = _PLANS.get(key)
+    if plan is None and None not in geos and go_rs is not None:
+        plan = _PLANS[key] = _make_plan(spec, reduction, parsed, want_value, grads, go_kind,
+                                        go_rs, tuple(xs[0].shape), geos, t_rs,
+                                        None if t is None else t.dtype, dtype, device)
+    if plan is None or _current_device() != device:
+        return _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed,
+                         want_value, grads, go_kind)
+    return _run(plan, frame, xs, t, go, go_value, stream)
+
+
+def _current_device():
+    import cupy
+
+    global _current_device
+    _current_device = cupy.cuda.runtime.getDevice
+    return _current_device()
+
+
+def _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed, want_value, grads,
+              go_kind):
+    """Calls off the hot path: another current device, or operands whose leading dims do not
+    merge (copied contiguous by CuPy on the caller's stream, with the caller's allocator)."""
+    import cupy
+
+    device = xs[0].device
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
+            frame.scratch_allocator():
+        keep = []
+        for k, x in enumerate(xs):
+            if _row_geometry(x.shape, x.strides) is None:
+                copy = _contiguous(frame, x, "input")
+                keep.append(copy.array)
+                copy.array = x.array  # outputs are allocated like the caller's array
+                xs[k] = copy
+        go_rs = 0
+        if go_kind == "array":
+            go_rs = _launch.merged_stride(go.shape, go.strides)
+            if go_rs is None:
+                go = _contiguous(frame, go, "grad_output")
+                go_rs = _launch.merged_stride(go.shape, go.strides)
+        geos = [_row_geometry(x.shape, x.strides) for x in xs]
+        t_rs = 0 if t is None or not t.shape else t.strides[0]
+        plan = _make_plan(spec, reduction, parsed, want_value, grads, go_kind, go_rs,
+                          tuple(xs[0].shape), geos, t_rs, None if t is None else t.dtype,
+                          xs[0].dtype, device)
+        result = _run(plan, frame, xs, t, go, go_value, stream)
+        del keep
+        return result

@@ -1,0 +1,436 @@
+// Row-pair losses: losses of two or three arrays of one shape, each row (the last axis) reduced
+// to a few sums, then the loss of the row and the gradient of every array from those sums and the
+// row's own elements.  The row is held in registers between the two, so value_and_grad reads each
+// input once and writes each gradient once.
+//
+// triplet_margin_loss (anchor a, positive b, negative n; torch's pairwise_distance):
+//   u = a - b + eps,  v = a - n + eps,  w = b - n + eps      (elementwise, in the row)
+//   d(x) = ||x||_p = (sum_c |x_c|^p)^(1/p);   d_ap = d(u), d_an = d(v), d_pn = d(w)
+//   swap: D = min(d_an, d_pn), else D = d_an;   z = margin + d_ap - D;   loss = max(z, 0)
+//   (NaN stays NaN, as torch's clamp_min).  Where z >= 0 (torch's clamp_min passes the tie), with
+//   g the row's upstream gradient and phi(x) = sign(x) |x|^(p-1) (0 at x = 0):
+//     dd(x)/dx_c = phi(x_c) d(x)^(1-p)      (0 where d(x) = 0, as torch's norm backward)
+//     c_ap = g d_ap^(1-p),  c_an = g w_an d_an^(1-p),  c_pn = g w_pn d_pn^(1-p)
+//     w_an = 1, w_pn = 0 without swap; with swap w_an = [d_an < d_pn] + [d_an == d_pn] / 2
+//     (torch's minimum splits a tie), w_pn = 1 - w_an
+//     dl/da = c_ap phi(u) - c_an phi(v);  dl/db = -c_ap phi(u) - c_pn phi(w);
+//     dl/dn = c_an phi(v) + c_pn phi(w)
+// cosine_embedding_loss (input1 x, input2 y, target t in {1, -1, other}; torch's EPSILON = 1e-12):
+//   m_x = sum x^2 + 1e-12,  m_y = sum y^2 + 1e-12,  r = sqrt(m_x m_y),  cos = sum x y / r
+//   loss = 1 - cos (t == 1);  max(cos - margin, 0) (t == -1);  0 otherwise
+//   k = -g (t == 1);  g [cos - margin >= 0] (t == -1);  0 otherwise
+//   dl/dx = k (y / r - cos x / m_x),  dl/dy = k (x / r - cos y / m_y)
+//
+// Kernel rowpair_rows: rows of `cols` elements, a team of tpr threads per row (from the table in
+// cupyloss/_launch.py:pair_launch), rows to teams in a grid-stride loop.  A row is cut into a head
+// (up to the first 16-byte boundary of the first array), chunks of VEC elements and a tail; a
+// chunk is one 16-byte load of each array whose row is 16-byte aligned there with unit stride,
+// else VEC strided scalar loads.  With the gradient each thread holds PAIR_VECS chunks of every
+// array; a row longer than the team holds streams through twice (the second time mostly from
+// L2).  The row's sums: per thread in the accumulator type, then a fixed butterfly within a warp
+// and the warps' sums in warp order (deterministic).  The 0-d loss is finished in the same launch
+// (grid_sum_out's last-block ticket).  Indices within a row are 32-bit (cols < 2^31, checked on
+// the host); row offsets are 64-bit.
+#include "common.cuh"
+
+namespace cupyloss {
+
+enum : long long {
+    PAIR_GO_DEVICE = 1,   // grad_output is read from go[0]
+    PAIR_GO_ROWS = 2,     // grad_output is read per row (reduction 'none')
+    PAIR_SWAP = 4,        // triplet: the distance swap
+    PAIR_T_INT32 = 8,     // cosine: the target is int32 (else int64 with PAIR_T_INT64, else T)
+    PAIR_T_INT64 = 16,
+};
+
+constexpr int PAIR_VECS = 8;      // chunks of each array a thread holds (_launch.PAIR_VECS)
+constexpr int PAIR_WARPS = 32;    // at most 1024 threads a block
+
+__device__ __forceinline__ float pw(float b, float e) { return powf(b, e); }
+__device__ __forceinline__ double pw(double b, double e) { return pow(b, e); }
+__device__ __forceinline__ float sq(float v) { return sqrtf(v); }
+__device__ __forceinline__ double sq(double v) { return sqrt(v); }
+
+// What every row of a launch shares.  pk: 2 (p == 2), 1 (p == 1), else 0 (any other p > 0).
+template <typename A>
+struct PairArgs {
+    A p, eps, margin;
+    int pk;
+    bool swap;
+};
+
+// triplet_margin_loss: arrays (anchor, positive, negative); sums (S_ap, S_an, S_pn).
+struct TripletOp {
+    static constexpr int N = 3;
+    static constexpr int S = 3;
+    static constexpr bool TARGET = false;
+
+    template <typename A>
+    __device__ static __forceinline__ A power(A v, const PairArgs<A>& pa) {  // |v|^p
+        return pa.pk == 2 ? v * v : pa.pk == 1 ? fabs(v) : pw(fabs(v), pa.p);
+    }
+    template <typename A>
+    __device__ static __forceinline__ A phi(A v, const PairArgs<A>& pa) {  // sign(v) |v|^(p-1)
+        if (pa.pk == 2) return v;
+        if (v == A(0)) return A(0);
+        const A mag = pa.pk == 1 ? A(1) : pw(fabs(v), pa.p - A(1));
+        return v < A(0) ? -mag : v > A(0) ? mag : v;  // NaN stays NaN
+    }
+    template <typename A>
+    __device__ static __forceinline__ A norm(A s, const PairArgs<A>& pa) {
+        return pa.pk == 2 ? sq(s) : pa.pk == 1 ? s : pw(s, A(1) / pa.p);
+    }
+    template <typename A>
+    __device__ static __forceinline__ A inv(A d, const PairArgs<A>& pa) {  // d^(1-p), 0 at d == 0
+        if (d == A(0)) return A(0);
+        return pa.pk == 2 ? A(1) / d : pa.pk == 1 ? A(1) : pw(d, A(1) - pa.p);
+    }
+
+    template <typename A>
+    __device__ static __forceinline__ void elem(const A (&x)[N], A (&s)[S],
+                                                const PairArgs<A>& pa) {
+        s[0] += power((x[0] - x[1]) + pa.eps, pa);
+        s[1] += power((x[0] - x[2]) + pa.eps, pa);
+        if (pa.swap) s[2] += power((x[1] - x[2]) + pa.eps, pa);
+    }
+
+    // The row's loss, and in c the coefficients of its gradient (times g, the upstream).
+    template <typename A>
+    __device__ static __forceinline__ A row(const A (&s)[S], long long /*target*/, A g,
+                                            A (&c)[S], const PairArgs<A>& pa) {
+        const A d_ap = norm(s[0], pa);
+        const A d_an = norm(s[1], pa);
+        A w_an = A(1), dn = d_an, d_pn = A(0);
+        if (pa.swap) {
+            d_pn = norm(s[2], pa);
+            w_an = d_an < d_pn ? A(1) : d_an == d_pn ? A(0.5) : A(0);
+            dn = d_an < d_pn ? d_an : d_pn;
+            if (d_an != d_an) dn = d_an;  // NaN propagates, as in torch's minimum
+        }
+        const A z = (pa.margin + d_ap) - dn;
+        const A gz = z >= A(0) ? g : A(0);
+        c[0] = gz * inv(d_ap, pa);
+        c[1] = gz * w_an * inv(d_an, pa);
+        c[2] = pa.swap ? gz * (A(1) - w_an) * inv(d_pn, pa) : A(0);
+        return z < A(0) ? A(0) : z;
+    }
+
+    template <typename A>
+    __device__ static __forceinline__ void grad(const A (&x)[N], const A (&c)[S], A (&o)[N],
+                                                const PairArgs<A>& pa) {
+        const A fu = c[0] * phi((x[0] - x[1]) + pa.eps, pa);
+        const A fv = c[1] * phi((x[0] - x[2]) + pa.eps, pa);
+        const A fw = pa.swap ? c[2] * phi((x[1] - x[2]) + pa.eps, pa) : A(0);
+        o[0] = fu - fv;
+        o[1] = -fu - fw;
+        o[2] = fv + fw;
+    }
+};
+
+// cosine_embedding_loss: arrays (input1, input2); sums (S_xy, S_xx, S_yy); a target per row.
+struct CosineOp {
+    static constexpr int N = 2;
+    static constexpr int S = 3;
+    static constexpr bool TARGET = true;
+
+    template <typename A>
+    __device__ static __forceinline__ void elem(const A (&x)[N], A (&s)[S],
+                                                const PairArgs<A>&) {
+        s[0] += x[0] * x[1];
+        s[1] += x[0] * x[0];
+        s[2] += x[1] * x[1];
+    }
+
+    // c = (k / r, k cos / m_x, k cos / m_y).  t: 1, -1 or anything else (loss 0).
+    template <typename A>
+    __device__ static __forceinline__ A row(const A (&s)[S], long long t, A g, A (&c)[S],
+                                            const PairArgs<A>& pa) {
+        const A mx = s[1] + A(1e-12);
+        const A my = s[2] + A(1e-12);
+        const A r = sq(mx * my);
+        const A cos = s[0] / r;
+        const A h = cos - pa.margin;
+        A loss = A(0), k = A(0);
+        if (t == 1) {
+            loss = A(1) - cos;
+            k = -g;
+        } else if (t == -1) {
+            loss = h < A(0) ? A(0) : h;
+            k = h >= A(0) ? g : A(0);
+        }
+        c[0] = k / r;
+        c[1] = k * cos / mx;
+        c[2] = k * cos / my;
+        return loss;
+    }
+
+    template <typename A>
+    __device__ static __forceinline__ void grad(const A (&x)[N], const A (&c)[S], A (&o)[N],
+                                                const PairArgs<A>&) {
+        o[0] = c[0] * x[1] - c[1] * x[0];
+        o[1] = c[0] * x[0] - c[2] * x[1];
+    }
+};
+
+// The target of row r as a long long compared with 1 and -1: class-like values (int32, int64),
+// or T values, of which only exact 1 and -1 count (a fractional value maps to 0, "other").
+template <typename T>
+__device__ __forceinline__ long long pair_target(const void* t, long long off, long long flags) {
+    if (flags & PAIR_T_INT32) return (long long)static_cast<const int*>(t)[off];
+    if (flags & PAIR_T_INT64) return static_cast<const long long*>(t)[off];
+    const acc_t<T> v = to_acc(static_cast<const T*>(t)[off]);
+    return v == acc_t<T>(1) ? 1 : v == acc_t<T>(-1) ? -1 : 0;
+}
+
+// Sums of S values over each team of tpr consecutive threads, in every thread of the team.  Every
+// thread of the block calls it.  red: [PAIR_WARPS][S] shared.
+template <typename A, int S>
+__device__ __forceinline__ void team_sum(A (&s)[S], int tpr, A (*red)[S]) {
+    const int width = tpr < 32 ? tpr : 32;
+    for (int o = width >> 1; o > 0; o >>= 1) {
+        #pragma unroll
+        for (int q = 0; q < S; ++q) s[q] += __shfl_xor_sync(0xffffffffu, s[q], o);
+    }
+    if (tpr <= 32) return;
+    const int warp = threadIdx.x >> 5;
+    __syncthreads();  // red may still be read by the previous row
+    if ((threadIdx.x & 31) == 0) {
+        #pragma unroll
+        for (int q = 0; q < S; ++q) red[warp][q] = s[q];
+    }
+    __syncthreads();
+    const int per_team = tpr >> 5;
+    const int first = warp / per_team * per_team;
+    #pragma unroll
+    for (int q = 0; q < S; ++q) {
+        A v = red[first][q];
+        for (int w = first + 1; w < first + per_team; ++w) v += red[w][q];
+        s[q] = v;
+    }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> pair_load(const T* p, long long stride, bool vec,
+                                                 bool keep) {
+    if (vec) {
+        const int4 raw = keep ? __ldcg(reinterpret_cast<const int4*>(p))
+                              : __ldcs(reinterpret_cast<const int4*>(p));
+        return *reinterpret_cast<const Vec<T, VEC>*>(&raw);
+    }
+    Vec<T, VEC> v;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) v.v[e] = p[e * stride];
+    return v;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void pair_store(T* p, const acc_t<T> (&g)[VEC], bool vec) {
+    Vec<T, VEC> v;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
+    if (vec) {
+        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+    } else {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) p[e] = v.v[e];
+    }
+}
+
+__device__ __forceinline__ bool pair_aligned(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// GRAD: write the gradients (held rows, PAIR_VECS chunks a thread), else the loss alone (streamed,
+// half the chunks a tile, twice the resident blocks).  Without a gradient 4 blocks of 256
+// threads are resident per SM; with one, 2 (up to 96 registers of held row a thread).
+template <typename T, typename Op, bool GRAD>
+__global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
+        const T* __restrict__ x0,            // [rows, cols]: element (r, c) at r * rs0 + c * cs0
+        const T* __restrict__ x1,            // the same with rs1, cs1
+        const T* __restrict__ x2,            // the same with rs2, cs2 (unused by 2-array losses)
+        const void* __restrict__ tgt,        // [rows] at r * t_rs (losses with a target)
+        const T* __restrict__ go,            // [rows] at r * go_rs, [1], or unused
+        const long long rows, const long long cols,
+        const long long rs0, const long long rs1, const long long rs2,
+        const long long cs0, const long long cs1, const long long cs2,
+        const long long t_rs, const long long go_rs,
+        const long long flags,
+        const long long tpr,                 // threads per row: a power of two, 1..blockDim.x
+        const double p, const double eps, const double margin,
+        const double go_value, const double grad_scale, const double divisor,
+        T* __restrict__ loss,                // [rows] or null
+        T* __restrict__ g0,                  // [rows, cols] contiguous, or null (each gradient
+        T* __restrict__ g1,                  // asked for separately)
+        T* __restrict__ g2,
+        T* __restrict__ value,               // [1] or null
+        acc_t<T>* __restrict__ partials,     // [gridDim.x] when value and gridDim.x > 1
+        unsigned int* __restrict__ ticket) {
+    using A = acc_t<T>;
+    constexpr int N = Op::N;
+    constexpr int S = Op::S;
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int NV = GRAD ? PAIR_VECS : PAIR_VECS / 2;
+    __shared__ A red[PAIR_WARPS][S];
+    __shared__ A bsum[PAIR_WARPS];
+
+    PairArgs<A> pa;
+    pa.p = A(p);
+    pa.eps = A(eps);
+    pa.margin = A(margin);
+    pa.pk = p == 2.0 ? 2 : p == 1.0 ? 1 : 0;
+    pa.swap = (flags & PAIR_SWAP) != 0;
+    const T* const xs[3] = {x0, x1, x2};
+    const long long rs[3] = {rs0, rs1, rs2};
+    const long long cs[3] = {cs0, cs1, cs2};
+    T* const gs[3] = {g0, g1, g2};
+    const bool want_g = GRAD && (g0 != nullptr || g1 != nullptr || g2 != nullptr);
+    const bool go_rows = (flags & PAIR_GO_ROWS) != 0;
+    A g_all = A(0);
+    if (want_g && !go_rows)
+        g_all = ((flags & PAIR_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+
+    const int ncols = (int)cols;
+    const int t = (int)tpr;
+    const int lane = threadIdx.x & (t - 1);
+    const int teams = blockDim.x / t;
+    const int team = threadIdx.x / t;
+    const int span = t * NV;  // chunks of a tile
+    Compensated<A> lacc;
+
+    for (long long r0 = (long long)blockIdx.x * teams; r0 < rows;
+         r0 += (long long)gridDim.x * teams) {
+        const long long r = r0 + team;
+        const bool active = r < rows;
+        const long long rr = active ? r : 0;
+        const T* xr[N];
+        #pragma unroll
+        for (int k = 0; k < N; ++k) xr[k] = xs[k] + rr * rs[k];
+        // Head: up to the first 16-byte boundary of the first array's row (unit stride only).
+        const int mis = cs[0] == 1
+            ? (int)((reinterpret_cast<unsigned long long>(xr[0]) & 15ull) / sizeof(T)) : 0;
+        const int h = mis ? min(ncols, VEC - mis) : 0;
+        const int nv = (ncols - h) / VEC;
+        const int tail = ncols - h - nv * VEC;
+        const int c_tail = h + nv * VEC + lane;
+        const bool has_head = active && lane < h;
+        const bool has_tail = active && lane < tail;
+        const int ntiles = (nv + span - 1) / span;
+        bool vec[N];
+        #pragma unroll
+        for (int k = 0; k < N; ++k) vec[k] = cs[k] == 1 && pair_aligned(xr[k] + h);
+
+        A s[S];
+        #pragma unroll
+        for (int q = 0; q < S; ++q) s[q] = A(0);
+        Vec<T, VEC> xv[N][NV];
+        A xh[N], xt[N];
+        if (active) {
+            if (has_head) {
+                #pragma unroll
+                for (int k = 0; k < N; ++k) xh[k] = to_acc(xr[k][lane * cs[k]]);
+                Op::elem(xh, s, pa);
+            }
+            if (has_tail) {
+                #pragma unroll
+                for (int k = 0; k < N; ++k) xt[k] = to_acc(xr[k][c_tail * cs[k]]);
+                Op::elem(xt, s, pa);
+            }
+            for (int ti = 0; ti < ntiles; ++ti) {
+                const int vb = ti * span + lane;
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int j = vb + i * t;
+                    if (j >= nv) continue;
+                    #pragma unroll
+                    for (int k = 0; k < N; ++k) {
+                        xv[k][i] = pair_load<T, VEC>(xr[k] + (long long)(h + j * VEC) * cs[k],
+                                                     cs[k], vec[k], GRAD && ntiles > 1);
+                    }
+                }
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int j = vb + i * t;
+                    if (j >= nv) continue;
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        A xe[N];
+                        #pragma unroll
+                        for (int k = 0; k < N; ++k) xe[k] = to_acc(xv[k][i].v[e]);
+                        Op::elem(xe, s, pa);
+                    }
+                }
+            }
+        }
+        team_sum<A, S>(s, t, red);
+        long long target = 0;
+        if (Op::TARGET && active) target = pair_target<T>(tgt, r * t_rs, flags);
+        const A g = want_g ? (go_rows ? to_acc(go[rr * go_rs]) * A(grad_scale) : g_all) : A(0);
+        A c[S];
+        const A l = Op::row(s, target, g, c, pa);
+        if (active && lane == 0) {
+            if (loss != nullptr) loss[r] = from_acc<T>(l);
+            lacc.add(l);
+        }
+        if (!want_g || !active) continue;
+
+        // The gradients are C-contiguous: row r at r * cols.
+        T* gr[N];
+        bool gvec[N];
+        #pragma unroll
+        for (int k = 0; k < N; ++k) {
+            gr[k] = gs[k] != nullptr ? gs[k] + r * cols : nullptr;
+            gvec[k] = gr[k] != nullptr && pair_aligned(gr[k] + h);
+        }
+        A o[N];
+        if (has_head) {
+            Op::grad(xh, c, o, pa);
+            #pragma unroll
+            for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][lane] = from_acc<T>(o[k]);
+        }
+        if (has_tail) {
+            Op::grad(xt, c, o, pa);
+            #pragma unroll
+            for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][c_tail] = from_acc<T>(o[k]);
+        }
+        for (int ti = 0; ti < ntiles; ++ti) {
+            const int vb = ti * span + lane;
+            if (ntiles > 1) {
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int j = vb + i * t;
+                    if (j >= nv) continue;
+                    #pragma unroll
+                    for (int k = 0; k < N; ++k) {
+                        xv[k][i] = pair_load<T, VEC>(xr[k] + (long long)(h + j * VEC) * cs[k],
+                                                     cs[k], vec[k], false);
+                    }
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int j = vb + i * t;
+                if (j >= nv) continue;
+                A out[N][VEC];
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    A xe[N];
+                    #pragma unroll
+                    for (int k = 0; k < N; ++k) xe[k] = to_acc(xv[k][i].v[e]);
+                    Op::grad(xe, c, o, pa);
+                    #pragma unroll
+                    for (int k = 0; k < N; ++k) out[k][e] = o[k];
+                }
+                #pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    if (gr[k] != nullptr) pair_store<T, VEC>(gr[k] + h + j * VEC, out[k], gvec[k]);
+                }
+            }
+        }
+    }
+    const A v[1] = {lacc.value()};
+    T* const outs[1] = {value};
+    const A div[1] = {A(divisor)};
+    grid_sum_out<T, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x, bsum);
+}
+
+}  // namespace cupyloss
