@@ -197,6 +197,9 @@ def _function(name, reduction, options, extra=()):
     """The custom_vjp function of the arrays for one loss, reduction and options: the required
     arrays, then the array options named in `extra` (weight, pos_weight), which get no gradient."""
     names = SPECS[name].arrays
+    # Arrays without a gradient (a registry entry's `differentiable` leaves them out) get a zero
+    # cotangent.
+    differentiable = getattr(SPECS[name], "differentiable", names)
     n = len(names)
     total = n + len(extra)
 
@@ -212,10 +215,10 @@ def _function(name, reduction, options, extra=()):
             if p.perturbed:
                 raise NotImplementedError(f"cupyloss.jax.{name} has no gradient with respect to "
                                           f"{option}; pass it through jax.lax.stop_gradient")
-        wrt = tuple(a for a, p in zip(names, primals) if p.perturbed)
+        wrt = tuple(a for a, p in zip(names, primals) if p.perturbed and a in differentiable)
         if reduction == "none" or not wrt:
-            markers = tuple(jnp.zeros((0,), jnp.bool_) if p.perturbed else None
-                            for p in primals[:n])
+            markers = tuple(jnp.zeros((0,), jnp.bool_) if a in wrt else None
+                            for a in names)
             return value(*arrays), (None, arrays, markers)
         shape = _loss_shape(name, arrays[:n], reduction)
         index = {a: k for k, a in enumerate(names)}
@@ -225,8 +228,7 @@ def _function(name, reduction, options, extra=()):
                                structs, vmap_method="sequential")
         loss, grads = call(*arrays)
         grads = iter(grads)
-        return loss, (tuple(next(grads) if p.perturbed else None for p in primals[:n]), None,
-                      None)
+        return loss, (tuple(next(grads) if a in wrt else None for a in names), None, None)
 
     def backward(residuals, g):
         saved, arrays, markers = residuals
@@ -235,6 +237,8 @@ def _function(name, reduction, options, extra=()):
         if saved is not None:
             return (*[None if s is None else g * s for s in saved], *[None] * len(extra))
         wrt = tuple(a for a, m in zip(names, markers) if m is not None)
+        if not wrt:
+            return (None,) * total
         structs = tuple(_struct(a.shape, a.dtype) for a, m in zip(arrays, markers)
                         if m is not None)
         call = buffer_callback(_backward_callback(name, reduction, options, extra, wrt), structs,

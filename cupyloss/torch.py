@@ -248,6 +248,8 @@ class _Loss:
     legacy: bool             # the public function takes size_average and reduce
     option_names: tuple = ()
     no_flags: tuple = ()     # a False per array: no gradient computed in the forward pass
+    differentiable: tuple = ()  # a bool per array: whether it has a gradient (a registry
+                                # entry's `differentiable` names them; every array without one)
     forward: object = None   # torch.ops.cupyloss.<name>.default
     backward: object = None  # torch.ops.cupyloss.<name>_backward.default
 
@@ -427,6 +429,9 @@ def _save(ctx, arrays, reduction, options, flags, grads, private) -> None:
 def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
     """The backward formula of every loss: one gradient (or None) per array argument."""
     n = len(loss.arrays)
+    need = tuple(w and d for w, d in zip(need, loss.differentiable))
+    if True not in need:
+        return [None] * n
     mode = _backward_mode(grad_loss)
     grads, ctx.grads = ctx.grads, None
     if (grads is not None and mode != "graph"
@@ -537,7 +542,7 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__module__}."
                             f"{type(a).__qualname__}")
     if gradients_in_forward and reduction != "none" and torch.is_grad_enabled():
-        flags = tuple(a.requires_grad for a in arrays)
+        flags = tuple(a.requires_grad and d for a, d in zip(arrays, loss.differentiable))
     else:
         flags = loss.no_flags
     if _traced(loss, arrays):
@@ -672,8 +677,10 @@ def _describe(name: str, spec) -> _Loss:
             raise TypeError(f"cupyloss has no function {name + suffix}")
     arrays, options, reduction = _core_parameters(name)
     params, fixed, legacy = _public_parameters(name, arrays, options, reduction)
+    differentiable = getattr(spec, "differentiable", arrays)
     return _Loss(name, arrays, options, reduction, spec.reductions, params, fixed, legacy,
-                 tuple(o for o, _ in options), (False,) * len(arrays))
+                 tuple(o for o, _ in options), (False,) * len(arrays),
+                 tuple(a in differentiable for a in arrays))
 
 
 def _build(loss: _Loss) -> tuple:

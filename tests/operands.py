@@ -21,10 +21,15 @@ SPECS = all_losses()
 # Arrays that only pick a branch of their loss: finite differences of them see a jump, not a
 # slope (hinge_embedding_loss compares its +-1 target with 1 and -1), or that are integers.
 SELECTORS = {"hinge_embedding_loss": ("target",), "cross_entropy": ("target",),
-             "nll_loss": ("target",)}
+             "nll_loss": ("target",), "cosine_embedding_loss": ("target",)}
 ROWWISE = {"cross_entropy": (reference_rowwise.cross_entropy,
                              reference_rowwise.cross_entropy_grads),
            "nll_loss": (reference_rowwise.nll_loss, reference_rowwise.nll_loss_grads)}
+# Losses along the last axis (tests/reference_rowwise.py), no optional arrays.
+ROWPAIR = {"triplet_margin_loss": (reference_rowwise.triplet_margin_loss,
+                                   reference_rowwise.triplet_margin_loss_grads),
+           "cosine_embedding_loss": (reference_rowwise.cosine_embedding_loss,
+                                     reference_rowwise.cosine_embedding_loss_grads)}
 MARGIN = 1.0      # the default margin of hinge_loss, squared_hinge_loss, hinge_embedding_loss
 
 
@@ -40,6 +45,13 @@ def differentiable(name) -> tuple:
     """A bool per required array: whether finite differences of the loss in it are its gradient
     (a floating array that is not a selector)."""
     return tuple(a not in SELECTORS.get(name, ()) for a in SPECS[name].arrays)
+
+
+def has_gradient(name) -> tuple:
+    """A bool per required array: whether the loss gives it a gradient at all (a registry
+    entry's `differentiable` names those; class indices, being integers, never have one)."""
+    spec = SPECS[name]
+    return tuple(a in getattr(spec, "differentiable", spec.arrays) for a in spec.arrays)
 
 
 def _either_sign(rng, shape, low=0.1, high=1.0):
@@ -99,6 +111,8 @@ def operands(name, shape=(4, 5), target_shape=None, with_optional=False, seed=0)
         a = [0.5 * normal(shape), rng.poisson(3.0, ts).astype(np.float64)]
     elif name == "gaussian_nll_loss":
         a = [normal(shape), normal(ts), rng.uniform(0.5, 2.0, shape)]
+    elif name in ROWPAIR:
+        a = _rowpair_operands(name, rng, shape)
     elif name in ROWWISE:
         x = 2.0 * normal(shape)
         if name == "nll_loss":
@@ -114,6 +128,28 @@ def operands(name, shape=(4, 5), target_shape=None, with_optional=False, seed=0)
     return tuple(np.asarray(v) for v in a), extras
 
 
+def _rowpair_operands(name, rng, shape):
+    """Rows whose hinge (triplet: margin 1 + d(a, p) - d(a, n); cosine with target -1: cos - 0)
+    lies at least 0.1 from its kink: rows are drawn again until every one does."""
+    rows = shape[:-1]
+    for _ in range(1000):
+        if name == "triplet_margin_loss":
+            a = rng.standard_normal(shape)
+            near = np.where(rng.random(rows + (1,)) < 0.5, 0.2, 2.0)
+            arrays = [a, a + 0.5 * rng.standard_normal(shape),
+                      a + near * rng.standard_normal(shape)]
+            d = [np.linalg.norm(arrays[0] - b + 1e-6, axis=-1) for b in arrays[1:]]
+            hinge = 1.0 + d[0] - d[1]
+        else:
+            arrays = [rng.standard_normal(shape), rng.standard_normal(shape), _labels(rng, rows)]
+            x1, x2 = arrays[0], arrays[1]
+            hinge = np.sum(x1 * x2, -1) / np.sqrt(np.sum(x1 * x1, -1) * np.sum(x2 * x2, -1))
+            hinge = np.where(arrays[2] == -1, hinge, 1.0)
+        if np.all(np.abs(hinge) >= 0.1):
+            return arrays
+    raise ValueError(f"no operands of {name} away from its kink for shape {shape}")
+
+
 def _numeric(options):
     """The core function's options the references take: its host-side checks (check_targets,
     check_var) change no number."""
@@ -122,13 +158,19 @@ def _numeric(options):
 
 def ref_loss(name, arrays, reduction, **options):
     """float64 value of any registered loss (options as keywords, optional arrays included)."""
+    if name in ROWPAIR:
+        return np.asarray(ROWPAIR[name][0](*arrays, reduction=reduction, **options))
     if name in ROWWISE:
         return np.asarray(ROWWISE[name][0](*arrays, reduction=reduction, **_numeric(options)))
     return np.asarray(reference.loss(name, *arrays, reduction=reduction, **_numeric(options)))
 
 
 def ref_grads(name, arrays, reduction, grad_output=1.0, **options) -> tuple:
-    """float64 gradients of any registered loss: one per required array (None for class indices)."""
+    """float64 gradients of any registered loss: one per required array (None for class indices
+    and other arrays without a gradient)."""
+    if name in ROWPAIR:
+        got = ROWPAIR[name][1](*arrays, reduction=reduction, grad_output=grad_output, **options)
+        return tuple(got) + (None,) * (len(arrays) - len(got))
     if name in ROWWISE:
         got = ROWWISE[name][1](*arrays, reduction=reduction, grad_output=grad_output,
                                **_numeric(options))

@@ -101,7 +101,7 @@ def test_same_numbers_as_the_core_on_cupy(name, with_optional):
 
     args, kw = _arguments(name, shape=(33, 1025), with_optional=with_optional)
     reduction = SPECS[name].reductions[-1]
-    argnums = _floating(args)
+    argnums = _floating(args, name)
     loss, grads = jax.value_and_grad(
         lambda *a: JL.LOSSES[name](*a, reduction=reduction,
                                    **{k: _gpu(v) for k, v in kw.items()}),

@@ -106,9 +106,11 @@ def _arguments(name, shape=(4, 5), target_shape=None, dtype=torch.float64, seed=
     return tuple(map(tensor, arrays)), {k: tensor(v) for k, v in extras.items()}
 
 
-def _floating(args):
-    """A bool per array: whether it can require grad (class indices cannot)."""
-    return tuple(a.is_floating_point() for a in args)
+def _floating(args, name=None):
+    """A bool per array: whether it can require grad (class indices cannot) and, given the
+    loss's name, whether the loss gives it a gradient (cosine_embedding_loss's target has none)."""
+    every = operands.has_gradient(name) if name else (True,) * len(args)
+    return tuple(a.is_floating_point() and g for a, g in zip(args, every))
 
 
 def _checked(name, args, kw, f, reduction, weights=None):
@@ -326,7 +328,7 @@ def test_reduced_loss_takes_grads_from_forward_and_scales_them(engine, name):
 def test_none_reduction_reruns_with_the_elementwise_upstream(engine, name):
     """The last array that can have a gradient (the input where the target holds indices)."""
     args, kw = _arguments(name)
-    k = max(i for i, f in enumerate(_floating(args)) if f)
+    k = max(i for i, f in enumerate(_floating(args, name)) if f)
     args[k].requires_grad_()
     loss = CF.LOSSES[name](*args, reduction="none", **kw)
     assert engine.calls == [("value", name, "none", ())]
@@ -437,9 +439,9 @@ def test_torch_func_transforms_are_refused(engine):
         torch.vmap(lambda a, b: CF.mse_loss(a, b))(x, t)
 
 
-def _flag_sets(args):
+def _flag_sets(args, name):
     """Gradient flags to try: every array that can have one, the first alone, none."""
-    every = _floating(args)
+    every = _floating(args, name)
     return every, (True,) + (False,) * (len(args) - 1), (False,) * len(args)
 
 
@@ -452,7 +454,7 @@ def test_opcheck(engine, name, with_optional):
     forward = getattr(torch.ops.cupyloss, name).default
     backward = getattr(torch.ops.cupyloss, name + "_backward").default
     for reduction in _reductions(name):
-        for flags in _flag_sets(args):
+        for flags in _flag_sets(args, name):
             given = [a.clone().requires_grad_(f) for a, f in zip(args, flags)]
             torch.library.opcheck(forward, (*given, reduction, *options, *flags))
             shape = ref_loss(name, [a.numpy() for a in args], reduction).shape

@@ -33,7 +33,7 @@ def _on_gpu(name, dtype=torch.float64, shape=(33, 129), target_shape=None, seed=
 
 
 def _names_with_grads(name, args):
-    return tuple(n for n, f in zip(SPECS[name].arrays, _floating(args)) if f)
+    return tuple(n for n, f in zip(SPECS[name].arrays, _floating(args, name)) if f)
 
 
 # --- the numbers --------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def test_autograd_gives_the_core_functions_numbers(name, reduction, dtype):
     core = getattr(cupyloss, name + "_value_and_grad")
     args, kw = _on_gpu(name, dtype, target_shape=(129,))
     wrt = _names_with_grads(name, args)
-    leaves = [a.clone().requires_grad_(f) for a, f in zip(args, _floating(args))]
+    leaves = [a.clone().requires_grad_(f) for a, f in zip(args, _floating(args, name))]
     with_grad = [a for a in leaves if a.requires_grad]
     loss = CF.LOSSES[name](*leaves, reduction=reduction, **kw)
     value, grads = core(*args, reduction=reduction, wrt=wrt, **kw)
