@@ -229,15 +229,18 @@ def _row_scale(grad_output, loss_shape, reduction):
 
 
 def _pnorm_grad(v, p):
-    """(||v||_p over the last axis, d||v||_p / dv)."""
+    """(||v||_p over the last axis, d||v||_p / dv), with torch's norm backward where the norm is
+    0 (a zero gradient) and where an element is 0 (sign 0)."""
     with np.errstate(all="ignore"):
-        if p == 2:
-            norm = np.sqrt(np.sum(v * v, axis=-1))
-            return norm, v / norm[..., None]
         if p == 1:
             return np.sum(np.abs(v), axis=-1), np.sign(v)
-        norm = np.sum(np.abs(v) ** p, axis=-1) ** (1.0 / p)
-        return norm, np.sign(v) * np.abs(v) ** (p - 1) / norm[..., None] ** (p - 1)
+        if p == 2:
+            norm = np.sqrt(np.sum(v * v, axis=-1))
+        else:
+            norm = np.sum(np.abs(v) ** p, axis=-1) ** (1.0 / p)
+        phi = np.where(v == 0, 0.0, np.sign(v) * np.abs(v) ** (p - 1))
+        scale = np.where(norm == 0, 0.0, norm ** (1.0 - p))
+        return norm, phi * scale[..., None]
 
 
 def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2, eps=1e-6, swap=False,

@@ -324,6 +324,26 @@ def test_triplet_margin_loss_matches_torch(shape, p, swap, reduction):
 
 
 @needs_torch
+@pytest.mark.parametrize("p", [1, 1.5, 2, 3])
+def test_triplet_margin_loss_zero_distance_matches_torch(p):
+    """eps=0 and positive == anchor in some rows: d(a, p) = 0, where torch's norm backward gives
+    a zero gradient (not 0/0); a zero element of a difference has sign 0."""
+    rng = np.random.default_rng(_seed(("zero", p)))
+    a, neg = rng.standard_normal((5, 6)), rng.standard_normal((5, 6))
+    pos = a + rng.standard_normal((5, 6))
+    pos[:2] = a[:2]
+    pos[2, :3] = a[2, :3]
+    opts = dict(margin=20.0, p=p, eps=0.0, swap=True, reduction="sum")
+    ta, tp, tn = _leaves(a, pos, neg)
+    loss = F.triplet_margin_loss(ta, tp, tn, **opts)
+    go, grads = _grads_of(loss, (ta, tp, tn), rng)
+    _close(ref.triplet_margin_loss(a, pos, neg, **opts), loss.detach().numpy(), "value")
+    for got, want in zip(ref.triplet_margin_loss_grads(a, pos, neg, grad_output=go, **opts),
+                         grads):
+        _close(got, want, "gradient")
+
+
+@needs_torch
 @pytest.mark.parametrize("shape", [(7,), (6, 5)])
 @pytest.mark.parametrize("margin", [0.0, 0.3, -0.4])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
