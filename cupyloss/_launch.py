@@ -318,11 +318,10 @@ def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: boo
 PAIR_VECS = 8           # 16-byte chunks of each array a thread holds with the gradient (PAIR_VECS
                         # there); half of them a tile without it
 # Threads per row (a team), as ROW_TEAMS: the smallest team that holds a row's chunks at
-# PAIR_VECS a thread (PAIR_VECS / 2 without a gradient); past a block, the block streams tiles.
+# PAIR_VECS a thread; past a block, the block streams tiles.  The loss alone takes the same team
+# (streaming PAIR_VECS / 2 chunks a tile): each thread then adds the same elements in the same
+# order, so a row's loss is bitwise the one value_and_grad gives.
 PAIR_TEAMS = (8, 16, 32, 64, 128, BLOCK)
-# Without a gradient nothing is held, so a warp per row (shuffles only, no block barrier) once
-# there are rows for a quarter of the resident warps, as ROW_FORWARD_TEAM.
-PAIR_FORWARD_TEAM = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,29 +334,26 @@ class PairLaunch:
     tpr: int
 
 
-def pair_team(cols: int, itemsize: int, grad: bool) -> int:
-    """Threads per row that hold (grad) or stream in one tile a row of `cols` elements."""
+def pair_team(cols: int, itemsize: int) -> int:
+    """Threads per row that hold a row of `cols` elements (the block, streaming, past that)."""
     chunks = max(1, cols // (16 // itemsize))
-    per_thread = PAIR_VECS if grad else PAIR_VECS // 2
     for tpr in PAIR_TEAMS:
-        if tpr * per_thread >= chunks:
+        if tpr * PAIR_VECS >= chunks:
             return tpr
     return BLOCK
 
 
-def pair_launch(rows: int, cols: int, itemsize: int, grad: bool, limits: DeviceLimits,
+def pair_launch(rows: int, cols: int, itemsize: int, limits: DeviceLimits,
                 blocks_per_sm: int) -> PairLaunch:
     """Launch for rowpair_rows over [rows, cols] (blocks_per_sm: its resident blocks per SM).
 
-    The team from `pair_team`; without a gradient a warp per row when rows are plenty.  The grid
-    never exceeds the resident blocks: rows go round in a grid-stride loop.
+    The team from `pair_team`; the grid never exceeds the resident blocks: rows go round in a
+    grid-stride loop.
     """
     if cols > ROW_MAX_COLS:
         raise ValueError(f"rows of {cols} elements exceed the {ROW_MAX_COLS} a row may have")
     resident = max(1, limits.sm_count * blocks_per_sm)
-    tpr = pair_team(cols, itemsize, grad)
-    if not grad and 4 * rows >= resident * (BLOCK // PAIR_FORWARD_TEAM):
-        tpr = min(tpr, PAIR_FORWARD_TEAM)
+    tpr = pair_team(cols, itemsize)
     blocks = _cdiv(max(rows, 1), BLOCK // tpr)
     grid = max(1, min(blocks, resident, limits.max_grid_x))
     return PairLaunch((grid,), (BLOCK,), 0, tpr)

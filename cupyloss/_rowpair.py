@@ -188,7 +188,7 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     rows = math.prod(loss_shape)
     grad = any(grads)
     name = _source.rowpair_name(info.ctype, spec.op, grad)
-    cfg = _launch.pair_launch(rows, cols, dtype.itemsize, grad, limits, _resident(name, device))
+    cfg = _launch.pair_launch(rows, cols, dtype.itemsize, limits, _resident(name, device))
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
     flags = FLAG_SWAP if swap else 0

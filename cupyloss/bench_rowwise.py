@@ -1,16 +1,20 @@
-"""Benchmark cross_entropy against torch eager and torch.compile at two shapes.
+"""Benchmark the row-wise losses against torch eager and torch.compile.
 
     python -m cupyloss.bench_rowwise [--reps 20] [--scale 1.0] [--json out.json] [--no-compile]
+                                     [--only kb95,llm,kb99 | cross_entropy | triplet]
 
-Workloads (int64 targets, 'mean' reduction, about 1% of them ignore_index):
-  kb95  32768 x 4096 float32 logits (KernelBench level 1, problem 95)
-  llm   8192 x 128256 bfloat16 logits (a Llama-3 vocabulary)
+Workloads ('mean' reduction):
+  kb95  cross_entropy, 32768 x 4096 float32 logits (KernelBench level 1, problem 95), int64
+        targets, about 1% of them ignore_index
+  llm   cross_entropy, 8192 x 128256 bfloat16 logits (a Llama-3 vocabulary), the same targets
+  kb99  triplet_margin_loss, three 32768 x 8192 float32 inputs (KernelBench level 1, problem 99),
+        margin 1, p 2
 
-Passes: forward (the loss) and value_and_grad (the loss and d loss / d logits written to a new
-array; cupyloss also in place, into the logits).  torch's value_and_grad is its forward plus
-backward asking for the logits' gradient.  Times are medians of --reps runs (CUDA events, after
-warm-up) on torch's current stream, all arrays torch tensors.  GB/s counts compulsory traffic:
-the logits and targets read once, the gradient written once.  Percentages are of the device's
+Passes: forward (the loss) and value_and_grad (the loss and the gradients written to new arrays:
+the logits' for cross_entropy, cupyloss also in place; all three inputs' for the triplet loss).
+torch's value_and_grad is its forward plus backward asking for the same gradients.  Times are
+medians of --reps runs (CUDA events, after warm-up) on torch's current stream, all arrays torch
+tensors.  GB/s counts compulsory traffic: every input read once, every gradient written once.  Percentages are of the device's
 bandwidth measured in the same run: a read-only sum for the forward, a copy (read + write) for
 value_and_grad.  --scale shrinks the rows (0.25 on a small GPU).  Never used as a test.
 """
@@ -96,13 +100,58 @@ def _impls(torch, x, t, compile_: bool):
     return impls
 
 
+def _triplet_workload(torch, scale):
+    rows = max(1, int(32768 * scale))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return tuple(torch.randn(rows, 8192, device="cuda", generator=gen) for _ in range(3))
+
+
+def _triplet_impls(torch, arrays, compile_: bool):
+    """name -> (forward, value_and_grad) callables of triplet_margin_loss."""
+    import torch.nn.functional as F
+
+    def f(a, p, n):
+        return F.triplet_margin_loss(a, p, n, margin=1.0)
+
+    leaves = tuple(a.detach().clone().requires_grad_() for a in arrays)
+
+    def fwd_bwd(fn):
+        def run():
+            return torch.autograd.grad(fn(*leaves), leaves)
+        return run
+
+    impls = {
+        "cupyloss": (lambda: cupyloss.triplet_margin_loss(*arrays),
+                     lambda: cupyloss.triplet_margin_loss_value_and_grad(*arrays)),
+        "torch eager": (lambda: f(*arrays), fwd_bwd(f)),
+    }
+    if compile_:
+        compiled = torch.compile(f, dynamic=False)
+        impls["torch.compile"] = (lambda: compiled(*arrays), fwd_bwd(compiled))
+    return impls
+
+
+_ALIASES = {"cross_entropy": ("kb95", "llm"), "triplet": ("kb99",),
+            "triplet_margin_loss": ("kb99",)}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--only", default="kb95,llm,kb99",
+                    help="comma-separated workloads (kb95, llm, kb99) or losses (cross_entropy, "
+                         "triplet)")
     args = ap.parse_args(argv)
+    workloads = []
+    for item in args.only.split(","):
+        for name in _ALIASES.get(item.strip(), (item.strip(),)):
+            if name not in ("kb95", "llm", "kb99"):
+                ap.error(f"unknown workload {name!r}")
+            if name not in workloads:
+                workloads.append(name)
 
     import cupy
     import torch
@@ -112,12 +161,21 @@ def main(argv=None) -> list[dict]:
     print(f"device: {device}; read {read_bw:.0f} GB/s (float32 sum), copy {copy_bw:.0f} GB/s "
           f"(read + write)")
     rows = []
-    for name in ("kb95", "llm"):
-        x, t = _workload(torch, name, args.scale)
-        read_bytes = x.numel() * x.element_size() + t.numel() * t.element_size()
-        nbytes = {"forward": read_bytes, "value_and_grad": read_bytes + x.numel() * x.element_size()}
+    for name in workloads:
+        if name == "kb99":
+            arrays = _triplet_workload(torch, args.scale)
+            x = arrays[0]
+            read_bytes = sum(a.numel() * a.element_size() for a in arrays)
+            nbytes = {"forward": read_bytes, "value_and_grad": 2 * read_bytes}
+            impls = _triplet_impls(torch, arrays, not args.no_compile)
+            t = arrays
+        else:
+            x, t = _workload(torch, name, args.scale)
+            read_bytes = x.numel() * x.element_size() + t.numel() * t.element_size()
+            nbytes = {"forward": read_bytes,
+                      "value_and_grad": read_bytes + x.numel() * x.element_size()}
+            impls = _impls(torch, x, t, not args.no_compile)
         limit = {"forward": read_bw, "value_and_grad": copy_bw}
-        impls = _impls(torch, x, t, not args.no_compile)
         times = {}
         for who, (fwd, vag) in impls.items():
             if fwd is not None:

@@ -522,39 +522,34 @@ def _offset(a, idx):
 
 @pytest.mark.parametrize("itemsize", ITEMSIZES)
 @pytest.mark.parametrize("cols", [0, 1, 7, 8, 63, 64, 65, 1000, 4096, 8191, 8192, 8193, 2**20 + 3])
-@pytest.mark.parametrize("grad", [False, True])
-def test_pair_team_holds_the_row_with_the_smallest_team(itemsize, cols, grad):
+def test_pair_team_holds_the_row_with_the_smallest_team(itemsize, cols):
     chunks = max(1, cols // (16 // itemsize))
-    per = _launch.PAIR_VECS if grad else _launch.PAIR_VECS // 2
-    tpr = _launch.pair_team(cols, itemsize, grad)
+    tpr = _launch.pair_team(cols, itemsize)
     assert tpr in _launch.PAIR_TEAMS
     if tpr < BLOCK:
-        assert tpr * per >= chunks                  # one tile holds the row
+        assert tpr * _launch.PAIR_VECS >= chunks          # the team holds the row
     if tpr > _launch.PAIR_TEAMS[0]:
-        assert (tpr // 2) * per < chunks            # and a smaller team would not
+        assert (tpr // 2) * _launch.PAIR_VECS < chunks    # and a smaller team would not
 
 
 def test_pair_team_of_kernelbench_99_holds_a_row_in_one_block():
     # 8192 float32 a row: 2048 chunks, 256 threads holding 8 chunks of each of the three inputs
-    assert _launch.pair_team(8192, 4, True) == BLOCK
+    assert _launch.pair_team(8192, 4) == BLOCK
     assert BLOCK * _launch.PAIR_VECS * 4 == 8192
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 32768, 10**7, 2**33])
 @pytest.mark.parametrize("cols, itemsize", [(1, 4), (10, 2), (8192, 4), (2**21, 8)])
-@pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("per_sm", [1, 2, 4])
-def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per_sm):
-    cfg = _launch.pair_launch(rows, cols, itemsize, grad, H100, per_sm)
+def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm):
+    cfg = _launch.pair_launch(rows, cols, itemsize, H100, per_sm)
     (grid,) = cfg.grid
     assert cfg.block == (BLOCK,) and cfg.shared == 0
-    assert cfg.tpr in _launch.PAIR_TEAMS and BLOCK % cfg.tpr == 0
+    assert cfg.tpr == _launch.pair_team(cols, itemsize) and BLOCK % cfg.tpr == 0
     assert 1 <= grid <= H100.sm_count * per_sm
     assert grid <= max(1, _cdiv(rows, BLOCK // cfg.tpr))   # no block without a row
-    if not grad and 4 * rows >= H100.sm_count * per_sm * (BLOCK // _launch.PAIR_FORWARD_TEAM):
-        assert cfg.tpr <= _launch.PAIR_FORWARD_TEAM
 
 
 def test_pair_launch_rejects_rows_past_32_bit_indices():
     with pytest.raises(ValueError, match="exceed the 2147483647 a row may have"):
-        _launch.pair_launch(1, 2**31, 4, True, H100, 2)
+        _launch.pair_launch(1, 2**31, 4, H100, 2)
