@@ -43,15 +43,19 @@ def expand(name: str) -> str:
     return inline(name)
 
 
-def pointwise_name(kind: str, ctype: str, functor: str, vec: int) -> str:
-    """Name expression of pointwise_flat<ctype, functor, vec> or pointwise_rows<...>."""
-    return f"cupyloss::pointwise_{kind}<{ctype}, cupyloss::{functor}, {vec}>"
+def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool) -> str:
+    """Name expression of pointwise_flat<ctype, functor, vec, grad> or pointwise_rows<...>
+    (grad: the instantiation that can write gradients; the other computes values only)."""
+    return (f"cupyloss::pointwise_{kind}<{ctype}, cupyloss::{functor}, {vec}, "
+            f"{'true' if grad else 'false'}>")
 
 
 def pointwise_names(functor: str, info) -> list[str]:
-    """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector."""
-    return [pointwise_name(kind, info.ctype, functor, vec)
-            for vec in sorted({1, info.vec}) for kind in ("flat", "rows")]
+    """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector,
+    value-only and with gradients."""
+    return [pointwise_name(kind, info.ctype, functor, vec, grad)
+            for vec in sorted({1, info.vec}) for kind in ("flat", "rows")
+            for grad in (False, True)]
 
 
 def reduce_name(kernel: str, ctype: str) -> str:

@@ -100,6 +100,8 @@ struct Compensated {
         sum = t;
     }
     __device__ __forceinline__ A value() const { return sum - c; }
+    // The same in double, without the last rounding: what a wider sum across threads takes.
+    __device__ __forceinline__ double wide() const { return double(sum) - double(c); }
 };
 
 // Deterministic sum over the block: a fixed butterfly within each warp, then warp 0 adds the
@@ -124,21 +126,31 @@ __device__ __forceinline__ A block_sum(A v, A* scratch) {
     return total;
 }
 
+// Where block_sum's cross-warp values meet when the sum is carried in double: 32 warps at most.
+__device__ __forceinline__ double* wide_scratch() {
+    __shared__ double wide[32];
+    return wide;
+}
+
 // Grid-wide sums of per-thread values v[q], written as out[q][0] = from_acc(sum / div[q]) for
-// every q whose out[q] is not null (null-ness is uniform across the grid).  One block: straight
-// from block_sum.  Several: each block writes its sums to partials[q * nblocks + block]; the
-// block that draws the last ticket adds partials[q, 0..nblocks) in a fixed order (so the result
-// does not depend on which block finished last).  atomicInc wraps the ticket from nblocks - 1
-// back to 0, so it is zero again for the next launch on the stream.  The only atomic is that
-// integer ticket: the sums are bitwise reproducible.
+// every q whose out[q] is not null (null-ness is uniform across the grid).  Across threads and
+// blocks the sums are carried in double: each thread's (compensated) value is exact in double,
+// so the 0-d result carries about one rounding of its own type, not one per level of the tree.
+// One block: straight from block_sum.  Several: each block writes its sum to
+// partials[q * nblocks + block] (rounded to the accumulator type: the rounding errors of the
+// partials are independent, so their sum stays far below one unit of the result); the block
+// that draws the last ticket adds partials[q, 0..nblocks) in a fixed order (so the result does
+// not depend on which block finished last).  atomicInc wraps the ticket from nblocks - 1 back
+// to 0, so it is zero again for the next launch on the stream.  The only atomic is that integer
+// ticket: the sums are bitwise reproducible.
 template <typename T, int NQ>
-__device__ __forceinline__ void grid_sum_out(const acc_t<T> (&v)[NQ], T* const (&out)[NQ],
-                                             const acc_t<T> (&div)[NQ],
+__device__ __forceinline__ void grid_sum_out(const double (&v)[NQ], T* const (&out)[NQ],
+                                             const double (&div)[NQ],
                                              acc_t<T>* __restrict__ partials,  // [NQ, nblocks]
                                              unsigned int* __restrict__ ticket,
-                                             long long block, long long nblocks,
-                                             acc_t<T>* scratch) {
+                                             long long block, long long nblocks) {
     using A = acc_t<T>;
+    double* scratch = wide_scratch();
     bool any = false;
     #pragma unroll
     for (int q = 0; q < NQ; ++q) any |= out[q] != nullptr;
@@ -147,16 +159,16 @@ __device__ __forceinline__ void grid_sum_out(const acc_t<T> (&v)[NQ], T* const (
         #pragma unroll
         for (int q = 0; q < NQ; ++q) {
             if (out[q] == nullptr) continue;
-            const A total = block_sum(v[q], scratch);
-            if (threadIdx.x == 0) out[q][0] = from_acc<T>(total / div[q]);
+            const double total = block_sum(v[q], scratch);
+            if (threadIdx.x == 0) out[q][0] = from_acc<T>(A(total / div[q]));
         }
         return;
     }
     #pragma unroll
     for (int q = 0; q < NQ; ++q) {
         if (out[q] == nullptr) continue;
-        const A total = block_sum(v[q], scratch);
-        if (threadIdx.x == 0) partials[q * nblocks + block] = total;
+        const double total = block_sum(v[q], scratch);
+        if (threadIdx.x == 0) partials[q * nblocks + block] = A(total);
     }
     __shared__ unsigned int is_last;
     if (threadIdx.x == 0) {
@@ -169,11 +181,11 @@ __device__ __forceinline__ void grid_sum_out(const acc_t<T> (&v)[NQ], T* const (
     #pragma unroll
     for (int q = 0; q < NQ; ++q) {
         if (out[q] == nullptr) continue;
-        A acc = A(0);
+        double acc = 0.0;
         for (long long j = threadIdx.x; j < nblocks; j += blockDim.x)
-            acc += __ldcg(partials + q * nblocks + j);  // L2: written by other blocks
-        const A total = block_sum(acc, scratch);
-        if (threadIdx.x == 0) out[q][0] = from_acc<T>(total / div[q]);
+            acc += double(__ldcg(partials + q * nblocks + j));  // L2: written by other blocks
+        const double total = block_sum(acc, scratch);
+        if (threadIdx.x == 0) out[q][0] = from_acc<T>(A(total / div[q]));
     }
 }
 

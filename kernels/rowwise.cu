@@ -341,7 +341,8 @@ __device__ __forceinline__ A grad_target(A z, A w, const RowResult<A>& o, const 
 }
 
 // The 0-d loss, value[0] = L / D: L sums every thread's `loss`; D is denom[0] when given, else
-// the sum of every thread's `wsum` under ROW_MEAN_W, else `divisor`.  Several blocks leave
+// the sum of every thread's `wsum` under ROW_MEAN_W, else `divisor`.  The sums across threads
+// and blocks are carried in double (as grid_sum_out in common.cuh).  Several blocks leave
 // partials [2, nblocks]; the block that draws the last ticket adds them in block order.  Every
 // thread of the block calls it.
 template <typename T>
@@ -352,14 +353,15 @@ __device__ __forceinline__ void finish_value(acc_t<T> loss, acc_t<T> wsum, T* __
                                              acc_t<T>* scratch) {
     using A = acc_t<T>;
     if (value == nullptr) return;
+    double* wide = wide_scratch();
     const long long nblocks = gridDim.x;
-    A l = block_sum(loss, scratch);
-    A w = block_sum(wsum, scratch);
+    double l = block_sum(double(loss), wide);
+    double w = block_sum(double(wsum), wide);
     if (nblocks > 1) {
         A* flag = scratch + ROW_SCRATCH - 1;
         if (threadIdx.x == 0) {
-            partials[blockIdx.x] = l;
-            partials[nblocks + blockIdx.x] = w;
+            partials[blockIdx.x] = A(l);
+            partials[nblocks + blockIdx.x] = A(w);
             __threadfence();
             const bool last = atomicInc(ticket, (unsigned int)(nblocks - 1))
                               == (unsigned int)(nblocks - 1);
@@ -368,17 +370,17 @@ __device__ __forceinline__ void finish_value(acc_t<T> loss, acc_t<T> wsum, T* __
         __syncthreads();
         if (*flag == A(0)) return;
         __threadfence();
-        A pl = A(0), pw = A(0);
+        double pl = 0.0, pw = 0.0;
         for (long long j = threadIdx.x; j < nblocks; j += blockDim.x) {
-            pl += __ldcg(partials + j);
-            pw += __ldcg(partials + nblocks + j);
+            pl += double(__ldcg(partials + j));
+            pw += double(__ldcg(partials + nblocks + j));
         }
-        l = block_sum(pl, scratch);
-        w = block_sum(pw, scratch);
+        l = block_sum(pl, wide);
+        w = block_sum(pw, wide);
     }
     if (threadIdx.x == 0) {
-        const A d = denom != nullptr ? denom[0] : mean_w ? w : A(divisor);
-        value[0] = from_acc<T>(l / d);
+        const double d = denom != nullptr ? double(denom[0]) : mean_w ? w : divisor;
+        value[0] = from_acc<T>(A(l / d));
     }
 }
 
@@ -735,8 +737,6 @@ __global__ void __launch_bounds__(256) class_weight_sum(
         acc_t<T>* __restrict__ partials,     // [gridDim.x] when gridDim.x > 1
         unsigned int* __restrict__ ticket) {
     using A = acc_t<T>;
-    extern __shared__ unsigned char smem_raw[];
-    A* scratch = reinterpret_cast<A*>(smem_raw);
     const RowArgs<A> ra = row_args<A>(flags, ignore_index, 0.0, 0.0, 0.0, cols);
     A acc = A(0);
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -746,10 +746,10 @@ __global__ void __launch_bounds__(256) class_weight_sum(
         const RowTarget<A> rt = row_target<T, A>(tgt, n * tn + d * td, weight, ra);
         if (!rt.ignored) acc += rt.wy;
     }
-    const A v[1] = {acc};
+    const double v[1] = {double(acc)};
     A* const outs[1] = {out};
-    const A div[1] = {A(1)};
-    grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x, scratch);
+    const double div[1] = {1.0};
+    grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x);
 }
 
 }  // namespace cupyloss
