@@ -232,7 +232,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
             name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, any(want_grads))
-            shared = max(_launch.BLOCK * vec, _launch.BLOCK // 32) * acc
+            shared = _launch.BLOCK * vec * 8   # the lanes' row sums, in double
             cfg = _launch.rows_launch(rows, cols, vec, acc, limits,
                                       _resident(name, shared, limits))
             layout = rows_layout(k_ops, spec.param_words)

@@ -51,19 +51,26 @@ def _timer(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _host_us(fn, sync, calls: int = 2000, batches: int = 9) -> float:
-    """Median host microseconds per call of fn() over batches of back-to-back calls."""
-    for _ in range(200):
-        fn()
-    sync()
-    per_call = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(calls):
+def _host_us(rows: dict, calls: int = 2000, batches: int = 9) -> dict:
+    """Median host microseconds per call of each row's fn(), {name: (fn, sync)}.
+
+    The rows take turns, one batch of back-to-back calls each per round, so that every row is
+    measured across the same stretch of the machine's state (clocks, other tenants): the ratios
+    between rows compare like with like even when the absolute numbers drift from run to run.
+    """
+    for fn, sync in rows.values():
+        for _ in range(200):
             fn()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
         sync()
-    return statistics.median(per_call)
+    per_call = {name: [] for name in rows}
+    for _ in range(batches):
+        for name, (fn, sync) in rows.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((time.perf_counter() - start) / calls * 1e6)
+            sync()
+    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def small_calls(n: int = 1024) -> list[dict]:
@@ -103,9 +110,7 @@ def small_calls(n: int = 1024) -> list[dict]:
             "cupyloss.mse_loss_backward (torch)":
                 (lambda: cupyloss.mse_loss_backward(1.0, tx, ty), tsync),
         }
-    out = []
-    for name, (fn, sync_fn) in rows.items():
-        out.append({"call": name, "us": _host_us(fn, sync_fn), "n": n})
+    out = [{"call": name, "us": us, "n": n} for name, us in _host_us(rows).items()]
     ref = next((r["us"] for r in out if r["call"] == "torch eager F.mse_loss"), None)
     print(f"host time per call, {n} fp32 elements, reduced loss (median of batches):")
     for r in out:

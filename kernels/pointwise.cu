@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(256) pointwise_flat(
 // [by * rows_per_block, (by + 1) * rows_per_block); its threads form ty = blockDim.x / tx lanes
 // down the rows, each taking UNROLL rows per step with all their loads issued before any use.
 // Row and scalar operands stay in registers; a row operand's gradient is summed down the
-// column in registers, then across the ty lanes in shared memory in lane order, and written to
+// column in registers (compensated), then across the ty lanes in shared memory in lane order
+// (in double), and written to
 // ws[k][by, col] (reduce.cu's sum_rows adds the row blocks) or, with one row block, straight to
 // g[k][col].  A scalar operand's gradient is a 0-d sum (grid_sum_out).
 template <typename T, typename Op, int VEC, bool GRAD>
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(256) pointwise_rows(
     constexpr int UNROLL = K <= 2 ? 4 : 2;
     using A = acc_t<T>;
     extern __shared__ unsigned char smem_raw[];
-    A* smem = reinterpret_cast<A*>(smem_raw);  // [max(ty * tx * VEC, blockDim.x / 32)]
+    double* smem = reinterpret_cast<double*>(smem_raw);  // [ty * tx * VEC]: lanes' row sums
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
     const A gs = A(grad_scale);
@@ -432,15 +433,15 @@ __global__ void __launch_bounds__(256) pointwise_rows(
         if (!want_row[k]) continue;
         __syncthreads();  // smem may still be read by finish or by the previous operand
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j].value();
+        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j].wide();
         __syncthreads();
         if (ly == 0 && active) {
             #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                A acc = smem[lx * VEC + j];
+                double acc = smem[lx * VEC + j];
                 for (long long q = 1; q < ty; ++q) acc += smem[(q * tx + lx) * VEC + j];
-                if (g.p[k] != nullptr) g.p[k][c + j] = from_acc<T>(acc);
-                else ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
+                if (g.p[k] != nullptr) g.p[k][c + j] = from_acc<T>(A(acc));
+                else ws.p[k][(long long)blockIdx.y * cols + c + j] = A(acc);
             }
         }
     }
