@@ -60,6 +60,8 @@ constexpr int ROWC_NV = 4;  // 16-byte vectors of each operand a thread loads be
 
 __device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
 __device__ __forceinline__ double lg1p(double v) { return log1p(v); }
+__device__ __forceinline__ float absv(float v) { return fabsf(v); }
+__device__ __forceinline__ double absv(double v) { return fabs(v); }
 
 // The sums (a, b) of each team of tpr consecutive threads, in every thread of the team: a fixed
 // butterfly within a warp (commutative, so every lane gets the same bits), the warps of a team in
@@ -116,7 +118,7 @@ __device__ __forceinline__ void element(A xv, A tv, A wv, int c, const ClassRow<
         gx = on ? (ca.p2 ? A(2) * z : A(1)) : A(0);
         gt = A(0);
     } else if constexpr (LOSS == LOSS_MULTILABEL) {
-        const A e = fexp(-fabs(xv));
+        const A e = fexp(-absv(xv));
         const A l = lg1p(e);
         loss = wv * ((tv * amax(-xv, A(0)) + (A(1) - tv) * amax(xv, A(0))) + l);
         const A sig = xv >= A(0) ? A(1) / (A(1) + e) : e / (A(1) + e);
@@ -136,7 +138,7 @@ __device__ __forceinline__ void element(A xv, A tv, A wv, int c, const ClassRow<
         } else {
             const A mx = amax(xv, tv);
             const A em = fexp(mx);
-            const A small = fexp(-fabs(xv - tv));      // e^(min - max)
+            const A small = fexp(-absv(xv - tv));      // e^(min - max)
             const A a = tv >= xv ? A(1) : small;       // e^(y - mx)
             const A b = tv >= xv ? small : A(1);       // e^(x - mx)
             const A ls = lg(ca.beta * a + ca.one_minus_beta * b);
