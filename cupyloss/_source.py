@@ -79,6 +79,16 @@ def rowwise_name(kernel: str, ctype: str, mode: int = 2) -> str:
     return f"cupyloss::{kernel}<{ctype}>"
 
 
+ROWCLASS_LOSSES = (0, 1, 2)   # LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD in rowclass.cu
+
+
+def rowclass_name(kernel: str, ctype: str, loss: int = 0) -> str:
+    """Name expression of a rowclass.cu kernel: rowclass_rows<ctype, loss>, rowclass_count<ctype>."""
+    if kernel == "rowclass_rows":
+        return f"cupyloss::{kernel}<{ctype}, {loss}>"
+    return f"cupyloss::{kernel}<{ctype}>"
+
+
 def units() -> list[tuple[str, list[str]]]:
     """Every compilation unit: (source file, its name expressions).  CI compiles each."""
     pointwise = [name for functor in _registry.functors() for info in _dtypes.DTYPES.values()
@@ -89,8 +99,11 @@ def units() -> list[tuple[str, list[str]]]:
     rowwise = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
                for info in _dtypes.DTYPES.values()
                for mode in ((0, 1, 2) if kernel == "cross_entropy_rows" else (2,))]
+    rowclass = [rowclass_name("rowclass_rows", info.ctype, loss)
+                for info in _dtypes.DTYPES.values() for loss in ROWCLASS_LOSSES]
+    rowclass += [rowclass_name("rowclass_count", info.ctype) for info in _dtypes.DTYPES.values()]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
-            ("rowwise.cu", rowwise)]
+            ("rowwise.cu", rowwise), ("rowclass.cu", rowclass)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,10 +1,14 @@
-"""Benchmark cross_entropy against torch eager and torch.compile at two shapes.
+"""Benchmark cross_entropy and jsd against torch eager and torch.compile.
 
     python -m cupyloss.bench_rowwise [--reps 20] [--scale 1.0] [--json out.json] [--no-compile]
+                                     [--workloads kb95,llm,jsd]
 
 Workloads (int64 targets, 'mean' reduction, about 1% of them ignore_index):
   kb95  32768 x 4096 float32 logits (KernelBench level 1, problem 95)
   llm   8192 x 128256 bfloat16 logits (a Llama-3 vocabulary)
+  jsd   jsd (beta 0.5, no shift labels) of two 8192 x 128256 bfloat16 log-probability arrays
+        (student and teacher, Liger-Kernel's distillation shape); torch runs the same formula,
+        Liger's torch reference (float32 upcast, kl_div with log_target), d loss / d student
 
 Passes: forward (the loss) and value_and_grad (the loss and d loss / d logits written to a new
 array; cupyloss also in place, into the logits).  torch's value_and_grad is its forward plus
@@ -54,13 +58,46 @@ def bandwidth(torch, reps: int) -> tuple[float, float]:
 
 def _workload(torch, name, scale):
     rows, cols, dtype = {"kb95": (32768, 4096, torch.float32),
-                         "llm": (8192, 128256, torch.bfloat16)}[name]
+                         "llm": (8192, 128256, torch.bfloat16),
+                         "jsd": (8192, 128256, torch.bfloat16)}[name]
     rows = max(1, int(rows * scale))
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if name == "jsd":
+        x = torch.log_softmax(torch.randn(rows, cols, device="cuda", generator=gen), -1)
+        t = torch.log_softmax(torch.randn(rows, cols, device="cuda", generator=gen) * 2, -1)
+        return x.to(dtype), t.to(dtype)
     x = torch.randn(rows, cols, device="cuda", generator=gen).to(dtype)
     t = torch.randint(0, cols, (rows,), device="cuda", generator=gen)
     t[torch.rand(rows, device="cuda", generator=gen) < 0.01] = -100
     return x, t
+
+
+def _jsd_impls(torch, x, t, compile_: bool):
+    """jsd: name -> (forward, value_and_grad) callables (the student's gradient)."""
+    import torch.nn.functional as F
+
+    def f(a, b, beta=0.5):
+        a, b = a.float(), b.float()
+        log_m = torch.log(beta * b.exp() + (1 - beta) * a.exp())
+        terms = beta * F.kl_div(log_m, b, reduction="none", log_target=True) + (
+            1 - beta) * F.kl_div(log_m, a, reduction="none", log_target=True)
+        return (terms.sum() / a.shape[0]).to(x.dtype)
+
+    leaf = x.detach().clone().requires_grad_()
+
+    def fwd_bwd(fn):
+        def run():
+            return torch.autograd.grad(fn(leaf, t), (leaf,))
+        return run
+
+    impls = {
+        "cupyloss": (lambda: cupyloss.jsd(x, t), lambda: cupyloss.jsd_value_and_grad(x, t)),
+        "torch eager": (lambda: f(x, t), fwd_bwd(f)),
+    }
+    if compile_:
+        compiled = torch.compile(f, dynamic=False)
+        impls["torch.compile"] = (lambda: compiled(x, t), fwd_bwd(compiled))
+    return impls
 
 
 def _impls(torch, x, t, compile_: bool):
@@ -102,6 +139,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--workloads", default="kb95,llm,jsd", help="comma-separated subset")
     args = ap.parse_args(argv)
 
     import cupy
@@ -112,12 +150,12 @@ def main(argv=None) -> list[dict]:
     print(f"device: {device}; read {read_bw:.0f} GB/s (float32 sum), copy {copy_bw:.0f} GB/s "
           f"(read + write)")
     rows = []
-    for name in ("kb95", "llm"):
+    for name in args.workloads.split(","):
         x, t = _workload(torch, name, args.scale)
         read_bytes = x.numel() * x.element_size() + t.numel() * t.element_size()
         nbytes = {"forward": read_bytes, "value_and_grad": read_bytes + x.numel() * x.element_size()}
         limit = {"forward": read_bw, "value_and_grad": copy_bw}
-        impls = _impls(torch, x, t, not args.no_compile)
+        impls = (_jsd_impls if name == "jsd" else _impls)(torch, x, t, not args.no_compile)
         times = {}
         for who, (fwd, vag) in impls.items():
             if fwd is not None:
