@@ -189,4 +189,48 @@ __device__ __forceinline__ void grid_sum_out(const double (&v)[NQ], T* const (&o
     }
 }
 
+// value[0] = L / D for a 0-d loss whose divisor may itself be a sum over the grid: L sums every
+// thread's `num`; D is denom[0] when given, else the sum of every thread's `den` when
+// `den_is_sum`, else `divisor`; with `zero_empty` a D of 0 gives 0 (else 0 / 0 = NaN).  The sums
+// across threads and blocks are carried in double (as grid_sum_out).  Several blocks leave
+// partials [2, nblocks]; the block that draws the last ticket adds them in block order.  Every
+// thread of the block calls it.
+template <typename T>
+__device__ __forceinline__ void finish_ratio(acc_t<T> num, acc_t<T> den, T* __restrict__ value,
+                                             const acc_t<T>* __restrict__ denom,
+                                             bool den_is_sum, bool zero_empty, double divisor,
+                                             acc_t<T>* __restrict__ partials,
+                                             unsigned int* __restrict__ ticket) {
+    using A = acc_t<T>;
+    if (value == nullptr) return;
+    double* wide = wide_scratch();
+    __shared__ unsigned int is_last;
+    const long long nblocks = gridDim.x;
+    double l = block_sum(double(num), wide);
+    double w = block_sum(double(den), wide);
+    if (nblocks > 1) {
+        if (threadIdx.x == 0) {
+            partials[blockIdx.x] = A(l);
+            partials[nblocks + blockIdx.x] = A(w);
+            __threadfence();
+            is_last = atomicInc(ticket, (unsigned int)(nblocks - 1))
+                      == (unsigned int)(nblocks - 1);
+        }
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        double pl = 0.0, pw = 0.0;
+        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x) {
+            pl += double(__ldcg(partials + j));
+            pw += double(__ldcg(partials + nblocks + j));
+        }
+        l = block_sum(pl, wide);
+        w = block_sum(pw, wide);
+    }
+    if (threadIdx.x == 0) {
+        const double d = denom != nullptr ? double(denom[0]) : den_is_sum ? w : divisor;
+        value[0] = from_acc<T>(zero_empty && d == 0.0 ? A(0) : A(l / d));
+    }
+}
+
 }  // namespace cupyloss

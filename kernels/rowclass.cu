@@ -152,47 +152,6 @@ __device__ __forceinline__ void element(A xv, A tv, A wv, int c, const ClassRow<
     }
 }
 
-// value[0] = L / D: L sums every thread's `loss`; D the sum of every thread's `count` under
-// RC_COUNT, else `divisor`; with zero_empty a D of 0 gives 0.  Several blocks leave partials
-// [2, nblocks]; the block that draws the last ticket adds them in block order.
-template <typename T>
-__device__ __forceinline__ void rowclass_finish(acc_t<T> loss, acc_t<T> count, T* value,
-                                                bool use_count, bool zero_empty, double divisor,
-                                                acc_t<T>* __restrict__ partials,
-                                                unsigned int* __restrict__ ticket,
-                                                acc_t<T>* scratch) {
-    using A = acc_t<T>;
-    if (value == nullptr) return;
-    const long long nblocks = gridDim.x;
-    A l = block_sum(loss, scratch);
-    A n = block_sum(count, scratch);
-    if (nblocks > 1) {
-        A* flag = scratch + ROW_SCRATCH - 1;
-        if (threadIdx.x == 0) {
-            partials[blockIdx.x] = l;
-            partials[nblocks + blockIdx.x] = n;
-            __threadfence();
-            const bool last = atomicInc(ticket, (unsigned int)(nblocks - 1))
-                              == (unsigned int)(nblocks - 1);
-            *flag = last ? A(1) : A(0);
-        }
-        __syncthreads();
-        if (*flag == A(0)) return;
-        __threadfence();
-        A pl = A(0), pn = A(0);
-        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x) {
-            pl += __ldcg(partials + j);
-            pn += __ldcg(partials + nblocks + j);
-        }
-        l = block_sum(pl, scratch);
-        n = block_sum(pn, scratch);
-    }
-    if (threadIdx.x == 0) {
-        const A d = use_count ? n : A(divisor);
-        value[0] = from_acc<T>(zero_empty && d == A(0) ? A(0) : l / d);
-    }
-}
-
 // One streaming pass over rows of C contiguous elements (see the file comment).  Every thread of
 // a block runs the row loop the same number of times (inactive teams take part in the merges).
 template <typename T, int LOSS>
@@ -374,8 +333,8 @@ __global__ void __launch_bounds__(256) rowclass_rows(
             if (lane == owner) gr[y] = from_acc<T>(-dsum * g);
         }
     }
-    rowclass_finish<T>(lacc.value(), cacc, value, (flags & RC_COUNT) != 0,
-                       (flags & RC_ZERO_EMPTY) != 0, divisor, partials, ticket, scratch);
+    finish_ratio<T>(lacc.value(), cacc, value, nullptr, (flags & RC_COUNT) != 0,
+                    (flags & RC_ZERO_EMPTY) != 0, divisor, partials, ticket);
 }
 
 // out[0] = the number of rows whose shift label is not ignore_index (jsd's 'mean' divisor).
@@ -388,17 +347,15 @@ __global__ void __launch_bounds__(256) rowclass_count(
         acc_t<T>* __restrict__ partials,     // [gridDim.x] when gridDim.x > 1
         unsigned int* __restrict__ ticket) {
     using A = acc_t<T>;
-    extern __shared__ unsigned char smem_raw[];
-    A* scratch = reinterpret_cast<A*>(smem_raw);
     A acc = A(0);
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += stride)
         if (read_index<T>(labels, r * l_rs, (flags & RC_LABELS64) != 0) != ignore_index)
             acc += A(1);
-    const A v[1] = {acc};
+    const double v[1] = {double(acc)};
     A* const outs[1] = {out};
-    const A div[1] = {A(1)};
-    grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x, scratch);
+    const double div[1] = {1.0};
+    grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x);
 }
 
 }  // namespace cupyloss

@@ -340,50 +340,6 @@ __device__ __forceinline__ A grad_target(A z, A w, const RowResult<A>& o, const 
     return o.g * ra.one_minus_eps * w * (o.log_s + dist_to(o.m, z));
 }
 
-// The 0-d loss, value[0] = L / D: L sums every thread's `loss`; D is denom[0] when given, else
-// the sum of every thread's `wsum` under ROW_MEAN_W, else `divisor`.  The sums across threads
-// and blocks are carried in double (as grid_sum_out in common.cuh).  Several blocks leave
-// partials [2, nblocks]; the block that draws the last ticket adds them in block order.  Every
-// thread of the block calls it.
-template <typename T>
-__device__ __forceinline__ void finish_value(acc_t<T> loss, acc_t<T> wsum, T* __restrict__ value,
-                                             const acc_t<T>* __restrict__ denom, bool mean_w,
-                                             double divisor, acc_t<T>* __restrict__ partials,
-                                             unsigned int* __restrict__ ticket,
-                                             acc_t<T>* scratch) {
-    using A = acc_t<T>;
-    if (value == nullptr) return;
-    double* wide = wide_scratch();
-    const long long nblocks = gridDim.x;
-    double l = block_sum(double(loss), wide);
-    double w = block_sum(double(wsum), wide);
-    if (nblocks > 1) {
-        A* flag = scratch + ROW_SCRATCH - 1;
-        if (threadIdx.x == 0) {
-            partials[blockIdx.x] = A(l);
-            partials[nblocks + blockIdx.x] = A(w);
-            __threadfence();
-            const bool last = atomicInc(ticket, (unsigned int)(nblocks - 1))
-                              == (unsigned int)(nblocks - 1);
-            *flag = last ? A(1) : A(0);
-        }
-        __syncthreads();
-        if (*flag == A(0)) return;
-        __threadfence();
-        double pl = 0.0, pw = 0.0;
-        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x) {
-            pl += double(__ldcg(partials + j));
-            pw += double(__ldcg(partials + nblocks + j));
-        }
-        l = block_sum(pl, wide);
-        w = block_sum(pw, wide);
-    }
-    if (threadIdx.x == 0) {
-        const double d = denom != nullptr ? double(denom[0]) : mean_w ? w : divisor;
-        value[0] = from_acc<T>(A(l / d));
-    }
-}
-
 template <typename T, int VEC>
 __device__ __forceinline__ Vec<T, VEC> load16(const T* p, bool keep) {
     const int4 raw = keep ? __ldcg(reinterpret_cast<const int4*>(p))
@@ -639,7 +595,7 @@ cross_entropy_rows(
             }
         }
     }
-    finish_value<T>(lacc, wacc, value, denom, mean_w, divisor, partials, ticket, scratch);
+    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
 }
 
 // Any strides: row r = (n, d) of an input viewed as [N, C, inner]; a thread per row, classes
@@ -721,7 +677,7 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
             if (gtr != nullptr) gtr[c * inner] = from_acc<T>(grad_target(z, w, o, ra));
         }
     }
-    finish_value<T>(lacc, wacc, value, denom, mean_w, divisor, partials, ticket, scratch);
+    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
 }
 
 // out[0] = sum over rows (n, d) of the counted rows' weights: 0 for ignore_index, w_y (1 without
