@@ -15,7 +15,7 @@ Times (median of --reps, CUDA events, after warm-up) the forward and value_and_g
 and reports GB/s of compulsory traffic (each input read once, each output written once) next
 to the device's copy bandwidth measured in the same run, and each time's ratio to cupyloss's.
 value_and_grad is compared with torch's forward + backward asking for the same gradients.
---plot also sweeps every workload from 1K to 1G elements ([n / cols, cols], cols = min(n, 4096))
+--plot also sweeps every workload from 1K to 1G elements in steps of 16x ([n / cols, cols], cols = min(n, 4096))
 against the same implementations and writes a PNG of GB/s against size (matplotlib, if
 installed) with the copy bandwidth as a line, and the same numbers as a markdown table beside it.
 --only runs the named workloads alone.  --family times every registered pointwise loss (forward
@@ -270,7 +270,7 @@ def family(scale: float, reps: int, bw: float, device: str) -> list[dict]:
     return rows
 
 
-SWEEP_SIZES = tuple(4**k for k in range(5, 16))   # 1K ... 1G elements
+SWEEP_SIZES = tuple(4 * 16**k for k in range(2, 8))   # 1K, 16K, ..., 1G elements: one point per 16x
 
 
 def _sweep_operands(name: str, n: int):
