@@ -15,9 +15,10 @@ Times (median of --reps, CUDA events, after warm-up) the forward and value_and_g
 and reports GB/s of compulsory traffic (each input read once, each output written once) next
 to the device's copy bandwidth measured in the same run, and each time's ratio to cupyloss's.
 value_and_grad is compared with torch's forward + backward asking for the same gradients.
---plot also sweeps every workload from 1K to 1G elements in steps of 16x ([n / cols, cols], cols = min(n, 4096))
-against the same implementations and writes a PNG of GB/s against size (matplotlib, if
-installed) with the copy bandwidth as a line, and the same numbers as a markdown table beside it.
+--plot also sweeps every workload from 1K to 1G elements in steps of 16x ([n / cols, cols],
+cols = min(n, 4096)) against the same implementations and writes a PNG of GB/s against size
+(matplotlib, if installed) with the copy bandwidth as a line, and the same numbers as a markdown
+table beside it.
 --only runs the named workloads alone.  --family times every registered pointwise loss (forward
 and value_and_grad, every array [32768, 32768] float32) next to mse_loss, and skips the rest.
 --scale shrinks every side (0.25 runs on a small GPU).  Never used as a test.
