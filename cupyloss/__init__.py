@@ -55,13 +55,16 @@ from cupyloss.pointwise import (
     squared_hinge_loss_backward,
     squared_hinge_loss_value_and_grad,
 )
-from cupyloss.rowwise import (
-    cross_entropy,
-    cross_entropy_backward,
-    cross_entropy_value_and_grad,
-    nll_loss,
-    nll_loss_backward,
-    nll_loss_value_and_grad,
+from cupyloss.rowclass import (
+    jsd,
+    jsd_backward,
+    jsd_value_and_grad,
+    multi_margin_loss,
+    multi_margin_loss_backward,
+    multi_margin_loss_value_and_grad,
+    multilabel_soft_margin_loss,
+    multilabel_soft_margin_loss_backward,
+    multilabel_soft_margin_loss_value_and_grad,
 )
 from cupyloss.rowpair import (
     cosine_embedding_loss,
@@ -70,6 +73,14 @@ from cupyloss.rowpair import (
     triplet_margin_loss,
     triplet_margin_loss_backward,
     triplet_margin_loss_value_and_grad,
+)
+from cupyloss.rowwise import (
+    cross_entropy,
+    cross_entropy_backward,
+    cross_entropy_value_and_grad,
+    nll_loss,
+    nll_loss_backward,
+    nll_loss_value_and_grad,
 )
 
 __version__ = "0.1.0"
@@ -99,6 +110,9 @@ __all__ = [
     "huber_loss",
     "huber_loss_backward",
     "huber_loss_value_and_grad",
+    "jsd",
+    "jsd_backward",
+    "jsd_value_and_grad",
     "kl_div",
     "kl_div_backward",
     "kl_div_value_and_grad",
@@ -114,6 +128,12 @@ __all__ = [
     "mse_loss",
     "mse_loss_backward",
     "mse_loss_value_and_grad",
+    "multi_margin_loss",
+    "multi_margin_loss_backward",
+    "multi_margin_loss_value_and_grad",
+    "multilabel_soft_margin_loss",
+    "multilabel_soft_margin_loss_backward",
+    "multilabel_soft_margin_loss_value_and_grad",
     "nll_loss",
     "nll_loss_backward",
     "nll_loss_value_and_grad",

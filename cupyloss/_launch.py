@@ -433,3 +433,26 @@ def class_geometry(x_shape: tuple, x_strides: tuple, t_shape: tuple, t_strides: 
     if c == 1:
         xc, tc = 1, (1 if prob else 0)
     return ClassGeometry(n * inner, c, inner, batch, (xn, xc, xd), (tn, tc, td))
+
+
+# --- Streaming row-wise launches (kernels/rowclass.cu) -------------------------------------------
+
+def stream_row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int,
+                      limits: DeviceLimits, blocks_per_sm: int) -> RowLaunch:
+    """Launch for rowclass_rows over [rows, cols] (blocks_per_sm: its resident blocks).
+
+    Nothing of a row is held on chip (each element's gradient needs only that element), so this
+    is cross_entropy's forward rule: the team `row_team` gives for the row length (its k ignored:
+    a long row is streamed by a whole block), a warp per row when there are rows for a quarter of
+    the resident warps (ROW_FORWARD_TEAM), and a grid of at most the resident blocks with the rows
+    going round it.
+    """
+    if cols > ROW_MAX_COLS:
+        raise ValueError(f"rows of {cols} classes exceed the {ROW_MAX_COLS} a row may have")
+    resident = max(1, limits.sm_count * blocks_per_sm)
+    tpr, _ = row_team(cols, itemsize)
+    if 4 * rows >= resident * (BLOCK // ROW_FORWARD_TEAM):
+        tpr = min(tpr, ROW_FORWARD_TEAM)
+    shared = check_shared(ROW_SCRATCH * acc_itemsize, limits, "rowclass_rows")
+    blocks = _cdiv(max(rows, 1), BLOCK // tpr)
+    return RowLaunch((max(1, min(blocks, resident, limits.max_grid_x)),), (BLOCK,), shared, tpr, 1)

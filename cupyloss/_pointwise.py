@@ -231,8 +231,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
         if (None not in kinds and KIND_ROW in kinds
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
-            name = _source.pointwise_name("rows", info.ctype, spec.functor, vec)
-            shared = max(_launch.BLOCK * vec, _launch.BLOCK // 32) * acc
+            name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, any(want_grads))
+            shared = _launch.BLOCK * vec * 8   # the lanes' row sums, in double
             cfg = _launch.rows_launch(rows, cols, vec, acc, limits,
                                       _resident(name, shared, limits))
             layout = rows_layout(k_ops, spec.param_words)
@@ -258,8 +258,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     if (len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides)
             and "bcast" not in modes):
         vec = info.vec
-    name = _source.pointwise_name("flat", info.ctype, spec.functor, vec)
-    shared = _launch.BLOCK // 32 * acc
+    name = _source.pointwise_name("flat", info.ctype, spec.functor, vec, any(want_grads))
+    shared = 0   # the block sums' scratch is static (common.cuh)
     cfg = _launch.flat_launch(n, vec, acc, limits, _resident(name, shared, limits))
     layout = flat_layout(k_ops, spec.param_words)
     geo = _launch.geometry(shape, cstrides, k_ops + 1)

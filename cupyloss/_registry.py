@@ -115,9 +115,11 @@ def functors() -> tuple:
 
 
 # The modules holding a family's registry (a SPECS dict, name -> entry with at least `arrays` and
-# `reductions`), in the order the adapters list their losses.  The core never imports an adapter
+# `reductions`; optionally `loss_shape(input_shape, reduction)` and `module_name`, the torch
+# adapter's nn.Module name for a loss torch lacks), in the order the adapters list their losses.  The core never imports an adapter
 # or a framework; the adapters read every family from here.
-FAMILIES = ("cupyloss._pointwise", "cupyloss._rowwise", "cupyloss._rowpair")
+FAMILIES = ("cupyloss._pointwise", "cupyloss._rowwise", "cupyloss._rowclass",
+            "cupyloss._rowpair")
 
 
 def all_losses() -> dict:

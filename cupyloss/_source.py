@@ -43,15 +43,19 @@ def expand(name: str) -> str:
     return inline(name)
 
 
-def pointwise_name(kind: str, ctype: str, functor: str, vec: int) -> str:
-    """Name expression of pointwise_flat<ctype, functor, vec> or pointwise_rows<...>."""
-    return f"cupyloss::pointwise_{kind}<{ctype}, cupyloss::{functor}, {vec}>"
+def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool) -> str:
+    """Name expression of pointwise_flat<ctype, functor, vec, grad> or pointwise_rows<...>
+    (grad: the instantiation that can write gradients; the other computes values only)."""
+    return (f"cupyloss::pointwise_{kind}<{ctype}, cupyloss::{functor}, {vec}, "
+            f"{'true' if grad else 'false'}>")
 
 
 def pointwise_names(functor: str, info) -> list[str]:
-    """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector."""
-    return [pointwise_name(kind, info.ctype, functor, vec)
-            for vec in sorted({1, info.vec}) for kind in ("flat", "rows")]
+    """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector,
+    value-only and with gradients."""
+    return [pointwise_name(kind, info.ctype, functor, vec, grad)
+            for vec in sorted({1, info.vec}) for kind in ("flat", "rows")
+            for grad in (False, True)]
 
 
 def reduce_name(kernel: str, ctype: str) -> str:
@@ -75,6 +79,16 @@ def rowwise_name(kernel: str, ctype: str, mode: int = 2) -> str:
     return f"cupyloss::{kernel}<{ctype}>"
 
 
+ROWCLASS_LOSSES = (0, 1, 2)   # LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD in rowclass.cu
+
+
+def rowclass_name(kernel: str, ctype: str, loss: int = 0) -> str:
+    """Name expression of a rowclass.cu kernel: rowclass_rows<ctype, loss>, rowclass_count<ctype>."""
+    if kernel == "rowclass_rows":
+        return f"cupyloss::{kernel}<{ctype}, {loss}>"
+    return f"cupyloss::{kernel}<{ctype}>"
+
+
 ROWPAIR_OPS = ("TripletOp", "CosineOp")
 
 
@@ -93,10 +107,13 @@ def units() -> list[tuple[str, list[str]]]:
     rowwise = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
                for info in _dtypes.DTYPES.values()
                for mode in ((0, 1, 2) if kernel == "cross_entropy_rows" else (2,))]
+    rowclass = [rowclass_name("rowclass_rows", info.ctype, loss)
+                for info in _dtypes.DTYPES.values() for loss in ROWCLASS_LOSSES]
+    rowclass += [rowclass_name("rowclass_count", info.ctype) for info in _dtypes.DTYPES.values()]
     rowpair = [rowpair_name(info.ctype, op, grad) for op in ROWPAIR_OPS
                for info in _dtypes.DTYPES.values() for grad in (False, True)]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
-            ("rowwise.cu", rowwise), ("rowpair.cu", rowpair)]
+            ("rowwise.cu", rowwise), ("rowclass.cu", rowclass), ("rowpair.cu", rowpair)]
 
 
 @functools.lru_cache(maxsize=None)

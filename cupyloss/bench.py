@@ -15,9 +15,10 @@ Times (median of --reps, CUDA events, after warm-up) the forward and value_and_g
 and reports GB/s of compulsory traffic (each input read once, each output written once) next
 to the device's copy bandwidth measured in the same run, and each time's ratio to cupyloss's.
 value_and_grad is compared with torch's forward + backward asking for the same gradients.
---plot also sweeps every workload from 1K to 1G elements ([n / cols, cols], cols = min(n, 4096))
-against the same implementations and writes a PNG of GB/s against size (matplotlib, if
-installed) with the copy bandwidth as a line, and the same numbers as a markdown table beside it.
+--plot also sweeps every workload from 1K to 1G elements in steps of 16x ([n / cols, cols],
+cols = min(n, 4096)) against the same implementations and writes a PNG of GB/s against size
+(matplotlib, if installed) with the copy bandwidth as a line, and the same numbers as a markdown
+table beside it.
 --only runs the named workloads alone.  --family times every registered pointwise loss (forward
 and value_and_grad, every array [32768, 32768] float32) next to mse_loss, and skips the rest.
 --scale shrinks every side (0.25 runs on a small GPU).  Never used as a test.
@@ -51,19 +52,26 @@ def _timer(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _host_us(fn, sync, calls: int = 2000, batches: int = 9) -> float:
-    """Median host microseconds per call of fn() over batches of back-to-back calls."""
-    for _ in range(200):
-        fn()
-    sync()
-    per_call = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(calls):
+def _host_us(rows: dict, calls: int = 2000, batches: int = 9) -> dict:
+    """Median host microseconds per call of each row's fn(), {name: (fn, sync)}.
+
+    The rows take turns, one batch of back-to-back calls each per round, so that every row is
+    measured across the same stretch of the machine's state (clocks, other tenants): the ratios
+    between rows compare like with like even when the absolute numbers drift from run to run.
+    """
+    for fn, sync in rows.values():
+        for _ in range(200):
             fn()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
         sync()
-    return statistics.median(per_call)
+    per_call = {name: [] for name in rows}
+    for _ in range(batches):
+        for name, (fn, sync) in rows.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((time.perf_counter() - start) / calls * 1e6)
+            sync()
+    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def small_calls(n: int = 1024) -> list[dict]:
@@ -103,9 +111,7 @@ def small_calls(n: int = 1024) -> list[dict]:
             "cupyloss.mse_loss_backward (torch)":
                 (lambda: cupyloss.mse_loss_backward(1.0, tx, ty), tsync),
         }
-    out = []
-    for name, (fn, sync_fn) in rows.items():
-        out.append({"call": name, "us": _host_us(fn, sync_fn), "n": n})
+    out = [{"call": name, "us": us, "n": n} for name, us in _host_us(rows).items()]
     ref = next((r["us"] for r in out if r["call"] == "torch eager F.mse_loss"), None)
     print(f"host time per call, {n} fp32 elements, reduced loss (median of batches):")
     for r in out:
@@ -265,7 +271,7 @@ def family(scale: float, reps: int, bw: float, device: str) -> list[dict]:
     return rows
 
 
-SWEEP_SIZES = tuple(4**k for k in range(5, 16))   # 1K ... 1G elements
+SWEEP_SIZES = tuple(4 * 16**k for k in range(2, 8))   # 1K, 16K, ..., 1G elements: one point per 16x
 
 
 def _sweep_operands(name: str, n: int):

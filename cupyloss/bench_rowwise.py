@@ -1,20 +1,23 @@
-"""Benchmark the row-wise losses against torch eager and torch.compile.
+"""Benchmark cross_entropy, jsd and triplet_margin_loss against torch eager and torch.compile.
 
     python -m cupyloss.bench_rowwise [--reps 20] [--scale 1.0] [--json out.json] [--no-compile]
-                                     [--only kb95,llm,kb99 | cross_entropy | triplet]
+                                     [--workloads kb95,llm,jsd,kb99]
 
-Workloads ('mean' reduction):
-  kb95  cross_entropy, 32768 x 4096 float32 logits (KernelBench level 1, problem 95), int64
-        targets, about 1% of them ignore_index
-  llm   cross_entropy, 8192 x 128256 bfloat16 logits (a Llama-3 vocabulary), the same targets
-  kb99  triplet_margin_loss, three 32768 x 8192 float32 inputs (KernelBench level 1, problem 99),
-        margin 1, p 2
+Workloads (int64 targets, 'mean' reduction, about 1% of them ignore_index):
+  kb95  32768 x 4096 float32 logits (KernelBench level 1, problem 95)
+  llm   8192 x 128256 bfloat16 logits (a Llama-3 vocabulary)
+  jsd   jsd (beta 0.5, no shift labels) of two 8192 x 128256 bfloat16 log-probability arrays
+        (student and teacher, Liger-Kernel's distillation shape); torch runs the same formula,
+        Liger's torch reference (float32 upcast, kl_div with log_target), d loss / d student
+  kb99  triplet_margin_loss (margin 1, p 2) of three 32768 x 8192 float32 arrays (KernelBench
+        level 1, problem 99); value_and_grad writes all three inputs' gradients, so its
+        compulsory traffic is the three inputs read and three gradients written
 
-Passes: forward (the loss) and value_and_grad (the loss and the gradients written to new arrays:
-the logits' for cross_entropy, cupyloss also in place; all three inputs' for the triplet loss).
-torch's value_and_grad is its forward plus backward asking for the same gradients.  Times are
-medians of --reps runs (CUDA events, after warm-up) on torch's current stream, all arrays torch
-tensors.  GB/s counts compulsory traffic: every input read once, every gradient written once.  Percentages are of the device's
+Passes: forward (the loss) and value_and_grad (the loss and d loss / d logits written to a new
+array; cupyloss also in place, into the logits).  torch's value_and_grad is its forward plus
+backward asking for the logits' gradient.  Times are medians of --reps runs (CUDA events, after
+warm-up) on torch's current stream, all arrays torch tensors.  GB/s counts compulsory traffic:
+the logits and targets read once, the gradient written once.  Percentages are of the device's
 bandwidth measured in the same run: a read-only sum for the forward, a copy (read + write) for
 value_and_grad.  --scale shrinks the rows (0.25 on a small GPU).  Never used as a test.
 """
@@ -58,13 +61,77 @@ def bandwidth(torch, reps: int) -> tuple[float, float]:
 
 def _workload(torch, name, scale):
     rows, cols, dtype = {"kb95": (32768, 4096, torch.float32),
-                         "llm": (8192, 128256, torch.bfloat16)}[name]
+                         "llm": (8192, 128256, torch.bfloat16),
+                         "jsd": (8192, 128256, torch.bfloat16)}[name]
     rows = max(1, int(rows * scale))
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if name == "jsd":
+        x = torch.log_softmax(torch.randn(rows, cols, device="cuda", generator=gen), -1)
+        t = torch.log_softmax(torch.randn(rows, cols, device="cuda", generator=gen) * 2, -1)
+        return x.to(dtype), t.to(dtype)
     x = torch.randn(rows, cols, device="cuda", generator=gen).to(dtype)
     t = torch.randint(0, cols, (rows,), device="cuda", generator=gen)
     t[torch.rand(rows, device="cuda", generator=gen) < 0.01] = -100
     return x, t
+
+
+def _triplet_workload(torch, scale):
+    rows = max(1, int(32768 * scale))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return tuple(torch.randn(rows, 8192, device="cuda", generator=gen) for _ in range(3))
+
+
+def _triplet_impls(torch, arrays, compile_: bool):
+    """name -> (forward, value_and_grad) callables of triplet_margin_loss."""
+    import torch.nn.functional as F
+
+    def f(a, p, n):
+        return F.triplet_margin_loss(a, p, n, margin=1.0)
+
+    leaves = tuple(a.detach().clone().requires_grad_() for a in arrays)
+
+    def fwd_bwd(fn):
+        def run():
+            return torch.autograd.grad(fn(*leaves), leaves)
+        return run
+
+    impls = {
+        "cupyloss": (lambda: cupyloss.triplet_margin_loss(*arrays),
+                     lambda: cupyloss.triplet_margin_loss_value_and_grad(*arrays)),
+        "torch eager": (lambda: f(*arrays), fwd_bwd(f)),
+    }
+    if compile_:
+        compiled = torch.compile(f, dynamic=False)
+        impls["torch.compile"] = (lambda: compiled(*arrays), fwd_bwd(compiled))
+    return impls
+
+
+def _jsd_impls(torch, x, t, compile_: bool):
+    """jsd: name -> (forward, value_and_grad) callables (the student's gradient)."""
+    import torch.nn.functional as F
+
+    def f(a, b, beta=0.5):
+        a, b = a.float(), b.float()
+        log_m = torch.log(beta * b.exp() + (1 - beta) * a.exp())
+        terms = beta * F.kl_div(log_m, b, reduction="none", log_target=True) + (
+            1 - beta) * F.kl_div(log_m, a, reduction="none", log_target=True)
+        return (terms.sum() / a.shape[0]).to(x.dtype)
+
+    leaf = x.detach().clone().requires_grad_()
+
+    def fwd_bwd(fn):
+        def run():
+            return torch.autograd.grad(fn(leaf, t), (leaf,))
+        return run
+
+    impls = {
+        "cupyloss": (lambda: cupyloss.jsd(x, t), lambda: cupyloss.jsd_value_and_grad(x, t)),
+        "torch eager": (lambda: f(x, t), fwd_bwd(f)),
+    }
+    if compile_:
+        compiled = torch.compile(f, dynamic=False)
+        impls["torch.compile"] = (lambda: compiled(x, t), fwd_bwd(compiled))
+    return impls
 
 
 def _impls(torch, x, t, compile_: bool):
@@ -100,58 +167,14 @@ def _impls(torch, x, t, compile_: bool):
     return impls
 
 
-def _triplet_workload(torch, scale):
-    rows = max(1, int(32768 * scale))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    return tuple(torch.randn(rows, 8192, device="cuda", generator=gen) for _ in range(3))
-
-
-def _triplet_impls(torch, arrays, compile_: bool):
-    """name -> (forward, value_and_grad) callables of triplet_margin_loss."""
-    import torch.nn.functional as F
-
-    def f(a, p, n):
-        return F.triplet_margin_loss(a, p, n, margin=1.0)
-
-    leaves = tuple(a.detach().clone().requires_grad_() for a in arrays)
-
-    def fwd_bwd(fn):
-        def run():
-            return torch.autograd.grad(fn(*leaves), leaves)
-        return run
-
-    impls = {
-        "cupyloss": (lambda: cupyloss.triplet_margin_loss(*arrays),
-                     lambda: cupyloss.triplet_margin_loss_value_and_grad(*arrays)),
-        "torch eager": (lambda: f(*arrays), fwd_bwd(f)),
-    }
-    if compile_:
-        compiled = torch.compile(f, dynamic=False)
-        impls["torch.compile"] = (lambda: compiled(*arrays), fwd_bwd(compiled))
-    return impls
-
-
-_ALIASES = {"cross_entropy": ("kb95", "llm"), "triplet": ("kb99",),
-            "triplet_margin_loss": ("kb99",)}
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--only", default="kb95,llm,kb99",
-                    help="comma-separated workloads (kb95, llm, kb99) or losses (cross_entropy, "
-                         "triplet)")
+    ap.add_argument("--workloads", default="kb95,llm,jsd,kb99", help="comma-separated subset")
     args = ap.parse_args(argv)
-    workloads = []
-    for item in args.only.split(","):
-        for name in _ALIASES.get(item.strip(), (item.strip(),)):
-            if name not in ("kb95", "llm", "kb99"):
-                ap.error(f"unknown workload {name!r}")
-            if name not in workloads:
-                workloads.append(name)
 
     import cupy
     import torch
@@ -161,20 +184,19 @@ def main(argv=None) -> list[dict]:
     print(f"device: {device}; read {read_bw:.0f} GB/s (float32 sum), copy {copy_bw:.0f} GB/s "
           f"(read + write)")
     rows = []
-    for name in workloads:
+    for name in args.workloads.split(","):
         if name == "kb99":
-            arrays = _triplet_workload(torch, args.scale)
-            x = arrays[0]
-            read_bytes = sum(a.numel() * a.element_size() for a in arrays)
+            t = _triplet_workload(torch, args.scale)
+            x = t[0]
+            read_bytes = sum(a.numel() * a.element_size() for a in t)
             nbytes = {"forward": read_bytes, "value_and_grad": 2 * read_bytes}
-            impls = _triplet_impls(torch, arrays, not args.no_compile)
-            t = arrays
+            impls = _triplet_impls(torch, t, not args.no_compile)
         else:
             x, t = _workload(torch, name, args.scale)
             read_bytes = x.numel() * x.element_size() + t.numel() * t.element_size()
             nbytes = {"forward": read_bytes,
                       "value_and_grad": read_bytes + x.numel() * x.element_size()}
-            impls = _impls(torch, x, t, not args.no_compile)
+            impls = (_jsd_impls if name == "jsd" else _impls)(torch, x, t, not args.no_compile)
         limit = {"forward": read_bw, "value_and_grad": copy_bw}
         times = {}
         for who, (fwd, vag) in impls.items():

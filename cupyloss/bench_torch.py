@@ -6,9 +6,11 @@
 small   1K float32 elements, mse_loss: host microseconds per `loss = f(x, y); loss.backward()`
         (the time the Python thread spends per call, the GPU never being the bottleneck), for
         cupyloss.torch with gradients from the forward pass (the default), with the rerun
-        backward (gradients_in_forward=False), and torch eager's F.mse_loss; then the forward
-        alone of both and the core's value_and_grad without autograd (--profile adds a
-        cProfile of the adapter's loop).
+        backward (gradients_in_forward=False), torch eager's F.mse_loss, and the floor of any
+        Python autograd.Function (one that allocates the loss and gradient and launches
+        nothing); then the forward alone of both and the core's value_and_grad without
+        autograd (--profile adds a cProfile of the adapter's loop).  The rows take turns batch
+        by batch, so their ratios are measured over the same stretch of the machine.
 large   the KernelBench sizes, float32, gradients of both arguments asked for:
           mse    mse_loss(x, y), x, y [32768, 32768]
           kl     kl_div(p, q, 'batchmean') of probabilities p, q [16384, 16384] (cupyloss fuses
@@ -26,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 import cupyloss.torch as CF
+from cupyloss.bench import _host_us
 
 
 def _free() -> None:
@@ -63,21 +65,6 @@ def _gpu_ms(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _host_us(fn, calls: int = 2000, rounds: int = 5) -> float:
-    """Median over rounds of the host microseconds per fn() call, synchronising between rounds."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
-
-
 def _fwd_bwd(loss_fn, args, upstream=None):
     """A closure doing forward + backward with fresh .grad (None) each time, as a training step."""
     def run():
@@ -97,25 +84,52 @@ def small(profile: bool = False) -> dict:
     x = torch.randn(1024, device="cuda", requires_grad=True)
     y = torch.randn(1024, device="cuda")
     F = torch.nn.functional
-    rows = {}
-    rows["cupyloss.torch fwd+bwd (gradients in forward)"] = _host_us(_fwd_bwd(CF.mse_loss, (x, y)))
-    CF.gradients_in_forward = False
-    try:
-        rows["cupyloss.torch fwd+bwd (rerun backward)"] = _host_us(_fwd_bwd(CF.mse_loss, (x, y)))
-    finally:
-        CF.gradients_in_forward = True
-    rows["torch eager F.mse_loss fwd+bwd"] = _host_us(_fwd_bwd(F.mse_loss, (x, y)))
+    rerun = _fwd_bwd(CF.mse_loss, (x, y))
+
+    def rerun_backward():
+        CF.gradients_in_forward = False
+        try:
+            rerun()
+        finally:
+            CF.gradients_in_forward = True
+
+    class Bare(torch.autograd.Function):
+        """The least a Python autograd Function with gradients from its forward can cost: the
+        loss and the gradient allocated, no kernel launched, backward hands the gradient on."""
+
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.g = torch.empty_like(a)
+            return a.new_empty(())
+
+        @staticmethod
+        def backward(ctx, grad):
+            g, ctx.g = ctx.g, None
+            return g, None
+
+    sync = torch.cuda.synchronize
     # Where the time goes: the forward alone (graph recorded, then dropped), the core call.
-    rows["cupyloss.torch forward only"] = _host_us(lambda: CF.mse_loss(x, y))
-    rows["torch eager F.mse_loss forward only"] = _host_us(lambda: F.mse_loss(x, y))
-    rows["core mse_loss_value_and_grad (no autograd)"] = _host_us(
-        lambda: cupyloss.mse_loss_value_and_grad(x, y, wrt="input"))
+    # The rows take turns batch by batch (bench._host_us), so their ratios compare like with like.
+    rows = _host_us({
+        "cupyloss.torch fwd+bwd (gradients in forward)": (_fwd_bwd(CF.mse_loss, (x, y)), sync),
+        "cupyloss.torch fwd+bwd (rerun backward)": (rerun_backward, sync),
+        "torch eager F.mse_loss fwd+bwd": (_fwd_bwd(F.mse_loss, (x, y)), sync),
+        "bare autograd.Function fwd+bwd (no kernels)": (_fwd_bwd(Bare.apply, (x, y)), sync),
+        "cupyloss.torch forward only": (lambda: CF.mse_loss(x, y), sync),
+        "torch eager F.mse_loss forward only": (lambda: F.mse_loss(x, y), sync),
+        "core mse_loss_value_and_grad (no autograd)":
+            (lambda: cupyloss.mse_loss_value_and_grad(x, y, wrt="input"), sync),
+    })
     base = rows["cupyloss.torch fwd+bwd (gradients in forward)"]
     print("1K float32 mse_loss, host us per call:")
     for who, us in rows.items():
         print(f"  {who:46s} {us:8.1f} us")
     ratio = base / rows["torch eager F.mse_loss fwd+bwd"]
     print(f"  cupyloss.torch / torch eager, fwd+bwd = {ratio:.2f} (target <= 0.70)")
+    floor = rows["bare autograd.Function fwd+bwd (no kernels)"] / rows[
+        "torch eager F.mse_loss fwd+bwd"]
+    print(f"  bare autograd.Function / torch eager, fwd+bwd = {floor:.2f} (what any Python "
+          f"Function costs)")
     if profile:
         import cProfile
         import pstats
@@ -128,7 +142,7 @@ def small(profile: bool = False) -> dict:
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
-    return {"host_us": rows, "ratio_to_eager": ratio}
+    return {"host_us": rows, "ratio_to_eager": ratio, "bare_function_ratio": floor}
 
 
 def _workloads(scale: float):

@@ -601,7 +601,8 @@ def _make_function(loss: _Loss):
 
 
 def _module_name(name: str) -> str:
-    """torch.nn's class name for loss `name`, else CamelCase(name) + 'Loss'.
+    """torch.nn's class name for loss `name`, else the registry entry's `module_name`, else
+    CamelCase(name) + 'Loss'.
 
     torch.nn's class is the one whose own forward calls torch.nn.functional.<name> (BCELoss for
     binary_cross_entropy, NLLLoss for nll_loss): names do not map by spelling alone.
@@ -615,6 +616,8 @@ def _module_name(name: str) -> str:
             found.append(attr)
     if len(found) == 1:
         return found[0]
+    if getattr(SPECS[name], "module_name", None):
+        return SPECS[name].module_name
     return "".join(part.capitalize() for part in name.split("_")).removesuffix("Loss") + "Loss"
 
 

@@ -100,6 +100,8 @@ struct Compensated {
         sum = t;
     }
     __device__ __forceinline__ A value() const { return sum - c; }
+    // The same in double, without the last rounding: what a wider sum across threads takes.
+    __device__ __forceinline__ double wide() const { return double(sum) - double(c); }
 };
 
 // Deterministic sum over the block: a fixed butterfly within each warp, then warp 0 adds the
@@ -124,21 +126,31 @@ __device__ __forceinline__ A block_sum(A v, A* scratch) {
     return total;
 }
 
+// Where block_sum's cross-warp values meet when the sum is carried in double: 32 warps at most.
+__device__ __forceinline__ double* wide_scratch() {
+    __shared__ double wide[32];
+    return wide;
+}
+
 // Grid-wide sums of per-thread values v[q], written as out[q][0] = from_acc(sum / div[q]) for
-// every q whose out[q] is not null (null-ness is uniform across the grid).  One block: straight
-// from block_sum.  Several: each block writes its sums to partials[q * nblocks + block]; the
-// block that draws the last ticket adds partials[q, 0..nblocks) in a fixed order (so the result
-// does not depend on which block finished last).  atomicInc wraps the ticket from nblocks - 1
-// back to 0, so it is zero again for the next launch on the stream.  The only atomic is that
-// integer ticket: the sums are bitwise reproducible.
+// every q whose out[q] is not null (null-ness is uniform across the grid).  Across threads and
+// blocks the sums are carried in double: each thread's (compensated) value is exact in double,
+// so the 0-d result carries about one rounding of its own type, not one per level of the tree.
+// One block: straight from block_sum.  Several: each block writes its sum to
+// partials[q * nblocks + block] (rounded to the accumulator type: the rounding errors of the
+// partials are independent, so their sum stays far below one unit of the result); the block
+// that draws the last ticket adds partials[q, 0..nblocks) in a fixed order (so the result does
+// not depend on which block finished last).  atomicInc wraps the ticket from nblocks - 1 back
+// to 0, so it is zero again for the next launch on the stream.  The only atomic is that integer
+// ticket: the sums are bitwise reproducible.
 template <typename T, int NQ>
-__device__ __forceinline__ void grid_sum_out(const acc_t<T> (&v)[NQ], T* const (&out)[NQ],
-                                             const acc_t<T> (&div)[NQ],
+__device__ __forceinline__ void grid_sum_out(const double (&v)[NQ], T* const (&out)[NQ],
+                                             const double (&div)[NQ],
                                              acc_t<T>* __restrict__ partials,  // [NQ, nblocks]
                                              unsigned int* __restrict__ ticket,
-                                             long long block, long long nblocks,
-                                             acc_t<T>* scratch) {
+                                             long long block, long long nblocks) {
     using A = acc_t<T>;
+    double* scratch = wide_scratch();
     bool any = false;
     #pragma unroll
     for (int q = 0; q < NQ; ++q) any |= out[q] != nullptr;
@@ -147,16 +159,16 @@ __device__ __forceinline__ void grid_sum_out(const acc_t<T> (&v)[NQ], T* const (
         #pragma unroll
         for (int q = 0; q < NQ; ++q) {
             if (out[q] == nullptr) continue;
-            const A total = block_sum(v[q], scratch);
-            if (threadIdx.x == 0) out[q][0] = from_acc<T>(total / div[q]);
+            const double total = block_sum(v[q], scratch);
+            if (threadIdx.x == 0) out[q][0] = from_acc<T>(A(total / div[q]));
         }
         return;
     }
     #pragma unroll
     for (int q = 0; q < NQ; ++q) {
         if (out[q] == nullptr) continue;
-        const A total = block_sum(v[q], scratch);
-        if (threadIdx.x == 0) partials[q * nblocks + block] = total;
+        const double total = block_sum(v[q], scratch);
+        if (threadIdx.x == 0) partials[q * nblocks + block] = A(total);
     }
     __shared__ unsigned int is_last;
     if (threadIdx.x == 0) {
@@ -169,11 +181,55 @@ __device__ __forceinline__ void grid_sum_out(const acc_t<T> (&v)[NQ], T* const (
     #pragma unroll
     for (int q = 0; q < NQ; ++q) {
         if (out[q] == nullptr) continue;
-        A acc = A(0);
+        double acc = 0.0;
         for (long long j = threadIdx.x; j < nblocks; j += blockDim.x)
-            acc += __ldcg(partials + q * nblocks + j);  // L2: written by other blocks
-        const A total = block_sum(acc, scratch);
-        if (threadIdx.x == 0) out[q][0] = from_acc<T>(total / div[q]);
+            acc += double(__ldcg(partials + q * nblocks + j));  // L2: written by other blocks
+        const double total = block_sum(acc, scratch);
+        if (threadIdx.x == 0) out[q][0] = from_acc<T>(A(total / div[q]));
+    }
+}
+
+// value[0] = L / D for a 0-d loss whose divisor may itself be a sum over the grid: L sums every
+// thread's `num`; D is denom[0] when given, else the sum of every thread's `den` when
+// `den_is_sum`, else `divisor`; with `zero_empty` a D of 0 gives 0 (else 0 / 0 = NaN).  The sums
+// across threads and blocks are carried in double (as grid_sum_out).  Several blocks leave
+// partials [2, nblocks]; the block that draws the last ticket adds them in block order.  Every
+// thread of the block calls it.
+template <typename T>
+__device__ __forceinline__ void finish_ratio(acc_t<T> num, acc_t<T> den, T* __restrict__ value,
+                                             const acc_t<T>* __restrict__ denom,
+                                             bool den_is_sum, bool zero_empty, double divisor,
+                                             acc_t<T>* __restrict__ partials,
+                                             unsigned int* __restrict__ ticket) {
+    using A = acc_t<T>;
+    if (value == nullptr) return;
+    double* wide = wide_scratch();
+    __shared__ unsigned int is_last;
+    const long long nblocks = gridDim.x;
+    double l = block_sum(double(num), wide);
+    double w = block_sum(double(den), wide);
+    if (nblocks > 1) {
+        if (threadIdx.x == 0) {
+            partials[blockIdx.x] = A(l);
+            partials[nblocks + blockIdx.x] = A(w);
+            __threadfence();
+            is_last = atomicInc(ticket, (unsigned int)(nblocks - 1))
+                      == (unsigned int)(nblocks - 1);
+        }
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        double pl = 0.0, pw = 0.0;
+        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x) {
+            pl += double(__ldcg(partials + j));
+            pw += double(__ldcg(partials + nblocks + j));
+        }
+        l = block_sum(pl, wide);
+        w = block_sum(pw, wide);
+    }
+    if (threadIdx.x == 0) {
+        const double d = denom != nullptr ? double(denom[0]) : den_is_sum ? w : divisor;
+        value[0] = from_acc<T>(zero_empty && d == 0.0 ? A(0) : A(l / d));
     }
 }
 

@@ -29,6 +29,9 @@
 //                    `cols` broadcast down the rows, or one element: a row operand is read once
 //                    and its gradient is summed down each column in registers, so it costs no
 //                    extra pass.
+// Each comes as GRAD = false, a value-only instantiation that never touches a gradient (the
+// forward of every loss: fewer registers, more resident blocks), and GRAD = true for launches
+// that want any gradient.
 // Both are grid-stride loops over 64-bit indices; block sums use the fixed tree in common.cuh,
 // so a given device and shape give bitwise the same results on every run.
 #include "common.cuh"
@@ -83,20 +86,19 @@ struct Scalars {
 
 template <typename T, int K>
 __device__ __forceinline__ void finish(const Sums<acc_t<T>, K>& s, const Scalars<T, K>& o,
-                                       long long block, long long nblocks, acc_t<T>* scratch) {
-    using A = acc_t<T>;
-    A v[K + 1], div[K + 1];
+                                       long long block, long long nblocks) {
+    double v[K + 1], div[K + 1];
     T* out[K + 1];
-    v[0] = s.loss.value();
+    v[0] = s.loss.wide();
     out[0] = o.value;
-    div[0] = A(o.divisor);
+    div[0] = o.divisor;
     #pragma unroll
     for (int k = 0; k < K; ++k) {
-        v[k + 1] = s.g[k].value();
+        v[k + 1] = s.g[k].wide();
         out[k + 1] = o.g[k];
-        div[k + 1] = A(1);
+        div[k + 1] = 1.0;
     }
-    grid_sum_out<T, K + 1>(v, out, div, o.partials, o.ticket, block, nblocks, scratch);
+    grid_sum_out<T, K + 1>(v, out, div, o.partials, o.ticket, block, nblocks);
 }
 
 // VEC consecutive elements from p + i (stride 1, p 16-byte aligned when VEC > 1), or one
@@ -183,7 +185,7 @@ __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g
 
 // Flat layout.  With VEC > 1 the host guarantees a 1-D geometry whose strides are 0 or 1 and
 // 16-byte aligned pointers; elements past the last whole vector take the VEC == 1 path.
-template <typename T, typename Op, int VEC>
+template <typename T, typename Op, int VEC, bool GRAD>
 __global__ void __launch_bounds__(256) pointwise_flat(
         const PerOperand<const T*, Op::K> in,     // operand k through geo.stride[k], or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
@@ -200,15 +202,15 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         const PerOperand<acc_t<T>*, Op::K> ws) {  // per operand: [n] or null
     constexpr int K = Op::K;
     using A = acc_t<T>;
-    extern __shared__ unsigned char smem_raw[];
-    A* scratch = reinterpret_cast<A*>(smem_raw);  // [blockDim.x / 32]
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
     const bool want_value = loss != nullptr || o.value != nullptr;
     bool want_grad = false;
-    #pragma unroll
-    for (int k = 0; k < K; ++k)
-        want_grad |= g.p[k] != nullptr || ws.p[k] != nullptr || o.g[k] != nullptr;
+    if constexpr (GRAD) {
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            want_grad |= g.p[k] != nullptr || ws.p[k] != nullptr || o.g[k] != nullptr;
+    }
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
     Sums<A, K> s;
@@ -291,7 +293,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         const A gv[1] = {go_elem ? to_acc(go[off[K]]) * A(grad_scale) : g0};
         visit(val, gv, i);
     }
-    finish<T, K>(s, o, blockIdx.x, gridDim.x, scratch);
+    finish<T, K>(s, o, blockIdx.x, gridDim.x);
 }
 
 // Rows layout: the broadcast shape is [rows, cols] and kind[k] says how operand k covers it
@@ -300,10 +302,11 @@ __global__ void __launch_bounds__(256) pointwise_flat(
 // [by * rows_per_block, (by + 1) * rows_per_block); its threads form ty = blockDim.x / tx lanes
 // down the rows, each taking UNROLL rows per step with all their loads issued before any use.
 // Row and scalar operands stay in registers; a row operand's gradient is summed down the
-// column in registers, then across the ty lanes in shared memory in lane order, and written to
+// column in registers (compensated), then across the ty lanes in shared memory in lane order
+// (in double), and written to
 // ws[k][by, col] (reduce.cu's sum_rows adds the row blocks) or, with one row block, straight to
 // g[k][col].  A scalar operand's gradient is a 0-d sum (grid_sum_out).
-template <typename T, typename Op, int VEC>
+template <typename T, typename Op, int VEC, bool GRAD>
 __global__ void __launch_bounds__(256) pointwise_rows(
         const PerOperand<const T*, Op::K> in,     // per kind: [rows, cols], [cols], [1] or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
@@ -323,7 +326,7 @@ __global__ void __launch_bounds__(256) pointwise_rows(
     constexpr int UNROLL = K <= 2 ? 4 : 2;
     using A = acc_t<T>;
     extern __shared__ unsigned char smem_raw[];
-    A* smem = reinterpret_cast<A*>(smem_raw);  // [max(ty * tx * VEC, blockDim.x / 32)]
+    double* smem = reinterpret_cast<double*>(smem_raw);  // [ty * tx * VEC]: lanes' row sums
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
     const A gs = A(grad_scale);
@@ -338,8 +341,9 @@ __global__ void __launch_bounds__(256) pointwise_rows(
     bool want_grad = false, want_row[K];
     #pragma unroll
     for (int k = 0; k < K; ++k) {
-        want_row[k] = kind.p[k] == KIND_ROW && (g.p[k] != nullptr || ws.p[k] != nullptr);
-        want_grad |= g.p[k] != nullptr || ws.p[k] != nullptr || o.g[k] != nullptr;
+        const bool wants = GRAD && (g.p[k] != nullptr || ws.p[k] != nullptr);
+        want_row[k] = wants && kind.p[k] == KIND_ROW;
+        want_grad |= wants || (GRAD && o.g[k] != nullptr);
     }
 
     Sums<A, K> s;
@@ -423,21 +427,21 @@ __global__ void __launch_bounds__(256) pointwise_rows(
     }
 
     const long long block = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    finish<T, K>(s, o, block, (long long)gridDim.x * gridDim.y, smem);
+    finish<T, K>(s, o, block, (long long)gridDim.x * gridDim.y);
     #pragma unroll
     for (int k = 0; k < K; ++k) {
         if (!want_row[k]) continue;
         __syncthreads();  // smem may still be read by finish or by the previous operand
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j].value();
+        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j].wide();
         __syncthreads();
         if (ly == 0 && active) {
             #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                A acc = smem[lx * VEC + j];
+                double acc = smem[lx * VEC + j];
                 for (long long q = 1; q < ty; ++q) acc += smem[(q * tx + lx) * VEC + j];
-                if (g.p[k] != nullptr) g.p[k][c + j] = from_acc<T>(acc);
-                else ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
+                if (g.p[k] != nullptr) g.p[k][c + j] = from_acc<T>(A(acc));
+                else ws.p[k][(long long)blockIdx.y * cols + c + j] = A(acc);
             }
         }
     }

@@ -28,8 +28,9 @@
 // else VEC strided scalar loads.  With the gradient each thread holds PAIR_VECS chunks of every
 // array; a row longer than the team holds streams through twice (the second time mostly from
 // L2).  The row's sums: per thread in the accumulator type, then a fixed butterfly within a warp
-// and the warps' sums in warp order (deterministic).  The 0-d loss is finished in the same launch
-// (grid_sum_out's last-block ticket).  Indices within a row are 32-bit (cols < 2^31, checked on
+// and the warps' sums in warp order (deterministic).  The 0-d loss is finished in the same
+// launch (grid_sum_out's last-block ticket; the rows' losses summed in double across threads and
+// blocks).  Indices within a row are 32-bit (cols < 2^31, checked on
 // the host); row offsets are 64-bit.
 #include "common.cuh"
 
@@ -271,7 +272,6 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
     constexpr int VEC = 16 / sizeof(T);
     constexpr int NV = GRAD ? PAIR_VECS : PAIR_VECS / 2;
     __shared__ A red[PAIR_WARPS][S];
-    __shared__ A bsum[PAIR_WARPS];
 
     PairArgs<A> pa;
     pa.p = A(p);
@@ -427,10 +427,10 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
             }
         }
     }
-    const A v[1] = {lacc.value()};
+    const double v[1] = {lacc.wide()};
     T* const outs[1] = {value};
-    const A div[1] = {A(divisor)};
-    grid_sum_out<T, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x, bsum);
+    const double div[1] = {divisor};
+    grid_sum_out<T, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x);
 }
 
 }  // namespace cupyloss

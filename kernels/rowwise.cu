@@ -340,48 +340,6 @@ __device__ __forceinline__ A grad_target(A z, A w, const RowResult<A>& o, const 
     return o.g * ra.one_minus_eps * w * (o.log_s + dist_to(o.m, z));
 }
 
-// The 0-d loss, value[0] = L / D: L sums every thread's `loss`; D is denom[0] when given, else
-// the sum of every thread's `wsum` under ROW_MEAN_W, else `divisor`.  Several blocks leave
-// partials [2, nblocks]; the block that draws the last ticket adds them in block order.  Every
-// thread of the block calls it.
-template <typename T>
-__device__ __forceinline__ void finish_value(acc_t<T> loss, acc_t<T> wsum, T* __restrict__ value,
-                                             const acc_t<T>* __restrict__ denom, bool mean_w,
-                                             double divisor, acc_t<T>* __restrict__ partials,
-                                             unsigned int* __restrict__ ticket,
-                                             acc_t<T>* scratch) {
-    using A = acc_t<T>;
-    if (value == nullptr) return;
-    const long long nblocks = gridDim.x;
-    A l = block_sum(loss, scratch);
-    A w = block_sum(wsum, scratch);
-    if (nblocks > 1) {
-        A* flag = scratch + ROW_SCRATCH - 1;
-        if (threadIdx.x == 0) {
-            partials[blockIdx.x] = l;
-            partials[nblocks + blockIdx.x] = w;
-            __threadfence();
-            const bool last = atomicInc(ticket, (unsigned int)(nblocks - 1))
-                              == (unsigned int)(nblocks - 1);
-            *flag = last ? A(1) : A(0);
-        }
-        __syncthreads();
-        if (*flag == A(0)) return;
-        __threadfence();
-        A pl = A(0), pw = A(0);
-        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x) {
-            pl += __ldcg(partials + j);
-            pw += __ldcg(partials + nblocks + j);
-        }
-        l = block_sum(pl, scratch);
-        w = block_sum(pw, scratch);
-    }
-    if (threadIdx.x == 0) {
-        const A d = denom != nullptr ? denom[0] : mean_w ? w : A(divisor);
-        value[0] = from_acc<T>(l / d);
-    }
-}
-
 template <typename T, int VEC>
 __device__ __forceinline__ Vec<T, VEC> load16(const T* p, bool keep) {
     const int4 raw = keep ? __ldcg(reinterpret_cast<const int4*>(p))
@@ -637,7 +595,7 @@ cross_entropy_rows(
             }
         }
     }
-    finish_value<T>(lacc, wacc, value, denom, mean_w, divisor, partials, ticket, scratch);
+    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
 }
 
 // Any strides: row r = (n, d) of an input viewed as [N, C, inner]; a thread per row, classes
@@ -719,7 +677,7 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
             if (gtr != nullptr) gtr[c * inner] = from_acc<T>(grad_target(z, w, o, ra));
         }
     }
-    finish_value<T>(lacc, wacc, value, denom, mean_w, divisor, partials, ticket, scratch);
+    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
 }
 
 // out[0] = sum over rows (n, d) of the counted rows' weights: 0 for ignore_index, w_y (1 without
@@ -735,8 +693,6 @@ __global__ void __launch_bounds__(256) class_weight_sum(
         acc_t<T>* __restrict__ partials,     // [gridDim.x] when gridDim.x > 1
         unsigned int* __restrict__ ticket) {
     using A = acc_t<T>;
-    extern __shared__ unsigned char smem_raw[];
-    A* scratch = reinterpret_cast<A*>(smem_raw);
     const RowArgs<A> ra = row_args<A>(flags, ignore_index, 0.0, 0.0, 0.0, cols);
     A acc = A(0);
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -746,10 +702,10 @@ __global__ void __launch_bounds__(256) class_weight_sum(
         const RowTarget<A> rt = row_target<T, A>(tgt, n * tn + d * td, weight, ra);
         if (!rt.ignored) acc += rt.wy;
     }
-    const A v[1] = {acc};
+    const double v[1] = {double(acc)};
     A* const outs[1] = {out};
-    const A div[1] = {A(1)};
-    grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x, scratch);
+    const double div[1] = {1.0};
+    grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x);
 }
 
 }  // namespace cupyloss

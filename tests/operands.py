@@ -21,15 +21,25 @@ SPECS = all_losses()
 # Arrays that only pick a branch of their loss: finite differences of them see a jump, not a
 # slope (hinge_embedding_loss compares its +-1 target with 1 and -1), or that are integers.
 SELECTORS = {"hinge_embedding_loss": ("target",), "cross_entropy": ("target",),
-             "nll_loss": ("target",), "cosine_embedding_loss": ("target",)}
+             "nll_loss": ("target",), "multi_margin_loss": ("target",),
+             "cosine_embedding_loss": ("target",)}
 ROWWISE = {"cross_entropy": (reference_rowwise.cross_entropy,
                              reference_rowwise.cross_entropy_grads),
            "nll_loss": (reference_rowwise.nll_loss, reference_rowwise.nll_loss_grads)}
-# Losses along the last axis (tests/reference_rowwise.py), no optional arrays.
+# Row-wise losses along the last axis (the rowclass family), and their optional arrays.
+ROWCLASS = {"multi_margin_loss": (reference_rowwise.multi_margin_loss,
+                                  reference_rowwise.multi_margin_loss_grads, ("weight",)),
+            "multilabel_soft_margin_loss": (reference_rowwise.multilabel_soft_margin_loss,
+                                            reference_rowwise.multilabel_soft_margin_loss_grads,
+                                            ("weight",)),
+            "jsd": (reference_rowwise.jsd, reference_rowwise.jsd_grads, ())}
+# Losses of two or three same-shaped arrays along the last axis (the rowpair family), no
+# optional arrays.
 ROWPAIR = {"triplet_margin_loss": (reference_rowwise.triplet_margin_loss,
                                    reference_rowwise.triplet_margin_loss_grads),
            "cosine_embedding_loss": (reference_rowwise.cosine_embedding_loss,
                                      reference_rowwise.cosine_embedding_loss_grads)}
+REFERENCED = {**ROWWISE, **{n: r[:2] for n, r in ROWCLASS.items()}, **ROWPAIR}
 MARGIN = 1.0      # the default margin of hinge_loss, squared_hinge_loss, hinge_embedding_loss
 
 
@@ -38,6 +48,8 @@ def optional(name) -> tuple:
     spec = SPECS[name]
     if name in ROWWISE:
         return ("weight",)
+    if name in ROWCLASS:
+        return ROWCLASS[name][2]
     return tuple(getattr(spec, "optional", ()))
 
 
@@ -45,13 +57,6 @@ def differentiable(name) -> tuple:
     """A bool per required array: whether finite differences of the loss in it are its gradient
     (a floating array that is not a selector)."""
     return tuple(a not in SELECTORS.get(name, ()) for a in SPECS[name].arrays)
-
-
-def has_gradient(name) -> tuple:
-    """A bool per required array: whether the loss gives it a gradient at all (a registry
-    entry's `differentiable` names those; class indices, being integers, never have one)."""
-    spec = SPECS[name]
-    return tuple(a in getattr(spec, "differentiable", spec.arrays) for a in spec.arrays)
 
 
 def _either_sign(rng, shape, low=0.1, high=1.0):
@@ -111,8 +116,22 @@ def operands(name, shape=(4, 5), target_shape=None, with_optional=False, seed=0)
         a = [0.5 * normal(shape), rng.poisson(3.0, ts).astype(np.float64)]
     elif name == "gaussian_nll_loss":
         a = [normal(shape), normal(ts), rng.uniform(0.5, 2.0, shape)]
+    elif name == "multi_margin_loss":
+        # margin (1) - x_y + x_c = +-[0.1, 1] for every c != y: no hinge at its kink.
+        x = normal(shape)
+        y = rng.integers(0, shape[-1], shape[:-1])
+        xy = np.take_along_axis(x, y[..., None], -1) if len(shape) > 1 else x[y]
+        x = np.where(np.arange(shape[-1]) == (y[..., None] if len(shape) > 1 else y), x,
+                     _either_sign(rng, shape) - MARGIN + xy)
+        a = [x, y]
+    elif name == "multilabel_soft_margin_loss":
+        a = [2.0 * normal(shape), rng.random(shape)]
     elif name in ROWPAIR:
         a = _rowpair_operands(name, rng, shape)
+    elif name == "jsd":
+        rows = int(np.prod(shape[:-1]))
+        a = [np.log(rng.dirichlet(np.ones(shape[-1]), rows)).reshape(shape),
+             np.log(rng.dirichlet(np.ones(shape[-1]), rows)).reshape(shape)]
     elif name in ROWWISE:
         x = 2.0 * normal(shape)
         if name == "nll_loss":
@@ -123,7 +142,7 @@ def operands(name, shape=(4, 5), target_shape=None, with_optional=False, seed=0)
         a = [normal(shape), normal(ts)]
     extras = {}
     if with_optional:
-        width = shape[1] if name in ROWWISE else out[-1]
+        width = shape[1] if name in ROWWISE else shape[-1] if name in ROWCLASS else out[-1]
         extras = {e: rng.uniform(0.5, 2.0, (width,)) for e in optional(name)}
     return tuple(np.asarray(v) for v in a), extras
 
@@ -150,6 +169,13 @@ def _rowpair_operands(name, rng, shape):
     raise ValueError(f"no operands of {name} away from its kink for shape {shape}")
 
 
+def has_gradient(name) -> tuple:
+    """A bool per required array: whether the loss gives it a gradient at all (a registry
+    entry's `differentiable` names those; class indices, being integers, never have one)."""
+    spec = SPECS[name]
+    return tuple(a in getattr(spec, "differentiable", spec.arrays) for a in spec.arrays)
+
+
 def _numeric(options):
     """The core function's options the references take: its host-side checks (check_targets,
     check_var) change no number."""
@@ -158,23 +184,19 @@ def _numeric(options):
 
 def ref_loss(name, arrays, reduction, **options):
     """float64 value of any registered loss (options as keywords, optional arrays included)."""
-    if name in ROWPAIR:
-        return np.asarray(ROWPAIR[name][0](*arrays, reduction=reduction, **options))
-    if name in ROWWISE:
-        return np.asarray(ROWWISE[name][0](*arrays, reduction=reduction, **_numeric(options)))
+    if name in REFERENCED:
+        return np.asarray(REFERENCED[name][0](*arrays, reduction=reduction, **_numeric(options)))
     return np.asarray(reference.loss(name, *arrays, reduction=reduction, **_numeric(options)))
 
 
 def ref_grads(name, arrays, reduction, grad_output=1.0, **options) -> tuple:
     """float64 gradients of any registered loss: one per required array (None for class indices
     and other arrays without a gradient)."""
-    if name in ROWPAIR:
-        got = ROWPAIR[name][1](*arrays, reduction=reduction, grad_output=grad_output, **options)
-        return tuple(got) + (None,) * (len(arrays) - len(got))
-    if name in ROWWISE:
-        got = ROWWISE[name][1](*arrays, reduction=reduction, grad_output=grad_output,
+    if name in REFERENCED:
+        got = REFERENCED[name][1](*arrays, reduction=reduction, grad_output=grad_output,
                                **_numeric(options))
-        return got if isinstance(got, tuple) else (got, None)
+        got = got if isinstance(got, tuple) else (got,)
+        return got + (None,) * (len(arrays) - len(got))
     every = reference.grads(name, *arrays, reduction=reduction, grad_output=grad_output,
                             **_numeric(options))
     return tuple(every[:len(SPECS[name].arrays)])

@@ -314,29 +314,39 @@ def cosine_embedding_loss_grads(input1, input2, target, margin=0.0, reduction="m
     return g1, g2
 
 
+def _margin_rows(input, target, weight):
+    """(x rows, y with out-of-range indices at 0, w_y with NaN out of range) of multi_margin."""
+    x = np.atleast_2d(_f64(input))
+    y = np.atleast_1d(np.asarray(target)).astype(np.int64).reshape(-1)
+    cols = x.shape[-1]
+    oor = (y < 0) | (y >= cols)
+    safe = np.where(oor, 0, y)
+    w = np.ones(cols) if weight is None else _f64(weight)
+    return x, safe, np.where(oor, np.nan, w[safe])
+
+
 def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, reduction="mean"):
     """torch.nn.functional.multi_margin_loss: per row
-    ``sum_{c != y} w_y max(0, margin - x_y + x_c)^p / C`` (p is 1 or 2)."""
-    x = np.atleast_2d(_f64(input))
-    y = np.atleast_1d(np.asarray(target)).astype(np.int64)
+    ``sum_{c != y} w_y max(0, margin - x_y + x_c)^p / C`` (p is 1 or 2); an out-of-range index
+    gives its row a NaN loss (cupyloss's defined result; torch raises)."""
+    x, y, wy = _margin_rows(input, target, weight)
+    rows = np.arange(len(y))
     cols = x.shape[-1]
-    wy = np.ones(len(y)) if weight is None else _f64(weight)[y]
-    z = margin - x[np.arange(len(y)), y][:, None] + x
+    z = margin - x[rows, y][:, None] + x
     h = np.where(z > 0, z if p == 1 else z * z, 0.0)
-    h[np.arange(len(y)), y] = 0.0
+    h[rows, y] = 0.0
     loss = wy * np.sum(h, axis=-1) / cols
-    return _reduce_rows(loss.reshape(np.shape(target)), reduction)
+    with np.errstate(all="ignore"):
+        return _reduce_rows(loss.reshape(np.shape(target)), reduction)
 
 
 def multi_margin_loss_grads(input, target, p=1, margin=1.0, weight=None, reduction="mean",
                             grad_output=1.0):
     """d/dinput of :func:`multi_margin_loss`: ``w_y (p == 1 ? 1 : 2 z_c) / C`` at each c != y with
-    z_c > 0 (torch's strict test), minus their sum at y."""
-    x = np.atleast_2d(_f64(input))
-    y = np.atleast_1d(np.asarray(target)).astype(np.int64)
+    z_c > 0 (torch's strict test), minus their sum at y; a NaN row for an out-of-range index."""
+    x, y, wy = _margin_rows(input, target, weight)
     rows = np.arange(len(y))
     cols = x.shape[-1]
-    wy = np.ones(len(y)) if weight is None else _f64(weight)[y]
     z = margin - x[rows, y][:, None] + x
     d = np.where(z > 0, 1.0 if p == 1 else 2 * z, 0.0) * (wy / cols)[:, None]
     d[rows, y] = 0.0
@@ -370,17 +380,24 @@ def multilabel_soft_margin_loss_grads(input, target, weight=None, reduction="mea
     return g * (sig - t), g * -x
 
 
-def jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100):
-    """Liger-Kernel's generalised Jensen-Shannon divergence of log-probability rows.
+def _jsd_counted(x, shift_labels, ignore_index):
+    return (np.ones(len(x), bool) if shift_labels is None
+            else np.atleast_1d(np.asarray(shift_labels)).reshape(-1) != ignore_index)
+
+
+def jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100, reduction="mean"):
+    """Liger-Kernel's generalised Jensen-Shannon divergence of log-probability rows (last axis).
 
     With Q = exp(input) (the student), P = exp(target) (the teacher) and M = beta P + (1 - beta) Q:
-    ``beta KL(P || M) + (1 - beta) KL(Q || M)`` summed over the elements of the counted rows
-    (those whose shift_labels entry is not ignore_index; all rows without labels) over their
-    count; beta = 0 is KL(P || Q) and beta = 1 is KL(Q || P).  A 0-d float64 result.
+    ``beta KL(P || M) + (1 - beta) KL(Q || M)`` per row, 0 on rows whose shift_labels entry is
+    ignore_index; beta = 0 is KL(P || Q) and beta = 1 is KL(Q || P).  'mean' (Liger's) sums the
+    counted rows over their count, 0 when none counts (Liger's kernel never divides then);
+    'sum' adds them; 'none' gives the loss per row (input.shape[:-1]).
     """
-    x, y = np.atleast_2d(_f64(input)), np.atleast_2d(_f64(target))
-    counted = (np.ones(len(x), bool) if shift_labels is None
-               else np.atleast_1d(np.asarray(shift_labels)) != ignore_index)
+    shape = np.shape(input)
+    x = _f64(input).reshape(-1, shape[-1])
+    y = _f64(target).reshape(-1, shape[-1])
+    counted = _jsd_counted(x, shift_labels, ignore_index)
     with np.errstate(all="ignore"):
         q, p = np.exp(x), np.exp(y)
         if beta == 0:
@@ -390,16 +407,25 @@ def jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100):
         else:
             m = beta * p + (1 - beta) * q
             terms = beta * p * y + (1 - beta) * q * x - m * np.log(m)
-        return np.float64(np.sum(terms[counted]) / np.sum(counted))
+        per_row = np.where(counted, np.sum(terms, axis=-1), 0.0)
+    if reduction == "none":
+        return per_row.reshape(shape[:-1])
+    total = np.sum(per_row)
+    if reduction == "sum":
+        return np.float64(total)
+    n = np.sum(counted)
+    return np.float64(total / n if n else 0.0)
 
 
-def jsd_grads(input, target, beta=0.5, shift_labels=None, ignore_index=-100, grad_output=1.0):
+def jsd_grads(input, target, beta=0.5, shift_labels=None, ignore_index=-100, reduction="mean",
+              grad_output=1.0):
     """(d/dinput, d/dtarget) of :func:`jsd` times grad_output: ``d/dx = (1 - beta) Q (x - log M)``
     and ``d/dy = beta P (y - log M)`` (beta = 0: ``-P`` and ``P (y - x + 1)``; beta = 1:
     ``Q (x - y + 1)`` and ``-Q``), 0 on ignored rows."""
-    x, y = np.atleast_2d(_f64(input)), np.atleast_2d(_f64(target))
-    counted = (np.ones(len(x), bool) if shift_labels is None
-               else np.atleast_1d(np.asarray(shift_labels)) != ignore_index)
+    shape = np.shape(input)
+    x = _f64(input).reshape(-1, shape[-1])
+    y = _f64(target).reshape(-1, shape[-1])
+    counted = _jsd_counted(x, shift_labels, ignore_index)
     with np.errstate(all="ignore"):
         q, p = np.exp(x), np.exp(y)
         if beta == 0:
@@ -409,7 +435,14 @@ def jsd_grads(input, target, beta=0.5, shift_labels=None, ignore_index=-100, gra
         else:
             log_m = np.log(beta * p + (1 - beta) * q)
             gx, gy = (1 - beta) * q * (x - log_m), beta * p * (y - log_m)
-        scale = _f64(grad_output) / np.sum(counted)
+        go = _f64(grad_output)
+        if reduction == "none":
+            scale = np.broadcast_to(go, shape[:-1]).reshape(-1, 1)
+        elif reduction == "sum":
+            scale = go
+        else:
+            n = np.sum(counted)
+            scale = go / n if n else go * 0.0
         mask = counted[:, None]
-        return (np.where(mask, gx * scale, 0.0).reshape(np.shape(input)),
-                np.where(mask, gy * scale, 0.0).reshape(np.shape(target)))
+        return (np.where(mask, gx * scale, 0.0).reshape(shape),
+                np.where(mask, gy * scale, 0.0).reshape(shape))

@@ -447,6 +447,37 @@ def test_row_launch_light_rows_and_limits():
         _launch.row_launch(10, 10, 4, 4, True, False, small, 2)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 8192, 32768, 10**7])
+@pytest.mark.parametrize("cols, itemsize", [(0, 4), (1, 2), (10, 4), (4096, 4), (128256, 2),
+                                            (2**21, 4)])
+@pytest.mark.parametrize("per_sm", [1, 4])
+def test_stream_row_launch_is_the_forward_rule_without_splits(rows, cols, itemsize, per_sm):
+    """rowclass_rows: row_team's team (never split over blocks: nothing is held on chip), a warp
+    per row once rows fill a quarter of the resident warps, at most the resident blocks."""
+    cfg = _launch.stream_row_launch(rows, cols, itemsize, 4, H100, per_sm)
+    resident = H100.sm_count * per_sm
+    tpr, _ = _launch.row_team(cols, itemsize)
+    warps = 4 * rows >= resident * (BLOCK // _launch.ROW_FORWARD_TEAM)
+    assert cfg.k == 1 and not cfg.cooperative and cfg.block == (BLOCK,)
+    assert cfg.tpr == (min(tpr, _launch.ROW_FORWARD_TEAM) if warps else tpr)
+    assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // cfg.tpr), resident))
+    assert cfg.shared == _launch.ROW_SCRATCH * 4
+
+
+def test_stream_row_launch_shapes_and_limits():
+    # The jsd benchmark shape (Llama-3 vocabulary, bfloat16): a warp streams each row.
+    llm = _launch.stream_row_launch(8192, 128256, 2, 4, H100, 4)
+    assert (llm.tpr, llm.grid) == (32, (132 * 4,))
+    # One long row: a whole block streams it.
+    assert _launch.stream_row_launch(1, 128256, 2, 4, H100, 4).tpr == BLOCK
+    with pytest.raises(ValueError, match="2147483648 classes"):
+        _launch.stream_row_launch(1, 2**31, 2, 4, H100, 2)
+    small = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                         max_shared_per_block=128)
+    with pytest.raises(ValueError, match="shared memory"):
+        _launch.stream_row_launch(10, 10, 4, 4, small, 2)
+
+
 def test_thread_per_row_launch():
     assert _launch.thread_per_row_launch(0, 4, H100, 3).grid == (1,)
     assert _launch.thread_per_row_launch(1000, 4, H100, 3).grid == (_cdiv(1000, BLOCK),)

@@ -156,7 +156,7 @@ def test_kernel_choice_and_gradient_routes(device):
     x, t = arr((4099, 96)), arr((4099, 96))
     cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t, weight=arr((96,)),
                                                              pos_weight=arr(()))
-    assert device.kernels[-1] == ("cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4>")
+    assert device.kernels[-1] == "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, true>"
     (plan,) = _pointwise._PLANS.values()
     assert plan.grads == ("g", "g", "sum_rows", "g0")   # full, full, row, 0-d
     words = device.launches[0][1]
@@ -164,6 +164,11 @@ def test_kernel_choice_and_gradient_routes(device):
                                                    _pointwise.KIND_ROW, _pointwise.KIND_SCALAR]
     assert plan.partials == 5 * np.prod(plan.grid)   # the loss and 4 operands' 0-d sums
     assert device.launches[1] == ("sum_rows", 2, (plan.grid[1], 96, None))
+    # A call that wants no gradient takes the value-only instantiation of the same kernel.
+    cupyloss.binary_cross_entropy_with_logits(x, t, weight=arr((96,)), pos_weight=arr(()))
+    assert device.kernels[-1] == "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, false>"
+    cupyloss.binary_cross_entropy_with_logits(x.ravel(), t.ravel())
+    assert device.kernels[-1] == "cupyloss::pointwise_flat<float, cupyloss::BceLogitsOp, 4, false>"
 
 
 def test_absent_and_number_operands_read_their_fill(device):

@@ -1,0 +1,501 @@
+"""The engine behind the streaming row-wise losses (multi_margin_loss, multilabel_soft_margin_loss,
+jsd): plan once per layout, launch.
+
+`evaluate` is the one entry point.  A row is the input's last axis (kernels/rowclass.cu): the
+input is viewed as [rows, C] with the leading dims merged into one row stride and the classes at
+stride 1; an operand whose layout does not merge that way is copied first (C-contiguous, by CuPy
+on the caller's stream with the caller's allocator).  Everything that depends only on metadata is
+a cached Plan with packed parameter words; a call allocates its outputs and launches once, or
+twice for a 'mean' jsd gradient with shift labels, whose divisor (the counted rows) a small launch
+computes first on the device.  Nothing is read back to the host unless `check_targets` asks.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import math
+
+import numpy
+
+from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss._pointwise import _ticket
+from cupyloss._rowwise import Launched, _contiguous, _target_operand
+
+# The loss ids of rowclass_rows<T, LOSS> and the flag bits, mirrored from kernels/rowclass.cu.
+LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD = 0, 1, 2
+FLAG_INDEX64 = 1
+FLAG_LABELS = 2
+FLAG_LABELS64 = 4
+FLAG_GO_DEVICE = 8
+FLAG_GO_ROWS = 16
+FLAG_COUNT = 32
+FLAG_ZERO_EMPTY = 64
+FLAG_P2 = 128
+_INT64 = numpy.dtype(numpy.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassSpec:
+    """A registered streaming row-wise loss.
+
+    loss: its kernel (LOSS_*); arrays: the array arguments in torch's order (a gradient may be
+    asked for the floating ones); options: the keyword options of the public function, in its
+    order; module_name: the nn.Module name the torch adapter gives it when torch has none.
+    """
+
+    name: str
+    loss: int
+    arrays: tuple = ("input", "target")
+    reductions: tuple = ("none", "mean", "sum")
+    options: tuple = ()
+    module_name: str | None = None
+
+    def loss_shape(self, input_shape: tuple, reduction: str) -> tuple:
+        """The loss's shape: () when reduced, else the input's without its last (class) axis
+        (multi_margin_loss's 'none' takes its target's shape, which is this one unless a (C,)
+        input comes with a (1,) target or a (1, C) input with a 0-d one)."""
+        if reduction != "none":
+            return ()
+        return tuple(input_shape[:-1])
+
+
+SPECS = {
+    "multi_margin_loss": ClassSpec("multi_margin_loss", LOSS_MULTI_MARGIN,
+                                   options=("p", "margin", "weight", "check_targets")),
+    "multilabel_soft_margin_loss": ClassSpec("multilabel_soft_margin_loss", LOSS_MULTILABEL,
+                                             options=("weight",)),
+    "jsd": ClassSpec("jsd", LOSS_JSD, options=("beta", "shift_labels", "ignore_index"),
+                     module_name="JSDLoss"),
+}
+
+_ROWS_PARAMS = ("x", "t", "w", "labels", "go", "denom", "rows", "cols", "x_rs", "t_rs", "w_rs",
+                "w_cs", "l_rs", "go_rs", "flags", "ignore", "option", "go_value", "grad_scale",
+                "tpr", "loss", "gx", "gt", "value", "partials", "ticket", "divisor")
+_COUNT_PARAMS = ("labels", "rows", "l_rs", "flags", "ignore", "out", "partials", "ticket")
+ROWS = _args.Layout([(name, 1) for name in _ROWS_PARAMS])
+COUNT = _args.Layout([(name, 1) for name in _COUNT_PARAMS])
+_ONE = _args.f64_word(1.0)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything about a call that depends only on metadata, ready to launch."""
+
+    main: Launched
+    count: Launched | None      # rowclass_count, before a 'mean' jsd gradient with labels
+    loss_shape: tuple           # of a reduction='none' loss
+    x_shape: tuple
+    dtype: numpy.dtype
+    acc: numpy.dtype
+    value: bool                 # allocate the 0-d loss
+    loss: bool                  # allocate the per-row loss (reduction 'none')
+    gx: bool
+    gt: bool
+    scratch: dict               # acc-typed scratch regions: name -> (offset, size)
+    scratch_size: int
+    ticket: bool
+
+
+_PLANS: dict = {}
+_RESIDENT: dict = {}
+
+
+def _resident(name: str, shared: int, device: int) -> int:
+    """Blocks per SM of rowclass.cu kernel `name` with `shared` bytes, from the occupancy API."""
+    key = (device, name, shared)
+    n = _RESIDENT.get(key)
+    if n is None:
+        from cupy_backends.cuda.api import driver
+
+        function = _source.function("rowclass.cu", name).kernel.ptr
+        n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            function, _launch.BLOCK, shared))
+    return n
+
+
+# --- layout -------------------------------------------------------------------------------------
+
+def _row_strides(shape: tuple, strides: tuple):
+    """(row stride, class stride ok) of an array viewed as [rows, shape[-1]]: None when its
+    leading dims do not merge into one stride or its classes are not at stride 1."""
+    if len(shape) == 0:
+        return 0
+    if shape[-1] > 1 and strides[-1] != 1:
+        return None
+    return _launch.merged_stride(shape[:-1], strides[:-1])
+
+
+def _index_stride(shape: tuple, strides: tuple):
+    """The element stride of an index array (any shape) walked as one row index, or None."""
+    return _launch.merged_stride(shape, strides)
+
+
+# --- checks -------------------------------------------------------------------------------------
+
+def _check_multi_margin(x, t, is_index, p, w):
+    nd = len(x.shape)
+    if not ((nd == 2 and x.shape[1] != 0) or (nd == 1 and x.shape[0] != 0) or nd == 0):
+        raise ValueError(f"Expected non-empty vector or matrix with optional 0-dim batch size, "
+                         f"but got: {list(x.shape)}")
+    if not is_index:
+        raise TypeError(f"multi_margin_loss needs class indices (int32 or int64) as target, got "
+                        f"dtype {t.dtype}")
+    nframe = 1 if nd <= 1 else x.shape[0]
+    if len(t.shape) > 1 or math.prod(t.shape) != nframe:
+        raise ValueError(f"multi_margin_loss: target tensor should be 1-D with size equal to the "
+                         f"number of input samples (batch size). Expected target size "
+                         f"[{nframe}], but got {list(t.shape)}. Input has shape "
+                         f"{list(x.shape)}.")
+    if p not in (1, 2) or isinstance(p, bool):
+        raise ValueError("only p == 1 and p == 2 supported")
+    if w is not None:
+        if len(w.shape) != 1:
+            raise ValueError("weight must be one-dimensional")
+        cols = x.shape[-1] if nd else 1
+        if w.shape[0] != cols:
+            raise ValueError(f"inconsistent weight size, expected {cols} but got "
+                             f"{list(w.shape)}")
+
+
+def _check_paired(spec, x, t, is_index):
+    if len(x.shape) == 0:
+        raise ValueError(f"{spec.name} needs an input with a class axis (its last dim), got a "
+                         f"0-d input")
+    if is_index:
+        raise TypeError(f"{spec.name} needs a floating target shaped like the input, got class "
+                        f"indices of dtype {t.dtype}")
+    if t.dtype != x.dtype:
+        _validate.check_same_dtype(x, t, "input", "target")
+    if tuple(t.shape) != tuple(x.shape):
+        raise ValueError(f"{spec.name} needs a target of the input's shape {tuple(x.shape)}, "
+                         f"got {tuple(t.shape)}")
+
+
+def check_targets(frame, t, cols, stream):
+    """Raise IndexError with torch's message if a class index lies outside [0, cols).  Reads a
+    flag back to the host (a synchronisation): opt-in."""
+    import cupy
+
+    with cupy.cuda.Device(t.device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)):
+        v = frame.cupy_view(t)
+        if bool(((v < 0) | (v >= cols)).any()):
+            raise IndexError("target out of range")
+
+
+# --- plans --------------------------------------------------------------------------------------
+
+def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind,
+           go_rs, x_shape, x_rs, t_rs, t_dtype, w_strides, l_rs, l_dtype, loss_shape, dtype,
+           device) -> Plan:
+    info = _dtypes.DTYPES[dtype]
+    acc = info.acc
+    limits = _launch.device_limits(device)
+    cols = x_shape[-1] if x_shape else 1
+    rows = math.prod(x_shape[:-1]) if x_shape else 1
+    want_g = want_gx or want_gt
+    labels = l_rs is not None
+    jsd = spec.loss == LOSS_JSD
+    count_rows = jsd and labels and reduction == "mean"
+    divisor = float(rows) if reduction == "mean" else 1.0
+    grad_scale = 1.0
+    if reduction == "mean" and not count_rows:
+        grad_scale = 1.0 / divisor if divisor else math.nan
+    flags = 0
+    if spec.loss == LOSS_MULTI_MARGIN and t_dtype == _INT64:
+        flags |= FLAG_INDEX64
+    if labels:
+        flags |= FLAG_LABELS | (FLAG_LABELS64 if l_dtype == _INT64 else 0)
+    if go_kind == "device":
+        flags |= FLAG_GO_DEVICE
+    elif go_kind == "array":
+        flags |= FLAG_GO_ROWS
+    if count_rows and want_value:
+        flags |= FLAG_COUNT
+    if jsd:
+        flags |= FLAG_ZERO_EMPTY
+    if p2:
+        flags |= FLAG_P2
+    name = _source.rowclass_name("rowclass_rows", info.ctype, spec.loss)
+    shared = _launch.ROW_SCRATCH * acc.itemsize
+    cfg = _launch.stream_row_launch(rows, cols, dtype.itemsize, acc.itemsize, limits,
+                                    _resident(name, shared, device))
+    w_rs, w_cs = w_strides or (0, 0)
+    words = ROWS.template({
+        "rows": rows, "cols": cols, "x_rs": x_rs, "t_rs": t_rs, "w_rs": w_rs, "w_cs": w_cs,
+        "l_rs": l_rs or 0, "go_rs": go_rs or 0, "flags": flags,
+        "ignore": _args.i64_word(ignore_index), "option": _args.f64_word(option),
+        "go_value": _ONE, "grad_scale": _args.f64_word(grad_scale), "tpr": cfg.tpr,
+        "divisor": _args.f64_word(divisor)})
+    main = Launched(_source.function("rowclass.cu", name).kernel.ptr, cfg.grid, cfg.block,
+                    cfg.shared, words, ROWS.slot)
+    scratch: dict = {}
+    size = 0
+
+    def region(key, n):
+        nonlocal size
+        scratch[key] = (size, n)
+        size += n
+
+    if want_value and reduction != "none" and main.grid[0] > 1:
+        region("partials", 2 * main.grid[0])
+    count = None
+    if count_rows and want_g:
+        cname = _source.rowclass_name("rowclass_count", info.ctype)
+        ccfg = _launch.flat_launch(rows, 1, acc.itemsize, limits)
+        cwords = COUNT.template({"rows": rows, "l_rs": l_rs, "flags": flags & FLAG_LABELS64,
+                                 "ignore": _args.i64_word(ignore_index)})
+        count = Launched(_source.function("rowclass.cu", cname).kernel.ptr, ccfg.grid,
+                         ccfg.block, ccfg.shared, cwords, COUNT.slot)
+        region("denom", 1)
+        if ccfg.grid[0] > 1:
+            region("count_partials", ccfg.grid[0])
+    ticket = "partials" in scratch or "count_partials" in scratch
+    return Plan(main, count, tuple(loss_shape), tuple(x_shape), dtype, acc,
+                want_value and reduction != "none", want_value and reduction == "none",
+                want_gx, want_gt, scratch, size, ticket)
+
+
+def _make_plan(*args) -> Plan:
+    """Build the plan of a call on its device (kernels are loaded per device)."""
+    import cupy
+
+    with cupy.cuda.Device(args[-1]):
+        return _build(*args)
+
+
+# --- running ------------------------------------------------------------------------------------
+
+def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream):
+    """Allocate the outputs, fill the pointer words, launch.  Returns [value or loss, gx, gt]."""
+    main = plan.main
+    words = array.array("Q", main.words)
+    slot = main.slot
+    words[slot["x"]] = x.ptr
+    words[slot["t"]] = t.ptr
+    if w is not None:
+        words[slot["w"]] = w.ptr
+    if labels is not None:
+        words[slot["labels"]] = labels.ptr
+    if go is not None:
+        words[slot["go"]] = go.ptr
+    elif go_value != 1.0:
+        words[slot["go_value"]] = _args.f64_word(go_value)
+    like = x.array
+    dtype = plan.dtype
+    out = gx = gt = None
+    if plan.value:
+        out, words[slot["value"]] = frame.empty((), dtype, like)
+    elif plan.loss:
+        out, words[slot["loss"]] = frame.empty(plan.loss_shape, dtype, like)
+    if plan.gx:
+        gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
+    if plan.gt:
+        gt, words[slot["gt"]] = frame.empty(plan.x_shape, dtype, like)
+    ticket = _ticket(x.device, stream) if plan.ticket else 0
+    scratch_ptr = 0
+    if plan.scratch_size:
+        _, scratch_ptr = frame.empty((plan.scratch_size,), plan.acc, like)
+    step = plan.acc.itemsize
+
+    def at(key):
+        return scratch_ptr + step * plan.scratch[key][0]
+
+    if "partials" in plan.scratch:
+        words[slot["partials"]] = at("partials")
+        words[slot["ticket"]] = ticket
+    if plan.count is not None:
+        cwords = array.array("Q", plan.count.words)
+        cs = plan.count.slot
+        cwords[cs["labels"]] = labels.ptr
+        cwords[cs["out"]] = words[slot["denom"]] = at("denom")
+        if "count_partials" in plan.scratch:
+            cwords[cs["partials"]] = at("count_partials")
+            cwords[cs["ticket"]] = ticket
+        _args.launch(plan.count.function, plan.count.grid, plan.count.block, plan.count.shared,
+                     stream, cwords)
+    _args.launch(main.function, main.grid, main.block, main.shared, stream, words)
+    result = frame.result
+    return [None if a is None else result(a) for a in (out, gx, gt)]
+
+
+def _operand(frame, a, name, x):
+    """An array argument of the input's framework and device, as an Operand."""
+    other = _dispatch.frame_of(a, name)
+    if other is not frame:
+        _dispatch.check_same_frame(frame, other, x.array, a, "input", name)
+    return frame.operand(a, name)
+
+
+def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
+             reduction="mean", p=1, margin=1.0, beta=0.5, ignore_index=-100, check=False,
+             want_value=True, wrt=(), grad_output=1.0):
+    """[loss or None, input gradient or None, target gradient or None] of one call.
+
+    wrt: the names ("input", "target") whose gradients are written.  Arrays come from and go
+    back to the caller's framework (see _dispatch).
+    """
+    frame = _dispatch.frame_of(input, "input")
+    x = frame.operand(input, "input")
+    other = _dispatch.frame_of(target, "target")
+    if other is not frame:
+        _dispatch.check_same_frame(frame, other, input, target, "input", "target")
+    t, is_index = _target_operand(frame, target)
+    dtype, device = x.dtype, x.device
+    w = None if weight is None else _operand(frame, weight, "weight", x)
+    if spec.loss == LOSS_MULTI_MARGIN:
+        _check_multi_margin(x, t, is_index, p, w)
+    else:
+        _check_paired(spec, x, t, is_index)
+    if t.device != device:
+        _validate.check_same_device(x, t, "input", "target")
+    if w is not None:
+        if w.dtype != dtype:
+            _validate.check_same_dtype(x, w, "input", "weight")
+        if w.device != device:
+            _validate.check_same_device(x, w, "input", "weight")
+        if spec.loss == LOSS_MULTILABEL:
+            shape = _validate.broadcast_shape(x.shape, w.shape, "input", "weight")
+            if tuple(shape) != tuple(x.shape):
+                raise ValueError(f"weight shape {tuple(w.shape)} must broadcast to the input's "
+                                 f"shape {tuple(x.shape)}")
+    labels = None
+    if shift_labels is not None:
+        if spec.loss != LOSS_JSD:
+            raise ValueError(f"{spec.name} takes no shift_labels")
+        if _dispatch.frame_of(shift_labels, "shift_labels") is not frame:
+            _dispatch.check_same_frame(frame, _dispatch.frame_of(shift_labels, "shift_labels"),
+                                       input, shift_labels, "input", "shift_labels")
+        labels, label_index = _target_operand(frame, shift_labels)
+        if not label_index:
+            raise TypeError(f"shift_labels must hold class indices (int32 or int64), got dtype "
+                            f"{labels.dtype}")
+        if tuple(labels.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"the shape of shift_labels must be {tuple(x.shape[:-1])} (the "
+                             f"input's without its last dim), got {tuple(labels.shape)}")
+        if labels.device != device:
+            _validate.check_same_device(x, labels, "input", "shift_labels")
+    if reduction not in spec.reductions:
+        _reduction.check_reduction(reduction, spec.reductions)
+    option, p2 = 0.0, False
+    if spec.loss == LOSS_MULTI_MARGIN:
+        option, p2 = float(margin), p == 2
+    elif spec.loss == LOSS_JSD:
+        option = float(beta)
+        if not 0.0 <= option <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+    ignore_index = int(ignore_index)
+    for name in wrt:
+        if name not in spec.arrays:
+            raise ValueError(f"wrt names {name!r}; {spec.name} takes 'input' or 'target'")
+    want_gx, want_gt = "input" in wrt, "target" in wrt
+    if want_gt and is_index:
+        raise ValueError(f"target holds class indices ({t.dtype}): it has no gradient; ask for "
+                         f"wrt='input'")
+    if spec.loss == LOSS_MULTI_MARGIN:
+        loss_shape = tuple(t.shape)
+    else:
+        loss_shape = tuple(x.shape[:-1])
+    go_kind, go_value, go = "host", 1.0, None
+    if wrt:
+        if type(grad_output) is float or type(grad_output) is int:
+            go_value = float(grad_output)
+        else:
+            go = _validate.check_grad_output(frame, grad_output, dtype, device)
+            if isinstance(go, float):
+                go_value, go = go, None
+            else:
+                go_kind = "device" if go.shape == () else "array"
+                if go_kind == "array":
+                    _validate.check_grad_output_shape(go.shape, loss_shape, reduction)
+    stream = frame.stream(device)
+    if check and is_index:
+        check_targets(frame, t, x.shape[-1] if x.shape else 1, stream)
+    x_rs = _row_strides(x.shape, x.strides)
+    t_rs = _index_stride(t.shape, t.strides) if is_index else _row_strides(t.shape, t.strides)
+    w_strides = None
+    if w is not None:
+        if spec.loss == LOSS_MULTILABEL:
+            b = _launch.broadcast_strides(w.shape, w.strides, x.shape)
+            w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
+            w_strides = None if w_rs is None else (w_rs, b[-1])
+        else:
+            w_strides = (0, w.strides[0] if w.shape[0] > 1 else 0)
+    l_rs = None if labels is None else _index_stride(labels.shape, labels.strides)
+    go_rs = _index_stride(go.shape, go.strides) if go_kind == "array" else 0
+    fast = (x_rs is not None and t_rs is not None and go_rs is not None
+            and (labels is None or l_rs is not None)
+            and (w is None or (w_strides is not None and
+                               (spec.loss == LOSS_MULTILABEL or w_strides[1] in (0, 1)))))
+    args = (reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind)
+    if not fast or _current_device() != device:
+        return _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args,
+                         loss_shape)
+    key = (spec.name, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
+           None if labels is None else labels.dtype, loss_shape, dtype, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _make_plan(spec, *args, go_rs, x.shape, x_rs, t_rs, t.dtype,
+                                        w_strides, l_rs,
+                                        None if labels is None else labels.dtype, loss_shape,
+                                        dtype, device)
+    return _run(plan, frame, x, t, w, labels, go, go_value, stream)
+
+
+def _current_device():
+    import cupy
+
+    global _current_device
+    _current_device = cupy.cuda.runtime.getDevice
+    return _current_device()
+
+
+def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args, loss_shape):
+    """Calls off the hot path: another current device, or operands that need contiguous copies
+    (made by CuPy on the caller's stream, with the caller's allocator)."""
+    import cupy
+
+    device = x.device
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
+            frame.scratch_allocator():
+        keep = []
+        if _row_strides(x.shape, x.strides) is None:
+            original = x
+            x = _contiguous(frame, x, "input")
+            x.array, copy = original.array, x.array  # outputs are allocated like the input
+            keep.append(copy)
+        if (_index_stride(t.shape, t.strides) if is_index
+                else _row_strides(t.shape, t.strides)) is None:
+            t = _contiguous(frame, t, "target")
+        if labels is not None and _index_stride(labels.shape, labels.strides) is None:
+            labels = _contiguous(frame, labels, "shift_labels")
+        if go is not None and go.shape != () and _index_stride(go.shape, go.strides) is None:
+            go = _contiguous(frame, go, "grad_output")
+        w_strides = None
+        if w is not None:
+            if spec.loss == LOSS_MULTILABEL:
+                b = _launch.broadcast_strides(w.shape, w.strides, x.shape)
+                w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
+                if w_rs is None:
+                    full = cupy.ascontiguousarray(cupy.broadcast_to(frame.cupy_view(w),
+                                                                    x.shape))
+                    w = _dispatch.Operand(full.data.ptr, full.shape,
+                                          tuple(s // full.itemsize for s in full.strides),
+                                          full.dtype, device, full)
+                    b = w.strides
+                    w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
+                w_strides = (w_rs, b[-1])
+            else:
+                if w.shape[0] > 1 and w.strides[0] != 1:
+                    w = _contiguous(frame, w, "weight")
+                w_strides = (0, 1 if w.shape[0] > 1 else 0)
+        x_rs = _row_strides(x.shape, x.strides)
+        t_rs = _index_stride(t.shape, t.strides) if is_index else _row_strides(t.shape,
+                                                                              t.strides)
+        l_rs = None if labels is None else _index_stride(labels.shape, labels.strides)
+        go_rs = _index_stride(go.shape, go.strides) if args[-1] == "array" else 0
+        plan = _make_plan(spec, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
+                          None if labels is None else labels.dtype, loss_shape, x.dtype, device)
+        result = _run(plan, frame, x, t, w, labels, go, go_value, stream)
+        del keep
+        return result

@@ -1,0 +1,276 @@
+"""Row-wise losses along the last axis whose gradient streams with the loss: multi_margin_loss and
+multilabel_soft_margin_loss (torch.nn.functional's names, arguments and semantics) and jsd
+(Liger-Kernel's generalised Jensen-Shannon divergence, a distillation loss torch lacks), each as
+``f``, ``f_backward`` and ``f_value_and_grad``.
+
+Common rules:
+  * input is a GPU array of one framework (cupy.ndarray, torch CUDA tensor, JAX GPU array or any
+    CUDA DLPack array) of dtype float16, bfloat16, float32 or float64; a row is its last axis
+    (C elements).  Inputs are read in place and never written; a layout whose leading dims do not
+    merge into one stride, or whose last axis is not contiguous, is copied first.
+  * Results have the input's dtype (16-bit inputs accumulate in float32) and come back in the
+    caller's framework, allocated by it, on its current stream.  Nothing is read back to the host
+    (except with multi_margin_loss's check_targets) and every sum runs in a fixed order: the same
+    inputs on the same device give bitwise the same results.
+  * The value and the gradient come from one read of each operand: every element's gradient
+    needs only that element (and, for multi_margin_loss, x_y and w_y, read before the row), so
+    value_and_grad streams each row once.
+  * grad_output: a Python number, a 0-d array of the input's dtype and framework (read on the
+    device), or for reduction='none' an array of the loss's shape.
+  * wrt: 'input' (the default: that gradient alone), 'target' (floating targets) or a tuple of
+    names (a tuple of gradients, C-contiguous, of their arguments' shapes and dtype).
+"""
+
+from __future__ import annotations
+
+from cupyloss._rowclass import SPECS, evaluate
+
+_MM = SPECS["multi_margin_loss"]
+_ML = SPECS["multilabel_soft_margin_loss"]
+_JSD = SPECS["jsd"]
+
+
+def _names(wrt):
+    single = isinstance(wrt, str)
+    names = (wrt,) if single else tuple(wrt)
+    if len(set(names)) != len(names):
+        raise ValueError(f"wrt names an argument twice: {wrt!r}")
+    return names, single
+
+
+def _grads(names, single, gx, gt):
+    picked = tuple(gx if n == "input" else gt for n in names)
+    return picked[0] if single else picked
+
+
+# --- multi_margin_loss ------------------------------------------------------------------------
+
+def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, reduction="mean", *,
+                      check_targets=False):
+    """Multi-class hinge loss, as torch.nn.functional.multi_margin_loss.
+
+    Per sample with scores x (C of them), class index y and class weights w (1 without):
+
+      ``l = sum_{c != y} w_y max(0, margin - x_y + x_c)^p / C``,  p in {1, 2}
+
+    then 'mean' over the samples (NaN for no samples) or 'sum'.  An index outside [0, C) is never
+    used as an address: that sample's loss and its whole gradient row are NaN (so is a reduced
+    loss); torch raises "target out of range" instead, as ``check_targets=True`` does here at the
+    cost of a host synchronisation.
+
+    Args:
+      input: scores, (N, C), (C,) or 0-d; float16, bfloat16, float32, float64.
+      target: class indices (int32 or int64) with N elements, 1-d or 0-d.
+      p: 1 or 2.
+      margin: the margin.
+      weight: None or (C,) of input's dtype: w_y scales sample's loss.
+      reduction: 'none' (the loss per sample, the target's shape) | 'mean' | 'sum'.
+      check_targets: raise IndexError for an out-of-range index (synchronises).
+
+    Returns:
+      The loss: 0-d for 'mean'/'sum', else the target's shape; input's dtype.
+
+    Example:
+      >>> x = cupy.random.randn(8, 10).astype(cupy.float32)
+      >>> y = cupy.random.randint(0, 10, 8)
+      >>> cupyloss.multi_margin_loss(x, y, p=2, margin=0.5)
+    """
+    return evaluate(_MM, input, target, weight, reduction=reduction, p=p, margin=margin,
+                    check=check_targets)[0]
+
+
+def multi_margin_loss_backward(grad_output, input, target, p=1, margin=1.0, weight=None,
+                               reduction="mean", *, check_targets=False, wrt="input"):
+    """Gradient of multi_margin_loss, equal to torch autograd's.
+
+    With z_c = margin - x_y + x_c and g the sample's upstream gradient (over N for 'mean'):
+
+      ``dl/dx_c = g w_y (p == 1 ? 1 : 2 z_c) [z_c > 0] / C`` for c != y,
+      ``dl/dx_y = -sum_{c != y} dl/dx_c``
+
+    (a tie z_c = 0 gives 0, as torch).
+
+    Returns:
+      The input's gradient (or a one-element tuple for a tuple wrt), its shape and dtype.
+
+    Example:
+      >>> g = cupyloss.multi_margin_loss_backward(1.0, x, y)
+    """
+    names, single = _names(wrt)
+    _, gx, gt = evaluate(_MM, input, target, weight, reduction=reduction, p=p, margin=margin,
+                         check=check_targets, want_value=False, wrt=names,
+                         grad_output=grad_output)
+    return _grads(names, single, gx, gt)
+
+
+def multi_margin_loss_value_and_grad(input, target, p=1, margin=1.0, weight=None,
+                                     reduction="mean", *, check_targets=False, grad_output=1.0,
+                                     wrt="input"):
+    """multi_margin_loss and its gradient from one read of the input (one launch).
+
+    Returns:
+      ``(loss, grads)``: loss as from multi_margin_loss, grads as from its backward.
+
+    Example:
+      >>> loss, g = cupyloss.multi_margin_loss_value_and_grad(x, y, margin=0.5)
+    """
+    names, single = _names(wrt)
+    value, gx, gt = evaluate(_MM, input, target, weight, reduction=reduction, p=p,
+                             margin=margin, check=check_targets, want_value=True, wrt=names,
+                             grad_output=grad_output)
+    return value, _grads(names, single, gx, gt)
+
+
+# --- multilabel_soft_margin_loss --------------------------------------------------------------
+
+def multilabel_soft_margin_loss(input, target, weight=None, reduction="mean"):
+    """Multi-label one-versus-all logistic loss, as torch.nn.functional.multilabel_soft_margin_loss.
+
+    Per row of logits x and targets t (C of them, the last axis) and weights w (1 without):
+
+      ``l = -sum_c w_c (t_c log sigmoid(x_c) + (1 - t_c) log sigmoid(-x_c)) / C``
+
+    evaluated as ``w_c (t_c max(-x_c, 0) + (1 - t_c) max(x_c, 0) + log1p(exp(-|x_c|)))``, which
+    neither overflows nor cancels for t in [0, 1]; then 'mean' over the rows (NaN for none) or
+    'sum'.
+
+    Args:
+      input: logits, (..., C) with at least one dim; float16, bfloat16, float32, float64.
+      target: the input's shape and dtype (labels in [0, 1], soft labels allowed).
+      weight: None or an array of input's dtype that broadcasts to the input's shape (torch
+        multiplies it elementwise), typically (C,).
+      reduction: 'none' (the input's shape without its last dim) | 'mean' | 'sum'.
+
+    Returns:
+      The loss: 0-d for 'mean'/'sum', else input.shape[:-1]; input's dtype.
+
+    Example:
+      >>> x = cupy.random.randn(8, 20).astype(cupy.float32)
+      >>> t = (cupy.random.rand(8, 20) < 0.2).astype(cupy.float32)
+      >>> cupyloss.multilabel_soft_margin_loss(x, t)
+    """
+    return evaluate(_ML, input, target, weight, reduction=reduction)[0]
+
+
+def multilabel_soft_margin_loss_backward(grad_output, input, target, weight=None,
+                                         reduction="mean", *, wrt="input"):
+    """Gradients of multilabel_soft_margin_loss, equal to torch autograd's.
+
+    With g the row's upstream gradient (over the number of rows for 'mean'):
+
+      ``dl/dx_c = g w_c (sigmoid(x_c) - t_c) / C``,   ``dl/dt_c = -g w_c x_c / C``
+
+    (no gradient for weight).
+
+    Returns:
+      The gradients named by wrt ('input', 'target' or a tuple), each of the input's shape and
+      dtype.
+
+    Example:
+      >>> gx, gt = cupyloss.multilabel_soft_margin_loss_backward(1.0, x, t, wrt=("input", "target"))
+    """
+    names, single = _names(wrt)
+    _, gx, gt = evaluate(_ML, input, target, weight, reduction=reduction, want_value=False,
+                         wrt=names, grad_output=grad_output)
+    return _grads(names, single, gx, gt)
+
+
+def multilabel_soft_margin_loss_value_and_grad(input, target, weight=None, reduction="mean", *,
+                                               grad_output=1.0, wrt="input"):
+    """multilabel_soft_margin_loss and its gradients from one read of input and target.
+
+    Returns:
+      ``(loss, grads)``: loss as from multilabel_soft_margin_loss, grads as from its backward.
+
+    Example:
+      >>> loss, g = cupyloss.multilabel_soft_margin_loss_value_and_grad(x, t)
+    """
+    names, single = _names(wrt)
+    value, gx, gt = evaluate(_ML, input, target, weight, reduction=reduction, want_value=True,
+                             wrt=names, grad_output=grad_output)
+    return value, _grads(names, single, gx, gt)
+
+
+# --- jsd --------------------------------------------------------------------------------------
+
+def jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100, reduction="mean"):
+    """Generalised Jensen-Shannon divergence of log-probability rows, as Liger-Kernel's LigerJSD.
+
+    A distillation loss torch lacks; its torch adapter module is ``cupyloss.torch.JSDLoss``.
+    With Q = exp(input) (the student), P = exp(target) (the teacher), both along the last axis,
+    and M = beta P + (1 - beta) Q, per row:
+
+      ``l = beta KL(P || M) + (1 - beta) KL(Q || M)``
+      ``  = sum_c beta P_c (y_c - log M_c) + (1 - beta) Q_c (x_c - log M_c)``
+
+    beta = 0 is the forward KL(P || Q), beta = 1 the reverse KL(Q || P), beta = 0.5 the JSD.
+    A row whose shift_labels entry equals ignore_index counts for nothing (loss 0, gradient 0).
+    'mean' (the default, Liger's only reduction) divides the counted rows' sum by their number,
+    and is 0 when no row counts (Liger's rule; cross_entropy follows torch's NaN instead); 'sum'
+    adds the counted rows; 'none' returns the loss per row.  log M is formed as
+    ``max(x, y) + log(beta e^(y - max) + (1 - beta) e^(x - max))``, so rows with log-probabilities
+    far below float32's exp range give no NaN.
+
+    Args:
+      input: student log-probabilities, (..., V) with at least one dim (Liger: (BT, V));
+        float16, bfloat16, float32, float64.
+      target: teacher log-probabilities, the input's shape and dtype.
+      beta: in [0, 1].
+      shift_labels: None or class indices (int32/int64) of shape input.shape[:-1]; only their
+        comparison with ignore_index matters.
+      ignore_index: the label of rows that do not count.
+      reduction: 'mean' | 'sum' | 'none' (input.shape[:-1]).
+
+    Returns:
+      The loss: 0-d for 'mean'/'sum', else input.shape[:-1]; input's dtype.
+
+    Example:
+      >>> s = cupy.log(cupy.random.dirichlet(cupy.ones(1000), 16)).astype(cupy.float32)
+      >>> t = cupy.log(cupy.random.dirichlet(cupy.ones(1000), 16)).astype(cupy.float32)
+      >>> cupyloss.jsd(s, t, beta=0.1)
+    """
+    return evaluate(_JSD, input, target, None, shift_labels, reduction=reduction, beta=beta,
+                    ignore_index=ignore_index)[0]
+
+
+def jsd_backward(grad_output, input, target, beta=0.5, shift_labels=None, ignore_index=-100,
+                 reduction="mean", *, wrt="input"):
+    """Gradients of jsd (Liger gives the input's; the target's is here too).
+
+    With g the row's upstream gradient (over the counted rows for 'mean'), 0 on ignored rows:
+
+      ``dl/dx_c = g (1 - beta) Q_c (x_c - log M_c)``,   ``dl/dy_c = g beta P_c (y_c - log M_c)``
+
+    (beta = 0: ``-g P_c`` and ``g P_c (y_c - x_c + 1)``; beta = 1: ``g Q_c (x_c - y_c + 1)`` and
+    ``-g Q_c``).
+
+    Returns:
+      The gradients named by wrt ('input', 'target' or a tuple), each of the input's shape and
+      dtype.
+
+    Example:
+      >>> g = cupyloss.jsd_backward(1.0, s, t)
+    """
+    names, single = _names(wrt)
+    _, gx, gt = evaluate(_JSD, input, target, None, shift_labels, reduction=reduction, beta=beta,
+                         ignore_index=ignore_index, want_value=False, wrt=names,
+                         grad_output=grad_output)
+    return _grads(names, single, gx, gt)
+
+
+def jsd_value_and_grad(input, target, beta=0.5, shift_labels=None, ignore_index=-100,
+                       reduction="mean", *, grad_output=1.0, wrt="input"):
+    """jsd and its gradients from one read of input and target (two launches for a 'mean'
+    gradient with shift_labels: the counted rows are counted on the device first).
+
+    Returns:
+      ``(loss, grads)``: loss as from jsd, grads as from jsd_backward.
+
+    Example:
+      >>> loss, g = cupyloss.jsd_value_and_grad(s, t, beta=0.5)
+    """
+    names, single = _names(wrt)
+    value, gx, gt = evaluate(_JSD, input, target, None, shift_labels, reduction=reduction,
+                             beta=beta, ignore_index=ignore_index, want_value=True, wrt=names,
+                             grad_output=grad_output)
+    return value, _grads(names, single, gx, gt)
