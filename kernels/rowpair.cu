@@ -30,8 +30,8 @@
 // L2).  The row's sums: per thread in the accumulator type, then a fixed butterfly within a warp
 // and the warps' sums in warp order (deterministic).  The 0-d loss is finished in the same
 // launch (grid_sum_out's last-block ticket; the rows' losses summed in double across threads and
-// blocks).  Indices within a row are 32-bit (cols < 2^31, checked on
-// the host); row offsets are 64-bit.
+// blocks).  Indices within a row are 32-bit (cols < 2^31, checked on the host); row offsets are
+// 64-bit.
 #include "common.cuh"
 
 namespace cupyloss {
