@@ -204,14 +204,18 @@ def flat_launch(n: int, vec: int, acc_itemsize: int, limits: DeviceLimits,
     return Launch((grid,), (BLOCK,), shared)
 
 
-def rows_launch(rows: int, cols: int, vec: int, acc_itemsize: int,
-                limits: DeviceLimits, blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
+ROW_SUM_BYTES = 8   # pointwise_rows sums a row gradient across its lanes in double
+
+
+def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
+                blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
     """Launch for pointwise_rows over [rows, cols] with tx threads along a row.
 
     tx is the power of two in [32, BLOCK] closest above cols / vec, so narrow rows still fill
     a warp; ty = BLOCK / tx threads go down the rows.  Column blocks cover cols; row blocks
     are added until the grid holds blocks_per_sm blocks per SM (at most 65535 of them, and
-    never fewer than ty rows each).
+    never fewer than ty rows each).  Shared memory: one double per thread and vector element,
+    where the lanes' row-gradient sums meet (whatever the accumulator type).
     """
     lanes = _cdiv(cols, vec)
     tx = min(BLOCK, max(WARP, 1 << max(lanes - 1, 0).bit_length()))
@@ -226,8 +230,7 @@ def rows_launch(rows: int, cols: int, vec: int, acc_itemsize: int,
     row_blocks = max(1, min(want, _cdiv(rows, ty), limits.max_grid_y))
     rows_per_block = max(1, _cdiv(rows, row_blocks))
     row_blocks = max(1, _cdiv(rows, rows_per_block))
-    shared = check_shared(max(BLOCK * vec, BLOCK // WARP) * acc_itemsize, limits,
-                          "pointwise_rows")
+    shared = check_shared(BLOCK * vec * ROW_SUM_BYTES, limits, "pointwise_rows")
     return Launch((col_blocks, row_blocks), (BLOCK,), shared, tx, rows_per_block)
 
 

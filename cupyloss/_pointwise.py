@@ -232,9 +232,9 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
             name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, any(want_grads))
-            shared = _launch.BLOCK * vec * 8   # the lanes' row sums, in double
-            cfg = _launch.rows_launch(rows, cols, vec, acc, limits,
-                                      _resident(name, shared, limits))
+            shared = _launch.BLOCK * vec * _launch.ROW_SUM_BYTES
+            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits))
+            assert cfg.shared == shared
             layout = rows_layout(k_ops, spec.param_words)
             words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
                                      "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})

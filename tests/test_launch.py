@@ -312,8 +312,8 @@ COLS = [
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("cols", COLS)
 def test_rows_launch_covers_the_matrix(rows, cols):
-    for vec, acc in itertools.product(VECS, ACC_ITEMSIZES):
-        launch = _launch.rows_launch(rows, cols, vec, acc, H100)
+    for vec in VECS:
+        launch = _launch.rows_launch(rows, cols, vec, H100)
         col_blocks, row_blocks = launch.grid
         tx, rpb = launch.tx, launch.rows_per_block
         lanes = _cdiv(cols, vec)
@@ -327,21 +327,21 @@ def test_rows_launch_covers_the_matrix(rows, cols):
         assert col_blocks * row_blocks <= max(col_blocks, H100.sm_count * BLOCKS_PER_SM)
         if col_blocks == 1 and rows * min(lanes, BLOCK) <= _launch.SINGLE_BLOCK_WORK:
             assert row_blocks == 1, "a small matrix split over blocks"
-        assert launch.shared == max(BLOCK * vec, BLOCK // WARP) * acc
+        assert launch.shared == BLOCK * vec * 8, "a double per thread and vector element"
 
 
 def test_rows_launch_clamps_to_max_grid_y():
     # 10**5 SMs want 800,000 row blocks for one wave, more than the 65535 a grid's y allows.
     many = DeviceLimits(sm_count=10**5, max_grid_x=2**31 - 1, max_grid_y=65535,
                         max_shared_per_block=49152)
-    launch = _launch.rows_launch(10**9, 1, 1, 4, many)
+    launch = _launch.rows_launch(10**9, 1, 1, many)
     _, row_blocks = launch.grid
     assert row_blocks <= 65535 and row_blocks * launch.rows_per_block >= 10**9
 
 
 def test_rows_launch_with_no_rows():
     # Input (0, C) against target (C,): no rows, and no division by zero rows per block.
-    launch = _launch.rows_launch(0, 5, 1, 4, H100)
+    launch = _launch.rows_launch(0, 5, 1, H100)
     assert launch.grid[0] >= 1 and launch.grid[1] >= 1, "CUDA rejects a grid dim of 0"
     assert launch.rows_per_block >= 1
 
@@ -351,7 +351,7 @@ def test_rows_launch_rejects_too_many_column_blocks():
     small = DeviceLimits(sm_count=132, max_grid_x=4, max_grid_y=65535,
                          max_shared_per_block=49152)
     with pytest.raises(ValueError, match=r"1280 elements need 5 column blocks.*device's 4"):
-        _launch.rows_launch(10, 5 * BLOCK, 1, 4, small)
+        _launch.rows_launch(10, 5 * BLOCK, 1, small)
 
 
 def test_check_shared_allows_exactly_the_limit():
@@ -361,8 +361,8 @@ def test_check_shared_allows_exactly_the_limit():
 
 
 @pytest.mark.parametrize("make, need", [
-    # 256 threads x 8-wide vectors x float32 accumulators = 8192 bytes.
-    (lambda limits: _launch.rows_launch(10, 64, 8, 4, limits), 8192),
+    # 256 threads x 8-wide vectors x a double each = 16384 bytes.
+    (lambda limits: _launch.rows_launch(10, 64, 8, limits), 16384),
     # 8 warps x float64 = 64 bytes.
     (lambda limits: _launch.flat_launch(10, 1, 8, limits), 64),
 ])
