@@ -118,8 +118,9 @@ def _resident(name: str, shared: int, device: int) -> int:
 
 def _row_strides(shape: tuple, strides: tuple):
     """(row stride, class stride ok) of an array viewed as [rows, shape[-1]]: None when its
-    leading dims do not merge into one stride or its classes are not at stride 1."""
-    if len(shape) == 0:
+    leading dims do not merge into one stride or its classes are not at stride 1 (an empty
+    array is walked by nothing: 0, whatever strides its producer gave it)."""
+    if len(shape) == 0 or 0 in shape:
         return 0
     if shape[-1] > 1 and strides[-1] != 1:
         return None
@@ -127,8 +128,9 @@ def _row_strides(shape: tuple, strides: tuple):
 
 
 def _index_stride(shape: tuple, strides: tuple):
-    """The element stride of an index array (any shape) walked as one row index, or None."""
-    return _launch.merged_stride(shape, strides)
+    """The element stride of an index array (any shape) walked as one row index, or None (0
+    for an empty one)."""
+    return 0 if 0 in shape else _launch.merged_stride(shape, strides)
 
 
 # --- checks -------------------------------------------------------------------------------------
