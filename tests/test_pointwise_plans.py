@@ -41,8 +41,13 @@ class FakeFrame:
     def stream(self, device):
         return 0
 
+    def __init__(self, record=None):
+        self.record = record
+
     def empty(self, shape, dtype, like):
         a = np.empty(shape, dtype).view(HostArray)
+        if self.record is not None:
+            self.record.allocations.append((tuple(np.atleast_1d(shape)), np.dtype(dtype)))
         return a, a.ctypes.data
 
     def empty_like(self, a):
@@ -63,22 +68,24 @@ class FakeFrame:
 @pytest.fixture
 def device(monkeypatch):
     """Record of resolved kernels and launches; the engine runs against the fake device."""
-    record = types.SimpleNamespace(kernels=[], launches=[])
-    function = types.SimpleNamespace(attributes={"num_regs": 48},
-                                     kernel=types.SimpleNamespace(ptr=1))
+    record = types.SimpleNamespace(kernels=[], launches=[], names=[], allocations=[])
+    functions = {}   # expression -> a fake function whose pointer is its index
 
     def resolve(file, expression):
         record.kernels.append(expression)
-        return function
+        if expression not in functions:
+            functions[expression] = types.SimpleNamespace(
+                attributes={"num_regs": 48},
+                kernel=types.SimpleNamespace(ptr=len(functions) + 1))
+        return functions[expression]
 
     def launch(fn, grid, block, shared, stream, words):
-        record.launches.append((grid, list(words)))
-
-    def with_workspaces(plan, frame, words, post, stream, like):
-        for k, _ in post:
-            words[plan.slot["ws"] + k] = 0x1000 + k
-        launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
-        record.launches.extend(("sum_rows", k, plan.ws[k]) for k, _ in post)
+        name = next(e for e, f in functions.items() if f.kernel.ptr == fn)
+        record.names.append(name)
+        if "sum_chunks" in name:
+            record.launches.append(("sum_chunks", grid, list(words)))
+        else:
+            record.launches.append((grid, list(words)))
 
     def slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value, want_grads):
         return _pointwise._run(plan, frame, ops, go, go_value, 0)
@@ -89,16 +96,16 @@ def device(monkeypatch):
     monkeypatch.setattr(_pointwise, "_make_plan", lambda *a: _pointwise._build(*a))
     monkeypatch.setattr(_pointwise, "_current_device", lambda: 0)
     monkeypatch.setattr(_pointwise, "_ticket", lambda d, s: 0x7)
-    monkeypatch.setattr(_pointwise, "_launch_with_workspaces", with_workspaces)
     monkeypatch.setattr(_pointwise, "_run_slow", slow)
     monkeypatch.setattr(_pointwise, "_PLANS", {})
-    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame())
+    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
     return record
 
 
 def _words(spec, kernel, words, name):
-    """The words of parameter `name` in a launch of `kernel` ('flat' or 'rows')."""
-    make = _pointwise.rows_layout if kernel == "rows" else _pointwise.flat_layout
+    """The words of parameter `name` in a launch of `kernel` ('flat', 'rows' or 'reduce')."""
+    make = {"rows": _pointwise.rows_layout, "flat": _pointwise.flat_layout,
+            "reduce": _pointwise.reduce_layout}[kernel]
     layout = make(len(spec.operands), spec.param_words)
     start = layout.slot[name]
     names = list(layout.slot)
@@ -111,7 +118,7 @@ LAYOUTS = [
     ((64, 96), (64, 96)),    # flat, vectorised
     ((4099, 96), (96,)),     # rows: the target is one row; its gradient over many row blocks
     ((8, 96), (96,)),        # rows, one block: the row gradient written directly
-    ((1000, 7), (1000, 1)),  # flat: a column broadcast, its gradient through sum_rows
+    ((1000, 7), (1000, 1)),  # reduce: a column broadcast, its gradient summed along the rows
     ((3,), ()),              # a 0-d target: its gradient a grid sum
     ((0, 5), (5,)),          # empty: the broadcast target's gradient is zeros
 ]
@@ -142,9 +149,10 @@ def test_every_loss_plans_every_layout(device, name, input_shape, target_shape):
                                                                   **kw)
         assert value.shape == loss.shape == ()
         assert [g.shape for g in grads] == [g.shape for g in grads2] == [a.shape for a in given]
-    main = [launch for launch in device.launches if launch[0] != "sum_rows"]
+    main = [launch for launch in device.launches if launch[0] != "sum_chunks"]
     assert len(main) == 6
-    kernel = "rows" if "pointwise_rows" in device.kernels[-1] else "flat"
+    last = [name for name in device.names if "sum_chunks" not in name][-1]
+    kernel = next(k for k in ("rows", "flat", "reduce") if f"pointwise_{k}<" in last)
     words = main[-1][1]
     pointers = _words(spec, kernel, words, "in")
     assert pointers == [a.ctypes.data for a in given] + [0] * (len(spec.operands) - len(given))
@@ -156,14 +164,16 @@ def test_kernel_choice_and_gradient_routes(device):
     x, t = arr((4099, 96)), arr((4099, 96))
     cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t, weight=arr((96,)),
                                                              pos_weight=arr(()))
-    assert device.kernels[-1] == "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, true>"
+    assert device.names == ["cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, true>",
+                            "cupyloss::sum_chunks<float>"]
     (plan,) = _pointwise._PLANS.values()
-    assert plan.grads == ("g", "g", "sum_rows", "g0")   # full, full, row, 0-d
+    assert plan.grads == ("g", "g", "chunks", "g0")   # full, full, row, 0-d
     words = device.launches[0][1]
     assert _words(spec, "rows", words, "kind") == [_pointwise.KIND_FULL, _pointwise.KIND_FULL,
                                                    _pointwise.KIND_ROW, _pointwise.KIND_SCALAR]
     assert plan.partials == 5 * np.prod(plan.grid)   # the loss and 4 operands' 0-d sums
-    assert device.launches[1] == ("sum_rows", 2, (plan.grid[1], 96, None))
+    assert device.launches[1][0] == "sum_chunks"
+    assert device.launches[1][2][1:3] == [plan.grid[1], 96]    # [row blocks, cols] partials
     # A call that wants no gradient takes the value-only instantiation of the same kernel.
     cupyloss.binary_cross_entropy_with_logits(x, t, weight=arr((96,)), pos_weight=arr(()))
     assert device.kernels[-1] == "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, false>"
