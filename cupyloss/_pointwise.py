@@ -325,10 +325,12 @@ def _reduce_plan(spec, info, limits, common, out_shape, strides, summed, aligned
     # full-size gradients go), so it coalesces with the others.
     shape, cstrides = _launch.coalesce(out_shape, strides + [_contiguous_strides(out_shape)])
     split = _launch.split_reduced(shape, cstrides, summed[0])
+    # VEC-element steps along the innermost dim: each operand there has stride 1 (read as
+    # aligned vectors: its other strides are whole vectors) or 0 (one element).
     vec = 1
     if (split.inner_reduced and aligned and split.inner % info.vec == 0
-            and all(st[-1] in (0, 1) for st in split.red_strides)
-            and all(s % info.vec == 0 for st in cstrides for s in st[:-1])):
+            and all(st[-1] == 0 or (st[-1] == 1 and all(s % info.vec == 0 for s in st[:-1]))
+                    for st in cstrides)):
         vec = info.vec
     name = _source.pointwise_reduce_name(info.ctype, spec.functor, vec)
     cfg = _launch.reduce_launch(split, vec, info.acc.itemsize, limits,
