@@ -486,7 +486,9 @@ __global__ void __launch_bounds__(256) pointwise_reduce(
         const PerOperand<T*, Op::K> g,            // full: [n]; reduced: [n_o] when nchunks == 1
         const PerOperand<double*, Op::K> ws) {    // reduced: [nchunks, n_o] when nchunks > 1
     constexpr int K = Op::K;
-    constexpr int UNROLL = K <= 2 ? 4 : 2;
+    // Steps whose loads are in flight at once: 16 (K <= 2) or 8 elements of 4 bytes or less a
+    // lane; 16-bit vectors of 8 take half the steps (registers, not bytes, limit them).
+    constexpr int UNROLL = (K <= 2 ? 4 : 2) * 4 / (VEC > 4 ? VEC : 4);
     constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
     using A = acc_t<T>;
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
