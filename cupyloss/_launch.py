@@ -234,10 +234,119 @@ def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
     return Launch((col_blocks, row_blocks), (BLOCK,), shared, tx, rows_per_block)
 
 
-def sum_rows_launch(cols: int, limits: DeviceLimits) -> Launch:
-    """One thread per column, grid-stride past the device's resident-thread count."""
-    grid = max(1, min(_cdiv(cols, BLOCK), limits.sm_count * BLOCKS_PER_SM))
+def sum_chunks_launch(cols: int, limits: DeviceLimits) -> Launch:
+    """One warp per column of [chunks, cols] partials, grid-stride past the resident warps."""
+    grid = max(1, min(_cdiv(cols, BLOCK // WARP), limits.sm_count * BLOCKS_PER_SM,
+                      limits.max_grid_x))
     return Launch((grid,), (BLOCK,), 0)
+
+
+# --- Gradients of broadcast operands (pointwise_reduce) ----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ReduceSplit:
+    """A coalesced broadcast shape split for the operands reduced in one launch: the dims they
+    keep (their own shape, C order) and the dims they are broadcast along, each with every
+    operand's strides (as `coalesce` gives them)."""
+
+    kept: tuple
+    kept_strides: list
+    red: tuple
+    red_strides: list
+    inner_reduced: bool     # whether the innermost dim is one the operands are broadcast along
+
+    @property
+    def n_o(self) -> int:
+        return _prod(self.kept)
+
+    @property
+    def n_m(self) -> int:
+        return _prod(self.red)
+
+    @property
+    def inner(self) -> int:
+        """Length of the innermost run of reduced elements (1 when the innermost dim is kept)."""
+        return self.red[-1] if self.inner_reduced else 1
+
+
+def _prod(sizes) -> int:
+    out = 1
+    for size in sizes:
+        out *= size
+    return out
+
+
+def broadcast_pattern(shape: tuple, strides: tuple) -> tuple:
+    """Which dims of a coalesced `shape` an operand with `strides` is broadcast along."""
+    return tuple(size != 1 and stride == 0 for size, stride in zip(shape, strides))
+
+
+def split_reduced(shape: tuple, strides: list[tuple], operand: int) -> ReduceSplit:
+    """Split a coalesced `shape` (every operand's `strides`) into the dims `operand` keeps and
+    the dims it is broadcast along.  Kept and broadcast dims never merge in `coalesce` (their
+    strides are nonzero and zero), so each group is a list of whole coalesced dims."""
+    pattern = broadcast_pattern(shape, strides[operand])
+    kept = [d for d, b in enumerate(pattern) if not b]
+    red = [d for d, b in enumerate(pattern) if b]
+    if not kept or not red:
+        raise ValueError(f"operand {operand} with strides {strides[operand]} over {shape} is not "
+                         f"broadcast along some but not all dims")
+    return ReduceSplit(tuple(shape[d] for d in kept), [tuple(st[d] for d in kept) for st in strides],
+                       tuple(shape[d] for d in red), [tuple(st[d] for d in red) for st in strides],
+                       pattern[-1])
+
+
+# How pointwise_reduce splits the work (one table; _launch.reduce_launch reads it):
+#   a unit is a warp; it takes lanes_o = 32 / lanes_m output elements o and a chunk of their
+#   broadcast elements m.
+#   lanes_m: innermost dim reduced -> enough lanes to cover its run in VEC vectors (up to 32),
+#            so a warp reads along contiguous memory; more when there are fewer than 32 / lanes_m
+#            outputs (the spare lanes split m).  Innermost dim kept -> one lane per o: 32
+#            neighbouring o, contiguous in memory, each lane summing its own o.
+#   chunks:  one wave of resident warps spread over the output elements, so a handful of
+#            outputs (a per-channel parameter) still fills the device, but no more: partials are
+#            [chunks, n_o] with chunks <= resident warps / units, bounded by the device.
+#   REDUCE_MIN_STEPS: each lane makes at least this many VEC steps per unit; below it the
+#            unit's butterfly and partial write cost more than they save.
+REDUCE_MIN_STEPS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceLaunch:
+    """A launch of pointwise_reduce: grid and block, lanes per output element, chunking of m."""
+
+    grid: tuple
+    block: tuple
+    shared: int
+    lanes_m: int
+    chunk: int
+    nchunks: int
+
+
+def reduce_lanes(n_o: int, inner: int, inner_reduced: bool, vec: int) -> int:
+    """Lanes per output element (a power of two in 1..32): see the table above."""
+    if not inner_reduced:
+        return WARP // min(WARP, 1 << max(n_o - 1, 0).bit_length())
+    lanes = 1 << max(_cdiv(inner, vec) - 1, 0).bit_length()
+    spare = WARP // min(WARP, 1 << max(n_o - 1, 0).bit_length())
+    return min(WARP, max(lanes, spare))
+
+
+def reduce_launch(split: ReduceSplit, vec: int, acc_itemsize: int, limits: DeviceLimits,
+                  blocks_per_sm: int = BLOCKS_PER_SM) -> ReduceLaunch:
+    """Launch for pointwise_reduce over `split` with VEC-element steps (see the table above)."""
+    n_o, n_m = split.n_o, split.n_m
+    lanes_m = reduce_lanes(n_o, split.inner, split.inner_reduced, vec)
+    units_o = _cdiv(n_o, WARP // lanes_m)
+    resident = limits.sm_count * blocks_per_sm * (BLOCK // WARP)
+    step = lanes_m * vec
+    nchunks = max(1, min(resident // units_o, _cdiv(n_m, step * REDUCE_MIN_STEPS)))
+    chunk = _cdiv(_cdiv(n_m, nchunks), step) * step
+    nchunks = _cdiv(n_m, chunk)
+    grid = max(1, min(_cdiv(units_o * nchunks, BLOCK // WARP), limits.sm_count * blocks_per_sm,
+                      limits.max_grid_x))
+    shared = check_shared(BLOCK // WARP * acc_itemsize, limits, "pointwise_reduce")
+    return ReduceLaunch((grid,), (BLOCK,), shared, lanes_m, chunk, nchunks)
 
 
 # --- Row-wise launches (kernels/rowwise.cu) ------------------------------------------------------

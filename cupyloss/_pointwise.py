@@ -10,8 +10,15 @@ device, reduction, the functor's options, which outputs) is computed once and ca
 holding the kernel, its launch configuration and its packed parameter words (the functor's
 Params struct among them).  A call with a cached plan validates, allocates its outputs and
 launches once: the 0-d loss is finished inside the same kernel (grid_sum_out in
-kernels/common.cuh).  Only a gradient of an operand broadcast along several rows (a
-per-channel parameter) takes second launches (`sum_rows`).  Nothing is read back to the host.
+kernels/common.cuh).
+
+The gradient of an operand broadcast along some of the dims (a per-channel or per-row
+parameter) is summed in the same pass, in registers (pointwise_rows for one row broadcast down
+the rows, pointwise_reduce for every other pattern), into float64 partials no larger than
+[resident warps, its size]; `sum_chunks` adds them in a fixed order.  No full-size workspace.
+Operands broadcast along different dims that both want a gradient take one pass per pattern:
+the first pass computes everything else, each later one (`Plan.rest`) only its operands'
+gradients.  Nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -55,7 +62,19 @@ def rows_layout(k: int, params: int) -> _args.Layout:
                         + _scalar_words(k) + [("g", k), ("ws", k)])
 
 
-SUM_ROWS = _args.Layout([("ws", 1), ("rows", 1), ("cols", 1), ("out", 1)])
+@functools.lru_cache(maxsize=None)
+def reduce_layout(k: int, params: int) -> _args.Layout:
+    """Parameters of pointwise_reduce for K operands and a Params struct of `params` words."""
+    geo = _launch.geometry_dtype(k + 2).itemsize // 8
+    return _args.Layout([("in", k), ("fill", k), ("go", 1), ("kept", geo), ("red", geo),
+                         ("n_o", 1), ("n_m", 1), ("chunk", 1), ("nchunks", 1), ("lanes_m", 1),
+                         ("reduced", 1), ("params", params), ("flags", 1), ("go_value", 1),
+                         ("grad_scale", 1), ("loss", 1)] + _scalar_words(k)
+                        + [("g", k), ("ws", k)])
+
+
+SUM_CHUNKS = _args.Layout([("ws", 1), ("chunks", 1), ("cols", 1), ("out", 1)])
+_F64 = numpy.dtype(numpy.float64)
 
 
 @dataclasses.dataclass
@@ -73,11 +92,12 @@ class Plan:
     loss: bool               # allocate the elementwise loss
     value: bool              # allocate the 0-d loss
     grads: tuple             # per operand: None or where its gradient goes: "g", "g0",
-                             # "sum_rows" (a workspace summed by sum_rows) or "zeros"
+                             # "chunks" (float64 partials summed by sum_chunks) or "zeros"
     partials: int            # accumulator elements of scratch for several blocks (0: none)
     acc: numpy.dtype
-    ws: tuple = ()           # per operand: (rows, cols, permutation or None) of a workspace
-    sum_rows: int = 0        # CUfunction of sum_rows for this dtype (when ws is used)
+    chunks: tuple = ()       # per operand: None or (partials' words, sum_chunks grid and words)
+    sum_chunks: int = 0      # CUfunction of sum_chunks for this dtype (when chunks are used)
+    rest: "Plan | None" = None   # the pass for operands broadcast along other dims
     too_many_dims: bool = False
     shapes: tuple = ()       # per operand: its shape (its gradient's), None when not an array
     contiguous: tuple = ()   # per operand: whether it is C-contiguous
@@ -97,10 +117,10 @@ class Plan:
         for k, where in enumerate(self.grads):
             if where is None:
                 continue
-            word = {"g": "g", "g0": "g0"}.get(where)
+            word = {"g": "g", "g0": "g0"}.get(where)   # "chunks": sum_chunks writes it
             how = "zeros" if where == "zeros" else "like" if self.contiguous[k] else "empty"
             self.allocs.append((k + 1, slot[word] + k if word else -1, self.shapes[k], how))
-        self.slow = self.too_many_dims or any(self.ws)
+        self.slow = self.too_many_dims
         self.empty_results = (None,) * (len(self.shapes) + 1)
         self.results = tuple(index for index, _, _, _ in self.allocs)
         if slot:
@@ -110,6 +130,7 @@ class Plan:
                                  if s is None]
             self.sgo, self.sgov = slot["go"], slot["go_value"]
             self.spartials, self.sticket = slot["partials"], slot["ticket"]
+            self.sws = slot.get("ws", 0)
 
 
 _PLANS: dict = {}
@@ -206,14 +227,32 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
               "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
     contiguous = tuple(lay is not None and tuple(lay[1]) == _contiguous_strides(lay[0])
                        for lay in layouts)
-    sum_rows = _sum_rows_function(info)
+    # Gradients summed over broadcast dims: this pass takes the operands broadcast like the
+    # first of them; the others go to a later pass (`rest`) that computes only their gradients.
+    summed = [k for k in range(k_ops) if want_grads[k] and modes[k] == "bcast" and n > 0]
+    rest = None
+    if summed:
+        pattern = _launch.broadcast_pattern(shape, cstrides[summed[0]])
+        later = tuple(k in summed and _launch.broadcast_pattern(shape, cstrides[k]) != pattern
+                      for k in range(k_ops))
+        if any(later) and len(shape) <= _launch.MAX_DIMS:
+            rest = _build(spec, reduction, params, False, later, go_kind, go_shape, go_strides,
+                          layouts, dtype, aligned, device)
+            want_grads = tuple(w and not b for w, b in zip(want_grads, later))
+            summed = [k for k in summed if not later[k]]
 
-    def plan(function, cfg, words, layout, grads, ws, scalars):
+    def plan(function, cfg, words, layout, grads, chunks, scalars):
         nblocks = math.prod(cfg.grid)
         return Plan(function, cfg.grid, cfg.block, cfg.shared, words, layout.slot, out_shape,
                     n, not reduced and want_value, reduced and want_value, tuple(grads),
                     (k_ops + 1) * nblocks if nblocks > 1 and scalars else 0, info.acc,
-                    tuple(ws), sum_rows if any(ws) else 0, shapes=shapes, contiguous=contiguous)
+                    tuple(chunks), _sum_chunks_function(info) if any(chunks) else 0, rest,
+                    shapes=shapes, contiguous=contiguous)
+
+    def chunked(nchunks, cols):
+        cfg = _launch.sum_chunks_launch(cols, limits)
+        return (nchunks * cols, cfg.grid,
+                SUM_CHUNKS.template({"chunks": nchunks, "cols": cols}))
 
     if len(shape) == 2 and n > 0:
         rows, cols = shape
@@ -229,6 +268,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             else:
                 kinds.append(None)
         if (None not in kinds and KIND_ROW in kinds
+                and all(kinds[k] == KIND_ROW for k in summed)
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
             name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, any(want_grads))
@@ -238,22 +278,30 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             layout = rows_layout(k_ops, spec.param_words)
             words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
                                      "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})
-            grads, ws = [None] * k_ops, [None] * k_ops
+            grads, chunks = [None] * k_ops, [None] * k_ops
             for k in range(k_ops):
                 if not want_grads[k]:
                     continue
                 if kinds[k] == KIND_ROW and cfg.grid[1] > 1:
-                    grads[k] = "sum_rows"
-                    ws[k] = (cfg.grid[1], cols, None)
+                    grads[k] = "chunks"
+                    chunks[k] = chunked(cfg.grid[1], cols)
                 else:
                     grads[k] = "g0" if kinds[k] == KIND_SCALAR else "g"
             scalars = reduced and want_value or "g0" in grads
             return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout,
-                        grads, ws, scalars)
+                        grads, chunks, scalars)
 
     if len(shape) > _launch.MAX_DIMS:  # evaluate makes the operands contiguous and retries
         return Plan(0, (), (), 0, None, {}, out_shape, n, False, False, (), 0, info.acc,
                     too_many_dims=True, shapes=shapes, contiguous=contiguous)
+    grads = [None] * k_ops
+    for k in range(k_ops):
+        if want_grads[k]:
+            grads[k] = {"direct": "g", "scalar": "g0"}.get(modes[k], "zeros" if n == 0 else None)
+    scalars = reduced and want_value or "g0" in grads
+    if summed:
+        return _reduce_plan(spec, info, limits, common, out_shape, strides, summed, aligned,
+                            grads, scalars, plan, chunked)
     vec = 1
     if (len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides)
             and "bcast" not in modes):
@@ -264,36 +312,50 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     layout = flat_layout(k_ops, spec.param_words)
     geo = _launch.geometry(shape, cstrides, k_ops + 1)
     words = layout.template({**common, "geo": _args.struct_words(geo), "n": n})
-    grads, ws = [None] * k_ops, [None] * k_ops
-    for k in range(k_ops):
-        if not want_grads[k]:
-            continue
-        if modes[k] == "direct":
-            grads[k] = "g"
-        elif modes[k] == "scalar":
-            grads[k] = "g0"
-        elif n == 0:
-            grads[k] = "zeros"
-        else:
-            grads[k] = "sum_rows"
-            ws[k] = _workspace(out_shape, viewed[k])
-    scalars = reduced and want_value or "g0" in grads
     return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout, grads,
-                ws, scalars)
+                [None] * k_ops, scalars)
 
 
-def _workspace(out_shape: tuple, operand_shape: tuple) -> tuple:
-    """(rows, cols, permutation) that sums a full-size gradient down to `operand_shape`."""
-    ndim = len(out_shape)
-    padded = (1,) * (ndim - len(operand_shape)) + tuple(operand_shape)
-    reduced = [d for d in range(ndim) if padded[d] == 1 and out_shape[d] != 1]
-    kept = [d for d in range(ndim) if d not in reduced]
-    cols = math.prod(operand_shape)
-    return (math.prod(out_shape) // cols, cols, tuple(reduced + kept))
+def _reduce_plan(spec, info, limits, common, out_shape, strides, summed, aligned, grads,
+                 scalars, plan, chunked) -> Plan:
+    """The pointwise_reduce plan summing the gradients of operands `summed` (broadcast along
+    the same dims) in the pass that delivers every other output."""
+    k_ops = len(spec.operands)
+    # The flat index of the broadcast shape travels as one more operand (where the loss and
+    # full-size gradients go), so it coalesces with the others.
+    shape, cstrides = _launch.coalesce(out_shape, strides + [_contiguous_strides(out_shape)])
+    split = _launch.split_reduced(shape, cstrides, summed[0])
+    # VEC-element steps along the innermost dim: each operand there has stride 1 (read as
+    # aligned vectors: its other strides are whole vectors) or 0 (one element).
+    vec = 1
+    if (split.inner_reduced and aligned and split.inner % info.vec == 0
+            and all(st[-1] == 0 or (st[-1] == 1 and all(s % info.vec == 0 for s in st[:-1]))
+                    for st in cstrides)):
+        vec = info.vec
+    name = _source.pointwise_reduce_name(info.ctype, spec.functor, vec)
+    cfg = _launch.reduce_launch(split, vec, info.acc.itemsize, limits,
+                                _resident(name, 0, limits))
+    layout = reduce_layout(k_ops, spec.param_words)
+    kept = _launch.geometry(split.kept, split.kept_strides, k_ops + 2)
+    red = _launch.geometry(split.red, split.red_strides, k_ops + 2)
+    words = layout.template({**common, "kept": _args.struct_words(kept),
+                             "red": _args.struct_words(red), "n_o": split.n_o,
+                             "n_m": split.n_m, "chunk": cfg.chunk, "nchunks": cfg.nchunks,
+                             "lanes_m": cfg.lanes_m,
+                             "reduced": sum(1 << k for k in summed)})
+    chunks = [None] * k_ops
+    for k in summed:
+        if cfg.nchunks > 1:
+            grads[k] = "chunks"
+            chunks[k] = chunked(cfg.nchunks, split.n_o)
+        else:
+            grads[k] = "g"
+    return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout, grads,
+                chunks, scalars)
 
 
-def _sum_rows_function(info) -> int:
-    return _source.function("reduce.cu", _source.reduce_name("sum_rows", info.ctype)).kernel.ptr
+def _sum_chunks_function(info) -> int:
+    return _source.function("reduce.cu", _source.reduce_name("sum_chunks", info.ctype)).kernel.ptr
 
 
 def _operands(spec, frame, arrays):
@@ -433,45 +495,34 @@ def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
         _, words[plan.spartials] = frame.empty((plan.partials,), plan.acc, like)
         words[plan.sticket] = _ticket(x.device, stream)
     if post:
-        _launch_with_workspaces(plan, frame, words, post, stream, like)
+        _launch_chunked(plan, frame, words, post, stream, like)
     else:
         _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     result = frame.result
     for index in plan.results:
         out[index] = result(out[index])
+    if plan.rest is not None:
+        more = _run(plan.rest, frame, ops, go, go_value, stream, like)
+        for index in plan.rest.results:
+            out[index] = more[index]
     return out
 
 
-def _launch_with_workspaces(plan, frame, words, post, stream, like):
-    """The main launch with accumulator workspaces for broadcast gradients, then their sums."""
-    import cupy
-
-    device = cupy.cuda.runtime.getDevice()
-    workspaces = []
+def _launch_chunked(plan, frame, words, post, stream, like):
+    """The main launch with float64 partials [chunks, size] for the gradients in `post`
+    ((operand, output pointer)), then sum_chunks over each, chunks in order."""
+    held = []
     for k, out_ptr in post:
-        rows, cols, perm = plan.ws[k]
-        ws, ws_ptr = frame.empty((rows * cols,), plan.acc, like)
-        words[plan.slot["ws"] + k] = ws_ptr
-        workspaces.append((k, ws, out_ptr))
+        size, grid, template = plan.chunks[k]
+        part, ptr = frame.empty((size,), _F64, like)
+        words[plan.sws + k] = ptr
+        sum_words = _args.array.array("Q", template)
+        sum_words[SUM_CHUNKS.slot["ws"]] = ptr
+        sum_words[SUM_CHUNKS.slot["out"]] = out_ptr
+        held.append((part, grid, sum_words))
     _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
-    limits = _launch.device_limits(device)
-    for k, ws, out_ptr in workspaces:
-        rows, cols, perm = plan.ws[k]
-        if perm is not None and list(perm) != sorted(perm):
-            view = _dispatch._cupy_view(_dispatch.Operand(
-                _pointer_of(ws), plan.out_shape, _contiguous_strides(plan.out_shape),
-                plan.acc, device, ws))
-            ws = cupy.ascontiguousarray(view.transpose(perm))
-        cfg = _launch.sum_rows_launch(cols, limits)
-        sum_words = SUM_ROWS.template({"ws": _pointer_of(ws), "rows": rows, "cols": cols,
-                                       "out": out_ptr})
-        _args.launch(plan.sum_rows, cfg.grid, cfg.block, cfg.shared, stream, sum_words)
-
-
-def _pointer_of(a) -> int:
-    if hasattr(a, "data_ptr"):
-        return a.data_ptr()
-    return a.data.ptr
+    for _, grid, sum_words in held:
+        _args.launch(plan.sum_chunks, grid, (_launch.BLOCK,), 0, stream, sum_words)
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -483,8 +534,8 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 
 def _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value, want_grads):
-    """Calls off the hot path: another current device, more than MAX_DIMS dims, or
-    workspaces that CuPy sums (allocated by the caller's framework, on the caller's stream)."""
+    """Calls off the hot path: another current device, or more than MAX_DIMS dims (contiguous
+    copies made by CuPy, allocated by the caller's framework, on the caller's stream)."""
     import cupy
 
     x = ops[0]

@@ -50,16 +50,22 @@ def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool) ->
             f"{'true' if grad else 'false'}>")
 
 
+def pointwise_reduce_name(ctype: str, functor: str, vec: int) -> str:
+    """Name expression of pointwise_reduce<ctype, functor, vec> (launched for gradients only)."""
+    return f"cupyloss::pointwise_reduce<{ctype}, cupyloss::{functor}, {vec}>"
+
+
 def pointwise_names(functor: str, info) -> list[str]:
     """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector,
-    value-only and with gradients."""
-    return [pointwise_name(kind, info.ctype, functor, vec, grad)
-            for vec in sorted({1, info.vec}) for kind in ("flat", "rows")
-            for grad in (False, True)]
+    value-only and with gradients, and reduce."""
+    vecs = sorted({1, info.vec})
+    return ([pointwise_name(kind, info.ctype, functor, vec, grad)
+             for vec in vecs for kind in ("flat", "rows") for grad in (False, True)]
+            + [pointwise_reduce_name(info.ctype, functor, vec) for vec in vecs])
 
 
 def reduce_name(kernel: str, ctype: str) -> str:
-    """Name expression of a reduce.cu kernel (sum_rows<ctype>)."""
+    """Name expression of a reduce.cu kernel (sum_chunks<ctype>)."""
     return f"cupyloss::{kernel}<{ctype}>"
 
 
@@ -101,7 +107,7 @@ def units() -> list[tuple[str, list[str]]]:
     """Every compilation unit: (source file, its name expressions).  CI compiles each."""
     pointwise = [name for functor in _registry.functors() for info in _dtypes.DTYPES.values()
                  for name in pointwise_names(functor, info)]
-    reduce = [reduce_name("sum_rows", info.ctype) for info in _dtypes.DTYPES.values()]
+    reduce = [reduce_name("sum_chunks", info.ctype) for info in _dtypes.DTYPES.values()]
     scale = [scale_name(info.ctype, vec) for info in _dtypes.DTYPES.values()
              for vec in sorted({1, info.vec})]
     rowwise = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS

@@ -12,28 +12,39 @@
 // share (a log, an exp) once; the loss's own expression is unchanged, so a one-pass call gives
 // bitwise the numbers of separate forward and backward calls (the GPU tests check it).
 //
+// The gradient of an operand broadcast along some dims is g_k summed over those dims:
+//   G_k[o] = sum over m of g_k[o, m]      (o: the operand's own elements, m: the broadcast ones)
+//
 // What a launch writes is chosen by its non-null output pointers:
 //   loss       elementwise loss (reduction 'none')
 //   o.value    the 0-d reduced loss: sum l / divisor
 //   o.g[k]     the 0-d gradient of operand k when it is one element broadcast everywhere
 //   g[k]       gradient of operand k when its shape is the broadcast shape (at the flat index);
-//              in the rows kernel also a row operand's [cols] gradient when there is one row block
-//   ws[k]      accumulator-typed gradient of a broadcast operand k: per element (flat kernel) or
-//              per row block (rows kernel); reduce.cu sums it into the operand's shape
+//              in the rows and reduce kernels also a broadcast operand's G_k when one block
+//              (rows) or one unit (reduce) covers each of its elements
+//   ws[k]      float64 partial sums of a broadcast operand's G_k, [chunks, its size]: per row
+//              block (rows kernel) or per chunk of m (reduce kernel); reduce.cu's sum_chunks
+//              adds the chunks in order
 // The 0-d results are finished in the same launch (grid_sum_out in common.cuh): one block
 // writes them directly, several blocks leave per-block partials and the last one adds them.
 //
-// Two layouts of the broadcast shape:
-//   pointwise_flat   any strides, through Geometry (VEC > 1 only for 1-D strides 0 or 1)
+// Three layouts of the broadcast shape:
+//   pointwise_flat   any strides, through Geometry (VEC > 1 only for 1-D strides 0 or 1); no
+//                    gradient of an operand broadcast along some but not all dims
 //   pointwise_rows   [rows, cols] where every operand is a full [rows, cols] array, one row of
 //                    `cols` broadcast down the rows, or one element: a row operand is read once
 //                    and its gradient is summed down each column in registers, so it costs no
 //                    extra pass.
-// Each comes as GRAD = false, a value-only instantiation that never touches a gradient (the
-// forward of every loss: fewer registers, more resident blocks), and GRAD = true for launches
-// that want any gradient.
-// Both are grid-stride loops over 64-bit indices; block sums use the fixed tree in common.cuh,
-// so a given device and shape give bitwise the same results on every run.
+//   pointwise_reduce any strides, split into [O, M]: the dims one broadcast operand keeps (O,
+//                    its own shape) and the dims it is broadcast along (M).  A warp ("unit")
+//                    takes lanes_o elements o and a chunk of m, so G_k is summed in registers,
+//                    then across the warp, in the pass that writes everything else.
+// flat and rows come as GRAD = false, a value-only instantiation that never touches a gradient
+// (the forward of every loss: fewer registers, more resident blocks), and GRAD = true for
+// launches that want any gradient; reduce is only launched for a gradient.
+// All are grid-stride loops over 64-bit indices; every sum has an order fixed by the shapes
+// (fixed trees in common.cuh, fixed chunk order in reduce.cu), so a given device and shape give
+// bitwise the same results on every run.  No float atomics.
 #include "common.cuh"
 #include "losses.cuh"
 
@@ -135,12 +146,6 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, long long i,
     }
 }
 
-template <typename A, int VEC>
-__device__ __forceinline__ void store_vec_acc(A* __restrict__ p, long long i, const A (&in)[VEC]) {
-    #pragma unroll
-    for (int j = 0; j < VEC; ++j) p[i + j] = in[j];
-}
-
 // An operand that is one element everywhere: p[0], or the fill value when p is null.
 template <typename T>
 __device__ __forceinline__ acc_t<T> read_fixed(const T* p, double fill) {
@@ -198,8 +203,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         const double grad_scale,                  // 1/n, 1/batch or 1
         T* __restrict__ loss,                     // [n] or null
         const Scalars<T, Op::K> o,                // 0-d outputs and their partials [K + 1, grid]
-        const PerOperand<T*, Op::K> g,            // per operand: [n] or null
-        const PerOperand<acc_t<T>*, Op::K> ws) {  // per operand: [n] or null
+        const PerOperand<T*, Op::K> g) {          // per operand: [n] or null
     constexpr int K = Op::K;
     using A = acc_t<T>;
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
@@ -209,7 +213,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
     if constexpr (GRAD) {
         #pragma unroll
         for (int k = 0; k < K; ++k)
-            want_grad |= g.p[k] != nullptr || ws.p[k] != nullptr || o.g[k] != nullptr;
+            want_grad |= g.p[k] != nullptr || o.g[k] != nullptr;
     }
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
@@ -242,8 +246,6 @@ __global__ void __launch_bounds__(256) pointwise_flat(
             for (int k = 0; k < K; ++k) {
                 if (g.p[k] != nullptr) {
                     store_vec<T, W>(g.p[k], i, d[k]);
-                } else if (ws.p[k] != nullptr) {
-                    store_vec_acc<A, W>(ws.p[k], i, d[k]);
                 } else if (o.g[k] != nullptr) {
                     s.g[k].add(sum_of<A, W>(d[k]));
                 }
@@ -303,9 +305,9 @@ __global__ void __launch_bounds__(256) pointwise_flat(
 // down the rows, each taking UNROLL rows per step with all their loads issued before any use.
 // Row and scalar operands stay in registers; a row operand's gradient is summed down the
 // column in registers (compensated), then across the ty lanes in shared memory in lane order
-// (in double), and written to
-// ws[k][by, col] (reduce.cu's sum_rows adds the row blocks) or, with one row block, straight to
-// g[k][col].  A scalar operand's gradient is a 0-d sum (grid_sum_out).
+// (in double), and written to ws[k][by, col] (reduce.cu's sum_chunks adds the row blocks) or,
+// with one row block, straight to g[k][col].  A scalar operand's gradient is a 0-d sum
+// (grid_sum_out).
 template <typename T, typename Op, int VEC, bool GRAD>
 __global__ void __launch_bounds__(256) pointwise_rows(
         const PerOperand<const T*, Op::K> in,     // per kind: [rows, cols], [cols], [1] or null
@@ -321,7 +323,7 @@ __global__ void __launch_bounds__(256) pointwise_rows(
         T* __restrict__ loss,                     // [rows, cols] or null
         const Scalars<T, Op::K> o,                // 0-d loss and scalar operands' gradients
         const PerOperand<T*, Op::K> g,            // full: [rows, cols]; row: [cols]; or null
-        const PerOperand<acc_t<T>*, Op::K> ws) {  // row: [gridDim.y, cols], or null
+        const PerOperand<double*, Op::K> ws) {    // row: [gridDim.y, cols], or null
     constexpr int K = Op::K;
     constexpr int UNROLL = K <= 2 ? 4 : 2;
     using A = acc_t<T>;
@@ -441,10 +443,151 @@ __global__ void __launch_bounds__(256) pointwise_rows(
                 double acc = smem[lx * VEC + j];
                 for (long long q = 1; q < ty; ++q) acc += smem[(q * tx + lx) * VEC + j];
                 if (g.p[k] != nullptr) g.p[k][c + j] = from_acc<T>(A(acc));
-                else ws.p[k][(long long)blockIdx.y * cols + c + j] = A(acc);
+                else ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
             }
         }
     }
+}
+
+// Reduce layout, for the gradient G_k[o] = sum_m g_k[o, m] of the operands broadcast along the
+// same dims (bit k of `reduced`).  The broadcast shape is split into the dims they keep
+// (`kept`, n_o elements: their own shape, C order) and the dims they are broadcast along
+// (`red`, n_m elements, innermost last); an element (o, m) of operand q sits at
+// kept.offsets(o)[q] + red.offsets(m)[q], q = K being grad_output and q = K + 1 the flat index
+// of the broadcast shape (where the loss and full-size gradients go).
+//
+// A unit is one warp: lanes_o = 32 / lanes_m elements o, lanes_m lanes each, over the chunk
+// [c * chunk, (c + 1) * chunk) of m.  The lanes of one o take m = start + q VEC, then every
+// lanes_m VEC further (VEC consecutive m along the innermost dim, whose stride is 0 or 1 in
+// every operand when VEC > 1), UNROLL steps' loads issued before any use.  A reduced operand
+// is read once per lane; its gradient is summed per lane (compensated), then over the lanes_m
+// lanes by a fixed butterfly in double, and written to g[k][o] (one chunk) or
+// ws[k][c, o] (sum_chunks in reduce.cu adds the chunks in order).  lanes_m is large when the
+// innermost dim is reduced (lanes read along it), 1 when it is kept (lanes read 32 neighbouring
+// o); _launch.reduce_launch picks it, chunk and nchunks.  Units are a grid-stride loop.  The
+// loss, full-size gradients and 0-d sums are delivered as in pointwise_flat, so a call is one
+// read of the data.
+template <typename T, typename Op, int VEC>
+__global__ void __launch_bounds__(256) pointwise_reduce(
+        const PerOperand<const T*, Op::K> in,     // operand k through kept/red strides, or null
+        const PerOperand<double, Op::K> fill,     // what a null operand reads as
+        const T* __restrict__ go,                 // grad_output: [1] or through stride[K]
+        const Geometry<Op::K + 2> kept,           // the dims the reduced operands keep [n_o]
+        const Geometry<Op::K + 2> red,            // the dims they are broadcast along [n_m]
+        const long long n_o, const long long n_m,
+        const long long chunk,                    // m per unit: a multiple of lanes_m * VEC
+        const long long nchunks,
+        const long long lanes_m,                  // lanes per o: a power of two, 1..32
+        const long long reduced,                  // bit k: operand k's gradient is G_k
+        const typename Op::Params p,
+        const long long flags,
+        const double go_value, const double grad_scale,
+        T* __restrict__ loss,                     // [n] (flat index) or null
+        const Scalars<T, Op::K> o,                // 0-d loss and scalar operands' gradients
+        const PerOperand<T*, Op::K> g,            // full: [n]; reduced: [n_o] when nchunks == 1
+        const PerOperand<double*, Op::K> ws) {    // reduced: [nchunks, n_o] when nchunks > 1
+    constexpr int K = Op::K;
+    // Steps whose loads are in flight at once: 16 (K <= 2) or 8 elements of 4 bytes or less a
+    // lane; 16-bit vectors of 8 take half the steps (registers, not bytes, limit them).
+    constexpr int UNROLL = (K <= 2 ? 4 : 2) * 4 / (VEC > 4 ? VEC : 4);
+    constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
+    using A = acc_t<T>;
+    const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
+    const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
+    const A gs = A(grad_scale);
+    const bool want_value = loss != nullptr || o.value != nullptr;
+    const int inner = (int)red.ndim - 1;          // innermost reduced dim
+    const long long lane = threadIdx.x & 31;
+    const long long q = lane & (lanes_m - 1);
+    const long long lanes_o = 32 / lanes_m;
+    const long long units_o = (n_o + lanes_o - 1) / lanes_o;
+    const long long units = units_o * nchunks;
+    const long long step = lanes_m * VEC;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    Sums<A, K> s;
+
+    for (long long u = warp; u < units; u += nwarps) {  // uniform across the warp
+        const long long c = u / units_o;
+        const long long oi = (u - c * units_o) * lanes_o + lane / lanes_m;
+        const bool active = oi < n_o;
+        long long base[K + 2];
+        kept.offsets(active ? oi : 0, base);
+        A fixed[K];
+        Compensated<A> sum[K];
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            fixed[k] = ((reduced >> k) & 1) && active ? to_acc(in.p[k][base[k]]) : A(0);
+        const long long m1 = active ? min(n_m, (c + 1) * chunk) : 0;
+        for (long long m = c * chunk + q * VEC; m < m1; m += UNROLL * step) {
+            A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
+            long long at[UNROLL];                 // flat index of each step's first element
+            #pragma unroll
+            for (int j = 0; j < UNROLL; ++j) {
+                const long long mj = m + j * step;
+                if (mj >= m1) break;
+                long long off[K + 2];
+                red.offsets(mj, off);
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    if ((reduced >> k) & 1) continue;
+                    if (in.p[k] != nullptr) {
+                        load_vec<T, VEC>(in.p[k] + base[k] + off[k], 0, red.stride[k][inner],
+                                         fv[j][k]);
+                    } else {
+                        #pragma unroll
+                        for (int e = 0; e < VEC; ++e) fv[j][k][e] = A(fill.p[k]);
+                    }
+                }
+                if (go_elem)
+                    load_vec<T, VEC>(go + base[K] + off[K], 0, red.stride[K][inner], gv[j]);
+                at[j] = base[OUT] + off[OUT];
+            }
+            #pragma unroll
+            for (int j = 0; j < UNROLL; ++j) {
+                if (m + j * step >= m1) break;
+                A val[K][VEC];
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        val[k][e] = ((reduced >> k) & 1) ? fixed[k] : fv[j][k][e];
+                }
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) gv[j][e] = go_elem ? gv[j][e] * gs : g0;
+                A d[K][VEC];
+                grads_of<Op, A, VEC>(val, gv[j], p, d);
+                if (want_value) {  // after the partials, so it reuses what they computed
+                    A lv[VEC];
+                    loss_of<Op, A, VEC>(val, p, lv);
+                    if (loss != nullptr) store_vec<T, VEC>(loss, at[j], lv);
+                    else s.loss.add(sum_of<A, VEC>(lv));
+                }
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    if ((reduced >> k) & 1) {
+                        #pragma unroll
+                        for (int e = 0; e < VEC; ++e) sum[k].add(d[k][e]);
+                    } else if (g.p[k] != nullptr) {
+                        store_vec<T, VEC>(g.p[k], at[j], d[k]);
+                    } else if (o.g[k] != nullptr) {
+                        s.g[k].add(sum_of<A, VEC>(d[k]));
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!((reduced >> k) & 1)) continue;
+            double v = sum[k].wide();
+            for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
+            if (q == 0 && active) {
+                if (nchunks == 1) g.p[k][oi] = from_acc<T>(A(v));
+                else ws.p[k][c * n_o + oi] = v;
+            }
+        }
+    }
+    finish<T, K>(s, o, blockIdx.x, gridDim.x);
 }
 
 }  // namespace cupyloss

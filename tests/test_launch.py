@@ -88,14 +88,6 @@ def test_divider_rejects_divisors_outside_its_range(d):
 
 # --- coalesce / offsets ----------------------------------------------------------------------
 
-def _contiguous(shape):
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
 def _reference_offsets(i, shape, strides):
     index = np.unravel_index(i, shape) if shape else ()
     return [sum(int(k) * s for k, s in zip(index, st)) for st in strides]
@@ -375,10 +367,136 @@ def test_launches_reject_shared_memory_over_the_limit(make, need):
                       max_shared_per_block=need))
 
 
-@pytest.mark.parametrize("cols", [1, 255, 256, 257, 10**9])  # block edges; far past one wave
-def test_sum_rows_launch_stays_within_the_device(cols):
-    (grid,) = _launch.sum_rows_launch(cols, H100).grid
-    assert 1 <= grid <= min(_cdiv(cols, BLOCK), H100.sm_count * BLOCKS_PER_SM)
+@pytest.mark.parametrize("cols", [1, 7, 8, 9, 10**9])  # a warp per column, 8 a block; far past
+def test_sum_chunks_launch_stays_within_the_device(cols):         # one wave
+    (grid,) = _launch.sum_chunks_launch(cols, H100).grid
+    assert 1 <= grid <= min(_cdiv(cols, BLOCK // WARP), H100.sm_count * BLOCKS_PER_SM)
+
+
+# --- gradients of broadcast operands (pointwise_reduce) ----------------------------------------
+
+def _split_of(out_shape, operand_shape, other_strides=None):
+    """The coalesced split of an operand of `operand_shape` against a contiguous full operand
+    and the flat index, as _pointwise builds it."""
+    full = _contiguous(out_shape) if other_strides is None else other_strides
+    strides = [_launch.broadcast_strides(operand_shape, _contiguous(operand_shape), out_shape),
+               full, _contiguous(out_shape)]
+    shape, cstrides = _launch.coalesce(out_shape, strides)
+    return _launch.split_reduced(shape, cstrides, 0)
+
+
+def _contiguous(shape):
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(out))
+
+
+# (broadcast shape, operand shape): leading, trailing, middle and several broadcast dims.
+BROADCASTS = [
+    ((256, 64, 56, 56), (1, 64, 1, 1)),    # per channel: [M1, O, M2]
+    ((8192, 4096), (8192, 1)),             # per row: [O, M]
+    ((8192, 4096), (4096,)),               # one row down the rows: [M, O]
+    ((4, 5, 6, 7), (5, 1, 7)),             # two kept, two broadcast, alternating
+    ((3, 1, 5, 2), (3, 1, 1, 2)),          # a size-1 dim dropped, a middle one broadcast
+    ((2, 3, 4, 5, 6), (1, 3, 1, 5, 1)),    # three broadcast dims
+]
+
+
+@pytest.mark.parametrize("out_shape,operand_shape", BROADCASTS)
+def test_split_reduced_sums_like_numpy(out_shape, operand_shape):
+    """Every element (o, m) of the split is one element of the broadcast shape, each exactly
+    once, and summing over m gives NumPy's sum over the broadcast axes (o is the operand's
+    own C-order index)."""
+    if math.prod(out_shape) > 10**5:
+        out_shape = tuple(min(size, 6) for size in out_shape)
+        operand_shape = tuple(min(size, 6) for size in operand_shape)
+    split = _split_of(out_shape, operand_shape)
+    assert split.n_o == math.prod(operand_shape)
+    assert split.n_o * split.n_m == math.prod(out_shape)
+    values = np.random.default_rng(0).standard_normal(out_shape)
+    flat = values.ravel()
+    got = np.zeros(split.n_o)
+    seen = np.zeros(flat.size, int)
+    for o in range(split.n_o):
+        base = _launch.offsets(o, split.kept, split.kept_strides)
+        assert base[0] == o          # the operand's own element o
+        for m in range(split.n_m):
+            off = _launch.offsets(m, split.red, split.red_strides)
+            assert off[0] == 0       # broadcast along every reduced dim
+            i = base[2] + off[2]     # the flat index
+            seen[i] += 1
+            assert base[1] + off[1] == i   # the contiguous full operand agrees
+            got[o] += flat[i]
+    assert (seen == 1).all()
+    pad = (1,) * (len(out_shape) - len(operand_shape)) + tuple(operand_shape)
+    axes = tuple(d for d, (a, b) in enumerate(zip(pad, out_shape)) if a == 1 and b != 1)
+    np.testing.assert_allclose(got, values.sum(axis=axes, keepdims=True).ravel(), rtol=1e-12)
+
+
+def test_split_reduced_classifies_the_common_patterns():
+    per_channel = _split_of((256, 64, 56, 56), (1, 64, 1, 1))
+    assert (per_channel.kept, per_channel.red, per_channel.inner_reduced) == (
+        (64,), (256, 3136), True)
+    per_row = _split_of((8192, 4096), (8192, 1))
+    assert (per_row.kept, per_row.red, per_row.inner) == ((8192,), (4096,), 4096)
+    one_row = _split_of((8192, 4096), (4096,))
+    assert (one_row.kept, one_row.red, one_row.inner_reduced) == ((4096,), (8192,), False)
+    # A transposed full operand keeps the dims apart; the split still follows the operand.
+    view = _split_of((6, 8), (6, 1), other_strides=(1, 6))
+    assert (view.kept, view.red) == ((6,), (8,))
+
+
+def test_split_reduced_rejects_an_operand_that_is_not_broadcast():
+    with pytest.raises(ValueError, match="not broadcast along some but not all dims"):
+        _launch.split_reduced((4, 5), [(5, 1), (5, 1)], 0)
+    with pytest.raises(ValueError, match="not broadcast along some but not all dims"):
+        _launch.split_reduced((4, 5), [(0, 0), (5, 1)], 0)
+
+
+REDUCE_CASES = [(out, op, vec) for out, op in BROADCASTS for vec in (1, 4)] + [
+    ((2, 10**8), (2, 1), 4),          # two outputs, each a sum of 10^8: chunks fill the device
+    ((10**6, 16), (10**6, 1), 4),     # a million outputs of 16 terms: one chunk, lanes split o
+    ((10**7, 3), (1, 3), 1),          # innermost kept, three outputs of 10^7 terms
+]
+
+
+@pytest.mark.parametrize("per_sm", [1, 2, BLOCKS_PER_SM])
+@pytest.mark.parametrize("out_shape,operand_shape,vec", REDUCE_CASES)
+def test_reduce_launch_covers_m_with_bounded_partials(out_shape, operand_shape, vec, per_sm):
+    split = _split_of(out_shape, operand_shape)
+    if split.inner_reduced and split.inner % vec:
+        vec = 1
+    cfg = _launch.reduce_launch(split, vec, 4, H100, per_sm)
+    lanes = cfg.lanes_m
+    assert lanes in (1, 2, 4, 8, 16, 32)
+    assert cfg.block == (BLOCK,) and 1 <= cfg.grid[0] <= H100.sm_count * per_sm
+    step = lanes * vec
+    assert cfg.chunk % step == 0                           # vectors never straddle a chunk
+    assert (cfg.nchunks - 1) * cfg.chunk < split.n_m <= cfg.nchunks * cfg.chunk
+    units_o = _cdiv(split.n_o, WARP // lanes)
+    resident = H100.sm_count * per_sm * BLOCK // WARP
+    # Partials are bounded by the device (a wave of warps), never by the tensor's size.
+    assert cfg.nchunks == 1 or cfg.nchunks * units_o <= resident
+    if cfg.nchunks > 1:   # chunks only where each lane still has REDUCE_MIN_STEPS steps
+        assert cfg.chunk >= step * _launch.REDUCE_MIN_STEPS // 2
+    if split.inner_reduced:   # the warp reads along the innermost dim
+        assert lanes >= min(WARP, _cdiv(split.inner, vec))
+    else:                     # one lane per output element, neighbours in memory
+        assert lanes == WARP // min(WARP, 1 << (split.n_o - 1).bit_length())
+
+
+def test_reduce_launch_of_the_benchmarked_patterns():
+    """The splits the benchmark's patterns get on an H100 at 8 and 2 resident blocks an SM."""
+    per_channel = _split_of((256, 64, 56, 56), (1, 64, 1, 1))
+    cfg = _launch.reduce_launch(per_channel, 4, 4, H100, 8)
+    assert (cfg.lanes_m, cfg.nchunks, cfg.grid) == (32, 131, (1048,))
+    cfg = _launch.reduce_launch(per_channel, 4, 4, H100, 2)
+    assert (cfg.lanes_m, cfg.nchunks, cfg.grid) == (32, 33, (264,))
+    per_row = _split_of((8192, 4096), (8192, 1))
+    cfg = _launch.reduce_launch(per_row, 4, 4, H100, 8)
+    assert (cfg.lanes_m, cfg.nchunks, cfg.chunk) == (32, 1, 4096)   # written directly
 
 
 # --- row-wise launches (cross_entropy_rows and friends) -------------------------------------------

@@ -9,6 +9,7 @@ its argument's shape, and a cached plan is reused.
 """
 
 import contextlib
+import math
 import types
 
 import numpy as np
@@ -41,12 +42,19 @@ class FakeFrame:
     def stream(self, device):
         return 0
 
+    def __init__(self, record=None):
+        self.record = record
+
     def empty(self, shape, dtype, like):
         a = np.empty(shape, dtype).view(HostArray)
+        if self.record is not None:
+            self.record.allocations.append((tuple(np.atleast_1d(shape)), np.dtype(dtype)))
         return a, a.ctypes.data
 
     def empty_like(self, a):
         b = np.empty_like(a).view(HostArray)
+        if self.record is not None:
+            self.record.allocations.append((a.shape, a.dtype))
         return b, b.ctypes.data
 
     def zeros(self, shape, dtype, like):
@@ -63,22 +71,24 @@ class FakeFrame:
 @pytest.fixture
 def device(monkeypatch):
     """Record of resolved kernels and launches; the engine runs against the fake device."""
-    record = types.SimpleNamespace(kernels=[], launches=[])
-    function = types.SimpleNamespace(attributes={"num_regs": 48},
-                                     kernel=types.SimpleNamespace(ptr=1))
+    record = types.SimpleNamespace(kernels=[], launches=[], names=[], allocations=[])
+    functions = {}   # expression -> a fake function whose pointer is its index
 
     def resolve(file, expression):
         record.kernels.append(expression)
-        return function
+        if expression not in functions:
+            functions[expression] = types.SimpleNamespace(
+                attributes={"num_regs": 48},
+                kernel=types.SimpleNamespace(ptr=len(functions) + 1))
+        return functions[expression]
 
     def launch(fn, grid, block, shared, stream, words):
-        record.launches.append((grid, list(words)))
-
-    def with_workspaces(plan, frame, words, post, stream, like):
-        for k, _ in post:
-            words[plan.slot["ws"] + k] = 0x1000 + k
-        launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
-        record.launches.extend(("sum_rows", k, plan.ws[k]) for k, _ in post)
+        name = next(e for e, f in functions.items() if f.kernel.ptr == fn)
+        record.names.append(name)
+        if "sum_chunks" in name:
+            record.launches.append(("sum_chunks", grid, list(words)))
+        else:
+            record.launches.append((grid, list(words)))
 
     def slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value, want_grads):
         return _pointwise._run(plan, frame, ops, go, go_value, 0)
@@ -89,16 +99,16 @@ def device(monkeypatch):
     monkeypatch.setattr(_pointwise, "_make_plan", lambda *a: _pointwise._build(*a))
     monkeypatch.setattr(_pointwise, "_current_device", lambda: 0)
     monkeypatch.setattr(_pointwise, "_ticket", lambda d, s: 0x7)
-    monkeypatch.setattr(_pointwise, "_launch_with_workspaces", with_workspaces)
     monkeypatch.setattr(_pointwise, "_run_slow", slow)
     monkeypatch.setattr(_pointwise, "_PLANS", {})
-    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame())
+    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
     return record
 
 
 def _words(spec, kernel, words, name):
-    """The words of parameter `name` in a launch of `kernel` ('flat' or 'rows')."""
-    make = _pointwise.rows_layout if kernel == "rows" else _pointwise.flat_layout
+    """The words of parameter `name` in a launch of `kernel` ('flat', 'rows' or 'reduce')."""
+    make = {"rows": _pointwise.rows_layout, "flat": _pointwise.flat_layout,
+            "reduce": _pointwise.reduce_layout}[kernel]
     layout = make(len(spec.operands), spec.param_words)
     start = layout.slot[name]
     names = list(layout.slot)
@@ -111,7 +121,7 @@ LAYOUTS = [
     ((64, 96), (64, 96)),    # flat, vectorised
     ((4099, 96), (96,)),     # rows: the target is one row; its gradient over many row blocks
     ((8, 96), (96,)),        # rows, one block: the row gradient written directly
-    ((1000, 7), (1000, 1)),  # flat: a column broadcast, its gradient through sum_rows
+    ((1000, 7), (1000, 1)),  # reduce: a column broadcast, its gradient summed along the rows
     ((3,), ()),              # a 0-d target: its gradient a grid sum
     ((0, 5), (5,)),          # empty: the broadcast target's gradient is zeros
 ]
@@ -142,9 +152,10 @@ def test_every_loss_plans_every_layout(device, name, input_shape, target_shape):
                                                                   **kw)
         assert value.shape == loss.shape == ()
         assert [g.shape for g in grads] == [g.shape for g in grads2] == [a.shape for a in given]
-    main = [launch for launch in device.launches if launch[0] != "sum_rows"]
+    main = [launch for launch in device.launches if launch[0] != "sum_chunks"]
     assert len(main) == 6
-    kernel = "rows" if "pointwise_rows" in device.kernels[-1] else "flat"
+    last = [name for name in device.names if "sum_chunks" not in name][-1]
+    kernel = next(k for k in ("rows", "flat", "reduce") if f"pointwise_{k}<" in last)
     words = main[-1][1]
     pointers = _words(spec, kernel, words, "in")
     assert pointers == [a.ctypes.data for a in given] + [0] * (len(spec.operands) - len(given))
@@ -156,14 +167,16 @@ def test_kernel_choice_and_gradient_routes(device):
     x, t = arr((4099, 96)), arr((4099, 96))
     cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t, weight=arr((96,)),
                                                              pos_weight=arr(()))
-    assert device.kernels[-1] == "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, true>"
+    assert device.names == ["cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, true>",
+                            "cupyloss::sum_chunks<float>"]
     (plan,) = _pointwise._PLANS.values()
-    assert plan.grads == ("g", "g", "sum_rows", "g0")   # full, full, row, 0-d
+    assert plan.grads == ("g", "g", "chunks", "g0")   # full, full, row, 0-d
     words = device.launches[0][1]
     assert _words(spec, "rows", words, "kind") == [_pointwise.KIND_FULL, _pointwise.KIND_FULL,
                                                    _pointwise.KIND_ROW, _pointwise.KIND_SCALAR]
     assert plan.partials == 5 * np.prod(plan.grid)   # the loss and 4 operands' 0-d sums
-    assert device.launches[1] == ("sum_rows", 2, (plan.grid[1], 96, None))
+    assert device.launches[1][0] == "sum_chunks"
+    assert device.launches[1][2][1:3] == [plan.grid[1], 96]    # [row blocks, cols] partials
     # A call that wants no gradient takes the value-only instantiation of the same kernel.
     cupyloss.binary_cross_entropy_with_logits(x, t, weight=arr((96,)), pos_weight=arr(()))
     assert device.kernels[-1] == "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, false>"
@@ -249,3 +262,90 @@ def test_geometry_mirror_has_one_stride_row_per_operand(operands):
     assert g["stride"][0, operands - 1, :2].tolist() == [7, 1]
     with pytest.raises(ValueError, match="do not fit Geometry<3>"):
         _launch.geometry((6,), [(1,)] * 4, 3)
+
+
+# (full shape, broadcast operand shape): every pattern a broadcast gradient can take.
+BROADCAST_GRADIENTS = [
+    ((256, 64, 56, 56), (1, 64, 1, 1)),   # per channel: kept dim between two broadcast runs
+    ((8192, 4096), (8192, 1)),            # per row: the innermost dim broadcast
+    ((8192, 4096), (4096,)),              # one row down the rows (pointwise_rows)
+    ((16, 300, 64), (16, 1, 64)),         # a middle dim broadcast, the innermost kept
+    ((4, 5, 6, 7), (5, 1, 7)),            # several dims of each kind, alternating
+    ((2, 3, 4, 5, 6), (1, 3, 1, 5, 1)),   # three broadcast dims
+]
+
+
+@pytest.mark.parametrize("full_shape,operand_shape", BROADCAST_GRADIENTS)
+def test_broadcast_gradients_have_no_full_size_workspace(device, full_shape, operand_shape):
+    """value_and_grad with both gradients: one pointwise launch (the loss, the full gradient
+    and the broadcast one from one read), then at most a sum of partials no larger than the
+    device's resident warps times the operand's size, and never one of the full size."""
+    n = math.prod(full_shape)
+    x, t = arr(operand_shape), arr(full_shape)
+    loss, (gx, gt) = cupyloss.mse_loss_value_and_grad(x, t)
+    assert loss.shape == () and gx.shape == operand_shape and gt.shape == full_shape
+    pointwise = [name for name in device.names if "sum_chunks" not in name]
+    assert len(pointwise) == 1 and "pointwise_flat" not in pointwise[0]
+    assert len(device.names) - len(pointwise) <= 1
+    resident = H100.sm_count * _launch.BLOCKS_PER_SM * _launch.BLOCK // _launch.WARP
+    partials = [math.prod(s) for s, dtype in device.allocations if dtype == np.float64]
+    assert all(size <= resident * math.prod(operand_shape) for size in partials)
+    # One allocation of the full size: t's gradient.  Everything else (the loss, x's gradient,
+    # the partials of the 0-d and broadcast sums) is far smaller.
+    sizes = sorted(math.prod(s) for s, _ in device.allocations)
+    assert sizes[-1] == n and sizes[-2] < n // 8
+
+
+def test_per_channel_and_per_row_take_the_reduce_kernel(device):
+    """The [M1, O, M2] and [O, M] patterns: pointwise_reduce, vectorised, with the reduced
+    operand's bit set and its split in the words."""
+    spec = _registry.SPECS["mse_loss"]
+    cupyloss.mse_loss_value_and_grad(arr((1, 64, 1, 1)), arr((256, 64, 56, 56)))
+    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4>"
+    assert device.names[1] == "cupyloss::sum_chunks<float>"
+    words = device.launches[0][1]
+    assert _words(spec, "reduce", words, "reduced") == [1]
+    n_o, n_m, chunk, nchunks, lanes = (_words(spec, "reduce", words, k)[0]
+                                      for k in ("n_o", "n_m", "chunk", "nchunks", "lanes_m"))
+    assert (n_o, n_m, lanes) == (64, 256 * 56 * 56, 32)
+    assert nchunks > 1 and (nchunks - 1) * chunk < n_m <= nchunks * chunk
+    assert device.launches[1][2][1:3] == [nchunks, 64]
+    device.names.clear()
+    device.launches.clear()
+    cupyloss.mse_loss_value_and_grad(arr((8192, 1)), arr((8192, 4096)))
+    # 8192 rows fill an H100's resident warps: one chunk, the gradient written directly.
+    assert device.names == ["cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4>"]
+    (plan,) = [p for p in _pointwise._PLANS.values() if p.out_shape == (8192, 4096)]
+    assert plan.grads == ("g", "g") and plan.chunks == (None, None)
+
+
+def test_views_and_odd_sizes_take_the_scalar_steps(device):
+    """A transposed full operand or an innermost run that is not a whole number of vectors
+    reads one element a step."""
+    t = arr((64, 30)).T                      # (30, 64), strides (1, 30)
+    cupyloss.mse_loss_value_and_grad(arr((30, 1)), t)
+    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 1>"
+    device.names.clear()
+    cupyloss.mse_loss_value_and_grad(arr((30, 1)), arr((30, 63)))
+    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 1>"
+
+
+def test_operands_broadcast_along_different_dims_take_a_pass_each(device):
+    """x per channel and t per position: the first pass computes the value and x's gradient,
+    a second only t's; an operand broadcast like x (same dims) shares x's pass."""
+    x, t = arr((1, 8, 1, 1)), arr((4, 1, 5, 6))
+    loss, (gx, gt) = cupyloss.mse_loss_value_and_grad(x, t)
+    assert gx.shape == x.shape and gt.shape == t.shape and loss.shape == ()
+    (plan,) = _pointwise._PLANS.values()
+    assert plan.value and plan.grads[0] is not None and plan.grads[1] is None
+    assert plan.rest is not None and not plan.rest.value and not plan.rest.loss
+    assert plan.rest.grads[0] is None and plan.rest.grads[1] is not None
+    reduce = [n for n in device.names if "pointwise_reduce" in n]
+    assert len(reduce) == 2
+    spec = _registry.SPECS["binary_cross_entropy_with_logits"]
+    device.launches.clear()
+    w = arr((1, 8, 1, 1))
+    cupyloss.binary_cross_entropy_with_logits_value_and_grad(
+        arr((4, 8, 5, 6)), arr((4, 8, 5, 6)), weight=w, pos_weight=w)
+    (main,) = [launch for launch in device.launches if launch[0] != "sum_chunks"]
+    assert _words(spec, "reduce", main[1], "reduced") == [0b1100]   # one pass for both

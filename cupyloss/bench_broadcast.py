@@ -1,0 +1,124 @@
+"""Benchmark gradients of broadcast operands: mse_loss_value_and_grad at four patterns.
+
+    python -m cupyloss.bench_broadcast [--reps 20] [--json out.json] [--no-compile]
+
+Patterns (float32, 'mean' reduction, both gradients), x vs t:
+  per-channel  (1, 64, 1, 1) vs (256, 64, 56, 56)   x's gradient: pointwise_reduce [M1, O, M2]
+  per-row      (8192, 1)     vs (8192, 4096)        pointwise_reduce [O, M]
+  row          (4096,)       vs (8192, 4096)        pointwise_rows
+  scalar       ()            vs (8192, 4096)        pointwise_flat with a grid sum
+
+Each row of the table: cupyloss value_and_grad, torch eager and torch.compile (static shapes)
+forward + backward of mean((x - t) ** 2) asking for both gradients, in milliseconds (medians
+of --reps runs after warm-up, CUDA events on torch's current stream, all arrays torch tensors);
+the memory limit (x and t read once, both gradients written once, at the copy bandwidth
+measured in the same run) and cupyloss's percentage of it; and the relative error of x's
+gradient against float64 (max |error| / max |float64 gradient|) for cupyloss and torch eager.
+Pools are emptied between patterns.  Never used as a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from cupyloss import bench_rowwise
+
+PATTERNS = {
+    "per-channel": ((1, 64, 1, 1), (256, 64, 56, 56)),
+    "per-row": ((8192, 1), (8192, 4096)),
+    "row": ((4096,), (8192, 4096)),
+    "scalar": ((), (8192, 4096)),
+}
+
+
+def _free(torch):
+    import cupy
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _relative_error(got, ref) -> float:
+    return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+
+
+def run_pattern(torch, x_shape, t_shape, reps: int, compile_: bool) -> dict:
+    """Times and errors of one pattern (see the module docstring)."""
+    import cupyloss
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(x_shape, device="cuda", generator=gen)
+    t = torch.randn(t_shape, device="cuda", generator=gen)
+
+    def f(a, b):
+        return torch.mean((a - b) ** 2)
+
+    xl, tl = x.clone().requires_grad_(), t.clone().requires_grad_()
+
+    def fwd_bwd(fn):
+        def run():
+            return torch.autograd.grad(fn(xl, tl), (xl, tl))
+        return run
+
+    out = {"cupyloss": bench_rowwise._timer(
+        torch, lambda: cupyloss.mse_loss_value_and_grad(x, t), reps)}
+    _, (gx, _) = cupyloss.mse_loss_value_and_grad(x, t)
+    tgx, _ = fwd_bwd(f)()
+    out["torch eager"] = bench_rowwise._timer(torch, fwd_bwd(f), reps)
+    if compile_:
+        compiled = torch.compile(f, dynamic=False)
+        out["torch.compile"] = bench_rowwise._timer(torch, fwd_bwd(compiled), reps)
+    # float64 reference of x's gradient: 2 (x - t) / n summed over x's broadcast dims.
+    n = t.numel()
+    full = (2.0 / n) * (x.double() - t.double())
+    ref = full.sum_to_size(x.shape) if x.dim() else full.sum()
+    out["err cupyloss"] = _relative_error(gx.reshape(ref.shape), ref)
+    out["err torch"] = _relative_error(tgx.reshape(ref.shape), ref)
+    out["bytes"] = 2 * (x.numel() + t.numel()) * x.element_size()
+    del x, t, xl, tl, gx, tgx, full, ref
+    if compile_:
+        torch._dynamo.reset()
+    _free(torch)
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    device = torch.cuda.get_device_name()
+    _, copy_bw = bench_rowwise.bandwidth(torch, args.reps)
+    _free(torch)
+    print(f"device: {device}; copy {copy_bw:.0f} GB/s (read + write)")
+    rows = []
+    for name, (x_shape, t_shape) in PATTERNS.items():
+        r = run_pattern(torch, x_shape, t_shape, args.reps, not args.no_compile)
+        limit = r["bytes"] / copy_bw / 1e6
+        rows.append(dict(pattern=name, x=list(x_shape), t=list(t_shape), device=device,
+                         copy_gbps=copy_bw, limit_ms=limit, pct_limit=100 * limit / r["cupyloss"],
+                         **{k: v for k, v in r.items() if k != "bytes"}))
+    print(f"{'pattern':12} {'x vs t':30} {'cupyloss':>9} {'eager':>8} {'compile':>8} "
+          f"{'limit':>7} {'%limit':>7} {'err cupyloss':>13} {'err torch':>10}")
+    for r in rows:
+        shapes = f"{tuple(r['x'])} vs {tuple(r['t'])}"
+        compiled = f"{r['torch.compile']:8.3f}" if "torch.compile" in r else f"{'-':>8}"
+        print(f"{r['pattern']:12} {shapes:30} {r['cupyloss']:9.3f} {r['torch eager']:8.3f} "
+              f"{compiled} {r['limit_ms']:7.3f} {r['pct_limit']:7.1f} "
+              f"{r['err cupyloss']:13.2e} {r['err torch']:10.2e}")
+    print("ms: value_and_grad of mean((x - t) ** 2) with both gradients; limit: read + write "
+          "bytes at the copy bandwidth; err: x's gradient vs float64, max |error| / max |ref|")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
