@@ -50,7 +50,7 @@ def flat_layout(k: int, params: int) -> _args.Layout:
     geo = _launch.geometry_dtype(k + 1).itemsize // 8
     return _args.Layout([("in", k), ("fill", k), ("go", 1), ("geo", geo), ("n", 1),
                          ("params", params), ("flags", 1), ("go_value", 1), ("grad_scale", 1),
-                         ("loss", 1)] + _scalar_words(k) + [("g", k), ("ws", k)])
+                         ("loss", 1)] + _scalar_words(k) + [("g", k)])
 
 
 @functools.lru_cache(maxsize=None)

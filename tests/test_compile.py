@@ -92,15 +92,32 @@ def _read(size_fn, read_fn, program):
     return buffer.value.decode(errors="replace")
 
 
+def _param_bytes(ptx: str) -> dict:
+    """{entry: bytes of its parameter block} from the PTX .entry declarations (each parameter
+    placed at its alignment, as the launch's packed buffer must match)."""
+    out = {}
+    for entry in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S):
+        total = 0
+        for param in re.finditer(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.[a-z]+(\d+)\s+\w+"
+                                 r"(?:\[(\d+)\])?", entry.group(2)):
+            align, bits, count = param.groups()
+            size = int(bits) // 8
+            step = int(align) if align else size
+            total = -(-total // step) * step + size * int(count or 1)
+        out[entry.group(1)] = total
+    return out
+
+
 def _compile(lib, include, file, source, names, arch):
-    """Compile `names` of `source` for `arch`: (status, log, {name: lowered}, float atomics)."""
+    """Compile `names` of `source` for `arch`: (status, log, {name: lowered}, float atomics,
+    {lowered: parameter bytes})."""
     nvrtc = ctypes.CDLL(lib)
     nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
     program = ctypes.c_void_p()
     status = nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), file.encode(),
                                       0, None, None)
     if status != NVRTC_SUCCESS:
-        return nvrtc.nvrtcGetErrorString(status).decode(), "", {}, []
+        return nvrtc.nvrtcGetErrorString(status).decode(), "", {}, [], {}
     try:
         for name in names:
             nvrtc.nvrtcAddNameExpression(program, name.encode())
@@ -109,7 +126,7 @@ def _compile(lib, include, file, source, names, arch):
         status = nvrtc.nvrtcCompileProgram(program, len(options), argv)
         log = _read(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, program)
         if status != NVRTC_SUCCESS:
-            return nvrtc.nvrtcGetErrorString(status).decode(), log, {}, []
+            return nvrtc.nvrtcGetErrorString(status).decode(), log, {}, [], {}
         lowered = {}
         for name in names:
             out = ctypes.c_char_p()
@@ -118,7 +135,7 @@ def _compile(lib, include, file, source, names, arch):
         ptx = _read(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, program)
         atomics = sorted({op for op in re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)
                           if "add" in op.split(".") and FLOAT_TYPES & set(op.split("."))})
-        return "", log, lowered, atomics
+        return "", log, lowered, atomics, _param_bytes(ptx)
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
 
@@ -153,16 +170,44 @@ def compiled(request):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("file, names", UNITS, ids=[file for file, _ in UNITS])
 def test_kernels_compile(compiled, file, names, arch):
-    lowered, atomics = {}, []
+    lowered, atomics, params = {}, [], {}
     for future in compiled[file, arch]:
-        error, log, got, float_atomics = future.result()
+        error, log, got, float_atomics, param_bytes = future.result()
         assert not error and not re.search(r"\berror( #\S+)?:", log), (
             f"{file} for {arch}: {error}\n{log}")
         lowered.update(got)
         atomics += float_atomics
+        params.update(param_bytes)
     missing = [name for name in names if not lowered.get(name)]
     assert not missing, f"{file} for {arch}: no lowered name for {missing}"
     assert not atomics, f"{file} for {arch}: float atomic adds {atomics} are non-deterministic"
+    # The host packs each launch's parameters as 64-bit words (cupyloss/_args.py): a buffer of
+    # another size than the kernel's parameter block fails every launch on the device.
+    wrong = [(name, params.get(lowered[name]), 8 * words) for name in names
+             for words in [_host_words(name)] if words is not None
+             and params.get(lowered[name]) != 8 * words]
+    assert not wrong, f"{file} for {arch}: (kernel, PTX parameter bytes, host bytes) {wrong}"
+
+
+def _host_words(name: str):
+    """Words of the host Layout that launches kernel `name` (None: not launched from a Layout)."""
+    from cupyloss import _pointwise, _registry, _rowclass, _rowpair, _rowwise
+
+    kernel, _, args = name.partition("<")
+    kernel = kernel.removeprefix("cupyloss::")
+    layouts = {"sum_chunks": _pointwise.SUM_CHUNKS, "cross_entropy_rows": _rowwise.ROWS,
+               "cross_entropy_cols": _rowwise.COLS, "class_weight_sum": _rowwise.WSUM,
+               "rowclass_rows": _rowclass.ROWS, "rowclass_count": _rowclass.COUNT,
+               "rowpair_rows": _rowpair.LAYOUT}
+    if kernel in layouts:
+        return layouts[kernel].size
+    if kernel.startswith("pointwise_"):
+        functor = args.split(",")[1].strip().removeprefix("cupyloss::")
+        spec = next(s for s in _registry.SPECS.values() if s.functor == functor)
+        make = {"pointwise_flat": _pointwise.flat_layout, "pointwise_rows": _pointwise.rows_layout,
+                "pointwise_reduce": _pointwise.reduce_layout}[kernel]
+        return make(len(spec.operands), spec.param_words).size
+    return None   # scale_by_grad_output: five words packed by cupyloss.torch._scale
 
 
 def _code(file):
