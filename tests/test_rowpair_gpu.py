@@ -197,6 +197,17 @@ def test_against_reference(case):
         gscales[0] = max(gscales[0], gscales[1] + gscales[2])
         if opts.get("swap"):
             gscales[1] = max(gscales[1], gscales[0] + gscales[2])
+    else:
+        # d cos / d x1 = x2 / (n1 n2) - cos x1 / n1^2 cancels where x1 and x2 are parallel
+        # (e.g. D = 1): each element rounds relative to the two terms' sizes (times |g|).
+        v1, v2 = (np.asarray(v, np.float64) for v in vals[:2])
+        n1 = np.sqrt(np.sum(v1 * v1, -1, keepdims=True) + 1e-12)
+        n2 = np.sqrt(np.sum(v2 * v2, -1, keepdims=True) + 1e-12)
+        g_rows = np.abs(np.broadcast_to(gor, rows)) / (
+            max(int(np.prod(rows)), 1) if reduction == "mean" else 1)
+        g_rows = np.asarray(g_rows)[..., None]
+        gscales = [g_rows * (np.abs(v2) / (n1 * n2) + np.abs(v1) / (n1 * n1)),
+                   g_rows * (np.abs(v1) / (n1 * n2) + np.abs(v2) / (n2 * n2))]
     for what, grads in (("backward", back), ("value_and_grad", both)):
         assert len(grads) == len(g_want)
         for k, (g, w) in enumerate(zip(grads, g_want)):
