@@ -227,12 +227,18 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
               "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
     contiguous = tuple(lay is not None and tuple(lay[1]) == _contiguous_strides(lay[0])
                        for lay in layouts)
-    # Gradients summed over broadcast dims: this pass takes the operands broadcast like the
-    # first of them; the others go to a later pass (`rest`) that computes only their gradients.
-    summed = [k for k in range(k_ops) if want_grads[k] and modes[k] == "bcast" and n > 0]
+    # Broadcast operands: a pass that delivers the loss is split by the pattern of the first of
+    # them, whether or not its gradient is wanted, so that the 0-d loss is summed in the same
+    # order by the loss alone and by value_and_grad; a gradient-only pass by the first whose
+    # gradient is wanted.  Gradients summed over broadcast dims: this pass takes the operands
+    # broadcast like that one; the others go to a later pass (`rest`) that computes only their
+    # gradients.
+    bcast = [k for k in range(k_ops) if modes[k] == "bcast" and n > 0]
+    summed = [k for k in bcast if want_grads[k]]
+    lead = bcast[0] if bcast and (want_value or not summed) else (summed or [None])[0]
     rest = None
     if summed:
-        pattern = _launch.broadcast_pattern(shape, cstrides[summed[0]])
+        pattern = _launch.broadcast_pattern(shape, cstrides[lead])
         later = tuple(k in summed and _launch.broadcast_pattern(shape, cstrides[k]) != pattern
                       for k in range(k_ops))
         if any(later) and len(shape) <= _launch.MAX_DIMS:
@@ -299,9 +305,9 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
         if want_grads[k]:
             grads[k] = {"direct": "g", "scalar": "g0"}.get(modes[k], "zeros" if n == 0 else None)
     scalars = reduced and want_value or "g0" in grads
-    if summed:
-        return _reduce_plan(spec, info, limits, common, out_shape, strides, summed, aligned,
-                            grads, scalars, plan, chunked)
+    if bcast:
+        return _reduce_plan(spec, info, limits, common, out_shape, strides, lead, summed,
+                            aligned, grads, scalars, plan, chunked)
     vec = 1
     if (len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides)
             and "bcast" not in modes):
@@ -316,15 +322,16 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 [None] * k_ops, scalars)
 
 
-def _reduce_plan(spec, info, limits, common, out_shape, strides, summed, aligned, grads,
+def _reduce_plan(spec, info, limits, common, out_shape, strides, lead, summed, aligned, grads,
                  scalars, plan, chunked) -> Plan:
-    """The pointwise_reduce plan summing the gradients of operands `summed` (broadcast along
-    the same dims) in the pass that delivers every other output."""
+    """The pointwise_reduce plan split by the broadcast pattern of operand `lead`, summing the
+    gradients of operands `summed` (broadcast like it; none for the loss alone) in the pass
+    that delivers every other output."""
     k_ops = len(spec.operands)
     # The flat index of the broadcast shape travels as one more operand (where the loss and
     # full-size gradients go), so it coalesces with the others.
     shape, cstrides = _launch.coalesce(out_shape, strides + [_contiguous_strides(out_shape)])
-    split = _launch.split_reduced(shape, cstrides, summed[0])
+    split = _launch.split_reduced(shape, cstrides, lead)
     # VEC-element steps along the innermost dim: each operand there has stride 1 (read as
     # aligned vectors: its other strides are whole vectors) or 0 (one element).
     vec = 1

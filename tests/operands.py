@@ -160,8 +160,11 @@ def _rowpair_operands(name, rng, shape):
             d = [np.linalg.norm(arrays[0] - b + 1e-6, axis=-1) for b in arrays[1:]]
             hinge = 1.0 + d[0] - d[1]
         else:
-            arrays = [rng.standard_normal(shape), rng.standard_normal(shape), _labels(rng, rows)]
-            x1, x2 = arrays[0], arrays[1]
+            # x2 = +-x1 + noise: cos about +-0.9 in any dimension (independent rows would sit
+            # within 1 / sqrt(D) of the kink at 0).
+            x1 = rng.standard_normal(shape)
+            x2 = _either_sign(rng, rows + (1,), 1.0, 1.0) * x1 + 0.5 * rng.standard_normal(shape)
+            arrays = [x1, x2, _labels(rng, rows)]
             hinge = np.sum(x1 * x2, -1) / np.sqrt(np.sum(x1 * x1, -1) * np.sum(x2 * x2, -1))
             hinge = np.where(arrays[2] == -1, hinge, 1.0)
         if np.all(np.abs(hinge) >= 0.1):

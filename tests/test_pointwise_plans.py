@@ -349,3 +349,20 @@ def test_operands_broadcast_along_different_dims_take_a_pass_each(device):
         arr((4, 8, 5, 6)), arr((4, 8, 5, 6)), weight=w, pos_weight=w)
     (main,) = [launch for launch in device.launches if launch[0] != "sum_chunks"]
     assert _words(spec, "reduce", main[1], "reduced") == [0b1100]   # one pass for both
+
+
+@pytest.mark.parametrize("shapes", [((8, 28), (8, 1)), ((4, 3, 5), (1, 3, 1))])
+def test_the_loss_alone_takes_value_and_grads_split(device, shapes):
+    """A broadcast operand splits the pass whether or not its gradient is wanted, so the 0-d
+    loss is summed in one order by mse_loss and by mse_loss_value_and_grad."""
+    x, t = arr(shapes[0]), arr(shapes[1])
+    cupyloss.mse_loss(x, t)
+    alone = device.launches[-1]
+    start = len(device.launches)
+    cupyloss.mse_loss_value_and_grad(x, t)
+    both = device.launches[start]   # the main launch; the chunks' sums follow it
+    assert "pointwise_reduce<" in device.kernels[-2] and "pointwise_reduce<" in device.kernels[-1]
+    spec = _registry.SPECS["mse_loss"]
+    for name in ("kept", "red", "n_o", "n_m", "chunk", "nchunks", "lanes_m"):
+        assert _words(spec, "reduce", alone[1], name) == _words(spec, "reduce", both[1], name)
+    assert alone[0] == both[0]

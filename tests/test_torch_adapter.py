@@ -387,7 +387,7 @@ def test_grad_of_one_argument_when_both_require_grad(engine):
 def test_inputs_are_never_written(engine):
     for name, reduction, with_optional in GRAD_CASES:
         args, kw = _arguments(name, with_optional=with_optional)
-        for a, f in zip(args, _floating(args)):
+        for a, f in zip(args, _floating(args, name)):
             a.requires_grad_(f)
         given = (*args, *kw.values())
         before = [(a.detach().clone(), a._version) for a in given]

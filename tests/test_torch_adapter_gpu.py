@@ -130,7 +130,7 @@ def test_opcheck_on_cuda(name):
     forward = getattr(torch.ops.cupyloss, name).default
     backward = getattr(torch.ops.cupyloss, name + "_backward").default
     for reduction in SPECS[name].reductions:
-        for flags in _flag_sets(args):
+        for flags in _flag_sets(args, name):
             given = [a.clone().requires_grad_(f) for a, f in zip(args, flags)]
             torch.library.opcheck(forward, (*given, reduction, *options, *flags))
             shape = CF.LOSSES[name](*args, reduction=reduction, **kw).shape
@@ -232,7 +232,7 @@ def test_work_runs_on_torchs_current_stream():
 def test_inputs_are_never_written():
     for name, reduction in CASES:
         args, kw = _on_gpu(name, torch.float32, with_optional=True)
-        for a, f in zip(args, _floating(args)):
+        for a, f in zip(args, _floating(args, name)):
             a.requires_grad_(f)
         given = (*args, *kw.values())
         before = [(a.detach().clone(), a._version) for a in given]
