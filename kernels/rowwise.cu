@@ -646,11 +646,27 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
         const bool read = !ra.nll && !(rt.ignored && lse == nullptr);
         RowStat<A> st = empty_stat<A>();
         if (read) {
+            // One thread adds the row's cols terms in sequence: the sum of exponentials is
+            // compensated (Kahan), its compensation rescaled with it when the max moves.
+            A cs = A(0);
             for (long long c = 0; c < cols; ++c) {
                 const A u = ra.track ? elem_u<T, A>(weight, c, ra.prob ? to_acc(tr[c * tc]) : A(0),
                                                     ra) : A(0);
-                push(st, zval(xr[c * xc], ra), u, ra.track);
+                const A z = zval(xr[c * xc], ra);
+                if (z > st.m) {
+                    cs = rescaled(cs, st.m, z);
+                    rebase(st, z);
+                }
+                const A y = exp_from(z, st.m) - cs;
+                const A sum = st.s + y;
+                cs = isfinite(sum) ? (sum - st.s) - y : A(0);
+                st.s = sum;
+                if (ra.track) {
+                    st.a += u * dist_to(st.m, z);
+                    st.b += u;
+                }
             }
+            st.s -= cs;
         }
         if (!ra.prob && !rt.ignored && !rt.oor)
             st.t = ra.nll ? to_acc(xr[rt.y * xc]) : zval(xr[rt.y * xc], ra);
