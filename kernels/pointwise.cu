@@ -41,7 +41,8 @@
 //                    then across the warp, in the pass that writes everything else.
 // flat and rows come as GRAD = false, a value-only instantiation that never touches a gradient
 // (the forward of every loss: fewer registers, more resident blocks), and GRAD = true for
-// launches that want any gradient; reduce is only launched for a gradient.
+// launches that want any gradient; reduce also takes the loss alone of a layout whose
+// gradients it would sum, so that the 0-d loss adds up in one order either way.
 // All are grid-stride loops over 64-bit indices; every sum has an order fixed by the shapes
 // (fixed trees in common.cuh, fixed chunk order in reduce.cu), so a given device and shape give
 // bitwise the same results on every run.  No float atomics.
