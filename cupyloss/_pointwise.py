@@ -434,16 +434,10 @@ def evaluate(spec: LossSpec, arrays, *, reduction: str, params: tuple, want_valu
     go_kind, go_value, go = "host", 1.0, None
     go_shape = go_strides = None
     if True in want_grads:
-        if grad_output.__class__ is float or grad_output.__class__ is int:
-            go_value = float(grad_output)
-        else:
-            go = _validate.check_grad_output(frame, grad_output, dtype, device)
-            if isinstance(go, float):
-                go_value, go = go, None
-            else:
-                go_kind = "device" if go.shape == () else "array"
-                go_shape, go_strides = go.shape, go.strides
-                bits |= go.ptr
+        go_kind, go_value, go = _validate.classify_grad_output(frame, grad_output, dtype, device)
+        if go is not None:
+            go_shape, go_strides = go.shape, go.strides
+            bits |= go.ptr
     key = (spec.name, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides,
            layouts, dtype, not (bits & 15), device)
     plan = _PLANS.get(key)

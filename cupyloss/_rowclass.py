@@ -400,16 +400,8 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
         loss_shape = tuple(x.shape[:-1])
     go_kind, go_value, go = "host", 1.0, None
     if wrt:
-        if type(grad_output) is float or type(grad_output) is int:
-            go_value = float(grad_output)
-        else:
-            go = _validate.check_grad_output(frame, grad_output, dtype, device)
-            if isinstance(go, float):
-                go_value, go = go, None
-            else:
-                go_kind = "device" if go.shape == () else "array"
-                if go_kind == "array":
-                    _validate.check_grad_output_shape(go.shape, loss_shape, reduction)
+        go_kind, go_value, go = _validate.classify_grad_output(frame, grad_output, dtype, device,
+                                                               loss_shape, reduction)
     stream = frame.stream(device)
     if check and is_index:
         check_targets(frame, t, x.shape[-1] if x.shape else 1, stream)

@@ -303,16 +303,8 @@ def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=Tr
     go_kind, go_value, go, go_rs = "host", 1.0, None, 0
     loss_shape = spec.loss_shape(tuple(xs[0].shape), "none")
     if wrt:
-        if type(grad_output) is float or type(grad_output) is int:
-            go_value = float(grad_output)
-        else:
-            go = _validate.check_grad_output(frame, grad_output, dtype, device)
-            if isinstance(go, float):
-                go_value, go = go, None
-            else:
-                go_kind = "device" if go.shape == () else "array"
-                if go_kind == "array":
-                    _validate.check_grad_output_shape(go.shape, loss_shape, reduction)
+        go_kind, go_value, go = _validate.classify_grad_output(frame, grad_output, dtype, device,
+                                                               loss_shape, reduction)
     stream = frame.stream(device)
     geos = [_row_geometry(x.shape, x.strides) for x in xs]
     t_rs = 0 if t is None or not t.shape else t.strides[0]

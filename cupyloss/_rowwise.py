@@ -480,18 +480,10 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     go_kind, go_value, go = "host", 1.0, None
     go_strides = None
     if wrt:
-        if type(grad_output) is float or type(grad_output) is int:
-            go_value = float(grad_output)
-        else:
-            go = _validate.check_grad_output(frame, grad_output, dtype, device)
-            if isinstance(go, float):
-                go_value, go = go, None
-            else:
-                go_kind = "device" if go.shape == () else "array"
-                if go_kind == "array":
-                    _validate.check_grad_output_shape(go.shape, spec.loss_shape(x.shape, "none"),
-                                                      reduction)
-                    go_strides = _go_strides(go)
+        go_kind, go_value, go = _validate.classify_grad_output(
+            frame, grad_output, dtype, device, spec.loss_shape(x.shape, "none"), reduction)
+        if go_kind == "array":
+            go_strides = _go_strides(go)
     stream = frame.stream(device)
     if check and is_index:
         check_targets(frame, t, cols, int(ignore_index), stream)

@@ -85,6 +85,23 @@ def check_grad_output(frame, grad_output, dtype, device: int):
     return go
 
 
+def classify_grad_output(frame, grad_output, dtype, device: int, loss_shape=None,
+                         reduction: str = "none"):
+    """(kind, host value, Operand or None) of a call's grad_output: ('host', g, None) for a
+    number, ('device', 1.0, op) for a 0-d array, ('array', 1.0, op) for an elementwise one,
+    whose shape is checked against `loss_shape` when given.  The hot path of every backward."""
+    if grad_output.__class__ is float or grad_output.__class__ is int:
+        return "host", float(grad_output), None
+    go = check_grad_output(frame, grad_output, dtype, device)
+    if isinstance(go, float):
+        return "host", go, None
+    if go.shape == ():
+        return "device", 1.0, go
+    if loss_shape is not None:
+        check_grad_output_shape(go.shape, loss_shape, reduction)
+    return "array", 1.0, go
+
+
 def check_grad_output_shape(go_shape: tuple, loss_shape: tuple, reduction: str) -> None:
     """Raise ValueError unless a non-0-d grad_output has the shape of a reduction='none' loss."""
     if reduction != "none":
