@@ -24,23 +24,11 @@ Common rules:
 from __future__ import annotations
 
 from cupyloss._rowclass import SPECS, evaluate
+from cupyloss.rowwise import _grads, _names
 
 _MM = SPECS["multi_margin_loss"]
 _ML = SPECS["multilabel_soft_margin_loss"]
 _JSD = SPECS["jsd"]
-
-
-def _names(wrt):
-    single = isinstance(wrt, str)
-    names = (wrt,) if single else tuple(wrt)
-    if len(set(names)) != len(names):
-        raise ValueError(f"wrt names an argument twice: {wrt!r}")
-    return names, single
-
-
-def _grads(names, single, gx, gt):
-    picked = tuple(gx if n == "input" else gt for n in names)
-    return picked[0] if single else picked
 
 
 # --- multi_margin_loss ------------------------------------------------------------------------
