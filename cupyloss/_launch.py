@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy
 
@@ -191,20 +192,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def flat_launch(n: int, vec: int, acc_itemsize: int, limits: DeviceLimits,
+def flat_launch(n: int, vec: int, limits: DeviceLimits,
                 blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
-    """Grid-stride launch over ceil(n / vec) work items: one wave of blocks_per_sm per SM."""
+    """Grid-stride launch over ceil(n / vec) work items: one wave of blocks_per_sm per SM.  No
+    dynamic shared memory: the block sums' scratch is static (common.cuh)."""
     work = _cdiv(n, vec)
     if work <= SINGLE_BLOCK_WORK:
         grid = 1
     else:
         grid = max(1, min(_cdiv(work, BLOCK), limits.sm_count * blocks_per_sm,
                           limits.max_grid_x))
-    shared = check_shared(BLOCK // WARP * acc_itemsize, limits, "pointwise_flat")
-    return Launch((grid,), (BLOCK,), shared)
+    return Launch((grid,), (BLOCK,), 0)
 
 
 ROW_SUM_BYTES = 8   # pointwise_rows sums a row gradient across its lanes in double
+
+
+def rows_shared(vec: int) -> int:
+    """Dynamic shared memory of pointwise_rows: a double per thread and vector element."""
+    return BLOCK * vec * ROW_SUM_BYTES
 
 
 def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
@@ -214,8 +220,8 @@ def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
     tx is the power of two in [32, BLOCK] closest above cols / vec, so narrow rows still fill
     a warp; ty = BLOCK / tx threads go down the rows.  Column blocks cover cols; row blocks
     are added until the grid holds blocks_per_sm blocks per SM (at most 65535 of them, and
-    never fewer than ty rows each).  Shared memory: one double per thread and vector element,
-    where the lanes' row-gradient sums meet (whatever the accumulator type).
+    never fewer than ty rows each).  Shared memory: `rows_shared`, where the lanes'
+    row-gradient sums meet (whatever the accumulator type).
     """
     lanes = _cdiv(cols, vec)
     tx = min(BLOCK, max(WARP, 1 << max(lanes - 1, 0).bit_length()))
@@ -230,7 +236,7 @@ def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
     row_blocks = max(1, min(want, _cdiv(rows, ty), limits.max_grid_y))
     rows_per_block = max(1, _cdiv(rows, row_blocks))
     row_blocks = max(1, _cdiv(rows, rows_per_block))
-    shared = check_shared(BLOCK * vec * ROW_SUM_BYTES, limits, "pointwise_rows")
+    shared = check_shared(rows_shared(vec), limits, "pointwise_rows")
     return Launch((col_blocks, row_blocks), (BLOCK,), shared, tx, rows_per_block)
 
 
@@ -257,23 +263,16 @@ class ReduceSplit:
 
     @property
     def n_o(self) -> int:
-        return _prod(self.kept)
+        return math.prod(self.kept)
 
     @property
     def n_m(self) -> int:
-        return _prod(self.red)
+        return math.prod(self.red)
 
     @property
     def inner(self) -> int:
         """Length of the innermost run of reduced elements (1 when the innermost dim is kept)."""
         return self.red[-1] if self.inner_reduced else 1
-
-
-def _prod(sizes) -> int:
-    out = 1
-    for size in sizes:
-        out *= size
-    return out
 
 
 def broadcast_pattern(shape: tuple, strides: tuple) -> tuple:
@@ -332,7 +331,7 @@ def reduce_lanes(n_o: int, inner: int, inner_reduced: bool, vec: int) -> int:
     return min(WARP, max(lanes, spare))
 
 
-def reduce_launch(split: ReduceSplit, vec: int, acc_itemsize: int, limits: DeviceLimits,
+def reduce_launch(split: ReduceSplit, vec: int, limits: DeviceLimits,
                   blocks_per_sm: int = BLOCKS_PER_SM) -> ReduceLaunch:
     """Launch for pointwise_reduce over `split` with VEC-element steps (see the table above)."""
     n_o, n_m = split.n_o, split.n_m
@@ -345,8 +344,7 @@ def reduce_launch(split: ReduceSplit, vec: int, acc_itemsize: int, limits: Devic
     nchunks = _cdiv(n_m, chunk)
     grid = max(1, min(_cdiv(units_o * nchunks, BLOCK // WARP), limits.sm_count * blocks_per_sm,
                       limits.max_grid_x))
-    shared = check_shared(BLOCK // WARP * acc_itemsize, limits, "pointwise_reduce")
-    return ReduceLaunch((grid,), (BLOCK,), shared, lanes_m, chunk, nchunks)
+    return ReduceLaunch((grid,), (BLOCK,), 0, lanes_m, chunk, nchunks)   # static scratch only
 
 
 # --- Row-wise launches (kernels/rowwise.cu) ------------------------------------------------------

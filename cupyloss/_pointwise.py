@@ -185,7 +185,6 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     """The plan of a call; layouts[k] is (shape, strides) of array operand k, else None."""
     info = _dtypes.DTYPES[dtype]
     limits = _launch.device_limits(device)
-    acc = info.acc.itemsize
     k_ops = len(spec.operands)
     shapes = tuple(lay[0] if lay is not None else None for lay in layouts)
     views = dict(spec.views)
@@ -273,14 +272,12 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 kinds.append(KIND_ROW)
             else:
                 kinds.append(None)
-        if (None not in kinds and KIND_ROW in kinds
-                and all(kinds[k] == KIND_ROW for k in summed)
+        if (None not in kinds and KIND_ROW in kinds   # every broadcast operand is a row
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
             name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, any(want_grads))
-            shared = _launch.BLOCK * vec * _launch.ROW_SUM_BYTES
+            shared = _launch.rows_shared(vec)
             cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits))
-            assert cfg.shared == shared
             layout = rows_layout(k_ops, spec.param_words)
             words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
                                      "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})
@@ -313,8 +310,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             and "bcast" not in modes):
         vec = info.vec
     name = _source.pointwise_name("flat", info.ctype, spec.functor, vec, any(want_grads))
-    shared = 0   # the block sums' scratch is static (common.cuh)
-    cfg = _launch.flat_launch(n, vec, acc, limits, _resident(name, shared, limits))
+    cfg = _launch.flat_launch(n, vec, limits, _resident(name, 0, limits))
     layout = flat_layout(k_ops, spec.param_words)
     geo = _launch.geometry(shape, cstrides, k_ops + 1)
     words = layout.template({**common, "geo": _args.struct_words(geo), "n": n})
@@ -340,8 +336,7 @@ def _reduce_plan(spec, info, limits, common, out_shape, strides, lead, summed, a
                     for st in cstrides)):
         vec = info.vec
     name = _source.pointwise_reduce_name(info.ctype, spec.functor, vec)
-    cfg = _launch.reduce_launch(split, vec, info.acc.itemsize, limits,
-                                _resident(name, 0, limits))
+    cfg = _launch.reduce_launch(split, vec, limits, _resident(name, 0, limits))
     layout = reduce_layout(k_ops, spec.param_words)
     kept = _launch.geometry(split.kept, split.kept_strides, k_ops + 2)
     red = _launch.geometry(split.red, split.red_strides, k_ops + 2)

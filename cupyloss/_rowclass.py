@@ -244,7 +244,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
     count = None
     if count_rows and want_g:
         cname = _source.rowclass_name("rowclass_count", info.ctype)
-        ccfg = _launch.flat_launch(rows, 1, acc.itemsize, limits)
+        ccfg = _launch.flat_launch(rows, 1, limits)
         cwords = COUNT.template({"rows": rows, "l_rs": l_rs, "flags": flags & FLAG_LABELS64,
                                  "ignore": _args.i64_word(ignore_index)})
         count = Launched(_source.function("rowclass.cu", cname).kernel.ptr, ccfg.grid,

@@ -325,7 +325,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
     wsum = None
     if mean_w and want_g:
         wname = _source.rowwise_name("class_weight_sum", info.ctype)
-        wcfg = _launch.flat_launch(rows, 1, acc.itemsize, limits)
+        wcfg = _launch.flat_launch(rows, 1, limits)
         wwords = WSUM.template({"rows": rows, "cols": cols, "inner": geo.inner, "tn": geo.t[0],
                                 "td": geo.t[2], "flags": flags & FLAG_INDEX64,
                                 "ignore": _args.i64_word(ignore_index)})

@@ -157,7 +157,7 @@ def _scale_plan(device, dtype, vec, n):
         info = _dtype_info(dtype)
         with cupy.cuda.Device(device):
             function = _source.function("scale.cu", _source.scale_name(info.ctype, vec))
-            cfg = _launch.flat_launch(n, vec, info.acc.itemsize, _launch.device_limits(device))
+            cfg = _launch.flat_launch(n, vec, _launch.device_limits(device))
         plan = _SCALE_PLANS[key] = (function.kernel.ptr, cfg.grid, cfg.block)
     return plan
 

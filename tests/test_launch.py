@@ -5,7 +5,6 @@ run-time constant, the coalesced broadcast geometry and its packed struct, and t
 and shared-memory sizes, clamped to a fake device's limits.
 """
 
-import itertools
 import math
 import struct
 
@@ -240,7 +239,6 @@ def test_geometry_rejects_more_than_max_dims():
 # --- launch configurations -------------------------------------------------------------------
 
 VECS = (1, 2, 4, 8)  # float64, -, float32, 16-bit types (16-byte loads)
-ACC_ITEMSIZES = (4, 8)  # float32 and float64 accumulators
 
 FLAT_SIZES = [
     0,  # empty: one block, which writes the 0-d results (0, or NaN for a mean)
@@ -261,8 +259,8 @@ def test_block_is_a_legal_cuda_block():
 
 @pytest.mark.parametrize("n", FLAT_SIZES)
 def test_flat_launch_stays_within_the_device(n):
-    for vec, acc in itertools.product(VECS, ACC_ITEMSIZES):
-        launch = _launch.flat_launch(n, vec, acc, H100)
+    for vec in VECS:
+        launch = _launch.flat_launch(n, vec, H100)
         (grid,) = launch.grid
         work = _cdiv(n, vec)
         work_blocks = _cdiv(work, BLOCK)
@@ -275,14 +273,14 @@ def test_flat_launch_stays_within_the_device(n):
             assert grid > 1, "a large launch on one SM"
         if work_blocks >= H100.sm_count * BLOCKS_PER_SM:
             assert grid == H100.sm_count * BLOCKS_PER_SM, "a large n leaves SMs idle"
-        assert launch.shared == BLOCK // WARP * acc
+        assert launch.shared == 0, "pointwise_flat's block sums use static shared memory"
 
 
 def test_flat_launch_clamps_to_max_grid_x():
     # A device whose grid limit is below one wave (132 SMs x 8 blocks).
     small = DeviceLimits(sm_count=132, max_grid_x=100, max_grid_y=65535,
                          max_shared_per_block=49152)
-    assert _launch.flat_launch(I64_MAX, 1, 4, small).grid == (100,)
+    assert _launch.flat_launch(I64_MAX, 1, small).grid == (100,)
 
 
 ROWS = [
@@ -355,8 +353,6 @@ def test_check_shared_allows_exactly_the_limit():
 @pytest.mark.parametrize("make, need", [
     # 256 threads x 8-wide vectors x a double each = 16384 bytes.
     (lambda limits: _launch.rows_launch(10, 64, 8, limits), 16384),
-    # 8 warps x float64 = 64 bytes.
-    (lambda limits: _launch.flat_launch(10, 1, 8, limits), 64),
 ])
 def test_launches_reject_shared_memory_over_the_limit(make, need):
     limits = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
@@ -468,7 +464,7 @@ def test_reduce_launch_covers_m_with_bounded_partials(out_shape, operand_shape, 
     split = _split_of(out_shape, operand_shape)
     if split.inner_reduced and split.inner % vec:
         vec = 1
-    cfg = _launch.reduce_launch(split, vec, 4, H100, per_sm)
+    cfg = _launch.reduce_launch(split, vec, H100, per_sm)
     lanes = cfg.lanes_m
     assert lanes in (1, 2, 4, 8, 16, 32)
     assert cfg.block == (BLOCK,) and 1 <= cfg.grid[0] <= H100.sm_count * per_sm
@@ -490,12 +486,12 @@ def test_reduce_launch_covers_m_with_bounded_partials(out_shape, operand_shape, 
 def test_reduce_launch_of_the_benchmarked_patterns():
     """The splits the benchmark's patterns get on an H100 at 8 and 2 resident blocks an SM."""
     per_channel = _split_of((256, 64, 56, 56), (1, 64, 1, 1))
-    cfg = _launch.reduce_launch(per_channel, 4, 4, H100, 8)
+    cfg = _launch.reduce_launch(per_channel, 4, H100, 8)
     assert (cfg.lanes_m, cfg.nchunks, cfg.grid) == (32, 131, (1048,))
-    cfg = _launch.reduce_launch(per_channel, 4, 4, H100, 2)
+    cfg = _launch.reduce_launch(per_channel, 4, H100, 2)
     assert (cfg.lanes_m, cfg.nchunks, cfg.grid) == (32, 33, (264,))
     per_row = _split_of((8192, 4096), (8192, 1))
-    cfg = _launch.reduce_launch(per_row, 4, 4, H100, 8)
+    cfg = _launch.reduce_launch(per_row, 4, H100, 8)
     assert (cfg.lanes_m, cfg.nchunks, cfg.chunk) == (32, 1, 4096)   # written directly
 
 
