@@ -3,11 +3,13 @@
 //   acc_t<T>          the accumulator type: float for half/bfloat16/float, double for double
 //   load_acc / store  conversions between storage and accumulator types
 //   Vec<T, N>         an N-element, N*sizeof(T)-aligned register vector for 16-byte accesses
+//   store_any         VEC rounded values stored as one 16-byte vector or element by element
 //   IntDiv            division of 64-bit indices by a run-time constant via multiply-high
 //   Geometry<N>       the coalesced broadcast shape and N operands' strides, passed by value
 //   Compensated       a per-thread running sum with Kahan's error compensation
 //   block_sum         deterministic block-wide sum (fixed shuffle tree, then fixed smem order)
 //   grid_sum_out      deterministic grid-wide sums written to 0-d outputs in the same launch
+//   finish_ratio      the same for a 0-d L / D whose divisor D may itself be a grid sum
 //
 // Indices are 64-bit everywhere (long long / unsigned long long).
 #pragma once
@@ -58,6 +60,26 @@ struct IntDiv {
         return (t + ((n - t) >> shift1)) >> shift2;
     }
 };
+
+// VEC values rounded to T and stored at p: one streaming 16-byte store when `vec` (p 16-byte
+// aligned, VEC * sizeof(T) == 16), else element by element.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_any(T* p, const acc_t<T> (&g)[VEC], bool vec) {
+    Vec<T, VEC> v;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
+    if (vec) {
+        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+    } else {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) p[e] = v.v[e];
+    }
+}
+
+// Whether p may be read or written as 16-byte vectors.
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
 
 // The broadcast shape after merging dimensions that every operand walks contiguously, innermost
 // last.  stride[k][d] is operand k's stride in elements along dim d (0 where it broadcasts).

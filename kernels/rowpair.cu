@@ -224,23 +224,6 @@ __device__ __forceinline__ Vec<T, VEC> pair_load(const T* p, long long stride, b
     return v;
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void pair_store(T* p, const acc_t<T> (&g)[VEC], bool vec) {
-    Vec<T, VEC> v;
-    #pragma unroll
-    for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
-    if (vec) {
-        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
-    } else {
-        #pragma unroll
-        for (int e = 0; e < VEC; ++e) p[e] = v.v[e];
-    }
-}
-
-__device__ __forceinline__ bool pair_aligned(const void* p) {
-    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
-
 // GRAD: write the gradients (held rows, PAIR_VECS chunks a thread), else the loss alone (streamed,
 // half the chunks a tile, twice the resident blocks).  Without a gradient 4 blocks of 256
 // threads are resident per SM; with one, 2 (up to 96 registers of held row a thread).
@@ -317,7 +300,7 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
         const int ntiles = (nv + span - 1) / span;
         bool vec[N];
         #pragma unroll
-        for (int k = 0; k < N; ++k) vec[k] = cs[k] == 1 && pair_aligned(xr[k] + h);
+        for (int k = 0; k < N; ++k) vec[k] = cs[k] == 1 && aligned16(xr[k] + h);
 
         A s[S];
         #pragma unroll
@@ -379,7 +362,7 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
         #pragma unroll
         for (int k = 0; k < N; ++k) {
             gr[k] = gs[k] != nullptr ? gs[k] + r * cols : nullptr;
-            gvec[k] = gr[k] != nullptr && pair_aligned(gr[k] + h);
+            gvec[k] = gr[k] != nullptr && aligned16(gr[k] + h);
         }
         A o[N];
         if (has_head) {
@@ -422,7 +405,7 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
                 }
                 #pragma unroll
                 for (int k = 0; k < N; ++k) {
-                    if (gr[k] != nullptr) pair_store<T, VEC>(gr[k] + h + j * VEC, out[k], gvec[k]);
+                    if (gr[k] != nullptr) store_any<T, VEC>(gr[k] + h + j * VEC, out[k], gvec[k]);
                 }
             }
         }

@@ -356,23 +356,6 @@ __device__ __forceinline__ Vec<T, VEC> load_any(const T* p, bool vec) {
     return v;
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void store_any(T* p, const acc_t<T> (&g)[VEC], bool vec) {
-    Vec<T, VEC> v;
-    #pragma unroll
-    for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
-    if (vec) {
-        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
-    } else {
-        #pragma unroll
-        for (int e = 0; e < VEC; ++e) p[e] = v.v[e];
-    }
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
-
 // Classes contiguous: a team of tpr threads per row, or k blocks per row (see the file comment).
 // Rows go to teams in a grid-stride loop that every thread of a block runs the same number of
 // times (inactive teams take part in the block's merges).  MODE: see ROW_FORWARD.
