@@ -33,6 +33,7 @@ import torch
 
 import cupyloss.torch as CF
 from cupyloss.bench import _host_us
+from cupyloss.bench_rowwise import _timer
 
 
 def _free() -> None:
@@ -48,21 +49,6 @@ def _free() -> None:
         cupy.get_default_memory_pool().free_all_blocks()
     except ImportError:  # pragma: no cover - cupyloss always has CuPy
         pass
-
-
-def _gpu_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() on the current stream, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def _fwd_bwd(loss_fn, args, upstream=None):
@@ -184,7 +170,7 @@ def large(reps: int, scale: float) -> list:
         def measure(who, fn):
             _free()
             torch.cuda.reset_peak_memory_stats()
-            times[who] = _gpu_ms(fn, reps)
+            times[who] = _timer(torch, fn, reps)
             peaks[who] = (torch.cuda.max_memory_allocated() - inputs) / 2**30
 
         measure("cupyloss.torch", _fwd_bwd(ours, args))
