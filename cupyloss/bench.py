@@ -34,22 +34,12 @@ import time
 import cupy
 
 import cupyloss
+from cupyloss import _timing
 
 
 def _timer(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over reps runs on the current stream."""
-    for _ in range(warmup):
-        fn()
-    stream = cupy.cuda.get_current_stream()
-    times = []
-    for _ in range(reps):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        fn()
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    """Median milliseconds of device time of fn() on CuPy's current stream (see _timing)."""
+    return _timing.gpu_ms(fn, reps, warmup)
 
 
 def _host_us(rows: dict, calls: int = 2000, batches: int = 9) -> dict:

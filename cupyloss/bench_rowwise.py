@@ -26,24 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import cupyloss
+from cupyloss import _timing
 
 
 def _timer(torch, fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over reps runs on torch's current stream."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    """Median milliseconds of device time of fn() on torch's current stream (see _timing)."""
+    return _timing.gpu_ms(fn, reps, warmup, stream=torch.cuda.current_stream().cuda_stream)
 
 
 def bandwidth(torch, reps: int) -> tuple[float, float]:

@@ -281,7 +281,7 @@ __device__ __forceinline__ RowTarget<A> row_target(const void* tgt, long long of
 // A row's loss and the factors of its gradient, from its merged state.
 template <typename A>
 struct RowResult {
-    A loss, lse, log_s, m, k, g;
+    A loss, lse, log_s, m, k, dz, g;   // dloss/dz_c = (k p_c - corr_c) + dz p_c
 };
 
 template <typename A>
@@ -293,16 +293,16 @@ __device__ __forceinline__ RowResult<A> finalize(const RowStat<A>& st, const Row
     o.lse = st.m + o.log_s;
     o.g = A(0);
     const A z2 = ra.zloss ? ra.zs * o.lse * o.lse : A(0);
-    const A dz2 = ra.zloss ? A(2) * ra.zs * o.lse : A(0);
+    o.dz = ra.zloss ? A(2) * ra.zs * o.lse : A(0);
     if (ra.nll) {
         o.loss = rt.ignored ? A(0) : -rt.wy * st.t;
         o.k = A(0);
     } else if (ra.prob) {
         o.loss = st.b * o.log_s + st.a + z2;
-        o.k = st.b + dz2;
+        o.k = st.b;
     } else {
         A loss = ra.one_minus_eps * rt.wy * (o.log_s + (st.m - st.t));
-        A k = ra.one_minus_eps * rt.wy + dz2;
+        A k = ra.one_minus_eps * rt.wy;
         if (ra.smooth) {
             loss += ra.eps_c * (st.b * o.log_s + st.a);
             k += ra.eps_c * st.b;
@@ -326,7 +326,9 @@ __device__ __forceinline__ A grad_input(A z, int c, A tv, A w, const RowResult<A
         corr = c == rt.y ? ra.one_minus_eps * rt.wy : A(0);
         if (ra.smooth) corr += ra.eps_c * w;
     }
-    A gz = o.g * (o.k * p - corr);
+    // The z-loss term is added after k p - corr, which cancels (to 0 when p == 1 and one class
+    // holds all the target's weight): kept apart, it keeps its own relative precision.
+    A gz = o.g * ((o.k * p - corr) + o.dz * p);
     if (ra.cap > A(0)) {
         const A q = z / ra.cap;
         gz *= A(1) - q * q;

@@ -185,6 +185,21 @@ def test_against_reference(case):
             assert_close(to_host(g[1]), gt_want, dtype, None, f"{what} target gradient {label}")
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_z_loss_gradient_keeps_its_precision_when_softmax_cancels(reduction):
+    """One class: p = 1 cancels the target exactly and the gradient is the z-loss term
+    2 zs lse alone, which must keep fp32's relative precision (not 1e-7 of p's size)."""
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(31)
+    x, xr = _put(rng.standard_normal((31, 1)) * 3, np.float32)
+    tr = np.zeros(31, dtype=np.int64)
+    opts = dict(lse_square_scale=1e-3)
+    gx_want, _ = ref.cross_entropy_grads(xr, tr, reduction=reduction, grad_output=1.0, **opts)
+    _, gx = cl.cross_entropy_value_and_grad(x, cp.asarray(tr), reduction=reduction, **opts)
+    np.testing.assert_allclose(to_host(gx), gx_want, rtol=4e-7, atol=0)
+
+
 @pytest.mark.parametrize("dtype, cols, rows", [
     (np.float32, 8193, 5),          # just past a block's registers: 2 blocks a row
     (np.float32, 20000, 7),         # 3 blocks a row, rows looping over fewer groups

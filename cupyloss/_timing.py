@@ -1,0 +1,46 @@
+"""Device time of a benchmarked call, with the host's launch latency kept out of it.
+
+Every benchmark times its calls here.  Per run: launch `hold_stream` (kernels/bench.cu), which
+keeps the stream busy a little longer than the call takes the host to enqueue; record the start
+event; call; record the stop event.  The GPU reaches the start event only after the call's work
+is queued behind it, so the events time the device's work alone, as it runs in a training loop
+whose host stays ahead of the GPU (the blocking-kernel method of NVIDIA's nvbench).  Host cost per
+call is measured separately (cupyloss.bench's small-call table).  Never used as a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def gpu_ms(fn, reps: int, warmup: int = 3, stream: int | None = None) -> float:
+    """Median milliseconds of device time of fn() over `reps` runs.
+
+    stream: the raw cudaStream_t fn enqueues on (torch callers pass torch's current stream);
+    default CuPy's current stream.
+    """
+    import cupy
+
+    from cupyloss import _source
+
+    hold = _source.function("bench.cu", "cupyloss::hold_stream")
+    s = cupy.cuda.get_current_stream() if stream is None else cupy.cuda.ExternalStream(stream)
+    host = []
+    for _ in range(max(warmup, 2)):
+        start = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - start)
+    s.synchronize()
+    # The first warm-up call may compile or autotune; the others say how long enqueueing takes.
+    hold_ns = cupy.uint64(int(1e9 * (2.0 * max(host[1:]) + 50e-6)))
+    times = []
+    for _ in range(reps):
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        hold((1,), (1,), (hold_ns,), stream=s)
+        begin.record(s)
+        fn()
+        end.record(s)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(begin, end))
+    return statistics.median(times)
