@@ -308,6 +308,17 @@ def split_reduced(shape: tuple, strides: list[tuple], operand: int) -> ReduceSpl
 #   REDUCE_MIN_STEPS: each lane makes at least this many VEC steps per unit; below it the
 #            unit's butterfly and partial write cost more than they save.
 REDUCE_MIN_STEPS = 16
+#   REDUCE_STEPS: VEC steps whose loads a lane issues before using any (K <= 2 operands of 4
+#            bytes; half for more operands or 8-byte ones); REDUCE_MIN_BLOCKS: blocks per SM
+#            the kernel's registers are bounded for.  Compile-time: kernel_defines passes them.
+REDUCE_STEPS = 4
+REDUCE_MIN_BLOCKS = 1
+
+
+def kernel_defines() -> tuple[str, ...]:
+    """The compile options that carry this table's compile-time entries into the kernels."""
+    return (f"-DCUPYLOSS_REDUCE_STEPS={REDUCE_STEPS}",
+            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS={REDUCE_MIN_BLOCKS}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,11 +11,11 @@ import functools
 import pathlib
 import re
 
-from cupyloss import _dtypes, _registry
+from cupyloss import _dtypes, _launch, _registry
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _CANDIDATES = (_HERE / "kernels", _HERE.parent / "kernels")
-OPTIONS = ("--std=c++17",)
+OPTIONS = ("--std=c++17", *_launch.kernel_defines())
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 

@@ -458,9 +458,10 @@ __global__ void __launch_bounds__(256) pointwise_rows(
 // of the broadcast shape (where the loss and full-size gradients go).
 //
 // A unit is one warp: lanes_o = 32 / lanes_m elements o, lanes_m lanes each, over the chunk
-// [c * chunk, (c + 1) * chunk) of m.  The lanes of one o take m = start + q VEC, then every
-// lanes_m VEC further (VEC consecutive m along the innermost dim, whose stride is 0 or 1 in
-// every operand when VEC > 1), UNROLL steps' loads issued before any use.  A reduced operand
+// [c * chunk, (c + 1) * chunk) of m, one reduced row at a time (a row: the innermost reduced
+// dim, its offsets computed once per row).  In a row the lanes of one o take e = q VEC, then
+// every lanes_m VEC further (VEC consecutive m along the innermost dim, whose stride is 0 or 1
+// in every operand when VEC > 1), UNROLL steps' loads issued before any use.  A reduced operand
 // is read once per lane; its gradient is summed per lane (compensated), then over the lanes_m
 // lanes by a fixed butterfly in double, and written to g[k][o] (one chunk) or
 // ws[k][c, o] (sum_chunks in reduce.cu adds the chunks in order).  lanes_m is large when the
@@ -468,8 +469,17 @@ __global__ void __launch_bounds__(256) pointwise_rows(
 // o); _launch.reduce_launch picks it, chunk and nchunks.  Units are a grid-stride loop.  The
 // loss, full-size gradients and 0-d sums are delivered as in pointwise_flat, so a call is one
 // read of the data.
+// Steps of loads a lane keeps in flight (K <= 2, 4-byte elements) and the blocks per SM the
+// registers are bounded for: set from cupyloss/_launch.py's table (REDUCE_STEPS,
+// REDUCE_MIN_BLOCKS) through the compile options.
+#ifndef CUPYLOSS_REDUCE_STEPS
+#define CUPYLOSS_REDUCE_STEPS 4
+#endif
+#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS
+#define CUPYLOSS_REDUCE_MIN_BLOCKS 1
+#endif
 template <typename T, typename Op, int VEC>
-__global__ void __launch_bounds__(256) pointwise_reduce(
+__global__ void __launch_bounds__(256, CUPYLOSS_REDUCE_MIN_BLOCKS) pointwise_reduce(
         const PerOperand<const T*, Op::K> in,     // operand k through kept/red strides, or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
         const T* __restrict__ go,                 // grad_output: [1] or through stride[K]
@@ -490,8 +500,10 @@ __global__ void __launch_bounds__(256) pointwise_reduce(
     constexpr int K = Op::K;
     // Steps whose loads are in flight at once: 16 (K <= 2) or 8 elements of 4 bytes or less a
     // lane; 16-bit vectors of 8 take half the steps (registers, not bytes, limit them).
-    constexpr int UNROLL = (K <= 2 ? 4 : 2) * 4 / (VEC > 4 ? VEC : 4);
+    constexpr int UNROLL = (K <= 2 ? CUPYLOSS_REDUCE_STEPS : CUPYLOSS_REDUCE_STEPS / 2) * 4
+                           / (VEC > 4 ? VEC : 4);
     constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
+    constexpr int F = K > 1 ? K - 1 : 1;          // operands read per element (see slot)
     using A = acc_t<T>;
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
@@ -506,6 +518,23 @@ __global__ void __launch_bounds__(256) pointwise_reduce(
     const long long step = lanes_m * VEC;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    // Operands broadcast along every reduced dim (the lead operand the split follows, the
+    // operands summed with it, numbers) are one value per o, read once per unit; the others
+    // are read per element: at most F = K - 1 of them.  Slot f holds the f-th of those in
+    // operand order, so the loads in flight take F, not K, vectors a step.
+    long long constant = 0;
+    int slot[K];
+    {
+        int f = 0;
+        #pragma unroll
+        for (int k = 0; k < K; ++k) {
+            bool c = true;
+            for (int d = 0; d < (int)red.ndim; ++d) c &= red.stride[k][d] == 0;
+            slot[k] = f;
+            if (c || in.p[k] == nullptr) constant |= 1ll << k;
+            else ++f;
+        }
+    }
     Sums<A, K> s;
 
     for (long long u = warp; u < units; u += nwarps) {  // uniform across the warp
@@ -517,65 +546,100 @@ __global__ void __launch_bounds__(256) pointwise_reduce(
         A fixed[K];
         Compensated<A> sum[K];
         #pragma unroll
-        for (int k = 0; k < K; ++k)
-            fixed[k] = ((reduced >> k) & 1) && active ? to_acc(in.p[k][base[k]]) : A(0);
+        for (int k = 0; k < K; ++k) {
+            fixed[k] = in.p[k] == nullptr ? A(fill.p[k]) : A(0);
+            if (((constant >> k) & 1) && in.p[k] != nullptr && active)
+                fixed[k] = to_acc(in.p[k][base[k]]);
+        }
         const long long m1 = active ? min(n_m, (c + 1) * chunk) : 0;
-        for (long long m = c * chunk + q * VEC; m < m1; m += UNROLL * step) {
-            A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
-            long long at[UNROLL];                 // flat index of each step's first element
+        const long long n_in = red.dim[inner].divisor;
+        long long m = c * chunk;
+        while (m < m1) {
+            // The reduced row holding m (every reduced dim but the innermost fixed): its
+            // offsets are computed once, then the lanes walk it along the innermost dim.
+            const long long row = (long long)red.dim[inner].div((unsigned long long)m) * n_in;
+            const long long row_end = min(m1, row + n_in);
+            long long off[K + 2];
+            red.offsets(row, off);
             #pragma unroll
-            for (int j = 0; j < UNROLL; ++j) {
-                const long long mj = m + j * step;
-                if (mj >= m1) break;
-                long long off[K + 2];
-                red.offsets(mj, off);
+            for (int k = 0; k < K + 2; ++k) off[k] += base[k];
+            const T* src[F];
+            long long src_stride[F];
+            #pragma unroll
+            for (int f = 0; f < F; ++f) {
+                src[f] = nullptr;   // no operand in this slot: nothing read
+                src_stride[f] = 0;
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                    if ((reduced >> k) & 1) continue;
-                    if (in.p[k] != nullptr) {
-                        load_vec<T, VEC>(in.p[k] + base[k] + off[k], 0, red.stride[k][inner],
-                                         fv[j][k]);
+                    if (((constant >> k) & 1) || slot[k] != f) continue;
+                    src[f] = in.p[k] + off[k];
+                    src_stride[f] = red.stride[k][inner];
+                }
+            }
+            #pragma unroll 1
+            for (long long e0 = m - row + q * VEC; row + e0 < row_end; e0 += UNROLL * step) {
+                A fv[UNROLL][F][VEC];
+                #pragma unroll
+                for (int j = 0; j < UNROLL; ++j) {
+                    const long long e = e0 + j * step;
+                    if (row + e >= row_end) break;
+                    #pragma unroll
+                    for (int f = 0; f < F; ++f) {
+                        if (src[f] != nullptr) {
+                            load_vec<T, VEC>(src[f], e, src_stride[f], fv[j][f]);
+                        } else {
+                            #pragma unroll
+                            for (int v = 0; v < VEC; ++v) fv[j][f][v] = A(0);
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int j = 0; j < UNROLL; ++j) {
+                    const long long e = e0 + j * step;
+                    if (row + e >= row_end) break;
+                    const long long at = off[OUT] + e * red.stride[OUT][inner];
+                    A val[K][VEC];
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) {
+                            A x = fv[j][0][v];
+                            #pragma unroll
+                            for (int f = 1; f < F; ++f) x = slot[k] == f ? fv[j][f][v] : x;
+                            val[k][v] = ((constant >> k) & 1) ? fixed[k] : x;
+                        }
+                    }
+                    A gv[VEC];  // an elementwise grad_output ('none' backward) is read here
+                    if (go_elem) {
+                        load_vec<T, VEC>(go + off[K], e, red.stride[K][inner], gv);
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) gv[v] *= gs;
                     } else {
                         #pragma unroll
-                        for (int e = 0; e < VEC; ++e) fv[j][k][e] = A(fill.p[k]);
+                        for (int v = 0; v < VEC; ++v) gv[v] = g0;
                     }
-                }
-                if (go_elem)
-                    load_vec<T, VEC>(go + base[K] + off[K], 0, red.stride[K][inner], gv[j]);
-                at[j] = base[OUT] + off[OUT];
-            }
-            #pragma unroll
-            for (int j = 0; j < UNROLL; ++j) {
-                if (m + j * step >= m1) break;
-                A val[K][VEC];
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {
+                    A d[K][VEC];
+                    grads_of<Op, A, VEC>(val, gv, p, d);
+                    if (want_value) {  // after the partials, so it reuses what they computed
+                        A lv[VEC];
+                        loss_of<Op, A, VEC>(val, p, lv);
+                        if (loss != nullptr) store_vec<T, VEC>(loss, at, lv);
+                        else s.loss.add(sum_of<A, VEC>(lv));
+                    }
                     #pragma unroll
-                    for (int e = 0; e < VEC; ++e)
-                        val[k][e] = ((reduced >> k) & 1) ? fixed[k] : fv[j][k][e];
-                }
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) gv[j][e] = go_elem ? gv[j][e] * gs : g0;
-                A d[K][VEC];
-                grads_of<Op, A, VEC>(val, gv[j], p, d);
-                if (want_value) {  // after the partials, so it reuses what they computed
-                    A lv[VEC];
-                    loss_of<Op, A, VEC>(val, p, lv);
-                    if (loss != nullptr) store_vec<T, VEC>(loss, at[j], lv);
-                    else s.loss.add(sum_of<A, VEC>(lv));
-                }
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {
-                    if ((reduced >> k) & 1) {
-                        #pragma unroll
-                        for (int e = 0; e < VEC; ++e) sum[k].add(d[k][e]);
-                    } else if (g.p[k] != nullptr) {
-                        store_vec<T, VEC>(g.p[k], at[j], d[k]);
-                    } else if (o.g[k] != nullptr) {
-                        s.g[k].add(sum_of<A, VEC>(d[k]));
+                    for (int k = 0; k < K; ++k) {
+                        if ((reduced >> k) & 1) {
+                            #pragma unroll
+                            for (int v = 0; v < VEC; ++v) sum[k].add(d[k][v]);
+                        } else if (g.p[k] != nullptr) {
+                            store_vec<T, VEC>(g.p[k], at, d[k]);
+                        } else if (o.g[k] != nullptr) {
+                            s.g[k].add(sum_of<A, VEC>(d[k]));
+                        }
                     }
                 }
             }
+            m = row_end;
         }
         #pragma unroll
         for (int k = 0; k < K; ++k) {
