@@ -1,6 +1,6 @@
 """Benchmark gradients of broadcast operands: mse_loss_value_and_grad at four patterns.
 
-    python -m cupyloss.bench_broadcast [--reps 20] [--json out.json] [--no-compile]
+    python -m cupyloss.bench_broadcast [--reps 20] [--json out.json] [--no-compile] [--family]
 
 Patterns (float32, 'mean' reduction, both gradients), x vs t:
   per-channel  (1, 64, 1, 1) vs (256, 64, 56, 56)   x's gradient: pointwise_reduce [M1, O, M2]
@@ -14,7 +14,10 @@ of --reps runs after warm-up, CUDA events on torch's current stream, all arrays 
 the memory limit (x and t read once, both gradients written once, at the copy bandwidth
 measured in the same run) and cupyloss's percentage of it; and the relative error of x's
 gradient against float64 (max |error| / max |float64 gradient|) for cupyloss and torch eager.
-Pools are emptied between patterns.  Never used as a test.
+Pools are emptied between patterns.  --family adds a table of every registered pointwise
+loss's value_and_grad (every gradient) on the same patterns, its first array broadcast: time and
+percentage of the memory limit (each array read once, each gradient written once).  Never used
+as a test.
 """
 
 from __future__ import annotations
@@ -84,11 +87,46 @@ def run_pattern(torch, x_shape, t_shape, reps: int, compile_: bool) -> dict:
     return out
 
 
+def family(reps: int, copy_bw: float, device: str) -> list[dict]:
+    """Every pointwise loss's value_and_grad on the four patterns, its first array broadcast."""
+    import cupy
+
+    import cupyloss
+    from cupyloss import _timing, bench
+
+    rows = []
+    for pattern, (x_shape, t_shape) in PATTERNS.items():
+        rng = cupy.random.default_rng(3)
+        full = (rng.standard_normal(t_shape, dtype=cupy.float32),
+                rng.standard_normal(t_shape, dtype=cupy.float32),
+                rng.random(t_shape, dtype=cupy.float32) * 0.98 + 0.01)
+        small = (rng.standard_normal(x_shape, dtype=cupy.float32),
+                 rng.random(x_shape, dtype=cupy.float32) * 0.98 + 0.01)
+        for name, (arrays, opts) in bench._family_calls(*full).items():
+            first = small[1] if arrays[0] is full[2] else small[0]
+            arrays = (first, *arrays[1:])
+            vag = getattr(cupyloss, name + "_value_and_grad")
+            ms = _timing.gpu_ms(lambda: vag(*arrays, **opts), reps)
+            limit = 2 * sum(a.nbytes for a in arrays) / copy_bw / 1e6
+            rows.append(dict(pattern=pattern, loss=name, ms=ms, limit_ms=limit,
+                             pct_limit=100 * limit / ms, device=device))
+        del full, small
+        cupy.get_default_memory_pool().free_all_blocks()
+    print(f"every pointwise loss's value_and_grad, first array broadcast, {device}:")
+    print(f"{'loss':34} " + " ".join(f"{p:>18}" for p in PATTERNS))
+    for name in dict.fromkeys(r["loss"] for r in rows):
+        cells = [f"{r['ms']:8.3f} ms {r['pct_limit']:5.1f}%" for r in rows if r["loss"] == name]
+        print(f"{name:34} " + " ".join(f"{c:>18}" for c in cells))
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--family", action="store_true",
+                    help="also every pointwise loss on the same patterns (cupyloss alone)")
     args = ap.parse_args(argv)
 
     import torch
@@ -114,6 +152,9 @@ def main(argv=None) -> list[dict]:
               f"{r['err cupyloss']:13.2e} {r['err torch']:10.2e}")
     print("ms: value_and_grad of mean((x - t) ** 2) with both gradients; limit: read + write "
           "bytes at the copy bandwidth; err: x's gradient vs float64, max |error| / max |ref|")
+    if args.family:
+        _free(torch)
+        rows += family(args.reps, copy_bw, device)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
