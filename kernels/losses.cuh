@@ -203,23 +203,44 @@ struct L1Op {
 //   l = z^2 / (2 beta) for z < beta, z - beta / 2 otherwise;   beta == 0 is l1_loss (torch)
 //   dl/dx = -1 for d <= -beta, 1 for d >= beta, d / beta between = -dl/dt
 //   (torch's smooth_l1_loss_backward: the ties |d| == beta take the constant)
+// In float the quotients are products with 0.5 / beta and 1 / beta, formed once per launch in
+// double and rounded to float (each product then within 1.5 ulp of the quotient).  Those
+// factors are normal floats for beta in [2^-64, 2^64]; a beta outside it (beta == 0 aside,
+// where no quotient is taken) keeps the division.
 struct SmoothL1Op {
     static constexpr int K = 2;  // input, target
     struct Params {
         double beta;  // >= 0, checked on the host
     };
+    static __device__ __forceinline__ bool keeps_division(double beta) {
+        return beta != 0 && !(beta >= 0x1p-64 && beta <= 0x1p64);
+    }
+    // z^2 / (2 beta), for z < beta
+    static __device__ __forceinline__ float quadratic(float z, double beta) {
+        if (keeps_division(beta)) return 0.5f * z * z / float(beta);
+        return z * z * float(0.5 / beta);
+    }
+    static __device__ __forceinline__ double quadratic(double z, double beta) {
+        return 0.5 * z * z / beta;
+    }
+    // d / beta, for |d| < beta
+    static __device__ __forceinline__ float ratio(float d, double beta) {
+        if (keeps_division(beta)) return d / float(beta);
+        return d * float(1.0 / beta);
+    }
+    static __device__ __forceinline__ double ratio(double d, double beta) { return d / beta; }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A beta = A(p.beta), d = v[0] - v[1];
         const A z = d < A(0) ? -d : d;
-        if (p.beta == 0) return z;
-        return z < beta ? A(0.5) * z * z / beta : z - A(0.5) * beta;
+        // beta == 0 (l1_loss) needs no case of its own: z < 0 never holds and z - 0 is z.
+        return z < beta ? quadratic(z, p.beta) : z - A(0.5) * beta;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
         const A beta = A(p.beta), diff = v[0] - v[1];
         if (p.beta == 0) d[0] = sign0(diff);
-        else d[0] = diff <= -beta ? A(-1) : (diff >= beta ? A(1) : diff / beta);
+        else d[0] = diff <= -beta ? A(-1) : (diff >= beta ? A(1) : ratio(diff, p.beta));
         d[1] = -d[0];
     }
 };
