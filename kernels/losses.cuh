@@ -35,10 +35,26 @@ __device__ __forceinline__ double pw(double b, double e) { return pow(b, e); }
 // 1 / v correctly rounded (what the division gives), without the division's slow path.
 __device__ __forceinline__ float rcp(float v) { return __frcp_rn(v); }
 __device__ __forceinline__ double rcp(double v) { return __drcp_rn(v); }
+// 1 / v for v in [1, 2] (or NaN): float's approximate reciprocal (__fdividef, within 2 ulp for
+// a divisor in [2^-126, 2^126]), double's correctly rounded one.
+__device__ __forceinline__ float rcp_unit(float v) { return __fdividef(1.0f, v); }
+__device__ __forceinline__ double rcp_unit(double v) { return __drcp_rn(v); }
+// a * b + c rounded once, in every context (the compiler's own contraction depends on how the
+// product is used).
+__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
 // A product rounded on its own, never contracted into an FMA with a later add: a tie such as
 // `margin - x*t == 0` must be decided as torch decides it.
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fffffff); }
+__device__ __forceinline__ double quiet_nan(double) {
+    return __longlong_as_double(0x7ff8000000000000ll);
+}
+__device__ __forceinline__ float pos_inf(float) { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ double pos_inf(double) {
+    return __longlong_as_double(0x7ff0000000000000ll);
+}
 
 // max(v, 0) that keeps NaN (torch's clamp_min): NaN < 0 is false.
 template <typename A>
@@ -54,18 +70,25 @@ __device__ __forceinline__ A sign0(A v) { return A(v > A(0)) - A(v < A(0)); }
 //   softplus(x) = log(1 + e^x) = max(x, 0) + log1p(e),   softplus(-x) = max(-x, 0) + log1p(e),
 //   sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below, sigmoid(-x) = 1 - sigmoid(x)
 //   taken from the same two numbers, so neither loses digits to 1 - (1 - tiny).
+// Sigmoids::exact takes 1 / (1 + e) correctly rounded (rcp); its out-of-line slow path also
+// keeps the compiler from interleaving the elements of a vector, which holds the registers of
+// the gradient kernels down.  Sigmoids::fast takes rcp_unit (2 ulp in float, fewer
+// instructions), for a loss value: the forward kernels, which run it alone, have registers to
+// spare.
+enum class Sigmoids { none, exact, fast };
+
 template <typename A>
 struct Logistic {
     A sp_pos, sp_neg;    // softplus(x), softplus(-x)
-    A sg_pos, sg_neg;    // sigmoid(x), sigmoid(-x)
+    A sg_pos, sg_neg;    // sigmoid(x), sigmoid(-x); with Sigmoids::none, unset
 
-    __device__ __forceinline__ explicit Logistic(A x, bool sigmoids = true) {
+    __device__ __forceinline__ explicit Logistic(A x, Sigmoids sigmoids = Sigmoids::exact) {
         const A e = ex(-(x < A(0) ? -x : x));
         const A l = lg1p(e);
         sp_pos = (x > A(0) ? x : A(0)) + l;
         sp_neg = (x < A(0) ? -x : A(0)) + l;  // a NaN x makes e, l and so both NaN
-        if (sigmoids) {
-            const A inv = rcp(A(1) + e);
+        if (sigmoids != Sigmoids::none) {
+            const A inv = sigmoids == Sigmoids::fast ? rcp_unit(A(1) + e) : rcp(A(1) + e);
             const A small = e * inv;
             sg_pos = x >= A(0) ? inv : small;
             sg_neg = x >= A(0) ? small : inv;
@@ -143,7 +166,11 @@ struct KlDivOp {
             const A et = ex(t);
             d[1] = et * (t - lx) + et;
         } else {
-            d[1] = (t != A(0) ? lg(t) : A(0)) + t / t - lx;
+            // t / t is 1 for every finite nonzero t (subnormals included) and NaN for 0, +-inf
+            // and NaN: a compare and a select instead of the division.
+            const A at = t < A(0) ? -t : t;
+            const A t_over_t = at > A(0) && at < pos_inf(A(0)) ? A(1) : quiet_nan(A(0));
+            d[1] = (t != A(0) ? lg(t) : A(0)) + t_over_t - lx;
         }
     }
 };
@@ -191,23 +218,44 @@ struct L1Op {
 //   l = z^2 / (2 beta) for z < beta, z - beta / 2 otherwise;   beta == 0 is l1_loss (torch)
 //   dl/dx = -1 for d <= -beta, 1 for d >= beta, d / beta between = -dl/dt
 //   (torch's smooth_l1_loss_backward: the ties |d| == beta take the constant)
+// In float the quotients are products with 0.5 / beta and 1 / beta, formed once per launch in
+// double and rounded to float (each product then within 1.5 ulp of the quotient).  Those
+// factors are normal floats for beta in [2^-64, 2^64]; a beta outside it (beta == 0 aside,
+// where no quotient is taken) keeps the division.
 struct SmoothL1Op {
     static constexpr int K = 2;  // input, target
     struct Params {
         double beta;  // >= 0, checked on the host
     };
+    static __device__ __forceinline__ bool keeps_division(double beta) {
+        return beta != 0 && !(beta >= 0x1p-64 && beta <= 0x1p64);
+    }
+    // z^2 / (2 beta), for z < beta
+    static __device__ __forceinline__ float quadratic(float z, double beta) {
+        if (keeps_division(beta)) return 0.5f * z * z / float(beta);
+        return z * z * float(0.5 / beta);
+    }
+    static __device__ __forceinline__ double quadratic(double z, double beta) {
+        return 0.5 * z * z / beta;
+    }
+    // d / beta, for |d| < beta
+    static __device__ __forceinline__ float ratio(float d, double beta) {
+        if (keeps_division(beta)) return d / float(beta);
+        return d * float(1.0 / beta);
+    }
+    static __device__ __forceinline__ double ratio(double d, double beta) { return d / beta; }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A beta = A(p.beta), d = v[0] - v[1];
         const A z = d < A(0) ? -d : d;
-        if (p.beta == 0) return z;
-        return z < beta ? A(0.5) * z * z / beta : z - A(0.5) * beta;
+        // beta == 0 (l1_loss) needs no case of its own: z < 0 never holds and z - 0 is z.
+        return z < beta ? quadratic(z, p.beta) : z - A(0.5) * beta;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
         const A beta = A(p.beta), diff = v[0] - v[1];
         if (p.beta == 0) d[0] = sign0(diff);
-        else d[0] = diff <= -beta ? A(-1) : (diff >= beta ? A(1) : diff / beta);
+        else d[0] = diff <= -beta ? A(-1) : (diff >= beta ? A(1) : ratio(diff, p.beta));
         d[1] = -d[0];
     }
 };
@@ -276,7 +324,7 @@ struct BceLogitsOp {
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
-        const Logistic<A> s(v[0], false);
+        const Logistic<A> s(v[0], Sigmoids::none);
         return v[2] * ((A(1) - v[1]) * s.sp_pos + v[3] * v[1] * s.sp_neg);
     }
     template <typename A>
@@ -297,7 +345,7 @@ struct SoftMarginOp {
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
-        return Logistic<A>(-(v[0] * v[1]), false).sp_pos;
+        return Logistic<A>(-(v[0] * v[1]), Sigmoids::none).sp_pos;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
@@ -451,11 +499,15 @@ struct SquaredHingeOp {
 // sigmoid_focal_loss (torchvision's), x = logit, t = target, p = sigmoid(x), r = sigmoid(-x):
 //   ce = (1 - t) softplus(x) + t softplus(-x)     (bce_with_logits, stable form)
 //   q = 1 - p_t = p (1 - t) + r t                  (no 1 - (1 - tiny))
-//   a = alpha t + (1 - alpha)(1 - t), or 1 when alpha < 0
+//   a = alpha t + (1 - alpha)(1 - t) = (1 - alpha) + a' t,   a' = 2 alpha - 1
+//       (a = 1 and a' = 0 when alpha < 0)
 //   l = a ce q^gamma
 //   with dq = gamma q^(gamma - 1) (0 when gamma == 0, as torch's pow backward):
 //   dl/dx = a ((p (1 - t) - r t) q^gamma + ce dq p r (1 - 2 t))
-//   dl/dt = a' ce q^gamma + a (-x q^gamma + ce dq (r - p)),   a' = 2 alpha - 1 (0 if alpha < 0)
+//   dl/dt = a' ce q^gamma + a (-x q^gamma + ce dq (r - p))
+// a is one fma of t with the constants a' and 1 - alpha (1 when alpha < 0).  It differs from
+// the literal sum only for an infinite or NaN t, where ce is NaN (-inf + inf, or 0 inf when a
+// softplus is 0), so the loss and both partials are NaN either way.
 struct SigmoidFocalOp {
     static constexpr int K = 2;  // input, target
     struct Params {
@@ -466,26 +518,31 @@ struct SigmoidFocalOp {
     static __device__ __forceinline__ A focus(A q, double gamma) {  // q^gamma
         return gamma == 2 ? q * q : (gamma == 1 ? q : pw(q, A(gamma)));
     }
-    // weight, ce and q are formed from separately rounded products (mul_rn): value and grad
-    // share them when both are wanted, and an FMA contracted differently in the two would make
-    // the one-pass loss differ from the loss alone.
+    template <typename A>
+    static __device__ __forceinline__ A weight_slope(const Params& p) {  // a'
+        return A(p.alpha >= 0 ? 2 * p.alpha - 1 : 0.0);
+    }
+    // weight, ce and q are formed with explicit roundings (fma_rn, mul_rn): value and grad
+    // share weight and ce when both are wanted, and an FMA contracted differently in the two
+    // would make the one-pass loss differ from the loss alone.  value's q comes from
+    // Sigmoids::fast and grad's from Sigmoids::exact (see Logistic), so the loss is value's
+    // alone in either kernel.
     template <typename A>
     static __device__ __forceinline__ A weight(A t, const Params& p) {
-        const A alpha = A(p.alpha);
-        return p.alpha >= 0 ? mul_rn(alpha, t) + mul_rn(A(1) - alpha, A(1) - t) : A(1);
+        return fma_rn(t, weight_slope<A>(p), A(p.alpha >= 0 ? 1 - p.alpha : 1.0));
     }
     template <typename A>
     static __device__ __forceinline__ A cross_entropy(A t, const Logistic<A>& s) {
-        return mul_rn(A(1) - t, s.sp_pos) + mul_rn(t, s.sp_neg);
+        return fma_rn(A(1) - t, s.sp_pos, mul_rn(t, s.sp_neg));
     }
     template <typename A>
     static __device__ __forceinline__ A one_minus_pt(A t, const Logistic<A>& s) {
-        return mul_rn(s.sg_pos, A(1) - t) + mul_rn(s.sg_neg, t);
+        return fma_rn(s.sg_pos, A(1) - t, mul_rn(s.sg_neg, t));
     }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A t = v[1];
-        const Logistic<A> s(v[0]);
+        const Logistic<A> s(v[0], Sigmoids::fast);
         return weight(t, p) * cross_entropy(t, s) * focus(one_minus_pt(t, s), p.gamma);
     }
     template <typename A>
@@ -498,10 +555,10 @@ struct SigmoidFocalOp {
         const A dq = p.gamma == 0 ? A(0)
                    : (p.gamma == 2 ? A(2) * q : A(p.gamma) * focus(q, p.gamma - 1));
         const A a = weight(t, p);
+        const A ce_dq = ce * dq;
         d[0] = a * ((s.sg_pos * (A(1) - t) - s.sg_neg * t) * mod
-                    + ce * dq * (s.sg_pos * s.sg_neg) * (A(1) - A(2) * t));
-        const A da = p.alpha >= 0 ? A(2) * A(p.alpha) - A(1) : A(0);
-        d[1] = da * ce * mod + a * (-x * mod + ce * dq * (s.sg_neg - s.sg_pos));
+                    + ce_dq * (s.sg_pos * s.sg_neg) * (A(1) - A(2) * t));
+        d[1] = weight_slope<A>(p) * ce * mod + a * (-x * mod + ce_dq * (s.sg_neg - s.sg_pos));
     }
 };
 
