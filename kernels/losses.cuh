@@ -121,7 +121,9 @@ struct MseOp {
 // There, for ordinary values (t and p positive normal numbers below 2^126) the kernel evaluates
 //   l = t log(t / p),   dl/dt = log(t / p) + 1,   dl/dp = -(t / p)
 // with one log and one fast division (div_fast) instead of two logs (the forward pass is
-// otherwise bound by logf's instructions, not by memory); every other value takes the literal
+// otherwise bound by logf's instructions, not by memory).  For t / p in (1/2, 2) the loss takes
+// log1p((t - p) / p) instead (t - p is exact there): log t / p is small, and the rounding of the
+// ratio itself would be large against it.  Every other value takes the literal
 // formula above, so zeros, subnormals, infinities and NaNs behave exactly as
 // kl_div(log(p), t) does in torch.
 struct KlDivOp {
@@ -144,7 +146,10 @@ struct KlDivOp {
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A x = v[0], t = v[1];
-        if (ratio_form(x, t, p)) return t * lg(div_fast(t, x));
+        if (ratio_form(x, t, p)) {
+            const A r = div_fast(t, x);
+            return t * (r > A(0.5) && r < A(2) ? lg1p(div_fast(t - x, x)) : lg(r));
+        }
         const A lx = log_in(x, p);
         if (p.log_target) return ex(t) * (t - lx);
         const A xlogy = t == A(0) ? A(0) : t * lg(t);
