@@ -103,6 +103,8 @@ def family(reps: int, copy_bw: float, device: str) -> list[dict]:
         small = (rng.standard_normal(x_shape, dtype=cupy.float32),
                  rng.random(x_shape, dtype=cupy.float32) * 0.98 + 0.01)
         for name, (arrays, opts) in bench._family_calls(*full).items():
+            if name == "gaussian_nll_loss":   # var takes input's shape: nothing to broadcast
+                continue
             first = small[1] if arrays[0] is full[2] else small[0]
             arrays = (first, *arrays[1:])
             vag = getattr(cupyloss, name + "_value_and_grad")

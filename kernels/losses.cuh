@@ -121,11 +121,11 @@ struct MseOp {
 // There, for ordinary values (t and p positive normal numbers below 2^126) the kernel evaluates
 //   l = t log(t / p),   dl/dt = log(t / p) + 1,   dl/dp = -(t / p)
 // with one log and one fast division (div_fast) instead of two logs (the forward pass is
-// otherwise bound by logf's instructions, not by memory).  For t / p in (1/2, 2) the loss takes
-// log1p((t - p) / p) instead (t - p is exact there): log t / p is small, and the rounding of the
-// ratio itself would be large against it.  Every other value takes the literal
-// formula above, so zeros, subnormals, infinities and NaNs behave exactly as
-// kl_div(log(p), t) does in torch.
+// otherwise bound by logf's instructions, not by memory).  For t / p in (1/2, 2) the loss's log
+// is taken of 1 + (t - p) / p with the rounding of that sum added back (t - p is exact there):
+// log t / p is small, and the ratio's own rounding would be large against it.  Every other
+// value takes the literal formula above, so zeros, subnormals, infinities and NaNs behave
+// exactly as kl_div(log(p), t) does in torch.
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
     struct Params {
@@ -147,8 +147,13 @@ struct KlDivOp {
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A x = v[0], t = v[1];
         if (ratio_form(x, t, p)) {
+            // Near 1, log r = log w + (u - (w - 1)) / w with u = (t - p) / p and w = 1 + u
+            // rounded: the second term restores what rounding w lost (one log either way).
             const A r = div_fast(t, x);
-            return t * (r > A(0.5) && r < A(2) ? lg1p(div_fast(t - x, x)) : lg(r));
+            const bool near = r > A(0.5) && r < A(2);
+            const A u = div_fast(t - x, x);
+            const A w = near ? A(1) + u : r;
+            return t * (lg(w) + (near ? div_fast(u - (w - A(1)), w) : A(0)));
         }
         const A lx = log_in(x, p);
         if (p.log_target) return ex(t) * (t - lx);
