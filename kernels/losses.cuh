@@ -51,10 +51,6 @@ __device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fff
 __device__ __forceinline__ double quiet_nan(double) {
     return __longlong_as_double(0x7ff8000000000000ll);
 }
-__device__ __forceinline__ float pos_inf(float) { return __int_as_float(0x7f800000); }
-__device__ __forceinline__ double pos_inf(double) {
-    return __longlong_as_double(0x7ff0000000000000ll);
-}
 
 // max(v, 0) that keeps NaN (torch's clamp_min): NaN < 0 is false.
 template <typename A>
@@ -178,8 +174,7 @@ struct KlDivOp {
         } else {
             // t / t is 1 for every finite nonzero t (subnormals included) and NaN for 0, +-inf
             // and NaN: a compare and a select instead of the division.
-            const A at = t < A(0) ? -t : t;
-            const A t_over_t = at > A(0) && at < pos_inf(A(0)) ? A(1) : quiet_nan(A(0));
+            const A t_over_t = t != A(0) && isfinite(t) ? A(1) : quiet_nan(A(0));
             d[1] = (t != A(0) ? lg(t) : A(0)) + t_over_t - lx;
         }
     }
