@@ -315,10 +315,27 @@ REDUCE_STEPS = 4
 REDUCE_MIN_BLOCKS = 1
 
 
+# pointwise_flat: grid-stride steps of the vector loop whose loads a thread issues before using
+# any, value-only (the forward) and with gradients.  Compile-time, like the two above.  Measured
+# on an H100 (KernelBench sizes, fp32, ms; one run, variants alternated):
+#   value/grad steps   mse fwd  mse vag  kl fwd  kl vag  smooth_l1 fwd  smooth_l1 vag
+#   1/1                2.793    6.054    0.738   1.603   2.805          6.086
+#   2/1                2.771    6.065    0.718   1.604   2.776          6.089
+#   4/1                2.773    6.058    0.730   1.606   2.780          6.108
+#   2/2                2.767    6.053    0.716   1.572   2.778          6.103
+# (torch.compile's forwards in that run: 2.748, 0.716, 2.751.)  Bounding the value kernel's
+# registers for 8 blocks per SM spilled KL and smooth_l1 (slower); other load forms (ld.global.nc,
+# L1::no_allocate or evict_first with L2::256B prefetch) were within noise of the streaming load.
+FLAT_UNROLL_VALUE = 2
+FLAT_UNROLL_GRAD = 2
+
+
 def kernel_defines() -> tuple[str, ...]:
     """The compile options that carry this table's compile-time entries into the kernels."""
     return (f"-DCUPYLOSS_REDUCE_STEPS={REDUCE_STEPS}",
-            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS={REDUCE_MIN_BLOCKS}")
+            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS={REDUCE_MIN_BLOCKS}",
+            f"-DCUPYLOSS_FLAT_UNROLL_VALUE={FLAT_UNROLL_VALUE}",
+            f"-DCUPYLOSS_FLAT_UNROLL_GRAD={FLAT_UNROLL_GRAD}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""Where kernels/ is, how its sources are expanded, and the cached RawModules that compile them.
+"""Where kernels/ is, how its sources are expanded, and the cached modules that compile them.
 
 The only module that knows the location of the CUDA sources: inside an installed package they sit
 in cupyloss/kernels/, in a source checkout in ../kernels/.  `#include "x.cuh"` lines are expanded
-here, so the text CuPy compiles (and hashes for its on-disk cache) is the whole program.
+here, so the text NVRTC compiles (and compile_module hashes for its on-disk cache) is the whole
+program.
 """
 
 from __future__ import annotations
@@ -134,15 +135,76 @@ def _groups() -> dict:
             for name in pointwise_names(functor, info)}
 
 
-@functools.lru_cache(maxsize=None)
-def module(name: str, group=None):
-    """The cupy.RawModule of kernels/`name` with the name expressions of `group` (compiled
-    lazily; the whole file's when the file is not split into groups)."""
-    import cupy
+class Module:
+    """A compiled kernels/ file: its functions by name expression (cupy.RawKernel objects)."""
 
+    def __init__(self, raw, mangled: dict):
+        self._raw = raw
+        self._mangled = mangled
+
+    def get_function(self, expression: str):
+        return self._raw.get_function(self._mangled[expression])
+
+
+def cache_dir() -> pathlib.Path:
+    """Where compiled kernels are kept: $CUPYLOSS_CACHE_DIR, else cupyloss/ beside CuPy's own
+    kernel cache ($CUPY_CACHE_DIR, default ~/.cupy/kernel_cache)."""
+    import os
+
+    env = os.environ.get("CUPYLOSS_CACHE_DIR")
+    if env:
+        return pathlib.Path(env)
+    cupy_dir = os.environ.get("CUPY_CACHE_DIR") or os.path.join("~", ".cupy", "kernel_cache")
+    return pathlib.Path(cupy_dir).expanduser() / "cupyloss"
+
+
+def compile_module(code: str, names: list[str]) -> Module:
+    """Compile `code` with NVRTC for the current device and load it, through an on-disk cache.
+
+    CuPy's RawModule appends -ftz=true to every compilation: float32 subnormal inputs and
+    results would read and come out as zero, where torch keeps them (a bfloat16 loss of 3e-39
+    would be 0).  The kernels are therefore compiled here with the same NVRTC that CuPy uses but
+    with OPTIONS alone (IEEE subnormals, as CUDA and torch default to), and the cubin is loaded
+    through RawModule(path=...), which compiles nothing.  The cache key is the source, the
+    options, the architecture and the NVRTC version; entries are written atomically, so parallel
+    processes (precompile) may race on one.
+    """
+    import hashlib
+    import json
+    import os
+    import tempfile
+
+    import cupy
+    from cupy.cuda import compiler
+
+    arch = cupy.cuda.Device().compute_capability
+    key = hashlib.sha256("\0".join(
+        [code, *OPTIONS, arch, str(cupy.cuda.nvrtc.getVersion()), *names]).encode())
+    folder = cache_dir()
+    cubin = folder / f"{key.hexdigest()}.cubin"
+    mapping = cubin.with_suffix(".json")
+    if not (cubin.is_file() and mapping.is_file()):
+        binary, mangled = compiler.compile_using_nvrtc(code, OPTIONS, arch,
+                                                       name_expressions=names)
+        if isinstance(binary, str):  # PTX, where NVRTC cannot build SASS for this device
+            binary = binary.encode()
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, data in ((mapping, json.dumps(mangled or {}).encode()), (cubin, binary)):
+            fd, tmp = tempfile.mkstemp(dir=folder)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+    mangled = json.loads(mapping.read_text())
+    return Module(cupy.RawModule(path=str(cubin)), mangled)
+
+
+@functools.lru_cache(maxsize=None)
+def module(name: str, group=None) -> Module:
+    """The compiled kernels/`name` with the name expressions of `group` (compiled lazily; the
+    whole file's when the file is not split into groups)."""
     groups = _groups()
     names = [e for e in dict(units())[name] if groups.get((name, e)) == group]
-    return cupy.RawModule(code=expand(name), options=OPTIONS, name_expressions=names)
+    return compile_module(expand(name), names)
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,7 +220,7 @@ def function(name: str, expression: str):
 
 
 def _compile_group(job) -> str:
-    """Worker of precompile: load one group's module (compiling it into CuPy's disk cache)."""
+    """Worker of precompile: load one group's module (compiling it into the on-disk cache)."""
     name, group = job
     expression = next(e for e in dict(units())[name] if _groups().get((name, e)) == group)
     module(name, group).get_function(expression)
@@ -168,7 +230,7 @@ def _compile_group(job) -> str:
 def precompile(processes: int | None = None) -> int:
     """Compile every kernel for the current GPU ahead of use, in parallel processes.
 
-    CuPy keeps what NVRTC builds in its on-disk cache, so later processes load the kernels
+    compile_module keeps what NVRTC builds on disk (cache_dir), so later processes load the kernels
     instead of compiling them (about a second per name expression) at their first call: a
     warm-up for a test suite, a benchmark or a new machine.  Returns the number of modules.
     """

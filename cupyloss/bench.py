@@ -7,7 +7,8 @@ First the small-call case: host microseconds per call on 1K-element fp32 inputs 
 GPU otherwise idle), cupyloss on CuPy arrays and on torch tensors against torch eager's
 F.mse_loss in the same run; the ratio to torch eager is what matters.  Then the large ones.
 
-Times (median of --reps, CUDA events, after warm-up) the forward and value_and_grad of:
+Times (median of 3 rounds, each the median of --reps device-timed runs, implementations taking
+turns; see _timing) the forward and value_and_grad of:
   mse    mse_loss(x, y), x, y float32 [32768, 32768]
   kl     kl_div(p, q, 'batchmean'), probabilities in (cupyloss fuses the log), float32 [16384]^2
   hinge  mean(clamp(1 - x t, min=0)), x float32 [32768, 32768], t float32 [32768]
@@ -109,6 +110,22 @@ def small_calls(n: int = 1024) -> list[dict]:
         ratio = f"{r['ratio_to_torch_eager']:6.2f}x" if ref else ""
         print(f"  {r['call']:45} {r['us']:8.1f} us {ratio}")
     return out
+
+
+ROUNDS = 3
+
+
+def _rounds(entries: dict, reps: int) -> dict:
+    """{(impl, pass): median ms} of every entry's forward and value_and_grad: ROUNDS rounds, each
+    timing every entry once (`reps` runs) in turn, so that all implementations are measured
+    across the same stretch of the device's state; the median of the rounds' medians."""
+    per_round = {}
+    for _ in range(ROUNDS):
+        for who, (fwd, vag) in entries.items():
+            for what, fn in (("forward", fwd), ("value_and_grad", vag)):
+                if fn is not None:
+                    per_round.setdefault((who, what), []).append(_timer(fn, reps))
+    return {key: statistics.median(ms) for key, ms in per_round.items()}
 
 
 def copy_bandwidth(nbytes: int, reps: int) -> float:
@@ -449,11 +466,7 @@ def main(argv=None) -> list[dict]:
         entries = {"cupyloss": (ours_fwd, ours_vag), "cupy": (_cupy_fn(name, a, b), None)}
         if have_torch:
             entries.update(_torch_fns(name, a, b))
-        times = {}
-        for who, (fwd, vag) in entries.items():
-            times[(who, "forward")] = _timer(fwd, args.reps)
-            if vag is not None:
-                times[(who, "value_and_grad")] = _timer(vag, args.reps)
+        times = _rounds(entries, args.reps)
         for (who, what), ms in times.items():
             nbytes = fwd_bytes if what == "forward" else vag_bytes
             ref = times[("cupyloss", what)]

@@ -63,6 +63,16 @@ enum : long long {
     KIND_SCALAR = 2,  // one element (or none: the fill value)
 };
 
+// Grid-stride steps pointwise_flat's vector loop takes at once (loads of all issued before any
+// is used), for the value-only and the gradient instantiation: set from cupyloss/_launch.py's
+// table (FLAT_UNROLL_VALUE, FLAT_UNROLL_GRAD) through the compile options.
+#ifndef CUPYLOSS_FLAT_UNROLL_VALUE
+#define CUPYLOSS_FLAT_UNROLL_VALUE 1
+#endif
+#ifndef CUPYLOSS_FLAT_UNROLL_GRAD
+#define CUPYLOSS_FLAT_UNROLL_GRAD 1
+#endif
+
 // One value per array operand, passed by value as a kernel parameter.
 template <typename P, int K>
 struct PerOperand {
@@ -261,10 +271,9 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         for (int k = 0; k < K; ++k)
             fixed[k] = geo.stride[k][0] == 0 ? read_fixed<T>(in.p[k], fill.p[k]) : A(0);
         const long long nvec = n / VEC;
-        #pragma unroll 4
-        for (long long v = tid; v < nvec; v += nthreads) {
+        // One vector of every operand at flat vector index v (and its upstream).
+        auto load = [&](long long v, A (&val)[K][VEC], A (&gv)[VEC]) {
             const long long i = v * VEC;
-            A val[K][VEC], gv[VEC];
             #pragma unroll
             for (int k = 0; k < K; ++k) {
                 if (geo.stride[k][0] == 0) {
@@ -282,7 +291,24 @@ __global__ void __launch_bounds__(256) pointwise_flat(
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j) gv[j] = g0;
             }
-            visit(val, gv, i);
+        };
+        // U grid-stride steps at once, every load issued before any use, then one at a time.
+        constexpr int U = GRAD ? CUPYLOSS_FLAT_UNROLL_GRAD : CUPYLOSS_FLAT_UNROLL_VALUE;
+        long long v = tid;
+        if constexpr (U > 1) {
+            for (; v + (U - 1) * nthreads < nvec; v += U * nthreads) {
+                A val[U][K][VEC], gv[U][VEC];
+                #pragma unroll
+                for (int u = 0; u < U; ++u) load(v + u * nthreads, val[u], gv[u]);
+                #pragma unroll
+                for (int u = 0; u < U; ++u) visit(val[u], gv[u], (v + u * nthreads) * VEC);
+            }
+        }
+        #pragma unroll (U == 1 ? 4 : 1)
+        for (; v < nvec; v += nthreads) {
+            A val[K][VEC], gv[VEC];
+            load(v, val, gv);
+            visit(val, gv, v * VEC);
         }
         done = nvec * VEC;
     }

@@ -1,0 +1,65 @@
+"""float32 and bfloat16 subnormals are kept, as torch keeps them: the kernels are compiled without
+flush-to-zero (cupyloss._source.compile_module), so a tiny input is not read as 0 and a tiny loss
+does not come out as 0."""
+
+import numpy as np
+import pytest
+
+from gpu_util import BFLOAT16, RTOL, to_device, to_host
+
+pytestmark = pytest.mark.gpu
+
+SUBNORMAL = [3e-39, -5e-40, 2.0**-149, -(2.0**-140), 1e-30]
+
+
+def test_subnormal_inputs_are_read():
+    """|x - 0| of float32 subnormals is exact: each comes back unchanged, and its gradient's
+    sign is right (flushed, both would be 0)."""
+    import cupy
+
+    import cupyloss
+
+    x = cupy.asarray(np.asarray(SUBNORMAL, np.float32))
+    y = cupy.zeros_like(x)
+    value, (gx, gy) = cupyloss.l1_loss_value_and_grad(x, y, reduction="none")
+    assert np.array_equal(value.get(), np.abs(x.get()))
+    assert np.array_equal(gx.get(), np.sign(x.get()).astype(np.float32))
+    total = cupyloss.l1_loss(x, y, reduction="sum")
+    assert float(total) == float(np.abs(x.get().astype(np.float64)).sum().astype(np.float32))
+
+
+def test_subnormal_results_are_kept():
+    """mse of x = 2^-70 is 2^-140, a float32 subnormal, exactly."""
+    import cupy
+
+    import cupyloss
+
+    x = cupy.full(4, 2.0**-70, cupy.float32)
+    y = cupy.zeros_like(x)
+    assert float(cupyloss.mse_loss(x, y)) == 2.0**-140
+    assert np.all(cupyloss.mse_loss(x, y, reduction="none").get() == np.float32(2.0**-140))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32)] + ([BFLOAT16] if BFLOAT16 else []),
+                         ids=str)
+def test_tiny_logistic_losses_match_float64(dtype):
+    """binary_cross_entropy_with_logits at logits 86..95 (target 1, pos_weight 4): the loss is
+    4 exp(-x), from 2e-37 down into the subnormals; each within the dtype's rounding of the
+    float64 value, and of torch's where torch is present (flushed, all but the first are 0)."""
+    import cupyloss
+
+    z, zr = to_device(np.array([86.0, 87.5, 88.5, 90.0, 95.0]), dtype)
+    t, _ = to_device(np.ones(5), dtype)
+    pw, _ = to_device(np.full(5, 4.0), dtype)
+    got = to_host(cupyloss.binary_cross_entropy_with_logits(z, t, pos_weight=pw,
+                                                            reduction="none"))
+    want = 4.0 * np.log1p(np.exp(-zr))
+    spacing = 2.0**-149 if dtype == np.float32 else 2.0**-133  # the dtype's subnormal step
+    assert np.all(np.abs(got - want) <= RTOL[dtype] * want + spacing), (got, want)
+    torch = pytest.importorskip("torch")
+    tz, tt, tp = (torch.from_dlpack(a) for a in (z, t, pw))
+    ref = torch.nn.functional.binary_cross_entropy_with_logits(tz, tt, pos_weight=tp,
+                                                               reduction="none")
+    ref = ref.double().cpu().numpy()
+    assert np.all(ref[:4] > 0)
+    assert np.all(np.abs(got - ref) <= RTOL[dtype] * ref + spacing), (got, ref)
