@@ -158,6 +158,14 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(cupy_dir).expanduser() / "cupyloss"
 
 
+def _nvrtc_options() -> tuple[str, ...]:
+    """OPTIONS plus the include folders CuPy's RawModule would add (its headers, CCCL's and the
+    CUDA toolkit's, for cuda_fp16.h and cuda_bf16.h)."""
+    from cupy._core import core
+
+    return core.assemble_cupy_compiler_options(OPTIONS)
+
+
 def compile_module(code: str, names: list[str]) -> Module:
     """Compile `code` with NVRTC for the current device and load it, through an on-disk cache.
 
@@ -179,12 +187,12 @@ def compile_module(code: str, names: list[str]) -> Module:
 
     arch = cupy.cuda.Device().compute_capability
     key = hashlib.sha256("\0".join(
-        [code, *OPTIONS, arch, str(cupy.cuda.nvrtc.getVersion()), *names]).encode())
+        [code, *_nvrtc_options(), arch, str(cupy.cuda.nvrtc.getVersion()), *names]).encode())
     folder = cache_dir()
     cubin = folder / f"{key.hexdigest()}.cubin"
     mapping = cubin.with_suffix(".json")
     if not (cubin.is_file() and mapping.is_file()):
-        binary, mangled = compiler.compile_using_nvrtc(code, OPTIONS, arch,
+        binary, mangled = compiler.compile_using_nvrtc(code, _nvrtc_options(), arch,
                                                        name_expressions=names)
         if isinstance(binary, str):  # PTX, where NVRTC cannot build SASS for this device
             binary = binary.encode()

@@ -228,3 +228,24 @@ def test_no_atomic_add(file):
 def test_units_cover_every_source_file():
     files = {path.name for path in _source.kernel_dir().glob("*.cu")}
     assert files == {file for file, _ in UNITS}
+
+
+def test_runtime_compile_path_keeps_subnormals(monkeypatch):
+    """What the runtime compiles with (_source.compile_module): CuPy's NVRTC entry point that adds
+    no -ftz=true (RawModule's does), OPTIONS with CuPy's include folders, and a cubin whose name
+    expressions map to their mangled names."""
+    _need_toolchain()
+    from cupy.cuda import compiler
+
+    options = _source._nvrtc_options()
+    assert not any(o.startswith(("-ftz", "--ftz", "-use_fast_math", "--use_fast_math"))
+                   for o in options)
+    assert set(_source.OPTIONS) <= set(options)
+    # No GPU here: name the architecture instead of asking the device for it.
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc",
+                        lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    names = dict(_source.units())["bench.cu"]
+    cubin, mangled = compiler.compile_using_nvrtc(_source.expand("bench.cu"), options, "90",
+                                                  name_expressions=names)
+    assert cubin[:4] == b"\x7fELF"
+    assert set(mangled) == set(names) and all(mangled.values())
