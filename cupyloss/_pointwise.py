@@ -309,8 +309,10 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     if (len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides)
             and "bcast" not in modes):
         vec = info.vec
-    name = _source.pointwise_name("flat", info.ctype, spec.functor, vec, any(want_grads))
-    cfg = _launch.flat_launch(n, vec, limits, _resident(name, 0, limits))
+    grad = any(want_grads)
+    name = _source.pointwise_name("flat", info.ctype, spec.functor, vec, grad)
+    cfg = _launch.flat_launch(n, vec, limits, _resident(name, 0, limits),
+                              _launch.FLAT_STEPS_GRAD if grad else _launch.FLAT_STEPS_VALUE)
     layout = flat_layout(k_ops, spec.param_words)
     geo = _launch.geometry(shape, cstrides, k_ops + 1)
     words = layout.template({**common, "geo": _args.struct_words(geo), "n": n})

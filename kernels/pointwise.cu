@@ -43,7 +43,9 @@
 // (the forward of every loss: fewer registers, more resident blocks), and GRAD = true for
 // launches that want any gradient; reduce also takes the loss alone of a layout whose
 // gradients it would sum, so that the 0-d loss adds up in one order either way.
-// All are grid-stride loops over 64-bit indices; every sum has an order fixed by the shapes
+// All loop over 64-bit indices (grid-stride, except that value-only flat gives each block one
+// contiguous chunk, and flat's grid grows past one wave for large inputs: _launch.FLAT_STEPS_*);
+// every sum has an order fixed by the shapes
 // (fixed trees in common.cuh, fixed chunk order in reduce.cu), so a given device and shape give
 // bitwise the same results on every run.  No float atomics.
 #include "common.cuh"
@@ -298,18 +300,31 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         // 77 -> 109 and bfloat16 121 -> 171.)
         constexpr int U = !GRAD ? CUPYLOSS_FLAT_UNROLL_VALUE
                                 : K * VEC <= 8 ? CUPYLOSS_FLAT_UNROLL_GRAD : 1;
-        long long v = tid;
+        // Value-only: block b takes the contiguous chunk [b per, (b + 1) per) of the vectors, its
+        // threads striding by the block; with gradients the whole grid strides together (both
+        // measured best, _launch.FLAT_STEPS_*).
+        long long v, stride, end;
+        if constexpr (GRAD) {
+            v = tid, stride = nthreads, end = nvec;
+        } else {
+            const long long per =
+                (nvec + (long long)gridDim.x * blockDim.x - 1) / ((long long)gridDim.x * blockDim.x)
+                * blockDim.x;
+            v = (long long)blockIdx.x * per + threadIdx.x;
+            stride = blockDim.x;
+            end = min(nvec, v - threadIdx.x + per);
+        }
         if constexpr (U > 1) {
-            for (; v + (U - 1) * nthreads < nvec; v += U * nthreads) {
+            for (; v + (U - 1) * stride < end; v += U * stride) {
                 A val[U][K][VEC], gv[U][VEC];
                 #pragma unroll
-                for (int u = 0; u < U; ++u) load(v + u * nthreads, val[u], gv[u]);
+                for (int u = 0; u < U; ++u) load(v + u * stride, val[u], gv[u]);
                 #pragma unroll
-                for (int u = 0; u < U; ++u) visit(val[u], gv[u], (v + u * nthreads) * VEC);
+                for (int u = 0; u < U; ++u) visit(val[u], gv[u], (v + u * stride) * VEC);
             }
         }
         #pragma unroll (U == 1 ? 4 : 1)
-        for (; v < nvec; v += nthreads) {
+        for (; v < end; v += stride) {
             A val[K][VEC], gv[VEC];
             load(v, val, gv);
             visit(val, gv, v * VEC);

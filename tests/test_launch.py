@@ -698,3 +698,34 @@ def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm):
 def test_pair_launch_rejects_rows_past_32_bit_indices():
     with pytest.raises(ValueError, match="exceed the 2147483647 a row may have"):
         _launch.pair_launch(1, 2**31, 4, H100, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 2**40), vec=st.sampled_from([1, 2, 4, 8]),
+       steps=st.sampled_from([_launch.FLAT_STEPS_VALUE, _launch.FLAT_STEPS_GRAD]),
+       per_sm=st.integers(1, BLOCKS_PER_SM))
+def test_flat_grid_grows_past_one_wave_by_steps(n, vec, steps, per_sm):
+    """With steps the grid is one wave (or the work's blocks, if fewer) until a thread would
+    take more than `steps` vectors, and then exactly enough blocks for that."""
+    work = -(-n // vec)
+    wave = _launch.flat_launch(n, vec, H100, per_sm).grid[0]
+    grid = _launch.flat_launch(n, vec, H100, per_sm, steps).grid[0]
+    if work <= _launch.SINGLE_BLOCK_WORK:
+        assert grid == wave == 1
+    else:
+        assert grid == max(wave, -(-work // (BLOCK * steps)))
+        assert -(-work // (grid * BLOCK)) <= max(steps, -(-work // (wave * BLOCK)))
+
+
+@pytest.mark.parametrize("nvec, grid", [(1, 1), (255, 1), (256, 2), (5000, 7), (2**20 + 3, 128),
+                                        (8192 * 256 + 1, 8193)])
+def test_value_chunks_cover_every_vector_once(nvec, grid):
+    """pointwise_flat's value-only walk: block b's threads take [b per, (b + 1) per) with per a
+    multiple of the block; every vector lands in exactly one block, each block starts aligned."""
+    per = -(-nvec // (grid * BLOCK)) * BLOCK
+    seen = np.zeros(nvec, np.int64)
+    for b in range(grid):
+        start = b * per
+        assert start % BLOCK == 0
+        seen[start:min(nvec, start + per)] += 1
+    assert np.all(seen == 1)
