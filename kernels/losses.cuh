@@ -95,6 +95,7 @@ struct Logistic {
 // mse_loss:  l = (x - t)^2,   dl/dx = 2 (x - t),   dl/dt = -2 (x - t)
 struct MseOp {
     static constexpr int K = 2;  // input, target
+    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
@@ -187,6 +188,7 @@ struct KlDivOp {
 //   dl/dx = -([m - x t >= 0] t),   dl/dt = -([m - x t >= 0] x)
 struct HingeOp {
     static constexpr int K = 2;  // input, target
+    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double margin;
     };
@@ -206,6 +208,7 @@ struct HingeOp {
 // for a NaN difference)
 struct L1Op {
     static constexpr int K = 2;  // input, target
+    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
@@ -229,6 +232,7 @@ struct L1Op {
 // where no quotient is taken) keeps the division.
 struct SmoothL1Op {
     static constexpr int K = 2;  // input, target
+    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double beta;  // >= 0, checked on the host
     };
@@ -270,6 +274,7 @@ struct SmoothL1Op {
 //   dl/dx = -delta for d <= -delta, delta for d >= delta, d between = -dl/dt
 struct HuberOp {
     static constexpr int K = 2;  // input, target
+    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double delta;  // > 0, checked on the host
     };
@@ -365,6 +370,7 @@ struct SoftMarginOp {
 //   dl/dx = [t != -1] - [t != 1] [m - x >= 0],   dl/dt = 0 (the target only picks branches)
 struct HingeEmbeddingOp {
     static constexpr int K = 2;  // input, target
+    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double margin;
     };
@@ -484,6 +490,7 @@ struct GaussianNllOp {
 //   dl/dx = -2 h t,   dl/dt = -2 h x
 struct SquaredHingeOp {
     static constexpr int K = 2;  // input, target
+    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double margin;
     };

@@ -71,6 +71,18 @@ enum : long long {
 #ifndef CUPYLOSS_FLAT_UNROLL_VALUE
 #define CUPYLOSS_FLAT_UNROLL_VALUE 1
 #endif
+#ifndef CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
+#define CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP 1
+#endif
+// Whether functor Op declares itself cheap (static constexpr bool cheap = true).
+template <typename Op, typename = void>
+struct IsCheap {
+    static constexpr bool value = false;
+};
+template <typename Op>
+struct IsCheap<Op, decltype(void(Op::cheap))> {
+    static constexpr bool value = Op::cheap;
+};
 #ifndef CUPYLOSS_FLAT_UNROLL_GRAD
 #define CUPYLOSS_FLAT_UNROLL_GRAD 1
 #endif
@@ -298,8 +310,12 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         // (Gradient kernels with more operands or wider vectors hold enough per step already:
         // two steps at once cost them registers and resident warps, e.g. bce_with_logits float
         // 77 -> 109 and bfloat16 121 -> 171.)
-        constexpr int U = !GRAD ? CUPYLOSS_FLAT_UNROLL_VALUE
-                                : K * VEC <= 8 ? CUPYLOSS_FLAT_UNROLL_GRAD : 1;
+        // Value-only, float32 functors marked cheap (a compare or two and a product a value) take
+        // more steps at once than the rest, whose registers the extra steps would crowd.
+        constexpr int U = GRAD ? (K * VEC <= 8 ? CUPYLOSS_FLAT_UNROLL_GRAD : 1)
+                               : (IsCheap<Op>::value && sizeof(T) == 4 && K * VEC <= 8
+                                      ? CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
+                                      : CUPYLOSS_FLAT_UNROLL_VALUE);
         // Value-only: block b takes the contiguous chunk [b per, (b + 1) per) of the vectors, its
         // threads striding by the block; with gradients the whole grid strides together (both
         // measured best, _launch.FLAT_STEPS_*).
