@@ -70,3 +70,14 @@ def assert_close(got, ref, dtype, scale=None, what=""):
     assert not np.any(bad), (
         f"{what}: {np.count_nonzero(bad)} of {ref.size} off; first at "
         f"{np.argwhere(bad)[:3].tolist()}: got {got[bad][:3]} want {ref[bad][:3]}")
+
+
+def assert_same(got, want, what=""):
+    """Bitwise the same values (NaN where NaN), naming the first elements that differ."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    differ = ~((got == want) | (np.isnan(got) & np.isnan(want)))
+    assert not np.any(differ), (
+        f"{what}: {np.count_nonzero(differ)} of {got.size} differ; first at "
+        f"{np.argwhere(differ)[:3].tolist()}: {got[differ][:3].tolist()} against "
+        f"{want[differ][:3].tolist()}")

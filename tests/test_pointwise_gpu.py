@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import reference
 import strategies
-from gpu_util import DTYPES, assert_close, to_device, to_host
+from gpu_util import DTYPES, assert_close, assert_same, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -268,9 +268,9 @@ def test_value_and_grads_match_reference(data, pair, seed):
         assert got.dtype == dtype and got.shape == ref.shape, arg
         assert_close(to_host(got), ref, dtype, None, f"d/d{arg}")
     # One pass or two, the numbers are the same ones.
-    assert np.array_equal(to_host(v2), to_host(value), equal_nan=True)
-    for a, b in zip(grads2, grads):
-        assert np.array_equal(to_host(a), to_host(b), equal_nan=True)
+    assert_same(to_host(v2), to_host(value), "value, value_and_grad against the forward")
+    for a, b, arg in zip(grads2, grads, ref_g):
+        assert_same(to_host(a), to_host(b), f"d/d{arg}, value_and_grad against backward")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
