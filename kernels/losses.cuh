@@ -47,6 +47,9 @@ __device__ __forceinline__ double fma_rn(double a, double b, double c) { return 
 // `margin - x*t == 0` must be decided as torch decides it.
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+// A sum rounded on its own, likewise: neither operand's product is fused into it.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fffffff); }
 __device__ __forceinline__ double quiet_nan(double) {
     return __longlong_as_double(0x7ff8000000000000ll);
@@ -143,19 +146,23 @@ struct KlDivOp {
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A x = v[0], t = v[1];
+        // Every sum and product here is rounded on its own (add_rn, mul_rn): the value-only
+        // and the gradient kernels then give the same bits, where the compiler would otherwise
+        // fuse a product into a later add in one and not the other.
         if (ratio_form(x, t, p)) {
             // Near 1, log r = log w + (u - (w - 1)) / w with u = (t - p) / p and w = 1 + u
             // rounded: the second term restores what rounding w lost (one log either way).
             const A r = div_fast(t, x);
             const bool near = r > A(0.5) && r < A(2);
             const A u = div_fast(t - x, x);
-            const A w = near ? A(1) + u : r;
-            return t * (lg(w) + (near ? div_fast(u - (w - A(1)), w) : A(0)));
+            const A w = near ? add_rn(A(1), u) : r;
+            const A lost = near ? div_fast(add_rn(u, -add_rn(w, A(-1))), w) : A(0);
+            return mul_rn(t, add_rn(lg(w), lost));
         }
         const A lx = log_in(x, p);
-        if (p.log_target) return ex(t) * (t - lx);
-        const A xlogy = t == A(0) ? A(0) : t * lg(t);
-        return xlogy - t * lx;
+        if (p.log_target) return mul_rn(ex(t), t - lx);
+        const A xlogy = t == A(0) ? A(0) : mul_rn(t, lg(t));
+        return add_rn(xlogy, -mul_rn(t, lx));
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
