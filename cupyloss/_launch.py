@@ -320,7 +320,7 @@ REDUCE_MIN_BLOCKS = 1
 
 # pointwise_flat: grid-stride steps of the vector loop whose loads a thread issues before using
 # any, value-only (the forward) and with gradients.  Compile-time, like the two above.  Measured
-# on an H100 (KernelBench sizes, fp32, ms; one run, variants alternated):
+# on an H100 with a grid of one wave (KernelBench sizes, fp32, ms; one run, variants alternated):
 #   value/grad steps   mse fwd  mse vag  kl fwd  kl vag  smooth_l1 fwd  smooth_l1 vag
 #   1/1                2.793    6.054    0.738   1.603   2.805          6.086
 #   2/1                2.771    6.065    0.718   1.604   2.776          6.089
@@ -329,8 +329,9 @@ REDUCE_MIN_BLOCKS = 1
 # (torch.compile's forwards in that run: 2.748, 0.716, 2.751.)  Bounding the value kernel's
 # registers for 8 blocks per SM spilled KL and smooth_l1 (slower); other load forms (ld.global.nc,
 # L1::no_allocate or evict_first with L2::256B prefetch) were within noise of the streaming load;
-# capping the grid at 2 or 3 blocks per SM, or giving each block one contiguous chunk instead of
-# the grid-stride walk, was slower (chunks: mse forward 3.058 ms against 2.789); so was a walk
+# capping the grid at 2 or 3 blocks per SM, or giving each block of that one wave one contiguous
+# chunk, was slower (chunks of 1/792 of the input: mse forward 3.058 ms against 2.789; with the
+# small chunks of FLAT_STEPS_VALUE below they are the faster walk); so was a walk
 # specialised for all-dense operands (kl forward 0.730 against 0.717), and tiles of 8 x 256
 # vectors per block were mixed (mse forward 2.767, kl 0.775).  torch.compile's forward (ncu):
 # 8192 blocks of 512 threads, 11 instructions per pair of 16-byte loads against our 47, DRAM at
@@ -355,6 +356,13 @@ FLAT_UNROLL_VALUE_CHEAP = 8
 # (torch.compile's forwards in that run: 2.747, 0.715, 2.750.)
 FLAT_STEPS_VALUE = 32
 FLAT_STEPS_GRAD = 16
+
+
+def flat_chunk(nvec: int, grid: int, block: int = BLOCK) -> int:
+    """Vectors per block of pointwise_flat's value-only walk (the kernel's `per`): block b
+    takes [b per, (b + 1) per), per a whole number of blocks' worth so each chunk starts
+    aligned (for tests)."""
+    return _cdiv(nvec, grid * block) * block
 
 
 def kernel_defines() -> tuple[str, ...]:

@@ -186,13 +186,14 @@ def compile_module(code: str, names: list[str]) -> Module:
     from cupy.cuda import compiler
 
     arch = cupy.cuda.Device().compute_capability
+    options = _nvrtc_options()
     key = hashlib.sha256("\0".join(
-        [code, *_nvrtc_options(), arch, str(cupy.cuda.nvrtc.getVersion()), *names]).encode())
+        [code, *options, arch, str(cupy.cuda.nvrtc.getVersion()), *names]).encode())
     folder = cache_dir()
     cubin = folder / f"{key.hexdigest()}.cubin"
     mapping = cubin.with_suffix(".json")
     if not (cubin.is_file() and mapping.is_file()):
-        binary, mangled = compiler.compile_using_nvrtc(code, _nvrtc_options(), arch,
+        binary, mangled = compiler.compile_using_nvrtc(code, options, arch,
                                                        name_expressions=names)
         if isinstance(binary, str):  # PTX, where NVRTC cannot build SASS for this device
             binary = binary.encode()

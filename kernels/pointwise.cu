@@ -66,14 +66,18 @@ enum : long long {
 };
 
 // Grid-stride steps pointwise_flat's vector loop takes at once (loads of all issued before any
-// is used), for the value-only and the gradient instantiation: set from cupyloss/_launch.py's
-// table (FLAT_UNROLL_VALUE, FLAT_UNROLL_GRAD) through the compile options.
+// is used): for the value-only instantiation, for that of functors marked cheap, and for the
+// gradient one; set from cupyloss/_launch.py's table (FLAT_UNROLL_*) through the compile options.
 #ifndef CUPYLOSS_FLAT_UNROLL_VALUE
 #define CUPYLOSS_FLAT_UNROLL_VALUE 1
 #endif
 #ifndef CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
 #define CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP 1
 #endif
+#ifndef CUPYLOSS_FLAT_UNROLL_GRAD
+#define CUPYLOSS_FLAT_UNROLL_GRAD 1
+#endif
+
 // Whether functor Op declares itself cheap (static constexpr bool cheap = true).
 template <typename Op, typename = void>
 struct IsCheap {
@@ -83,9 +87,6 @@ template <typename Op>
 struct IsCheap<Op, decltype(void(Op::cheap))> {
     static constexpr bool value = Op::cheap;
 };
-#ifndef CUPYLOSS_FLAT_UNROLL_GRAD
-#define CUPYLOSS_FLAT_UNROLL_GRAD 1
-#endif
 
 // One value per array operand, passed by value as a kernel parameter.
 template <typename P, int K>
@@ -323,7 +324,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         if constexpr (GRAD) {
             v = tid, stride = nthreads, end = nvec;
         } else {
-            const long long per =
+            const long long per =   // whole blocks' worth: _launch.flat_chunk mirrors it
                 (nvec + (long long)gridDim.x * blockDim.x - 1) / ((long long)gridDim.x * blockDim.x)
                 * blockDim.x;
             v = (long long)blockIdx.x * per + threadIdx.x;

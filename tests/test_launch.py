@@ -721,8 +721,10 @@ def test_flat_grid_grows_past_one_wave_by_steps(n, vec, steps, per_sm):
                                         (8192 * 256 + 1, 8193)])
 def test_value_chunks_cover_every_vector_once(nvec, grid):
     """pointwise_flat's value-only walk: block b's threads take [b per, (b + 1) per) with per a
-    multiple of the block; every vector lands in exactly one block, each block starts aligned."""
-    per = -(-nvec // (grid * BLOCK)) * BLOCK
+    multiple of the block; every vector lands in exactly one block, each block starts aligned,
+    and no thread takes more than ceil(nvec / (grid * BLOCK)) vectors."""
+    per = _launch.flat_chunk(nvec, grid)
+    assert per // BLOCK == -(-nvec // (grid * BLOCK))
     seen = np.zeros(nvec, np.int64)
     for b in range(grid):
         start = b * per
