@@ -500,9 +500,11 @@ def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
     for index in plan.results:
         out[index] = result(out[index])
     if plan.rest is not None:
+        # The later passes (a chain: one per further broadcast pattern) fill what this left.
         more = _run(plan.rest, frame, ops, go, go_value, stream, like)
-        for index in plan.rest.results:
-            out[index] = more[index]
+        for index, value in enumerate(more):
+            if value is not None:
+                out[index] = value
     return out
 
 

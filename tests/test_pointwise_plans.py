@@ -351,6 +351,24 @@ def test_operands_broadcast_along_different_dims_take_a_pass_each(device):
     assert _words(spec, "reduce", main[1], "reduced") == [0b1100]   # one pass for both
 
 
+@pytest.mark.parametrize("which", ["backward", "value_and_grad"])
+def test_three_broadcast_patterns_chain_three_passes(device, which):
+    """input (2, 2, 1), target (2, 2) and weight (2,) broadcast along three different dims: a
+    pass each, chained, and every gradient reaches the caller."""
+    x, t, w = arr((2, 2, 1)), arr((2, 2)), arr((2,))
+    if which == "backward":
+        grads = cupyloss.binary_cross_entropy_backward(1.0, x, t, weight=w, reduction="none")
+    else:
+        _, grads = cupyloss.binary_cross_entropy_value_and_grad(x, t, weight=w,
+                                                                reduction="none")
+    assert [g.shape for g in grads] == [x.shape, t.shape, w.shape]
+    (plan,) = _pointwise._PLANS.values()
+    assert plan.rest is not None and plan.rest.rest is not None
+    assert [plan.grads[2], plan.rest.grads[2]] == [None, None]
+    assert plan.rest.rest.grads[2] is not None and plan.rest.rest.rest is None
+    assert sum("pointwise_reduce" in n for n in device.names) == 3
+
+
 @pytest.mark.parametrize("shapes", [((8, 28), (8, 1)), ((4, 3, 5), (1, 3, 1))])
 def test_the_loss_alone_takes_value_and_grads_split(device, shapes):
     """A broadcast operand splits the pass whether or not its gradient is wanted, so the 0-d
