@@ -103,6 +103,12 @@ def main(argv=None) -> list[dict]:
     record("kl 16384^2 batchmean", "loss", float(cupyloss.kl_div(lp, q, "batchmean")),
            float(F.kl_div(torch.from_dlpack(lp), torch.from_dlpack(q), reduction="batchmean")),
            truth)
+    del lp
+    truth = _truth(lambda a, b: (b * (cupy.log(b) - cupy.log(a))).sum(), p, q) / 16384
+    tp = torch.from_dlpack(p)
+    record("kl 16384^2 probabilities in", "loss",
+           float(cupyloss.kl_div(p, q, "batchmean", log_input=False)),
+           float(F.kl_div(torch.log(tp), torch.from_dlpack(q), reduction="batchmean")), truth)
 
     print(f"relative error against float64, fp32 inputs, {device}")
     print(f"{'workload':28} {'quantity':26} {'cupyloss':>10} {'torch':>10} {'ratio':>7} "

@@ -24,6 +24,16 @@ __device__ __forceinline__ float div_fast(float a, float b) { return __fdividef(
 __device__ __forceinline__ double div_fast(double a, double b) { return a / b; }
 __device__ __forceinline__ float lg(float v) { return logf(v); }
 __device__ __forceinline__ double lg(double v) { return log(v); }
+// log v within about half an ulp: logf's result l (up to 1 ulp off, and off the same way for
+// neighbouring v, so a sum of many t log t drifts) plus one Newton step, v e^-l - 1, whose own
+// error is a fraction of l's ulp.  Where that step is not finite or not small (v zero,
+// subnormal, infinite or NaN) logf's result stands.
+__device__ __forceinline__ float lg_fine(float v) {
+    const float l = logf(v);
+    const float c = __fmaf_rn(v, expf(-l), -1.0f);
+    return fabsf(c) < 0.25f ? __fadd_rn(l, c) : l;
+}
+__device__ __forceinline__ double lg_fine(double v) { return log(v); }
 __device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
 __device__ __forceinline__ double lg1p(double v) { return log1p(v); }
 __device__ __forceinline__ float ex(float v) { return expf(v); }
@@ -161,7 +171,7 @@ struct KlDivOp {
         }
         const A lx = log_in(x, p);
         if (p.log_target) return mul_rn(ex(t), t - lx);
-        const A xlogy = t == A(0) ? A(0) : mul_rn(t, lg(t));
+        const A xlogy = t == A(0) ? A(0) : mul_rn(t, lg_fine(t));
         return add_rn(xlogy, -mul_rn(t, lx));
     }
     template <typename A>
