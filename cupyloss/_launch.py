@@ -216,14 +216,23 @@ def rows_shared(vec: int) -> int:
     return BLOCK * vec * ROW_SUM_BYTES
 
 
+# pointwise_rows' value-only grid holds this many waves of resident blocks (the gradient kernels
+# one: each row block adds a row of partials to a row operand's gradient).  Hinge forward at
+# KernelBench 100 (x [32768, 32768], t [32768]; 3 resident blocks per SM), H100, ms, one run,
+# median of 5 alternating rounds: blocks per SM 3 (one wave) 1.371-1.388 in two runs, 8 1.401,
+# 12 (four waves) 1.369, 16 1.404, 32 1.370; torch.compile 1.372.  Whole waves or many of them
+# leave no half-empty last wave.
+ROWS_WAVES_VALUE = 4
+
+
 def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
-                blocks_per_sm: int = BLOCKS_PER_SM) -> Launch:
+                blocks_per_sm: int = BLOCKS_PER_SM, waves: int = 1) -> Launch:
     """Launch for pointwise_rows over [rows, cols] with tx threads along a row.
 
     tx is the power of two in [32, BLOCK] closest above cols / vec, so narrow rows still fill
     a warp; ty = BLOCK / tx threads go down the rows.  Column blocks cover cols; row blocks
-    are added until the grid holds blocks_per_sm blocks per SM (at most 65535 of them, and
-    never fewer than ty rows each).  Shared memory: `rows_shared`, where the lanes'
+    are added until the grid holds `waves` times blocks_per_sm blocks per SM (at most 65535 of
+    them, and never fewer than ty rows each).  Shared memory: `rows_shared`, where the lanes'
     row-gradient sums meet (whatever the accumulator type).
     """
     lanes = _cdiv(cols, vec)
@@ -233,7 +242,7 @@ def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
     if col_blocks > limits.max_grid_x:
         raise ValueError(f"rows of {cols} elements need {col_blocks} column blocks, more than "
                          f"the device's {limits.max_grid_x}")
-    want = max(1, (limits.sm_count * blocks_per_sm) // col_blocks)
+    want = max(1, (limits.sm_count * blocks_per_sm * waves) // col_blocks)
     if col_blocks == 1 and rows * min(lanes, BLOCK) <= SINGLE_BLOCK_WORK:
         want = 1  # small: one block, which also writes the row gradient itself
     row_blocks = max(1, min(want, _cdiv(rows, ty), limits.max_grid_y))

@@ -277,7 +277,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
             name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, any(want_grads))
             shared = _launch.rows_shared(vec)
-            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits))
+            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits),
+                                      1 if any(want_grads) else _launch.ROWS_WAVES_VALUE)
             layout = rows_layout(k_ops, spec.param_words)
             words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
                                      "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})

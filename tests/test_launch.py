@@ -320,6 +320,18 @@ def test_rows_launch_covers_the_matrix(rows, cols):
         assert launch.shared == BLOCK * vec * 8, "a double per thread and vector element"
 
 
+def test_rows_launch_value_only_grid_holds_whole_waves():
+    """KernelBench 100's hinge forward: 32 column blocks, and row blocks for
+    ROWS_WAVES_VALUE waves of 3 resident blocks per SM (one wave for the gradient kernel)."""
+    one = _launch.rows_launch(32768, 32768, 4, H100, 3)
+    value = _launch.rows_launch(32768, 32768, 4, H100, 3, _launch.ROWS_WAVES_VALUE)
+    assert one.grid == (32, H100.sm_count * 3 // 32)
+    assert value.grid == (32, H100.sm_count * 3 * _launch.ROWS_WAVES_VALUE // 32)
+    assert value.grid[1] * value.rows_per_block >= 32768
+    # Still never fewer than ty rows a block: 8 rows of 32 lanes are one block however many waves.
+    assert _launch.rows_launch(8, 32, 1, H100, 3, _launch.ROWS_WAVES_VALUE).grid == (1, 1)
+
+
 def test_rows_launch_clamps_to_max_grid_y():
     # 10**5 SMs want 800,000 row blocks for one wave, more than the 65535 a grid's y allows.
     many = DeviceLimits(sm_count=10**5, max_grid_x=2**31 - 1, max_grid_y=65535,
