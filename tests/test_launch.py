@@ -743,3 +743,31 @@ def test_value_chunks_cover_every_vector_once(nvec, grid):
         assert start % BLOCK == 0
         seen[start:min(nvec, start + per)] += 1
     assert np.all(seen == 1)
+
+
+def test_launch_hands_the_driver_a_well_formed_extra_array(monkeypatch):
+    """cuLaunchKernel's `extra`: (BUFFER_POINTER, &params, BUFFER_SIZE, &size, END) with size
+    8 * the parameter words, and the grid, block, shared memory and stream as given."""
+    import array
+    import ctypes
+    import types
+
+    from cupyloss import _args
+
+    seen = {}
+
+    def launch_kernel(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        q = ctypes.c_uint64
+        head = [q.from_address(extra + 8 * i).value for i in range(5)]
+        size = q.from_address(head[3]).value
+        seen.update(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared,
+                    stream=stream, head=head, size=size,
+                    params=[q.from_address(head[1] + 8 * i).value for i in range(size // 8)])
+
+    monkeypatch.setattr(_args, "_driver", types.SimpleNamespace(launchKernel=launch_kernel))
+    words = array.array("Q", [7, 2**64 - 1, 0, 12345])
+    _args.launch(11, (3, 2), (256,), 64, 99, words)
+    assert seen["head"][0::2] == [1, 2, 0]
+    assert seen["size"] == 32 and seen["params"] == list(words)
+    assert seen["grid"] == (3, 2, 1) and seen["block"] == (256, 1, 1)
+    assert (seen["fn"], seen["shared"], seen["stream"]) == (11, 64, 99)
