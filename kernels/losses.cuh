@@ -27,13 +27,16 @@ __device__ __forceinline__ double lg(double v) { return log(v); }
 // log v within about half an ulp, for v whose t log t terms are summed by the million: logf is
 // within 1 ulp but off the same way for neighbouring v, so such a sum drifts (kl_div at
 // 16384^2 by 5e-8, as torch's).  Here __logf's estimate l (a few ulp) takes one Newton step,
-// l + (v e^-l - 1), which leaves expf's error (a fraction of l's ulp) and costs less than logf
-// (kl_div value_and_grad 1.674 ms with it, 1.702 with logf, H100).  Where the step is not finite
-// or not small (v zero, subnormal below e^-88, infinite or NaN), logf's own result.
+// l + (v e^-l - 1), which leaves expf's error (a fraction of l's ulp).  Where the step is not
+// finite or not small (v zero, below e^-88, infinite or NaN) l stands: -inf, inf and NaN as
+// logf gives them, and __logf's few ulp below e^-88.  Measured (H100, kl_div of log-probabilities
+// at 16384^2, ratio of time to mse_loss's at the same size; forward / value_and_grad): logf
+// alone 1.027 / 1.127; this 1.029 / 1.085; with logf as the fallback 1.031 / 1.162; with logf
+// for the gradient's log 1.029 / 1.109.
 __device__ __forceinline__ float lg_fine(float v) {
     const float l = __logf(v);
     const float c = __fmaf_rn(v, expf(-l), -1.0f);
-    return fabsf(c) < 0.25f ? __fadd_rn(l, c) : logf(v);
+    return fabsf(c) < 0.25f ? __fadd_rn(l, c) : l;
 }
 __device__ __forceinline__ double lg_fine(double v) { return log(v); }
 __device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
@@ -195,7 +198,7 @@ struct KlDivOp {
             // t / t is 1 for every finite nonzero t (subnormals included) and NaN for 0, +-inf
             // and NaN: a compare and a select instead of the division.
             const A t_over_t = t != A(0) && isfinite(t) ? A(1) : quiet_nan(A(0));
-            d[1] = (t != A(0) ? lg_fine(t) : A(0)) + t_over_t - lx;  // value's log
+            d[1] = (t != A(0) ? lg_fine(t) : A(0)) + t_over_t - lx;  // the value's log
         }
     }
 };
