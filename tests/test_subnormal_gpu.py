@@ -5,7 +5,7 @@ does not come out as 0."""
 import numpy as np
 import pytest
 
-from gpu_util import BFLOAT16, RTOL, TINY, to_device, to_host
+from gpu_util import BFLOAT16, RTOL, TINY, assert_close, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -63,3 +63,25 @@ def test_tiny_logistic_losses_match_float64(dtype):
     ref = ref.double().cpu().numpy()
     assert np.all(ref[:4] > 0)
     assert np.all(np.abs(got - ref) <= RTOL[dtype] * ref + spacing), (got, ref)
+
+
+def test_kl_t_log_t_across_the_float32_range():
+    """kl_div's t log t (its log is lg_fine: a Newton step on __logf away from 1, logf near 1
+    and below the normal range) against float64 for t from the smallest subnormal to 10, with
+    a close look at t near 1, where a Newton step's absolute error would be many ulps, and at
+    subnormal t, which __logf flushes to 0; and the target gradient log t + 1."""
+    import cupy
+
+    import cupyloss
+
+    v = np.concatenate([np.logspace(-45, 1, 200_001), np.linspace(0.2, 5, 100_001),
+                        1 + np.linspace(-1e-3, 1e-3, 100_001), [2.0**-149, 2.0**-126]])
+    t = cupy.asarray(v.astype(np.float32))
+    t = t[t > 0]
+    t64 = to_host(t).astype(np.float64)
+    x = cupy.zeros_like(t)
+    loss = cupyloss.kl_div(x, t, reduction="none")
+    # scale 0: each element within RTOL of itself (about 80 float32 ulps), plus TINY.
+    assert_close(to_host(loss), t64 * np.log(t64), np.dtype(np.float32), 0.0, "t log t")
+    gt = cupyloss.kl_div_backward(1.0, x, t, reduction="none", wrt="target")
+    assert_close(to_host(gt), np.log(t64) + 1, np.dtype(np.float32), 0.0, "log t + 1")
