@@ -38,7 +38,7 @@ __device__ __forceinline__ double lg(double v) { return log(v); }
 // Cost (H100, ratio of time to mse_loss's): kl_div of log-probabilities with t near 6e-5
 // forward 1.029, value_and_grad 1.172 (logf alone, in another run on the same data: 1.027 and
 // 1.127); with t uniform in (0, 1), where the two paths diverge within a warp, 1.143 and 1.235
-// (logf alone, in an earlier session's run: 1.017 and 1.106).
+// (logf alone, in an earlier session's run: at most 1.017 and 1.106).
 __device__ __forceinline__ float lg_fine(float v) {
     // NaN, v <= 0, subnormal v (which __logf flushes to 0) and v near 1: logf.
     if (!(v >= 1.17549435e-38f) || (v > 0.25f && v < 4.0f)) return logf(v);
