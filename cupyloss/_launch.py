@@ -34,6 +34,7 @@ class DeviceLimits:
     regs_per_sm: int = 65536
     threads_per_sm: int = 2048
     shared_per_sm: int = 228 * 1024
+    max_shared_optin: int = 0       # what a block may have once its kernel opts in (0: the default)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +51,7 @@ def device_limits(device_id: int) -> DeviceLimits:
         regs_per_sm=attrs["MaxRegistersPerMultiprocessor"],
         threads_per_sm=attrs["MaxThreadsPerMultiProcessor"],
         shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
+        max_shared_optin=attrs.get("MaxSharedMemoryPerBlockOptin", 0),
     )
 
 
@@ -68,13 +70,22 @@ def resident_blocks(regs_per_thread: int, shared: int, limits: DeviceLimits,
     return max(1, min(by_threads, by_regs, by_shared, BLOCKS_PER_SM))
 
 
-def check_shared(nbytes: int, limits: DeviceLimits, kernel: str) -> int:
-    """Return `nbytes` if a block of `kernel` may have that much shared memory, else raise."""
-    if nbytes > limits.max_shared_per_block:
+def check_shared(nbytes: int, limits: DeviceLimits, kernel: str, optin: bool = False) -> int:
+    """Return `nbytes` if a block of `kernel` may have that much shared memory, else raise.
+    optin: the kernel raises its limit to the device's opt-in maximum (`shared_limit`)."""
+    allowed = shared_limit(limits, optin)
+    if nbytes > allowed:
         raise ValueError(
             f"{kernel} needs {nbytes} bytes of shared memory per block but the device allows "
-            f"{limits.max_shared_per_block}")
+            f"{allowed}")
     return nbytes
+
+
+def shared_limit(limits: DeviceLimits, optin: bool) -> int:
+    """Shared memory a block may have: the default limit, or with optin the larger of it and the
+    device's opt-in maximum (a kernel must set its max dynamic shared size to go past 48 KiB)."""
+    return max(limits.max_shared_per_block, limits.max_shared_optin) if optin \
+        else limits.max_shared_per_block
 
 
 # --- 64-bit division by a run-time constant (IntDiv in kernels/common.cuh) -------------------
@@ -434,6 +445,10 @@ ROW_MAX_COLS = 2**31 - 1    # classes a row may have (in-row indices are 32-bit)
 # streaming its share twice (H100, 8192 x 128256 bfloat16 value_and_grad: 16 blocks a row 6.5 ms,
 # 8 3.3 ms, 4 3.1 ms).
 ROW_MAX_SPLIT = 4
+# With a gradient, the tiles of a block's share past its registers' one (BLOCK * ROW_VECS 16-byte
+# vectors, 32 KiB) are kept in dynamic shared memory, at most this many, so the gradient needs no
+# second read of the logits.  The fewest blocks a row that hold it this way are taken.
+ROW_STASH_TILES = 3
 # Without a gradient nothing is held, and a warp per row (shuffles only, no block barrier) reads
 # fastest when there are rows for a quarter of the resident warps at least (H100, 32768 x 4096
 # float32: 0.204 ms a warp per row, 0.240 ms 128 threads).
@@ -443,13 +458,15 @@ ROW_FORWARD_TEAM = 32
 @dataclasses.dataclass(frozen=True)
 class RowLaunch:
     """A launch of cross_entropy_rows: tpr threads per row, k blocks per row (k > 1: cooperative,
-    grid = groups * k with every block resident)."""
+    grid = groups * k with every block resident), `stash` tiles a block keeps in shared memory
+    (counted in `shared`)."""
 
     grid: tuple
     block: tuple
     shared: int
     tpr: int
     k: int
+    stash: int = 0
 
     @property
     def cooperative(self) -> bool:
@@ -465,35 +482,56 @@ def row_team(cols: int, itemsize: int) -> tuple[int, int]:
     return BLOCK, _cdiv(vectors, BLOCK * ROW_VECS)
 
 
-def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: bool,
-               light: bool, limits: DeviceLimits, blocks_per_sm: int) -> RowLaunch:
-    """Launch for cross_entropy_rows over [rows, cols] (blocks_per_sm: its resident blocks).
+def row_hold(cols: int, itemsize: int, acc_itemsize: int, limits: DeviceLimits) -> tuple[int, int]:
+    """(blocks per row, stash tiles a block) that hold a row too long for one block's registers:
+    the fewest blocks (at most ROW_MAX_SPLIT) whose registers and up to ROW_STASH_TILES tiles of
+    shared memory each (as many as the device's opt-in limit allows) hold it; at ROW_MAX_SPLIT
+    blocks with the most tiles, what is left over streams twice."""
+    tile = BLOCK * ROW_VECS
+    vectors = max(1, cols // (16 // itemsize))
+    room = shared_limit(limits, True) - ROW_SCRATCH * acc_itemsize
+    most = max(0, min(ROW_STASH_TILES, room // (16 * tile)))
+    for k in range(1, ROW_MAX_SPLIT + 1):
+        tiles = _cdiv(_cdiv(vectors, k), tile)
+        if tiles - 1 <= most:
+            return k, tiles - 1
+    return ROW_MAX_SPLIT, most
 
-    grad: the gradient is written, so a row is held on chip: the team from `row_team`, and
-    k blocks per row when it exceeds a block (at most ROW_MAX_SPLIT; past what k blocks hold they
-    stream their share twice, the second time mostly from L2).  Without a gradient a row streams
-    through once: a warp per row when rows are plenty (ROW_FORWARD_TEAM), k > 1 only when there
-    are too few rows to give every resident block one.  light: nothing but one element per row is
-    read (nll_loss), so the smallest team.  Grids never exceed the resident blocks: the rows go
-    round in a grid-stride loop.
+
+def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: bool,
+               light: bool, limits: DeviceLimits, occupancy) -> RowLaunch:
+    """Launch for cross_entropy_rows over [rows, cols]; occupancy(shared bytes) gives its
+    resident blocks per SM with that much dynamic shared memory.
+
+    grad: the gradient is written, so a row is held on chip: the team from `row_team`, and past a
+    block's registers the blocks and shared-memory tiles from `row_hold`.  Without a gradient a
+    row streams through once: a warp per row when rows are plenty (ROW_FORWARD_TEAM), k > 1 only
+    when there are too few rows to give every resident block one.  light: nothing but one element
+    per row is read (nll_loss), so the smallest team.  Grids never exceed the resident blocks:
+    the rows go round in a grid-stride loop.
     """
     if cols > ROW_MAX_COLS:
         raise ValueError(f"rows of {cols} classes exceed the {ROW_MAX_COLS} a row may have")
-    resident = max(1, limits.sm_count * blocks_per_sm)
     tpr, k = (ROW_TEAMS[0], 1) if light else row_team(cols, itemsize)
+    stash = 0
+    if grad and k > 1:
+        k, stash = row_hold(cols, itemsize, acc_itemsize, limits)
+    shared = check_shared(ROW_SCRATCH * acc_itemsize + stash * 16 * BLOCK * ROW_VECS, limits,
+                          "cross_entropy_rows", optin=True)
+    resident = max(1, limits.sm_count * occupancy(shared))
     if grad:
-        k = min(k, ROW_MAX_SPLIT, resident)
+        k = min(k, resident)
     else:
         if k > 1:
             k = max(1, min(k, resident // max(rows, 1)))
         if k == 1 and 4 * rows >= resident * (BLOCK // ROW_FORWARD_TEAM):
             tpr = min(tpr, ROW_FORWARD_TEAM)
-    shared = check_shared(ROW_SCRATCH * acc_itemsize, limits, "cross_entropy_rows")
     if k > 1:
         groups = max(1, min(rows, resident // k))
-        return RowLaunch((groups * k,), (BLOCK,), shared, BLOCK, k)
+        return RowLaunch((groups * k,), (BLOCK,), shared, BLOCK, k, stash)
     blocks = _cdiv(max(rows, 1), BLOCK // tpr)
-    return RowLaunch((max(1, min(blocks, resident, limits.max_grid_x)),), (BLOCK,), shared, tpr, 1)
+    return RowLaunch((max(1, min(blocks, resident, limits.max_grid_x)),), (BLOCK,), shared, tpr,
+                     1, stash)
 
 
 # --- Row-pair launches (kernels/rowpair.cu) --------------------------------------------------------

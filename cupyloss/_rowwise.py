@@ -68,8 +68,8 @@ SPECS = {
 
 _ROWS_PARAMS = ("x", "t", "w", "go", "denom", "rows", "cols", "x_rs", "t_rs", "go_rs", "g_rs",
                 "flags", "ignore", "eps", "zs", "cap", "go_value", "grad_scale", "tpr", "k",
-                "loss", "lse", "gx", "gt", "value", "partials", "ticket", "divisor", "sync",
-                "exchange")
+                "stash", "loss", "lse", "gx", "gt", "value", "partials", "ticket", "divisor",
+                "sync", "exchange")
 _COLS_PARAMS = ("x", "t", "w", "go", "denom", "rows", "cols", "inner", "xn", "xc", "xd", "tn",
                 "tc", "td", "gon", "god", "gn", "gc", "gd", "flags", "ignore", "eps", "zs", "cap",
                 "go_value", "grad_scale", "loss", "lse", "gx", "gt", "value", "partials",
@@ -123,15 +123,19 @@ _RESIDENT: dict = {}            # (device, kernel name) -> blocks per SM
 
 
 def _resident(name: str, shared: int, device: int) -> int:
-    """Blocks per SM of rowwise.cu kernel `name` with `shared` bytes, from the occupancy API."""
+    """Blocks per SM of rowwise.cu kernel `name` with `shared` bytes, from the occupancy API.  A
+    kernel asked about more than the default 48 KiB is first allowed that much (its max dynamic
+    shared size only ever grows, so every launch planned before stays valid)."""
     key = (device, name, shared)
     n = _RESIDENT.get(key)
     if n is None:
         from cupy_backends.cuda.api import driver
 
-        function = _source.function("rowwise.cu", name).kernel.ptr
+        kernel = _source.function("rowwise.cu", name)
+        if shared > kernel.max_dynamic_shared_size_bytes:
+            kernel.max_dynamic_shared_size_bytes = shared
         n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            function, _launch.BLOCK, shared))
+            kernel.kernel.ptr, _launch.BLOCK, shared))
     return n
 
 
@@ -294,12 +298,12 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         general = spec.kind == "nll" or not is_index or smoothing != 0.0
         mode = 2 if general else 1 if want_g else 0
         name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode)
-        shared = _launch.ROW_SCRATCH * acc.itemsize
         cfg = _launch.row_launch(rows, cols, dtype.itemsize, acc.itemsize, want_g,
                                  spec.kind == "nll" and not want_g, limits,
-                                 _resident(name, shared, device))
+                                 lambda shared: _resident(name, shared, device))
         words = ROWS.template({**common, "x_rs": geo.x[0], "t_rs": geo.t[0], "go_rs": go_rs[0],
-                               "g_rs": g_strides[0], "tpr": cfg.tpr, "k": cfg.k})
+                               "g_rs": g_strides[0], "tpr": cfg.tpr, "k": cfg.k,
+                               "stash": cfg.stash})
         main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
                         cfg.shared, words, ROWS.slot, cfg.cooperative)
         if cfg.cooperative:

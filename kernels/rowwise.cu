@@ -34,8 +34,11 @@
 //                        vectors of it in registers, so the gradient is written from registers
 //                        after one read.  A row longer than a block's registers is split over k
 //                        blocks of one cooperative launch that exchange their states through global
-//                        memory (a counter per group, no float atomics); past k blocks' registers
-//                        (k is capped) a block streams its share twice (tiles).
+//                        memory (a counter per group, no float atomics).  A block's share beyond
+//                        its registers' tile is kept in dynamic shared memory (`stash` tiles of
+//                        blockDim.x * ROW_VECS vectors), so one read of the logits serves the loss
+//                        and the gradient; past that (k and stash are capped) the remaining tiles
+//                        are streamed twice.
 //   cross_entropy_cols   any strides (the class axis at dim 1 of (N, C, d1, ...)): a thread per
 //                        row; adjacent threads read adjacent positions, so loads coalesce.
 //   class_weight_sum     the 'mean' divisor sum_r w_{y_r} over counted rows, a launch before a
@@ -80,6 +83,18 @@ __device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
 // decides how much arithmetic hides under the memory traffic.
 __device__ __forceinline__ float fexp(float v) { return exp2f(v * 1.4426950408889634f); }
 __device__ __forceinline__ double fexp(double v) { return exp(v); }
+// e^v where the result only enters a row's softmax state (the sum s and its rescalings): the ex2
+// unit with subnormal results (and arguments) flushed to 0.  A state's s is at least 1 (its max's
+// own term), so a flushed term, below 2^-126, leaves it unchanged; the flush saves the subnormal
+// handling of exp2f (a compare and two predicated multiplies an element on sm_90, about 7% of the
+// bfloat16 value_and_grad at 8192 x 128256 on an H100).  The gradient's p keeps fexp: flushing it
+// too (8% more) would give 0 where torch gives a subnormal gradient.
+__device__ __forceinline__ float fexp_sum(float v) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v * 1.4426950408889634f));
+    return r;
+}
+__device__ __forceinline__ double fexp_sum(double v) { return exp(v); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 
 template <typename A>
@@ -94,7 +109,9 @@ __device__ __forceinline__ RowStat<A> empty_stat() {
 
 // s e^(m - M): nothing when s == 0 (an empty or all -inf part, whose m may be -inf like M).
 template <typename A>
-__device__ __forceinline__ A rescaled(A s, A m, A M) { return s == A(0) ? A(0) : s * fexp(m - M); }
+__device__ __forceinline__ A rescaled(A s, A m, A M) {
+    return s == A(0) ? A(0) : s * fexp_sum(m - M);
+}
 
 // b (M - m): nothing when the part is empty or all -inf (its a already holds u * inf terms).
 template <typename A>
@@ -103,7 +120,9 @@ __device__ __forceinline__ A shifted(A b, A m, A M) {
 }
 
 template <typename A>
-__device__ __forceinline__ A exp_from(A z, A m) { return z == neg_inf(A(0)) ? A(0) : fexp(z - m); }
+__device__ __forceinline__ A exp_from(A z, A m) {
+    return z == neg_inf(A(0)) ? A(0) : fexp_sum(z - m);
+}
 
 template <typename A>
 __device__ __forceinline__ A dist_to(A m, A z) { return z == neg_inf(A(0)) ? -neg_inf(A(0)) : m - z; }
@@ -358,6 +377,34 @@ __device__ __forceinline__ Vec<T, VEC> load_any(const T* p, bool vec) {
     return v;
 }
 
+// Add one 16-byte vector of a row (classes c0 .. c0 + VEC - 1) to the state: rebase on the
+// vector's max if it is new (softcap is increasing, so the max of z is the softcap of the max of
+// x), then add its terms.  tr: the row's probability targets (prob), read at the same classes.
+template <typename T, typename A, int VEC>
+__device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, int c0,
+                                       const T* tr, bool t_vec, const T* __restrict__ weight,
+                                       const RowArgs<A>& ra) {
+    A vmax = to_acc(xv.v[0]);
+    #pragma unroll
+    for (int e = 1; e < VEC; ++e) vmax = amax(vmax, to_acc(xv.v[e]));
+    const A zmax = ra.cap > A(0) ? ra.cap * th(vmax / ra.cap) : vmax;
+    if (zmax > st.m) rebase(st, zmax);
+    // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
+    const A mref = st.m == neg_inf(A(0)) ? A(0) : st.m;
+    Vec<T, VEC> tv;
+    if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        const A z = zval(xv.v[e], ra);
+        st.s += fexp_sum(z - mref);
+        if (ra.track) {
+            const A u = elem_u<T, A>(weight, c0 + e, ra.prob ? to_acc(tv.v[e]) : A(0), ra);
+            st.a += u * dist_to(st.m, z);
+            st.b += u;
+        }
+    }
+}
+
 // Classes contiguous: a team of tpr threads per row, or k blocks per row (see the file comment).
 // Rows go to teams in a grid-stride loop that every thread of a block runs the same number of
 // times (inactive teams take part in the block's merges).  MODE: see ROW_FORWARD.
@@ -381,6 +428,8 @@ cross_entropy_rows(
         const double go_value, const double grad_scale,
         const long long tpr,                 // threads per row: a power of two, 8..blockDim.x
         const long long k,                   // blocks per row; > 1 only with tpr == blockDim.x
+        const long long stash,               // tiles a block keeps in shared memory after the
+                                             // scratch; > 0 only with tpr == blockDim.x
         T* __restrict__ loss,                // [rows] or null
         acc_t<T>* __restrict__ lse,          // [rows] or null
         T* gx,                               // [rows, cols] at r * g_rs (may be x), or null
@@ -397,6 +446,8 @@ cross_entropy_rows(
     constexpr int NV = MODE == ROW_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile a thread
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [ROW_SCRATCH]
+    // [stash][NV][blockDim.x] vectors: thread-interleaved, conflict-free 16-byte accesses.
+    int4* held = reinterpret_cast<int4*>(smem_raw + ROW_SCRATCH * sizeof(A));
 
     RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, cols);
     if (!GENERAL) ra.prob = ra.nll = ra.smooth = ra.track = false;
@@ -440,6 +491,9 @@ cross_entropy_rows(
         const int v0 = min(nv, member * cv);
         const int v1 = min(nv, v0 + cv);
         const int ntiles = (v1 - v0 + span - 1) / span;
+        // Tiles 0 .. kept - 1 go to shared memory, the last stays in registers, the ones between
+        // are read again from global memory for the gradient (kept in L2 meanwhile).
+        const int kept = MODE == ROW_FORWARD ? 0 : min((int)stash, max(ntiles - 1, 0));
         const bool has_head = member == 0 && lane < h;
         const bool has_tail = member == kk - 1 && lane < tail;
         const int c_tail = h + nv * VEC + lane;
@@ -463,37 +517,24 @@ cross_entropy_rows(
             }
             for (int ti = 0; ti < ntiles; ++ti) {
                 const int vb = v0 + ti * span + lane;
+                const bool again = MODE != ROW_FORWARD && ti >= kept && ti < ntiles - 1;
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
                     const int j = vb + i * t;
-                    if (j < v1) xv[i] = load16<T, VEC>(xr + h + j * VEC, ntiles > 1);
+                    if (j < v1) xv[i] = load16<T, VEC>(xr + h + j * VEC, again);
                 }
-                // Vector by vector: rebase on a new max (softcap is increasing, so the max of z
-                // is the softcap of the max of x), then add the vector's terms.
+                if (ti < kept) {
+                    #pragma unroll
+                    for (int i = 0; i < NV; ++i) {
+                        if (vb + i * t < v1)
+                            held[(ti * NV + i) * blockDim.x + threadIdx.x] =
+                                *reinterpret_cast<const int4*>(&xv[i]);
+                    }
+                }
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
                     const int j = vb + i * t;
-                    if (j >= v1) continue;
-                    A vmax = to_acc(xv[i].v[0]);
-                    #pragma unroll
-                    for (int e = 1; e < VEC; ++e) vmax = amax(vmax, to_acc(xv[i].v[e]));
-                    const A zmax = ra.cap > A(0) ? ra.cap * th(vmax / ra.cap) : vmax;
-                    if (zmax > st.m) rebase(st, zmax);
-                    // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
-                    const A mref = st.m == neg_inf(A(0)) ? A(0) : st.m;
-                    Vec<T, VEC> tv;
-                    if (ra.prob) tv = load_any<T, VEC>(tr + h + j * VEC, t_vec);
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        const A z = zval(xv[i].v[e], ra);
-                        st.s += fexp(z - mref);
-                        if (ra.track) {
-                            const A u = elem_u<T, A>(weight, h + j * VEC + e,
-                                                     ra.prob ? to_acc(tv.v[e]) : A(0), ra);
-                            st.a += u * dist_to(st.m, z);
-                            st.b += u;
-                        }
-                    }
+                    if (j < v1) absorb(st, xv[i], h + j * VEC, tr, t_vec, weight, ra);
                 }
             }
         }
@@ -545,13 +586,21 @@ cross_entropy_rows(
             if (gr != nullptr) gr[c] = from_acc<T>(grad_input(z, c, tv, w, o, rt, ra));
             if (gtr != nullptr) gtr[c] = from_acc<T>(grad_target(z, w, o, ra));
         }
-        for (int ti = 0; ti < ntiles; ++ti) {
+        // The last tile first, from the registers; then the others from shared or global memory.
+        for (int q = 0; q < ntiles; ++q) {
+            const int ti = q == 0 ? ntiles - 1 : q - 1;
             const int vb = v0 + ti * span + lane;
-            if (ntiles > 1) {
+            if (q > 0) {
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
                     const int j = vb + i * t;
-                    if (j < v1) xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
+                    if (j >= v1) continue;
+                    if (ti < kept) {
+                        const int4 raw = held[(ti * NV + i) * blockDim.x + threadIdx.x];
+                        xv[i] = *reinterpret_cast<const Vec<T, VEC>*>(&raw);
+                    } else {
+                        xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
+                    }
                 }
             }
             #pragma unroll

@@ -527,22 +527,63 @@ def test_row_team_holds_the_row_with_the_smallest_team(itemsize, cols):
         assert tpr == BLOCK and (k - 1) * BLOCK * _launch.ROW_VECS < vectors
 
 
+# An H100 whose kernels may opt in to 227 KiB of shared memory a block.
+H100_OPTIN = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                          max_shared_per_block=49152, max_shared_optin=232448)
+
+
+@pytest.mark.parametrize("limits", [H100, H100_OPTIN], ids=["48K", "optin"])
+@pytest.mark.parametrize("cols, itemsize", [(16385, 2), (32000, 2), (50257, 2), (128256, 2),
+                                            (128256, 4), (2**21, 4), (2**20 + 3, 8)])
+def test_row_hold_takes_the_fewest_blocks_that_hold_the_row(limits, cols, itemsize):
+    tile = BLOCK * _launch.ROW_VECS
+    vectors = cols // (16 // itemsize)
+    k, stash = _launch.row_hold(cols, itemsize, 4, limits)
+    room = (_launch.shared_limit(limits, True) - _launch.ROW_SCRATCH * 4) // (16 * tile)
+    assert 1 <= k <= _launch.ROW_MAX_SPLIT and 0 <= stash <= min(_launch.ROW_STASH_TILES, room)
+    if k * (1 + stash) * tile >= vectors:
+        # Held: registers and stash of k blocks cover the row, no tile left unused, and k - 1
+        # blocks would not hold it.
+        assert stash == _cdiv(_cdiv(vectors, k), tile) - 1
+        most = min(_launch.ROW_STASH_TILES, room)
+        assert k == 1 or (k - 1) * (1 + most) * tile < vectors
+    else:
+        # Too long: the most blocks, the most tiles, the rest streamed.
+        assert (k, stash) == (_launch.ROW_MAX_SPLIT, min(_launch.ROW_STASH_TILES, room))
+
+
 @pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 8192, 32768, 10**7])
 @pytest.mark.parametrize("cols, itemsize", [(10, 4), (4096, 4), (128256, 2), (2**21, 4)])
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("per_sm", [1, 2])
-def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per_sm):
-    cfg = _launch.row_launch(rows, cols, itemsize, 4, grad, False, H100, per_sm)
+@pytest.mark.parametrize("limits", [H100, H100_OPTIN], ids=["48K", "optin"])
+def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per_sm, limits):
+    asked = []
+
+    def occupancy(shared):
+        asked.append(shared)
+        return per_sm
+
+    cfg = _launch.row_launch(rows, cols, itemsize, 4, grad, False, limits, occupancy)
     resident = H100.sm_count * per_sm
     assert 1 <= cfg.grid[0] <= resident and cfg.block == (BLOCK,)
-    assert cfg.shared == _launch.ROW_SCRATCH * 4
+    # The occupancy was asked about the launch's own shared memory: scratch plus the stash.
+    assert asked == [cfg.shared]
+    assert cfg.shared == _launch.ROW_SCRATCH * 4 + cfg.stash * 16 * BLOCK * _launch.ROW_VECS
+    assert cfg.shared <= _launch.shared_limit(limits, True)
     tpr, k = _launch.row_team(cols, itemsize)
+    if grad and k > 1:
+        # A gradient holds its row on chip whatever rows is, over the blocks row_hold gives.
+        assert (cfg.k, cfg.stash) == (min(_launch.row_hold(cols, itemsize, 4, limits)[0],
+                                          resident), _launch.row_hold(cols, itemsize, 4, limits)[1])
+    else:
+        assert cfg.stash == 0   # nothing held past the registers
     if cfg.k > 1:
         # Cooperative: whole groups of k blocks, every block resident at once.
         assert cfg.cooperative and cfg.tpr == BLOCK and cfg.grid[0] % cfg.k == 0
         assert cfg.grid[0] // cfg.k <= max(rows, 1)
-        assert cfg.k == (min(k, _launch.ROW_MAX_SPLIT, resident) if grad
-                         else min(k, resident // max(rows, 1)))
+        if not grad:
+            assert cfg.k == min(k, resident // max(rows, 1))
     else:
         assert not cfg.cooperative
         # Without a gradient, a warp per row once rows fill a quarter of the resident warps.
@@ -550,27 +591,35 @@ def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per
         assert cfg.tpr == (min(tpr, _launch.ROW_FORWARD_TEAM) if warps else tpr)
         # As many blocks as rows need (BLOCK / tpr rows a block), up to the resident ones.
         assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // cfg.tpr), resident))
-    if grad and k > 1:
-        # A gradient holds its row on chip whatever rows is, over at most ROW_MAX_SPLIT blocks.
-        assert cfg.k == min(k, _launch.ROW_MAX_SPLIT, resident)
 
 
 def test_row_launch_light_rows_and_limits():
-    cfg = _launch.row_launch(1000, 128256, 2, 4, False, True, H100, 2)
+    def per_sm(n):
+        return lambda shared: n
+
+    cfg = _launch.row_launch(1000, 128256, 2, 4, False, True, H100, per_sm(2))
     assert cfg.tpr == _launch.ROW_TEAMS[0] and cfg.k == 1      # nll_loss forward: one read a row
     assert cfg.grid[0] == _cdiv(1000, BLOCK // cfg.tpr)
     # The two benchmark shapes: KernelBench 95 and a Llama-3 vocabulary in bfloat16.
-    assert _launch.row_launch(32768, 4096, 4, 4, False, False, H100, 4).tpr == 32
-    assert _launch.row_launch(32768, 4096, 4, 4, True, False, H100, 3).tpr == 128
-    assert _launch.row_launch(8192, 128256, 2, 4, False, False, H100, 4).tpr == 32
-    llm = _launch.row_launch(8192, 128256, 2, 4, True, False, H100, 3)
-    assert (llm.tpr, llm.k, llm.grid) == (BLOCK, 4, (132 * 3 // 4 * 4,))
+    assert _launch.row_launch(32768, 4096, 4, 4, False, False, H100, per_sm(4)).tpr == 32
+    assert _launch.row_launch(32768, 4096, 4, 4, True, False, H100, per_sm(3)).tpr == 128
+    assert _launch.row_launch(8192, 128256, 2, 4, False, False, H100, per_sm(4)).tpr == 32
+    # 16032 vectors a row: two blocks of 2048 in registers and 3 tiles (96 KiB) of shared memory
+    # each with the opt-in; four blocks with one tile under the default 48 KiB.
+    llm = _launch.row_launch(8192, 128256, 2, 4, True, False, H100_OPTIN, per_sm(2))
+    assert (llm.tpr, llm.k, llm.stash, llm.grid) == (BLOCK, 2, 3, (132 * 2,))
+    assert llm.shared == 64 * 4 + 3 * 32768
+    llm = _launch.row_launch(8192, 128256, 2, 4, True, False, H100, per_sm(3))
+    assert (llm.tpr, llm.k, llm.stash, llm.grid) == (BLOCK, 4, 1, (132 * 3 // 4 * 4,))
+    # A 32000-class bfloat16 row fits one block with a tile of shared memory: no cooperation.
+    mid = _launch.row_launch(8192, 32000, 2, 4, True, False, H100_OPTIN, per_sm(3))
+    assert (mid.k, mid.stash, mid.cooperative) == (1, 1, False)
     with pytest.raises(ValueError, match="2147483648 classes"):
-        _launch.row_launch(1, 2**31, 2, 4, True, False, H100, 2)
+        _launch.row_launch(1, 2**31, 2, 4, True, False, H100, per_sm(2))
     small = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
                          max_shared_per_block=128)
     with pytest.raises(ValueError, match="shared memory"):
-        _launch.row_launch(10, 10, 4, 4, True, False, small, 2)
+        _launch.row_launch(10, 10, 4, 4, True, False, small, per_sm(2))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 8192, 32768, 10**7])
