@@ -295,7 +295,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
 
     counters = 0
     if geo.contiguous_classes:
-        general = spec.kind == "nll" or not is_index or smoothing != 0.0
+        general = (spec.kind == "nll" or not is_index or smoothing != 0.0
+                   or softcap != 0.0)
         mode = 2 if general else 1 if want_g else 0
         name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode)
         cfg = _launch.row_launch(rows, cols, dtype.itemsize, acc.itemsize, want_g,
