@@ -536,48 +536,82 @@ def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: boo
 
 # --- Row-pair launches (kernels/rowpair.cu) --------------------------------------------------------
 
-PAIR_VECS = 8           # 16-byte chunks of each array a thread holds with the gradient (PAIR_VECS
-                        # there); half of them a tile without it
+PAIR_BLOCK = BLOCK      # threads a block (PAIR_BLOCK there)
+PAIR_VECS = 8           # 16-byte chunks of each array a thread holds a unit, at most
+PAIR_STAGES = 2         # units in shared memory at once: one computed on, one streaming in
+                        # (PAIR_STAGES there)
+PAIR_CHUNK = 16         # bytes of a chunk
+# Static shared memory of rowpair_rows, at most (the team sums and grid_sum_out's scratch: 1040
+# bytes for double), kept free beside the stages.
+PAIR_STATIC_SHARED = 2048
 # Threads per row (a team), as ROW_TEAMS: the smallest team that holds a row's chunks at
-# PAIR_VECS a thread; past a block, the block streams tiles.  The loss alone takes the same team
-# (streaming PAIR_VECS / 2 chunks a tile): each thread then adds the same elements in the same
-# order, so a row's loss is bitwise the one value_and_grad gives.
-PAIR_TEAMS = (8, 16, 32, 64, 128, BLOCK)
+# PAIR_VECS a thread; past a block, the block streams the row in tiles.  The loss alone takes the
+# same team: each thread then adds the same elements in the same order, so a row's loss is
+# bitwise the one value_and_grad gives.
+PAIR_TEAMS = (8, 16, 32, 64, 128, PAIR_BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
 class PairLaunch:
-    """A launch of rowpair_rows: tpr threads per row, BLOCK // tpr rows a block at a time."""
+    """A launch of rowpair_rows: tpr threads per row, PAIR_BLOCK // tpr rows a block at a time;
+    with the gradient, hv chunks of each array a thread a unit in `shared` bytes of dynamic
+    shared memory (the stages), else hv = 0 and no dynamic shared memory (the loss alone
+    streams through registers)."""
 
     grid: tuple
     block: tuple
     shared: int
     tpr: int
+    hv: int
 
 
 def pair_team(cols: int, itemsize: int) -> int:
     """Threads per row that hold a row of `cols` elements (the block, streaming, past that)."""
-    chunks = max(1, cols // (16 // itemsize))
+    chunks = max(1, cols // (PAIR_CHUNK // itemsize))
     for tpr in PAIR_TEAMS:
         if tpr * PAIR_VECS >= chunks:
             return tpr
-    return BLOCK
+    return PAIR_BLOCK
 
 
-def pair_launch(rows: int, cols: int, itemsize: int, limits: DeviceLimits,
-                blocks_per_sm: int) -> PairLaunch:
-    """Launch for rowpair_rows over [rows, cols] (blocks_per_sm: its resident blocks per SM).
+def pair_shared(hv: int, narrays: int) -> int:
+    """Dynamic shared memory of rowpair_rows: PAIR_STAGES stages of hv chunks of each of
+    `narrays` arrays for every thread of the block."""
+    return PAIR_STAGES * PAIR_BLOCK * hv * narrays * PAIR_CHUNK
 
-    The team from `pair_team`; the grid never exceeds the resident blocks: rows go round in a
-    grid-stride loop.
+
+def pair_vecs(cols: int, itemsize: int, narrays: int, grad: bool, limits: DeviceLimits) -> int:
+    """Chunks of each array a thread holds a unit.  With the gradient: as many as its team needs
+    to hold the row (at most PAIR_VECS), fewer where the device's shared memory per block
+    (limits, opt-in included) has no room for PAIR_STAGES stages of them (the row then streams
+    twice); raises if not even one chunk a thread fits.  The loss alone: 0 (it holds nothing)."""
+    if not grad:
+        return 0
+    tpr = pair_team(cols, itemsize)
+    need = min(PAIR_VECS, max(1, _cdiv(cols // (PAIR_CHUNK // itemsize), tpr)))
+    room = (shared_limit(limits, True) - PAIR_STATIC_SHARED) // pair_shared(1, narrays)
+    if room < 1:
+        check_shared(pair_shared(1, narrays) + PAIR_STATIC_SHARED, limits, "rowpair_rows",
+                     optin=True)
+    return min(need, room)
+
+
+def pair_launch(rows: int, cols: int, itemsize: int, narrays: int, grad: bool,
+                limits: DeviceLimits, blocks_per_sm: int) -> PairLaunch:
+    """Launch for rowpair_rows over [rows, cols] of `narrays` arrays, with the gradient or not
+    (blocks_per_sm: its resident blocks per SM with `pair_shared(pair_vecs(...))` bytes).
+
+    The team from `pair_team`, the unit from `pair_vecs`; the grid never exceeds the resident
+    blocks: rows go round in a grid-stride loop.
     """
     if cols > ROW_MAX_COLS:
         raise ValueError(f"rows of {cols} elements exceed the {ROW_MAX_COLS} a row may have")
     resident = max(1, limits.sm_count * blocks_per_sm)
     tpr = pair_team(cols, itemsize)
-    blocks = _cdiv(max(rows, 1), BLOCK // tpr)
+    hv = pair_vecs(cols, itemsize, narrays, grad, limits)
+    blocks = _cdiv(max(rows, 1), PAIR_BLOCK // tpr)
     grid = max(1, min(blocks, resident, limits.max_grid_x))
-    return PairLaunch((grid,), (BLOCK,), 0, tpr)
+    return PairLaunch((grid,), (PAIR_BLOCK,), pair_shared(hv, narrays), tpr, hv)
 
 
 def thread_per_row_launch(rows: int, acc_itemsize: int, limits: DeviceLimits,

@@ -128,13 +128,14 @@ SPECS = {
 }
 
 _PARAMS = ("x0", "x1", "x2", "tgt", "go", "rows", "cols", "rs0", "rs1", "rs2", "cs0", "cs1",
-           "cs2", "t_rs", "go_rs", "flags", "tpr", "p", "eps", "margin", "go_value",
+           "cs2", "t_rs", "go_rs", "flags", "tpr", "hv", "p", "eps", "margin", "go_value",
            "grad_scale", "divisor", "loss", "g0", "g1", "g2", "value", "partials", "ticket")
 LAYOUT = _args.Layout([(name, 1) for name in _PARAMS])
 _ONE = _args.f64_word(1.0)
 
 _PLANS: dict = {}
 _RESIDENT: dict = {}
+_ALLOWED: dict = {}     # (device, kernel name) -> the dynamic shared memory its attribute allows
 
 
 @dataclasses.dataclass
@@ -144,6 +145,7 @@ class Plan:
     function: int
     grid: tuple
     block: tuple
+    shared: int             # bytes of dynamic shared memory
     words: array.array
     x_shape: tuple
     loss_shape: tuple
@@ -155,16 +157,28 @@ class Plan:
     partials: int           # acc-typed partial sums (0: none, one block)
 
 
-def _resident(name: str, device: int) -> int:
-    """Blocks per SM of rowpair.cu kernel `name`, from the occupancy API."""
+def _kernel(name: str, device: int, shared: int):
+    """rowpair.cu kernel `name` (a cupy.RawKernel), allowed `shared` bytes of dynamic shared
+    memory: its attribute is raised once, when a plan first asks for more than it allows."""
+    kernel = _source.function("rowpair.cu", name)
     key = (device, name)
+    if _ALLOWED.get(key, 0) < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+        _ALLOWED[key] = shared
+    return kernel
+
+
+def _resident(name: str, device: int, shared: int) -> int:
+    """Blocks per SM of rowpair.cu kernel `name` with `shared` bytes of dynamic shared memory,
+    from the occupancy API."""
+    key = (device, name, shared)
     n = _RESIDENT.get(key)
     if n is None:
         from cupy_backends.cuda.api import driver
 
-        function = _source.function("rowpair.cu", name).kernel.ptr
+        function = _kernel(name, device, shared).kernel.ptr
         n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            function, _launch.BLOCK, 0))
+            function, _launch.PAIR_BLOCK, shared))
     return n
 
 
@@ -188,7 +202,11 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     rows = math.prod(loss_shape)
     grad = any(grads)
     name = _source.rowpair_name(info.ctype, spec.op, grad)
-    cfg = _launch.pair_launch(rows, cols, dtype.itemsize, limits, _resident(name, device))
+    narrays = len(geos)
+    hv = _launch.pair_vecs(cols, dtype.itemsize, narrays, grad, limits)
+    shared = _launch.pair_shared(hv, narrays)
+    cfg = _launch.pair_launch(rows, cols, dtype.itemsize, narrays, grad, limits,
+                              _resident(name, device, shared))
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
     flags = FLAG_SWAP if swap else 0
@@ -201,7 +219,7 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     elif t_dtype == _INDEX_DTYPES[1]:
         flags |= FLAG_T_INT64
     values = {"rows": rows, "cols": cols, "t_rs": _args.i64_word(t_rs),
-              "go_rs": _args.i64_word(go_rs), "flags": flags, "tpr": cfg.tpr,
+              "go_rs": _args.i64_word(go_rs), "flags": flags, "tpr": cfg.tpr, "hv": cfg.hv,
               "p": _args.f64_word(p), "eps": _args.f64_word(eps),
               "margin": _args.f64_word(margin), "go_value": _ONE,
               "grad_scale": _args.f64_word(grad_scale), "divisor": _args.f64_word(divisor)}
@@ -209,11 +227,11 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
         values[f"rs{k}"] = _args.i64_word(rs)
         values[f"cs{k}"] = _args.i64_word(cs)
     words = LAYOUT.template(values)
-    function = _source.function("rowpair.cu", name).kernel.ptr
+    function = _kernel(name, device, cfg.shared).kernel.ptr
     value = want_value and reduction != "none"
     partials = cfg.grid[0] if value and cfg.grid[0] > 1 else 0
-    return Plan(function, cfg.grid, cfg.block, words, tuple(x_shape), loss_shape, dtype, acc,
-                value, want_value and reduction == "none", tuple(grads), partials)
+    return Plan(function, cfg.grid, cfg.block, cfg.shared, words, tuple(x_shape), loss_shape,
+                dtype, acc, value, want_value and reduction == "none", tuple(grads), partials)
 
 
 def _make_plan(*args) -> Plan:
@@ -249,7 +267,7 @@ def _run(plan: Plan, frame, xs, t, go, go_value, stream):
     if plan.partials:
         _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
         words[slot["ticket"]] = _ticket(xs[0].device, stream)
-    _args.launch(plan.function, plan.grid, plan.block, 0, stream, words)
+    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     result = frame.result
     return [None if a is None else result(a) for a in [out, *grads]]
 

@@ -25,13 +25,17 @@
 // cupyloss/_launch.py:pair_launch), rows to teams in a grid-stride loop.  A row is cut into a head
 // (up to the first 16-byte boundary of the first array), chunks of VEC elements and a tail; a
 // chunk is one 16-byte load of each array whose row is 16-byte aligned there with unit stride,
-// else VEC strided scalar loads.  With the gradient each thread holds PAIR_VECS chunks of every
-// array; a row longer than the team holds streams through twice (the second time mostly from
-// L2).  The row's sums: per thread in the accumulator type, then a fixed butterfly within a warp
-// and the warps' sums in warp order (deterministic).  The 0-d loss is finished in the same
-// launch (grid_sum_out's last-block ticket; the rows' losses summed in double across threads and
-// blocks).  Indices within a row are 32-bit (cols < 2^31, checked on the host); row offsets are
-// 64-bit.
+// else VEC strided scalar loads.  With the gradient the chunks pass through dynamic shared
+// memory, hv (at most _launch.PAIR_VECS) of each array a thread a unit, in PAIR_STAGES stages:
+// cp.async copies the next unit in while the current one is summed and its gradients stored, so
+// reads, arithmetic and gradient writes overlap within a block (one block an SM with KernelBench
+// 99's rows).  A row the team holds (tpr * hv chunks) is read once for the loss and its
+// gradients; a longer one streams through twice (the second time mostly from L2).  The loss
+// alone streams each row once through registers.  The row's sums: per thread in the accumulator
+// type, then a fixed butterfly within a warp and the warps' sums in warp order (deterministic).
+// The 0-d loss is finished in the same launch (grid_sum_out's last-block ticket; the rows'
+// losses summed in double across threads and blocks).  Indices within a row are 32-bit
+// (cols < 2^31, checked on the host); row offsets are 64-bit.
 #include "common.cuh"
 
 namespace cupyloss {
@@ -44,8 +48,15 @@ enum : long long {
     PAIR_T_INT64 = 16,
 };
 
-constexpr int PAIR_VECS = 8;      // chunks of each array a thread holds (_launch.PAIR_VECS)
-constexpr int PAIR_WARPS = 32;    // at most 1024 threads a block
+constexpr int PAIR_BLOCK = 256;      // threads a block (_launch.PAIR_BLOCK)
+constexpr int PAIR_STAGES = 2;       // units in shared memory at once (_launch.PAIR_STAGES)
+// The loss alone: registers of a thread's tile of loads, as accumulator values (16-bit inputs
+// take twice their size once converted), so that 4 blocks of 256 threads (64 registers a thread)
+// fit an SM without spilling (double's triplet does spill a little, for its general-p pow).
+constexpr int PAIR_STREAM_REGS = 32;
+constexpr int PAIR_WARPS = 32;       // at most 1024 threads a block
+
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 __device__ __forceinline__ float pw(float b, float e) { return powf(b, e); }
 __device__ __forceinline__ double pw(double b, double e) { return pow(b, e); }
@@ -65,6 +76,9 @@ struct TripletOp {
     static constexpr int N = 3;
     static constexpr int S = 3;
     static constexpr bool TARGET = false;
+    // p and swap are options: rowpair_rows has a copy of its loop for p = 2 without swap (torch's
+    // defaults, KernelBench 99) where they are constants.
+    static constexpr bool NORM = true;
 
     template <typename A>
     __device__ static __forceinline__ A power(A v, const PairArgs<A>& pa) {  // |v|^p
@@ -133,6 +147,7 @@ struct CosineOp {
     static constexpr int N = 2;
     static constexpr int S = 3;
     static constexpr bool TARGET = true;
+    static constexpr bool NORM = false;
 
     template <typename A>
     __device__ static __forceinline__ void elem(const A (&x)[N], A (&s)[S],
@@ -224,11 +239,108 @@ __device__ __forceinline__ Vec<T, VEC> pair_load(const T* p, long long stride, b
     return v;
 }
 
-// GRAD: write the gradients (held rows, PAIR_VECS chunks a thread), else the loss alone (streamed,
-// half the chunks a tile, twice the resident blocks).  Without a gradient 4 blocks of 256
-// threads are resident per SM; with one, 2 (up to 96 registers of held row a thread).
+// A row's place in the arrays: its first element in each, the head (elements up to the first
+// 16-byte boundary of the first array's row, unit stride only), nv chunks of VEC elements, the
+// tail, and which arrays' chunks are single 16-byte loads.
+template <typename T, int N>
+struct PairRow {
+    const T* x[N];
+    int h, nv, tail;
+    bool vec[N];
+
+    // Chunk j of array k (element stride cs).
+    __device__ __forceinline__ const T* at(int k, int j, long long cs) const {
+        return x[k] + (long long)(h + j * (16 / (int)sizeof(T))) * cs;
+    }
+};
+
+template <typename T, int N>
+__device__ __forceinline__ PairRow<T, N> pair_row(const T* const (&xs)[3],
+                                                  const long long (&rs)[3],
+                                                  const long long (&cs)[3], long long r,
+                                                  int ncols) {
+    constexpr int VEC = 16 / sizeof(T);
+    PairRow<T, N> w;
+    #pragma unroll
+    for (int k = 0; k < N; ++k) w.x[k] = xs[k] + r * rs[k];
+    const int mis = cs[0] == 1
+        ? (int)((reinterpret_cast<unsigned long long>(w.x[0]) & 15ull) / sizeof(T)) : 0;
+    w.h = mis ? min(ncols, VEC - mis) : 0;
+    w.nv = (ncols - w.h) / VEC;
+    w.tail = ncols - w.h - w.nv * VEC;
+    #pragma unroll
+    for (int k = 0; k < N; ++k) w.vec[k] = cs[k] == 1 && aligned16(w.x[k] + w.h);
+    return w;
+}
+
+// Add one chunk of every array (its VEC elements in order) to the row's sums.
+template <typename Op, typename T, int VEC, int N, int S, typename A>
+__device__ __forceinline__ void pair_add(const Vec<T, VEC> (&x)[N], A (&s)[S],
+                                         const PairArgs<A>& pa) {
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        A xe[N];
+        #pragma unroll
+        for (int k = 0; k < N; ++k) xe[k] = to_acc(x[k].v[e]);
+        Op::elem(xe, s, pa);
+    }
+}
+
+// The gradients of one chunk, stored at element `at` of each gradient row asked for.
+template <typename Op, typename T, int VEC, int N, int S, typename A>
+__device__ __forceinline__ void pair_grad(const Vec<T, VEC> (&x)[N], const A (&c)[S],
+                                          T* const (&gr)[N], const bool (&gvec)[N], int at,
+                                          const PairArgs<A>& pa) {
+    A out[N][VEC];
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        A xe[N], o[N];
+        #pragma unroll
+        for (int k = 0; k < N; ++k) xe[k] = to_acc(x[k].v[e]);
+        Op::grad(xe, c, o, pa);
+        #pragma unroll
+        for (int k = 0; k < N; ++k) out[k][e] = o[k];
+    }
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
+        if (gr[k] != nullptr) store_any<T, VEC>(gr[k] + at, out[k], gvec[k]);
+    }
+}
+
+// cp.async (sm_80 and later): 16 bytes from global memory to shared memory without passing
+// through registers, cached in L2 only; the copies a thread issues between two commits form a
+// group, and wait<n> returns once at most n of the thread's latest groups are still in flight.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+    const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copies_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// GRAD: the gradients are written.  A row group (a row a team) passes through dynamic shared
+// memory in units of hv chunks of each array a thread (a tile of tpr * hv chunks a row;
+// ntiles = ceil((cols / VEC) / (tpr * hv)) tiles, the same for every row), copied into one of
+// PAIR_STAGES stages PAIR_STAGES - 1 units ahead of the one computed on (cp.async: the copies
+// stream in while the row before is summed and its gradients stored).  The units of a row group:
+// its tiles for the sums; with ntiles > 1, its tiles once more for the gradients (the second
+// time mostly from L2); with ntiles == 1 the row is held, and its one unit serves both.  A thread
+// reads only the slots it copied into; a unit's stage is released (the unit PAIR_STAGES on
+// copied over it) once its values are used, after a warp barrier that orders those reads before
+// the copies.
+// At most 128 registers a thread (2 blocks an SM by registers; the stages of KernelBench 99's
+// rows, 192 KiB, leave room for one).
+// Else the loss alone: nothing is held, and the row streams through registers in tiles of NS
+// chunks of each array a thread, all of a tile's loads in flight at once, with 4 blocks an SM
+// (64 registers a thread).
+// Either way a thread adds its head element, its tail element, then its chunks in increasing
+// order, so the loss's sums are bitwise value_and_grad's.
 template <typename T, typename Op, bool GRAD>
-__global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
+__global__ void __launch_bounds__(PAIR_BLOCK, (GRAD ? 512 : 1024) / PAIR_BLOCK) rowpair_rows(
         const T* __restrict__ x0,            // [rows, cols]: element (r, c) at r * rs0 + c * cs0
         const T* __restrict__ x1,            // the same with rs1, cs1
         const T* __restrict__ x2,            // the same with rs2, cs2 (unused by 2-array losses)
@@ -240,6 +352,7 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
         const long long t_rs, const long long go_rs,
         const long long flags,
         const long long tpr,                 // threads per row: a power of two, 1..blockDim.x
+        const long long hv,                  // GRAD: chunks of each array a thread a unit
         const double p, const double eps, const double margin,
         const double go_value, const double grad_scale, const double divisor,
         T* __restrict__ loss,                // [rows] or null
@@ -253,15 +366,17 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
     constexpr int N = Op::N;
     constexpr int S = Op::S;
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int NV = GRAD ? PAIR_VECS : PAIR_VECS / 2;
+    constexpr int NS = cmax(1, PAIR_STREAM_REGS / (N * VEC * (int)sizeof(A) / 4));  // chunks
+    using V = Vec<T, VEC>;
     __shared__ A red[PAIR_WARPS][S];
+    extern __shared__ int4 stages[];         // [PAIR_STAGES][N][hv][blockDim.x] chunks
 
-    PairArgs<A> pa;
-    pa.p = A(p);
-    pa.eps = A(eps);
-    pa.margin = A(margin);
-    pa.pk = p == 2.0 ? 2 : p == 1.0 ? 1 : 0;
-    pa.swap = (flags & PAIR_SWAP) != 0;
+    PairArgs<A> args;
+    args.p = A(p);
+    args.eps = A(eps);
+    args.margin = A(margin);
+    args.pk = p == 2.0 ? 2 : p == 1.0 ? 1 : 0;
+    args.swap = (flags & PAIR_SWAP) != 0;
     const T* const xs[3] = {x0, x1, x2};
     const long long rs[3] = {rs0, rs1, rs2};
     const long long cs[3] = {cs0, cs1, cs2};
@@ -274,142 +389,169 @@ __global__ void __launch_bounds__(256, GRAD ? 2 : 4) rowpair_rows(
 
     const int ncols = (int)cols;
     const int t = (int)tpr;
+    const int nh = GRAD ? (int)hv : 1;
     const int lane = threadIdx.x & (t - 1);
     const int teams = blockDim.x / t;
     const int team = threadIdx.x / t;
-    const int span = t * NV;  // chunks of a tile
+    const int span = t * nh;                                 // chunks of a tile
+    const int ntiles = max(1, (ncols / VEC + span - 1) / span);
+    const bool twice = want_g && ntiles > 1;                 // the gradients stream again
+    const int units = twice ? 2 * ntiles : ntiles;           // units of a row group
+    const long long first = (long long)blockIdx.x * teams;   // this block's first row group
+    const long long step = (long long)gridDim.x * teams;
     Compensated<A> lacc;
 
-    for (long long r0 = (long long)blockIdx.x * teams; r0 < rows;
-         r0 += (long long)gridDim.x * teams) {
-        const long long r = r0 + team;
-        const bool active = r < rows;
-        const long long rr = active ? r : 0;
-        const T* xr[N];
-        #pragma unroll
-        for (int k = 0; k < N; ++k) xr[k] = xs[k] + rr * rs[k];
-        // Head: up to the first 16-byte boundary of the first array's row (unit stride only).
-        const int mis = cs[0] == 1
-            ? (int)((reinterpret_cast<unsigned long long>(xr[0]) & 15ull) / sizeof(T)) : 0;
-        const int h = mis ? min(ncols, VEC - mis) : 0;
-        const int nv = (ncols - h) / VEC;
-        const int tail = ncols - h - nv * VEC;
-        const int c_tail = h + nv * VEC + lane;
-        const bool has_head = active && lane < h;
-        const bool has_tail = active && lane < tail;
-        const int ntiles = (nv + span - 1) / span;
-        bool vec[N];
-        #pragma unroll
-        for (int k = 0; k < N; ++k) vec[k] = cs[k] == 1 && aligned16(xr[k] + h);
+    // This thread's slot for chunk i of array k in stage st.
+    auto slot = [&](int st, int k, int i) {
+        return reinterpret_cast<V*>(stages + ((st * N + k) * nh + i) * (int)blockDim.x
+                                    + threadIdx.x);
+    };
+    // Copy this thread's chunks of unit u of the block into its stage: one commit group (empty
+    // past the last row).  An array whose chunks are not 16-byte loads is read and stored here.
+    auto fetch = [&](long long u) {
+        const long long g = u / units;
+        const int tile = (int)(u - g * units) % ntiles;
+        const long long r = first + g * step + team;
+        if (r < rows) {
+            const PairRow<T, N> w = pair_row<T, N>(xs, rs, cs, r, ncols);
+            const int st = (int)(u % PAIR_STAGES);
+            for (int i = 0; i < nh; ++i) {
+                const int j = tile * span + lane + i * t;
+                if (j >= w.nv) break;
+                #pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    if (w.vec[k]) copy_async16(slot(st, k, i), w.at(k, j, cs[k]));
+                    else *slot(st, k, i) = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], false,
+                                                             false);
+                }
+            }
+        }
+        copies_commit();
+    };
+    // Unit u's values are used: copy unit u + PAIR_STAGES over them.
+    auto release = [&](long long u) {
+        __syncwarp();
+        fetch(u + PAIR_STAGES);
+    };
 
-        A s[S];
-        #pragma unroll
-        for (int q = 0; q < S; ++q) s[q] = A(0);
-        Vec<T, VEC> xv[N][NV];
-        A xh[N], xt[N];
-        if (active) {
+    // The row groups with the options pa (a copy with the arguments of the fast path as
+    // constants, where they apply, so that the compiler folds the branches on them).
+    auto run = [&](const PairArgs<A>& pa) {
+        long long u = 0;  // the unit computed on next
+        if constexpr (GRAD) {
+            #pragma unroll
+            for (int st = 0; st < PAIR_STAGES; ++st) fetch(st);
+        }
+        for (long long r0 = first; r0 < rows; r0 += step) {
+            const long long r = r0 + team;
+            const bool active = r < rows;
+            const PairRow<T, N> w = pair_row<T, N>(xs, rs, cs, active ? r : 0, ncols);
+            const int c_tail = w.h + w.nv * VEC + lane;
+            const bool has_head = active && lane < w.h;
+            const bool has_tail = active && lane < w.tail;
+
+            A s[S];
+            #pragma unroll
+            for (int q = 0; q < S; ++q) s[q] = A(0);
+            A xh[N], xt[N];
             if (has_head) {
                 #pragma unroll
-                for (int k = 0; k < N; ++k) xh[k] = to_acc(xr[k][lane * cs[k]]);
+                for (int k = 0; k < N; ++k) xh[k] = to_acc(w.x[k][lane * cs[k]]);
                 Op::elem(xh, s, pa);
             }
             if (has_tail) {
                 #pragma unroll
-                for (int k = 0; k < N; ++k) xt[k] = to_acc(xr[k][c_tail * cs[k]]);
+                for (int k = 0; k < N; ++k) xt[k] = to_acc(w.x[k][c_tail * cs[k]]);
                 Op::elem(xt, s, pa);
             }
-            for (int ti = 0; ti < ntiles; ++ti) {
-                const int vb = ti * span + lane;
-                #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    const int j = vb + i * t;
-                    if (j >= nv) continue;
-                    #pragma unroll
-                    for (int k = 0; k < N; ++k) {
-                        xv[k][i] = pair_load<T, VEC>(xr[k] + (long long)(h + j * VEC) * cs[k],
-                                                     cs[k], vec[k], GRAD && ntiles > 1);
-                    }
-                }
-                #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    const int j = vb + i * t;
-                    if (j >= nv) continue;
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        A xe[N];
+            if constexpr (GRAD) {
+                for (int tile = 0; tile < ntiles; ++tile, ++u) {
+                    copies_wait<PAIR_STAGES - 1>();  // unit u, this thread's part of it
+                    const int st = (int)(u % PAIR_STAGES);
+                    for (int i = 0; active && i < nh; ++i) {
+                        if (tile * span + lane + i * t >= w.nv) break;
+                        V xv[N];
                         #pragma unroll
-                        for (int k = 0; k < N; ++k) xe[k] = to_acc(xv[k][i].v[e]);
-                        Op::elem(xe, s, pa);
+                        for (int k = 0; k < N; ++k) xv[k] = *slot(st, k, i);
+                        pair_add<Op>(xv, s, pa);
+                    }
+                    if (!want_g || twice) release(u);
+                }
+            } else {
+                // Tiles of NS chunks of each array a thread, all loads of a tile in flight.
+                for (int vb = lane; active && vb < w.nv; vb += t * NS) {
+                    V xv[NS][N];
+                    #pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        const int j = vb + i * t;
+                        if (j >= w.nv) continue;
+                        #pragma unroll
+                        for (int k = 0; k < N; ++k)
+                            xv[i][k] = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], w.vec[k], false);
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        if (vb + i * t < w.nv) pair_add<Op>(xv[i], s, pa);
                     }
                 }
             }
-        }
-        team_sum<A, S>(s, t, red);
-        long long target = 0;
-        if (Op::TARGET && active) target = pair_target<T>(tgt, r * t_rs, flags);
-        const A g = want_g ? (go_rows ? to_acc(go[rr * go_rs]) * A(grad_scale) : g_all) : A(0);
-        A c[S];
-        const A l = Op::row(s, target, g, c, pa);
-        if (active && lane == 0) {
-            if (loss != nullptr) loss[r] = from_acc<T>(l);
-            lacc.add(l);
-        }
-        if (!want_g || !active) continue;
+            team_sum<A, S>(s, t, red);
+            long long target = 0;
+            if (Op::TARGET && active) target = pair_target<T>(tgt, r * t_rs, flags);
+            const A g = want_g && active
+                ? (go_rows ? to_acc(go[r * go_rs]) * A(grad_scale) : g_all) : A(0);
+            A c[S];
+            const A l = Op::row(s, target, g, c, pa);
+            if (active && lane == 0) {
+                if (loss != nullptr) loss[r] = from_acc<T>(l);
+                lacc.add(l);
+            }
+            if (!GRAD || !want_g) continue;
 
-        // The gradients are C-contiguous: row r at r * cols.
-        T* gr[N];
-        bool gvec[N];
-        #pragma unroll
-        for (int k = 0; k < N; ++k) {
-            gr[k] = gs[k] != nullptr ? gs[k] + r * cols : nullptr;
-            gvec[k] = gr[k] != nullptr && aligned16(gr[k] + h);
-        }
-        A o[N];
-        if (has_head) {
-            Op::grad(xh, c, o, pa);
+            // The gradients are C-contiguous: row r at r * cols.
+            T* gr[N];
+            bool gvec[N];
             #pragma unroll
-            for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][lane] = from_acc<T>(o[k]);
-        }
-        if (has_tail) {
-            Op::grad(xt, c, o, pa);
-            #pragma unroll
-            for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][c_tail] = from_acc<T>(o[k]);
-        }
-        for (int ti = 0; ti < ntiles; ++ti) {
-            const int vb = ti * span + lane;
-            if (ntiles > 1) {
-                #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    const int j = vb + i * t;
-                    if (j >= nv) continue;
-                    #pragma unroll
-                    for (int k = 0; k < N; ++k) {
-                        xv[k][i] = pair_load<T, VEC>(xr[k] + (long long)(h + j * VEC) * cs[k],
-                                                     cs[k], vec[k], false);
-                    }
-                }
+            for (int k = 0; k < N; ++k) {
+                gr[k] = gs[k] != nullptr && active ? gs[k] + r * cols : nullptr;
+                gvec[k] = gr[k] != nullptr && aligned16(gr[k] + w.h);
             }
-            #pragma unroll
-            for (int i = 0; i < NV; ++i) {
-                const int j = vb + i * t;
-                if (j >= nv) continue;
-                A out[N][VEC];
+            A o[N];
+            if (has_head) {
+                Op::grad(xh, c, o, pa);
                 #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    A xe[N];
-                    #pragma unroll
-                    for (int k = 0; k < N; ++k) xe[k] = to_acc(xv[k][i].v[e]);
-                    Op::grad(xe, c, o, pa);
-                    #pragma unroll
-                    for (int k = 0; k < N; ++k) out[k][e] = o[k];
-                }
+                for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][lane] = from_acc<T>(o[k]);
+            }
+            if (has_tail) {
+                Op::grad(xt, c, o, pa);
                 #pragma unroll
-                for (int k = 0; k < N; ++k) {
-                    if (gr[k] != nullptr) store_any<T, VEC>(gr[k] + h + j * VEC, out[k], gvec[k]);
+                for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][c_tail] = from_acc<T>(o[k]);
+            }
+            if (!twice) --u;  // the held unit, once more
+            for (int tile = 0; tile < ntiles; ++tile, ++u) {
+                if (twice) copies_wait<PAIR_STAGES - 1>();
+                const int st = (int)(u % PAIR_STAGES);
+                for (int i = 0; active && i < nh; ++i) {
+                    const int j = tile * span + lane + i * t;
+                    if (j >= w.nv) break;
+                    V xv[N];
+                    #pragma unroll
+                    for (int k = 0; k < N; ++k) xv[k] = *slot(st, k, i);
+                    pair_grad<Op>(xv, c, gr, gvec, w.h + j * VEC, pa);
                 }
+                release(u);
             }
         }
+    };
+    if (Op::NORM && args.pk == 2 && !args.swap) {
+        PairArgs<A> fast = args;
+        fast.pk = 2;
+        fast.swap = false;
+        run(fast);
+    } else {
+        run(args);
     }
+    if constexpr (GRAD) copies_wait<0>();
     const double v[1] = {lacc.wide()};
     T* const outs[1] = {value};
     const double div[1] = {divisor};

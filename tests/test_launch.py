@@ -732,7 +732,7 @@ def test_pair_team_holds_the_row_with_the_smallest_team(itemsize, cols):
     chunks = max(1, cols // (16 // itemsize))
     tpr = _launch.pair_team(cols, itemsize)
     assert tpr in _launch.PAIR_TEAMS
-    if tpr < BLOCK:
+    if tpr < _launch.PAIR_BLOCK:
         assert tpr * _launch.PAIR_VECS >= chunks          # the team holds the row
     if tpr > _launch.PAIR_TEAMS[0]:
         assert (tpr // 2) * _launch.PAIR_VECS < chunks    # and a smaller team would not
@@ -740,25 +740,88 @@ def test_pair_team_holds_the_row_with_the_smallest_team(itemsize, cols):
 
 def test_pair_team_of_kernelbench_99_holds_a_row_in_one_block():
     # 8192 float32 a row: 2048 chunks, 256 threads holding 8 chunks of each of the three inputs
-    assert _launch.pair_team(8192, 4) == BLOCK
-    assert BLOCK * _launch.PAIR_VECS * 4 == 8192
+    assert _launch.pair_team(8192, 4) == _launch.PAIR_BLOCK
+    assert _launch.PAIR_BLOCK * _launch.PAIR_VECS * 4 == 8192
+
+
+# The H100 with the shared memory a block may opt into (227 KiB, H100_OPTIN above), an sm_86
+# GPU's (99 KiB), and the 48 KiB every block may have.
+SM86_OPTIN = DeviceLimits(sm_count=84, max_grid_x=2**31 - 1, max_grid_y=65535,
+                          max_shared_per_block=49152, shared_per_sm=102400,
+                          max_shared_optin=101376)
+PAIR_DEVICES = {"h100": H100_OPTIN, "sm86": SM86_OPTIN, "48k": H100}
+
+
+@pytest.mark.parametrize("device", PAIR_DEVICES)
+@pytest.mark.parametrize("narrays", [2, 3])
+@pytest.mark.parametrize("itemsize", ITEMSIZES)
+@pytest.mark.parametrize("cols", [0, 1, 7, 8, 63, 64, 65, 1000, 4096, 8191, 8192, 8193, 16384,
+                                  2**20 + 3])
+def test_pair_vecs_hold_the_row_where_the_stages_fit(device, narrays, itemsize, cols):
+    limits = PAIR_DEVICES[device]
+    tpr = _launch.pair_team(cols, itemsize)
+    hv = _launch.pair_vecs(cols, itemsize, narrays, True, limits)
+    shared = _launch.pair_shared(hv, narrays)
+    assert 1 <= hv <= _launch.PAIR_VECS
+    assert shared == _launch.PAIR_STAGES * _launch.PAIR_BLOCK * hv * narrays * 16
+    allowed = _launch.shared_limit(limits, True)
+    assert shared + _launch.PAIR_STATIC_SHARED <= allowed
+    chunks = cols // (16 // itemsize)
+    held = tpr * hv >= chunks
+    if tpr * _launch.PAIR_VECS >= chunks:                   # the team can hold the row ...
+        more = _launch.pair_shared(hv + 1, narrays) + _launch.PAIR_STATIC_SHARED
+        assert held or more > allowed                       # ... and does, where there is room
+        assert tpr * (hv - 1) < max(chunks, 1)              # with no chunk slot to spare
+    else:
+        assert not held and hv == min(_launch.PAIR_VECS,
+                                      (allowed - _launch.PAIR_STATIC_SHARED)
+                                      // _launch.pair_shared(1, narrays))
+
+
+def test_pair_vecs_of_kernelbench_99():
+    # H100: the three 32 KiB rows in each of two stages, 192 KiB, one block an SM
+    assert _launch.pair_vecs(8192, 4, 3, True, H100_OPTIN) == _launch.PAIR_VECS
+    assert _launch.pair_shared(_launch.PAIR_VECS, 3) == 192 * 1024
+    # 99 KiB: four chunks a thread, the row streamed in two tiles; 48 KiB: one chunk
+    assert _launch.pair_vecs(8192, 4, 3, True, SM86_OPTIN) == 4
+    assert _launch.pair_vecs(8192, 4, 3, True, H100) == 1
+
+
+@pytest.mark.parametrize("cols", [1, 8192, 2**20 + 3])
+def test_pair_loss_alone_holds_nothing(cols):
+    assert _launch.pair_vecs(cols, 4, 3, False, H100_OPTIN) == 0
+    cfg = _launch.pair_launch(1000, cols, 4, 3, False, H100_OPTIN, 4)
+    assert cfg.hv == 0 and cfg.shared == 0
+    assert cfg.tpr == _launch.pair_launch(1000, cols, 4, 3, True, H100_OPTIN, 1).tpr
+
+
+def test_pair_vecs_refuse_a_device_without_room_for_one_chunk():
+    tiny = DeviceLimits(sm_count=1, max_grid_x=2**31 - 1, max_grid_y=65535,
+                        max_shared_per_block=16384)
+    with pytest.raises(ValueError, match="rowpair_rows needs 26624 bytes of shared memory per "
+                                         "block but the device allows 16384"):
+        _launch.pair_vecs(8192, 4, 3, True, tiny)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 32768, 10**7, 2**33])
 @pytest.mark.parametrize("cols, itemsize", [(1, 4), (10, 2), (8192, 4), (2**21, 8)])
 @pytest.mark.parametrize("per_sm", [1, 2, 4])
-def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm):
-    cfg = _launch.pair_launch(rows, cols, itemsize, H100, per_sm)
+@pytest.mark.parametrize("grad", [False, True])
+def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm, grad):
+    cfg = _launch.pair_launch(rows, cols, itemsize, 3, grad, H100_OPTIN, per_sm)
     (grid,) = cfg.grid
-    assert cfg.block == (BLOCK,) and cfg.shared == 0
-    assert cfg.tpr == _launch.pair_team(cols, itemsize) and BLOCK % cfg.tpr == 0
-    assert 1 <= grid <= H100.sm_count * per_sm
-    assert grid <= max(1, _cdiv(rows, BLOCK // cfg.tpr))   # no block without a row
+    block = _launch.PAIR_BLOCK
+    assert cfg.block == (block,)
+    assert cfg.tpr == _launch.pair_team(cols, itemsize) and block % cfg.tpr == 0
+    assert cfg.hv == _launch.pair_vecs(cols, itemsize, 3, grad, H100_OPTIN)
+    assert cfg.shared == _launch.pair_shared(cfg.hv, 3)
+    assert 1 <= grid <= H100_OPTIN.sm_count * per_sm
+    assert grid <= max(1, _cdiv(rows, block // cfg.tpr))   # no block without a row
 
 
 def test_pair_launch_rejects_rows_past_32_bit_indices():
     with pytest.raises(ValueError, match="exceed the 2147483647 a row may have"):
-        _launch.pair_launch(1, 2**31, 4, H100, 2)
+        _launch.pair_launch(1, 2**31, 4, 3, True, H100_OPTIN, 2)
 
 
 @settings(max_examples=200, deadline=None)
