@@ -19,7 +19,9 @@ backward asking for the logits' gradient.  Times are medians of --reps runs (CUD
 warm-up) on torch's current stream, all arrays torch tensors.  GB/s counts compulsory traffic:
 the logits and targets read once, the gradient written once.  Percentages are of the device's
 bandwidth measured in the same run: a read-only sum for the forward, a copy (read + write) for
-value_and_grad.  --scale shrinks the rows (0.25 on a small GPU).  Never used as a test.
+value_and_grad.  Between workloads memory goes back to the driver and the run waits for the
+device to settle (_timing.release).  --scale shrinks the rows (0.25 on a small GPU).  Never used
+as a test.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def bandwidth(torch, reps: int) -> tuple[float, float]:
     dst = torch.empty_like(src)
     copy = 2 * 2**31 / _timer(torch, lambda: dst.copy_(src), reps) / 1e6
     del src, dst
-    torch.cuda.empty_cache()
+    _timing.release(torch)
     return read, copy
 
 
@@ -166,7 +168,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--workloads", default="kb95,llm,jsd,kb99", help="comma-separated subset")
     args = ap.parse_args(argv)
 
-    import cupy
     import torch
 
     device = torch.cuda.get_device_name()
@@ -202,8 +203,7 @@ def main(argv=None) -> list[dict]:
                              x_cupyloss=ms / times[("cupyloss", what)], device=device,
                              read_gbps=read_bw, copy_gbps=copy_bw))
         del x, t, impls
-        torch.cuda.empty_cache()
-        cupy.get_default_memory_pool().free_all_blocks()
+        _timing.release(torch)
 
     print(f"{'workload':8} {'pass':15} {'impl':17} {'ms':>8} {'GB/s':>7} {'%limit':>7} "
           f"{'x cupyloss':>10}")
