@@ -98,20 +98,6 @@ class Plan:
 
 
 _PLANS: dict = {}
-_RESIDENT: dict = {}
-
-
-def _resident(name: str, shared: int, device: int) -> int:
-    """Blocks per SM of rowclass.cu kernel `name` with `shared` bytes, from the occupancy API."""
-    key = (device, name, shared)
-    n = _RESIDENT.get(key)
-    if n is None:
-        from cupy_backends.cuda.api import driver
-
-        function = _source.function("rowclass.cu", name).kernel.ptr
-        n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            function, _launch.BLOCK, shared))
-    return n
 
 
 # --- layout -------------------------------------------------------------------------------------
@@ -221,7 +207,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
     name = _source.rowclass_name("rowclass_rows", info.ctype, spec.loss)
     shared = _launch.ROW_SCRATCH * acc.itemsize
     cfg = _launch.stream_row_launch(rows, cols, dtype.itemsize, acc.itemsize, limits,
-                                    _resident(name, shared, device))
+                                    _source.resident("rowclass.cu", name, shared))
     w_rs, w_cs = w_strides or (0, 0)
     words = ROWS.template({
         "rows": rows, "cols": cols, "x_rs": x_rs, "t_rs": t_rs, "w_rs": w_rs, "w_cs": w_cs,

@@ -134,8 +134,6 @@ LAYOUT = _args.Layout([(name, 1) for name in _PARAMS])
 _ONE = _args.f64_word(1.0)
 
 _PLANS: dict = {}
-_RESIDENT: dict = {}
-_ALLOWED: dict = {}     # (device, kernel name) -> the dynamic shared memory its attribute allows
 
 
 @dataclasses.dataclass
@@ -155,31 +153,6 @@ class Plan:
     loss: bool              # allocate the per-row loss (reduction 'none')
     grads: tuple            # per input: allocate its gradient
     partials: int           # acc-typed partial sums (0: none, one block)
-
-
-def _kernel(name: str, device: int, shared: int):
-    """rowpair.cu kernel `name` (a cupy.RawKernel), allowed `shared` bytes of dynamic shared
-    memory: its attribute is raised once, when a plan first asks for more than it allows."""
-    kernel = _source.function("rowpair.cu", name)
-    key = (device, name)
-    if _ALLOWED.get(key, 0) < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
-        _ALLOWED[key] = shared
-    return kernel
-
-
-def _resident(name: str, device: int, shared: int) -> int:
-    """Blocks per SM of rowpair.cu kernel `name` with `shared` bytes of dynamic shared memory,
-    from the occupancy API."""
-    key = (device, name, shared)
-    n = _RESIDENT.get(key)
-    if n is None:
-        from cupy_backends.cuda.api import driver
-
-        function = _kernel(name, device, shared).kernel.ptr
-        n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            function, _launch.PAIR_BLOCK, shared))
-    return n
 
 
 def _row_geometry(shape, strides):
@@ -206,7 +179,7 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     hv = _launch.pair_vecs(cols, dtype.itemsize, narrays, grad, limits)
     shared = _launch.pair_shared(hv, narrays)
     cfg = _launch.pair_launch(rows, cols, dtype.itemsize, narrays, grad, limits,
-                              _resident(name, device, shared))
+                              _source.resident("rowpair.cu", name, shared, _launch.PAIR_BLOCK))
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
     flags = FLAG_SWAP if swap else 0
@@ -227,7 +200,7 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
         values[f"rs{k}"] = _args.i64_word(rs)
         values[f"cs{k}"] = _args.i64_word(cs)
     words = LAYOUT.template(values)
-    function = _kernel(name, device, cfg.shared).kernel.ptr
+    function = _source.function("rowpair.cu", name).kernel.ptr  # allowed cfg.shared above
     value = want_value and reduction != "none"
     partials = cfg.grid[0] if value and cfg.grid[0] > 1 else 0
     return Plan(function, cfg.grid, cfg.block, cfg.shared, words, tuple(x_shape), loss_shape,

@@ -119,24 +119,6 @@ class Plan:
 
 
 _PLANS: dict = {}
-_RESIDENT: dict = {}            # (device, kernel name) -> blocks per SM
-
-
-def _resident(name: str, shared: int, device: int) -> int:
-    """Blocks per SM of rowwise.cu kernel `name` with `shared` bytes, from the occupancy API.  A
-    kernel asked about more than the default 48 KiB is first allowed that much (its max dynamic
-    shared size only ever grows, so every launch planned before stays valid)."""
-    key = (device, name, shared)
-    n = _RESIDENT.get(key)
-    if n is None:
-        from cupy_backends.cuda.api import driver
-
-        kernel = _source.function("rowwise.cu", name)
-        if shared > kernel.max_dynamic_shared_size_bytes:
-            kernel.max_dynamic_shared_size_bytes = shared
-        n = _RESIDENT[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kernel.kernel.ptr, _launch.BLOCK, shared))
-    return n
 
 
 # --- operands ------------------------------------------------------------------------------------
@@ -301,7 +283,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode)
         cfg = _launch.row_launch(rows, cols, dtype.itemsize, acc.itemsize, want_g,
                                  spec.kind == "nll" and not want_g, limits,
-                                 lambda shared: _resident(name, shared, device))
+                                 lambda shared: _source.resident("rowwise.cu", name, shared))
         words = ROWS.template({**common, "x_rs": geo.x[0], "t_rs": geo.t[0], "go_rs": go_rs[0],
                                "g_rs": g_strides[0], "tpr": cfg.tpr, "k": cfg.k,
                                "stash": cfg.stash})
@@ -315,7 +297,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         name = _source.rowwise_name("cross_entropy_cols", info.ctype)
         shared = _launch.ROW_SCRATCH * acc.itemsize
         cfg = _launch.thread_per_row_launch(rows, acc.itemsize, limits,
-                                            _resident(name, shared, device))
+                                            _source.resident("rowwise.cu", name, shared))
         xn, xc, xd = geo.x
         tn, tc, td = geo.t
         gn, gc, gd = g_strides

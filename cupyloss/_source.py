@@ -228,6 +228,27 @@ def function(name: str, expression: str):
     return _function(name, expression, cupy.cuda.runtime.getDevice())
 
 
+@functools.lru_cache(maxsize=None)
+def _resident(name: str, expression: str, shared: int, block: int, device_id: int) -> int:
+    from cupy_backends.cuda.api import driver
+
+    kernel = _function(name, expression, device_id)
+    if shared > kernel.max_dynamic_shared_size_bytes:
+        kernel.max_dynamic_shared_size_bytes = shared
+    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, block,
+                                                                    shared))
+
+
+def resident(name: str, expression: str, shared: int = 0, block: int = _launch.BLOCK) -> int:
+    """Blocks per SM of the kernel `expression` of kernels/`name` on the current device, with
+    blocks of `block` threads and `shared` bytes of dynamic shared memory (the occupancy API).
+    A kernel asked about more than the default 48 KiB is first allowed that much; its allowance
+    only ever grows, so every launch planned before stays valid."""
+    import cupy
+
+    return _resident(name, expression, shared, block, cupy.cuda.runtime.getDevice())
+
+
 def _compile_group(job) -> str:
     """Worker of precompile: load one group's module (compiling it into the on-disk cache)."""
     name, group = job

@@ -226,11 +226,9 @@ __device__ __forceinline__ void team_sum(A (&s)[S], int tpr, A (*red)[S]) {
 }
 
 template <typename T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> pair_load(const T* p, long long stride, bool vec,
-                                                 bool keep) {
+__device__ __forceinline__ Vec<T, VEC> pair_load(const T* p, long long stride, bool vec) {
     if (vec) {
-        const int4 raw = keep ? __ldcg(reinterpret_cast<const int4*>(p))
-                              : __ldcs(reinterpret_cast<const int4*>(p));
+        const int4 raw = __ldcs(reinterpret_cast<const int4*>(p));
         return *reinterpret_cast<const Vec<T, VEC>*>(&raw);
     }
     Vec<T, VEC> v;
@@ -310,16 +308,25 @@ __device__ __forceinline__ void pair_grad(const Vec<T, VEC> (&x)[N], const A (&c
 // cp.async (sm_80 and later): 16 bytes from global memory to shared memory without passing
 // through registers, cached in L2 only; the copies a thread issues between two commits form a
 // group, and wait<n> returns once at most n of the thread's latest groups are still in flight.
+// Before sm_80 the copy is a load and a store, done when it returns.
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
     const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+#else
+    *static_cast<int4*>(dst) = __ldcg(static_cast<const int4*>(src));
+#endif
 }
 __device__ __forceinline__ void copies_commit() {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
 }
 template <int PENDING>
 __device__ __forceinline__ void copies_wait() {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
 }
 
 // GRAD: the gradients are written.  A row group (a row a team) passes through dynamic shared
@@ -421,8 +428,7 @@ __global__ void __launch_bounds__(PAIR_BLOCK, (GRAD ? 512 : 1024) / PAIR_BLOCK) 
                 #pragma unroll
                 for (int k = 0; k < N; ++k) {
                     if (w.vec[k]) copy_async16(slot(st, k, i), w.at(k, j, cs[k]));
-                    else *slot(st, k, i) = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], false,
-                                                             false);
+                    else *slot(st, k, i) = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], false);
                 }
             }
         }
@@ -487,7 +493,7 @@ __global__ void __launch_bounds__(PAIR_BLOCK, (GRAD ? 512 : 1024) / PAIR_BLOCK) 
                         if (j >= w.nv) continue;
                         #pragma unroll
                         for (int k = 0; k < N; ++k)
-                            xv[i][k] = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], w.vec[k], false);
+                            xv[i][k] = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], w.vec[k]);
                     }
                     #pragma unroll
                     for (int i = 0; i < NS; ++i) {

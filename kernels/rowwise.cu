@@ -89,11 +89,12 @@ __device__ __forceinline__ double fexp(double v) { return exp(v); }
 // handling of exp2f (a compare and two predicated multiplies an element on sm_90, about 7% of the
 // bfloat16 value_and_grad at 8192 x 128256 on an H100).  The gradient's p keeps fexp: flushing it
 // too (8% more) would give 0 where torch gives a subnormal gradient.
-__device__ __forceinline__ float fexp_sum(float v) {
+__device__ __forceinline__ float ex2_ftz(float v) {  // 2^v, subnormals flushed
     float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v * 1.4426950408889634f));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
     return r;
 }
+__device__ __forceinline__ float fexp_sum(float v) { return ex2_ftz(v * 1.4426950408889634f); }
 __device__ __forceinline__ double fexp_sum(double v) { return exp(v); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 
@@ -370,7 +371,7 @@ __device__ __forceinline__ void probs(const float (&z)[VEC], float lse, float (&
     }
     if (lo >= -126.0f) {
         #pragma unroll
-        for (int e = 0; e < VEC; ++e) asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(p[e]) : "f"(v[e]));
+        for (int e = 0; e < VEC; ++e) p[e] = ex2_ftz(v[e]);
     } else {
         #pragma unroll
         for (int e = 0; e < VEC; ++e) p[e] = exp2f(v[e]);
