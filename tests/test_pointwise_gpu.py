@@ -585,6 +585,9 @@ def test_no_host_sync_under_graph_capture(case):
     pos, kw = _args(case, dev)
     go = cupy.array(1.5, cupy.float32)
     _call(case.name, "vag", *pos, reduction="mean", grad_output=go, **kw)  # compile, warm pool
+    # The operands were written on the legacy stream, which a non-blocking stream does not wait
+    # for: without this the replay can read them before their copies land.
+    cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
