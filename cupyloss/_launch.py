@@ -333,9 +333,37 @@ def split_reduced(shape: tuple, strides: list[tuple], operand: int) -> ReduceSpl
 REDUCE_MIN_STEPS = 16
 #   REDUCE_STEPS: VEC steps whose loads a lane issues before using any (K <= 2 operands of 4
 #            bytes; half for more operands or 8-byte ones); REDUCE_MIN_BLOCKS: blocks per SM
-#            the kernel's registers are bounded for.  Compile-time: kernel_defines passes them.
+#            the kernel's registers are bounded for.  Each for functors marked cheap
+#            (losses.cuh) and for the rest (_HEAVY), compile-time: kernel_defines passes them.
 REDUCE_STEPS = 4
-REDUCE_MIN_BLOCKS = 1
+REDUCE_STEPS_HEAVY = 1
+REDUCE_MIN_BLOCKS = 2
+REDUCE_MIN_BLOCKS_HEAVY = 3
+# The gradient instantiations of pointwise_rows (blocks per SM bounded for, cheap and heavy;
+# row steps in flight, heavy) and of pointwise_flat (blocks per SM and steps in flight, heavy;
+# cheap ones take FLAT_UNROLL_GRAD below and no bound).  A heavy functor (a log, an exp or a
+# division a value) is bound by its instructions' latency, not by loads in flight: fewer
+# registers and more resident warps hide it.  Measured on an H100 (value_and_grad, every
+# gradient, fp32, ms, one run per row; "A" the old shape: no bounds, 4 steps):
+#   variant: reduce heavy blocks/steps, rows cheap blocks, rows heavy blocks/steps, flat heavy
+#   blocks/steps;  focal, bce_with_logits, kl_div, bce on the four bench_broadcast patterns
+#   (per-channel, per-row, row, scalar), then at 32768^2 as a ratio to mse_loss's time
+#                       focal                    bce_with_logits          32768^2 focal/bcel/kl/bce
+#   A  1/4 1 1/4 1/2    .808 .541 .543 .255      .662 .430 .317 .220      1.366 1.260 1.358 1.159
+#   B  3/2 2 3/2 2/2    .432 .310 .270 .252      .407 .295 .310 .220      1.361 1.259 1.354 1.161
+#   C  2/2 2 2/2 3/2    .431 .286 .277 .221      .446 .293 .208 .183      1.198 1.135 1.358 0.984
+#   E  3/1 2 3/1 4/2    .366 .269 .241 .212      .413 .292 .317 .174      1.137 1.107 1.243 1.001
+#   F  3/1 2 3/1 4/1    .366 .269 .240 .231      .409 .292 .315 .175      1.248 1.107 1.436 1.001
+#   G  4/1 2 4/1 5/1    .367 .244 .262 .237      .506 .339 .458 .217      1.274 1.273 1.385 1.489
+#   H  3/2 2 2/1 3/1    .428 .307 .263 .243      .406 .291 .207 .341      1.342 1.135 1.407 0.983
+# (cheap losses: reduce 2 blocks against 1 took hinge per-channel from .217 to .167 ms and mse
+# from .165 to .164; rows 2 blocks against 1 took hinge's row pattern from .140 to .113 ms.)
+# E is taken; single losses do better elsewhere (bce's rows with C, .225 against .290).
+ROWS_MIN_BLOCKS_GRAD = 2
+ROWS_MIN_BLOCKS_GRAD_HEAVY = 3
+ROWS_STEPS_GRAD_HEAVY = 1
+FLAT_MIN_BLOCKS_GRAD_HEAVY = 4
+FLAT_UNROLL_GRAD_HEAVY = 2
 
 
 # pointwise_flat: grid-stride steps of the vector loop whose loads a thread issues before using
@@ -388,7 +416,14 @@ def flat_chunk(nvec: int, grid: int, block: int = BLOCK) -> int:
 def kernel_defines() -> tuple[str, ...]:
     """The compile options that carry this table's compile-time entries into the kernels."""
     return (f"-DCUPYLOSS_REDUCE_STEPS={REDUCE_STEPS}",
+            f"-DCUPYLOSS_REDUCE_STEPS_HEAVY={REDUCE_STEPS_HEAVY}",
             f"-DCUPYLOSS_REDUCE_MIN_BLOCKS={REDUCE_MIN_BLOCKS}",
+            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY={REDUCE_MIN_BLOCKS_HEAVY}",
+            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD={ROWS_MIN_BLOCKS_GRAD}",
+            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY={ROWS_MIN_BLOCKS_GRAD_HEAVY}",
+            f"-DCUPYLOSS_ROWS_STEPS_GRAD_HEAVY={ROWS_STEPS_GRAD_HEAVY}",
+            f"-DCUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY={FLAT_MIN_BLOCKS_GRAD_HEAVY}",
+            f"-DCUPYLOSS_FLAT_UNROLL_GRAD_HEAVY={FLAT_UNROLL_GRAD_HEAVY}",
             f"-DCUPYLOSS_FLAT_UNROLL_VALUE={FLAT_UNROLL_VALUE}",
             f"-DCUPYLOSS_FLAT_UNROLL_VALUE_CHEAP={FLAT_UNROLL_VALUE_CHEAP}",
             f"-DCUPYLOSS_FLAT_UNROLL_GRAD={FLAT_UNROLL_GRAD}")

@@ -88,6 +88,52 @@ struct IsCheap<Op, decltype(void(Op::cheap))> {
     static constexpr bool value = Op::cheap;
 };
 
+// The gradient instantiations' shape, for functors marked cheap and for the rest ("heavy": a
+// transcendental, a division or a branch a value, so bound by instructions where cheap ones are
+// bound by memory): blocks per SM their registers are bounded for (__launch_bounds__) and steps
+// of loads in flight.  A heavy functor trades loads in flight for resident warps, which hide
+// its arithmetic's latency.  Set from cupyloss/_launch.py's table through the compile options.
+#ifndef CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY
+#define CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY 1
+#endif
+#ifndef CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY
+#define CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY 1
+#endif
+#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD
+#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD 1
+#endif
+#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY
+#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY 1
+#endif
+#ifndef CUPYLOSS_ROWS_STEPS_GRAD_HEAVY
+#define CUPYLOSS_ROWS_STEPS_GRAD_HEAVY 4
+#endif
+#ifndef CUPYLOSS_REDUCE_STEPS
+#define CUPYLOSS_REDUCE_STEPS 4
+#endif
+#ifndef CUPYLOSS_REDUCE_STEPS_HEAVY
+#define CUPYLOSS_REDUCE_STEPS_HEAVY 4
+#endif
+#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS
+#define CUPYLOSS_REDUCE_MIN_BLOCKS 1
+#endif
+#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY
+#define CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY 1
+#endif
+template <typename Op>
+struct GradShape {
+    static constexpr bool heavy = !IsCheap<Op>::value;
+    static constexpr int flat_blocks = heavy ? CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY : 1;
+    static constexpr int flat_steps =
+        heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
+    static constexpr int rows_blocks =
+        heavy ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY : CUPYLOSS_ROWS_MIN_BLOCKS_GRAD;
+    static constexpr int rows_steps = heavy ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
+    static constexpr int reduce_blocks =
+        heavy ? CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY : CUPYLOSS_REDUCE_MIN_BLOCKS;
+    static constexpr int reduce_steps = heavy ? CUPYLOSS_REDUCE_STEPS_HEAVY : CUPYLOSS_REDUCE_STEPS;
+};
+
 // One value per array operand, passed by value as a kernel parameter.
 template <typename P, int K>
 struct PerOperand {
@@ -217,7 +263,7 @@ __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g
 // Flat layout.  With VEC > 1 the host guarantees a 1-D geometry whose strides are 0 or 1 and
 // 16-byte aligned pointers; elements past the last whole vector take the VEC == 1 path.
 template <typename T, typename Op, int VEC, bool GRAD>
-__global__ void __launch_bounds__(256) pointwise_flat(
+__global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::flat_blocks : 1) pointwise_flat(
         const PerOperand<const T*, Op::K> in,     // operand k through geo.stride[k], or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
         const T* __restrict__ go,                 // grad_output: [1] or through geo.stride[K]
@@ -313,7 +359,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
         // 77 -> 109 and bfloat16 121 -> 171.)
         // Value-only, float32 functors marked cheap (a compare or two and a product a value) take
         // more steps at once than the rest, whose registers the extra steps would crowd.
-        constexpr int U = GRAD ? (K * VEC <= 8 ? CUPYLOSS_FLAT_UNROLL_GRAD : 1)
+        constexpr int U = GRAD ? (K * VEC <= 8 ? GradShape<Op>::flat_steps : 1)
                                : (IsCheap<Op>::value && sizeof(T) == 4 && K * VEC <= 8
                                       ? CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
                                       : CUPYLOSS_FLAT_UNROLL_VALUE);
@@ -372,7 +418,7 @@ __global__ void __launch_bounds__(256) pointwise_flat(
 // with one row block, straight to g[k][col].  A scalar operand's gradient is a 0-d sum
 // (grid_sum_out).
 template <typename T, typename Op, int VEC, bool GRAD>
-__global__ void __launch_bounds__(256) pointwise_rows(
+__global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::rows_blocks : 1) pointwise_rows(
         const PerOperand<const T*, Op::K> in,     // per kind: [rows, cols], [cols], [1] or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
         const PerOperand<long long, Op::K> kind,  // KIND_FULL, KIND_ROW or KIND_SCALAR
@@ -388,7 +434,8 @@ __global__ void __launch_bounds__(256) pointwise_rows(
         const PerOperand<T*, Op::K> g,            // full: [rows, cols]; row: [cols]; or null
         const PerOperand<double*, Op::K> ws) {    // row: [gridDim.y, cols], or null
     constexpr int K = Op::K;
-    constexpr int UNROLL = K <= 2 ? 4 : 2;
+    constexpr int STEPS = GRAD ? GradShape<Op>::rows_steps : 4;
+    constexpr int UNROLL = K <= 2 ? STEPS : (STEPS > 1 ? STEPS / 2 : 1);
     using A = acc_t<T>;
     extern __shared__ unsigned char smem_raw[];
     double* smem = reinterpret_cast<double*>(smem_raw);  // [ty * tx * VEC]: lanes' row sums
@@ -532,16 +579,9 @@ __global__ void __launch_bounds__(256) pointwise_rows(
 // loss, full-size gradients and 0-d sums are delivered as in pointwise_flat, so a call is one
 // read of the data.
 // Steps of loads a lane keeps in flight (K <= 2, 4-byte elements) and the blocks per SM the
-// registers are bounded for: set from cupyloss/_launch.py's table (REDUCE_STEPS,
-// REDUCE_MIN_BLOCKS) through the compile options.
-#ifndef CUPYLOSS_REDUCE_STEPS
-#define CUPYLOSS_REDUCE_STEPS 4
-#endif
-#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS
-#define CUPYLOSS_REDUCE_MIN_BLOCKS 1
-#endif
+// registers are bounded for: GradShape (reduce_steps, reduce_blocks).
 template <typename T, typename Op, int VEC>
-__global__ void __launch_bounds__(256, CUPYLOSS_REDUCE_MIN_BLOCKS) pointwise_reduce(
+__global__ void __launch_bounds__(256, GradShape<Op>::reduce_blocks) pointwise_reduce(
         const PerOperand<const T*, Op::K> in,     // operand k through kept/red strides, or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
         const T* __restrict__ go,                 // grad_output: [1] or through stride[K]
@@ -562,8 +602,9 @@ __global__ void __launch_bounds__(256, CUPYLOSS_REDUCE_MIN_BLOCKS) pointwise_red
     constexpr int K = Op::K;
     // Steps whose loads are in flight at once: 16 (K <= 2) or 8 elements of 4 bytes or less a
     // lane; 16-bit vectors of 8 take half the steps (registers, not bytes, limit them).
-    constexpr int UNROLL = (K <= 2 ? CUPYLOSS_REDUCE_STEPS : CUPYLOSS_REDUCE_STEPS / 2) * 4
-                           / (VEC > 4 ? VEC : 4);
+    constexpr int STEPS = GradShape<Op>::reduce_steps;
+    constexpr int UNROLL_4 = (K <= 2 ? STEPS : STEPS / 2) * 4 / (VEC > 4 ? VEC : 4);
+    constexpr int UNROLL = UNROLL_4 > 1 ? UNROLL_4 : 1;
     constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
     constexpr int F = K > 1 ? K - 1 : 1;          // operands read per element (see slot)
     using A = acc_t<T>;
