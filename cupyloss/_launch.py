@@ -364,6 +364,17 @@ ROWS_MIN_BLOCKS_GRAD_HEAVY = 3
 ROWS_STEPS_GRAD_HEAVY = 1
 FLAT_MIN_BLOCKS_GRAD_HEAVY = 4
 FLAT_UNROLL_GRAD_HEAVY = 2
+# Element sizes (bytes) whose heavy functors take the heavy shape; others take the cheap one (a
+# functor may declare its own, losses.cuh's heavy_sizes).  The old shape against E, H100,
+# value_and_grad, ratio of time to mse's (one run; bfloat16 32768^2, float64 16384^2):
+#                  bce_logits  focal  kl     bce    log_cosh  soft_margin  poisson
+#   bfloat16 old   2.771       5.545  4.342  2.694  1.554     1.448        1.756
+#   bfloat16 E     2.399       3.351  3.369  4.750  1.300     1.190        1.119
+#   float64  old   2.943       3.395  1.366  2.383  1.115     1.264        1.098
+#   float64  E     1.629       1.772  1.077  2.329  1.002     1.053        0.977
+# (bce keeps the old shape in 16-bit: its 8-element vectors spill at 64 registers.)  16-bit
+# heavy gradients stay bound by instructions: half the bytes of float32 for the same arithmetic.
+GRAD_HEAVY_SIZES = (2, 4, 8)
 
 
 # pointwise_flat: grid-stride steps of the vector loop whose loads a thread issues before using
@@ -424,6 +435,7 @@ def kernel_defines() -> tuple[str, ...]:
             f"-DCUPYLOSS_ROWS_STEPS_GRAD_HEAVY={ROWS_STEPS_GRAD_HEAVY}",
             f"-DCUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY={FLAT_MIN_BLOCKS_GRAD_HEAVY}",
             f"-DCUPYLOSS_FLAT_UNROLL_GRAD_HEAVY={FLAT_UNROLL_GRAD_HEAVY}",
+            f"-DCUPYLOSS_GRAD_HEAVY_SIZES={sum(1 << b for b in GRAD_HEAVY_SIZES)}",
             f"-DCUPYLOSS_FLAT_UNROLL_VALUE={FLAT_UNROLL_VALUE}",
             f"-DCUPYLOSS_FLAT_UNROLL_VALUE_CHEAP={FLAT_UNROLL_VALUE_CHEAP}",
             f"-DCUPYLOSS_FLAT_UNROLL_GRAD={FLAT_UNROLL_GRAD}")

@@ -342,6 +342,10 @@ struct HuberOp {
 // x outside [0, 1] (torch asserts) gives a NaN loss; the input gradient is the formula's.
 struct BceOp {
     static constexpr int K = 3;  // input, target, weight
+    // Gradient kernels bounded for more resident warps in float and double only (GradShape in
+    // pointwise.cu): 16-bit vectors of 8 elements spill there (H100, bfloat16 32768^2
+    // value_and_grad 14.5 ms bounded against 8.2 unbounded).
+    static constexpr int heavy_sizes = (1 << 4) | (1 << 8);
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A clamp_log(A v) { return v < A(-100) ? A(-100) : v; }

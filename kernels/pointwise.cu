@@ -120,9 +120,24 @@ struct IsCheap<Op, decltype(void(Op::cheap))> {
 #ifndef CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY
 #define CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY 1
 #endif
+// The heavy shape applies to the element sizes set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte
+// elements), or in the functor's own `heavy_sizes` where it declares one; other sizes take the
+// cheap shape.
+#ifndef CUPYLOSS_GRAD_HEAVY_SIZES
+#define CUPYLOSS_GRAD_HEAVY_SIZES 0
+#endif
+template <typename Op, typename = void>
+struct HeavySizes {
+    static constexpr int value = CUPYLOSS_GRAD_HEAVY_SIZES;
+};
 template <typename Op>
+struct HeavySizes<Op, decltype(void(Op::heavy_sizes))> {
+    static constexpr int value = Op::heavy_sizes;
+};
+template <typename Op, typename T>
 struct GradShape {
-    static constexpr bool heavy = !IsCheap<Op>::value;
+    static constexpr bool heavy =
+        !IsCheap<Op>::value && ((HeavySizes<Op>::value >> sizeof(T)) & 1) != 0;
     static constexpr int flat_blocks = heavy ? CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY : 1;
     static constexpr int flat_steps =
         heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
@@ -263,7 +278,7 @@ __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g
 // Flat layout.  With VEC > 1 the host guarantees a 1-D geometry whose strides are 0 or 1 and
 // 16-byte aligned pointers; elements past the last whole vector take the VEC == 1 path.
 template <typename T, typename Op, int VEC, bool GRAD>
-__global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::flat_blocks : 1) pointwise_flat(
+__global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1) pointwise_flat(
         const PerOperand<const T*, Op::K> in,     // operand k through geo.stride[k], or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
         const T* __restrict__ go,                 // grad_output: [1] or through geo.stride[K]
@@ -359,7 +374,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::flat_blocks : 1) po
         // 77 -> 109 and bfloat16 121 -> 171.)
         // Value-only, float32 functors marked cheap (a compare or two and a product a value) take
         // more steps at once than the rest, whose registers the extra steps would crowd.
-        constexpr int U = GRAD ? (K * VEC <= 8 ? GradShape<Op>::flat_steps : 1)
+        constexpr int U = GRAD ? (K * VEC <= 8 ? GradShape<Op, T>::flat_steps : 1)
                                : (IsCheap<Op>::value && sizeof(T) == 4 && K * VEC <= 8
                                       ? CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
                                       : CUPYLOSS_FLAT_UNROLL_VALUE);
@@ -418,7 +433,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::flat_blocks : 1) po
 // with one row block, straight to g[k][col].  A scalar operand's gradient is a 0-d sum
 // (grid_sum_out).
 template <typename T, typename Op, int VEC, bool GRAD>
-__global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::rows_blocks : 1) pointwise_rows(
+__global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1) pointwise_rows(
         const PerOperand<const T*, Op::K> in,     // per kind: [rows, cols], [cols], [1] or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
         const PerOperand<long long, Op::K> kind,  // KIND_FULL, KIND_ROW or KIND_SCALAR
@@ -434,7 +449,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::rows_blocks : 1) po
         const PerOperand<T*, Op::K> g,            // full: [rows, cols]; row: [cols]; or null
         const PerOperand<double*, Op::K> ws) {    // row: [gridDim.y, cols], or null
     constexpr int K = Op::K;
-    constexpr int STEPS = GRAD ? GradShape<Op>::rows_steps : 4;
+    constexpr int STEPS = GRAD ? GradShape<Op, T>::rows_steps : 4;
     constexpr int UNROLL = K <= 2 ? STEPS : (STEPS > 1 ? STEPS / 2 : 1);
     using A = acc_t<T>;
     extern __shared__ unsigned char smem_raw[];
@@ -581,7 +596,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op>::rows_blocks : 1) po
 // Steps of loads a lane keeps in flight (K <= 2, 4-byte elements) and the blocks per SM the
 // registers are bounded for: GradShape (reduce_steps, reduce_blocks).
 template <typename T, typename Op, int VEC>
-__global__ void __launch_bounds__(256, GradShape<Op>::reduce_blocks) pointwise_reduce(
+__global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwise_reduce(
         const PerOperand<const T*, Op::K> in,     // operand k through kept/red strides, or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
         const T* __restrict__ go,                 // grad_output: [1] or through stride[K]
@@ -602,7 +617,7 @@ __global__ void __launch_bounds__(256, GradShape<Op>::reduce_blocks) pointwise_r
     constexpr int K = Op::K;
     // Steps whose loads are in flight at once: 16 (K <= 2) or 8 elements of 4 bytes or less a
     // lane; 16-bit vectors of 8 take half the steps (registers, not bytes, limit them).
-    constexpr int STEPS = GradShape<Op>::reduce_steps;
+    constexpr int STEPS = GradShape<Op, T>::reduce_steps;
     constexpr int UNROLL_4 = (K <= 2 ? STEPS : STEPS / 2) * 4 / (VEC > 4 ? VEC : 4);
     constexpr int UNROLL = UNROLL_4 > 1 ? UNROLL_4 : 1;
     constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
