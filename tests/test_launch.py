@@ -883,3 +883,24 @@ def test_launch_hands_the_driver_a_well_formed_extra_array(monkeypatch):
     assert seen["size"] == 32 and seen["params"] == list(words)
     assert seen["grid"] == (3, 2, 1) and seen["block"] == (256, 1, 1)
     assert (seen["fn"], seen["shared"], seen["stream"]) == (11, 64, 99)
+
+
+def test_every_kernel_define_names_a_macro_the_kernels_read():
+    """A define of the launch table that no kernel reads (a misspelt name) would leave the kernel
+    at its #ifndef default without a word: each must be a macro some kernel source defaults."""
+    from cupyloss import _source
+
+    sources = "".join(p.read_text() for p in _source.kernel_dir().iterdir()
+                      if p.suffix in (".cu", ".cuh"))
+    for option in _launch.kernel_defines():
+        assert option.startswith("-D") and "=" in option, option
+        name, value = option[2:].split("=", 1)
+        assert f"#ifndef {name}\n" in sources, f"{name} is read by no kernel"
+        assert int(value) >= 0, option
+
+
+def test_heavy_sizes_mask_holds_the_table_sizes():
+    """CUPYLOSS_GRAD_HEAVY_SIZES has bit b set exactly for the b-byte sizes of GRAD_HEAVY_SIZES."""
+    mask = next(int(o.split("=")[1]) for o in _launch.kernel_defines()
+                if o.startswith("-DCUPYLOSS_GRAD_HEAVY_SIZES="))
+    assert {b for b in range(16) if mask >> b & 1} == set(_launch.GRAD_HEAVY_SIZES)
