@@ -262,9 +262,10 @@ struct L1Op {
 // double and rounded to float (each product then within 1.5 ulp of the quotient).  Those
 // factors are normal floats for beta in [2^-64, 2^64]; for a beta outside it (beta == 0 aside,
 // where no quotient is taken) the product is taken in double, with 1 / beta correctly rounded
-// (__drcp_rn: no division, whose out-of-line slow path and its reconvergence points cost every
-// element of the common case about 1.2x the time of mse's gradient in the broadcast layouts),
-// and rounded to float once: within an ulp of the quotient.
+// (__drcp_rn), and rounded to float once: within an ulp of the quotient.  No division: its
+// out-of-line slow path and the reconvergence points around it were paid by every element of
+// the common case (H100, value_and_grad with a per-channel broadcast: 0.191 ms with them,
+// 0.175 without; mse 0.164).
 struct SmoothL1Op {
     static constexpr int K = 2;  // input, target
     static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat

@@ -615,8 +615,9 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
         const PerOperand<T*, Op::K> g,            // full: [n]; reduced: [n_o] when nchunks == 1
         const PerOperand<double*, Op::K> ws) {    // reduced: [nchunks, n_o] when nchunks > 1
     constexpr int K = Op::K;
-    // Steps whose loads are in flight at once: 16 (K <= 2) or 8 elements of 4 bytes or less a
-    // lane; 16-bit vectors of 8 take half the steps (registers, not bytes, limit them).
+    // Steps whose loads are in flight at once: reduce_steps vectors of 4 elements (K <= 2; half
+    // as many for more operands, at least one); 16-bit vectors of 8 take half the steps
+    // (registers, not bytes, limit them).
     constexpr int STEPS = GradShape<Op, T>::reduce_steps;
     constexpr int UNROLL_4 = (K <= 2 ? STEPS : STEPS / 2) * 4 / (VEC > 4 ? VEC : 4);
     constexpr int UNROLL = UNROLL_4 > 1 ? UNROLL_4 : 1;
