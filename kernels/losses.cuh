@@ -49,6 +49,30 @@ __device__ __forceinline__ float lg_fine(float v) {
 __device__ __forceinline__ double lg_fine(double v) { return log(v); }
 __device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
 __device__ __forceinline__ double lg1p(double v) { return log1p(v); }
+// log1p(e) for e in [0, 1] (or NaN): e P(e), P of degree 11 fitted to log1p(e) / e for relative
+// error.  12 FMAs where log1pf takes about 33 instructions and a branch, which bound the
+// logistic losses' gradients by instructions rather than memory.  Against float64 over
+// e = exp(-|x|) of 4M normal x (x ~ N(0, 9)): at most 1.6 float32 ulps, mean signed error
+// -0.004 ulp (their sum: -1.1e-9 relative); log1pf is within 1 ulp.  P(0) is exactly 1, so a
+// tiny or subnormal e gives e itself.  H100, [32768, 32768] float32, ratio of time to
+// mse_loss's (log1pf -> lg1p_unit, one run): value_and_grad binary_cross_entropy_with_logits
+// 1.113 -> 1.002, sigmoid_focal_loss 1.138 -> 1.017; forward 1.023 -> 1.009 and 1.048 -> 1.010.
+__device__ __forceinline__ float lg1p_unit(float e) {
+    float p = -1.280600787e-03f;
+    p = __fmaf_rn(p, e, 9.080967866e-03f);
+    p = __fmaf_rn(p, e, -3.017254360e-02f);
+    p = __fmaf_rn(p, e, 6.400786340e-02f);
+    p = __fmaf_rn(p, e, -1.012437716e-01f);
+    p = __fmaf_rn(p, e, 1.342654824e-01f);
+    p = __fmaf_rn(p, e, -1.645287722e-01f);
+    p = __fmaf_rn(p, e, 1.996530294e-01f);
+    p = __fmaf_rn(p, e, -2.499661297e-01f);
+    p = __fmaf_rn(p, e, 3.333316147e-01f);
+    p = __fmaf_rn(p, e, -4.999999702e-01f);
+    p = __fmaf_rn(p, e, 1.0f);
+    return __fmul_rn(p, e);
+}
+__device__ __forceinline__ double lg1p_unit(double e) { return log1p(e); }
 __device__ __forceinline__ float ex(float v) { return expf(v); }
 __device__ __forceinline__ double ex(double v) { return exp(v); }
 __device__ __forceinline__ float th(float v) { return tanhf(v); }
@@ -106,7 +130,7 @@ struct Logistic {
 
     __device__ __forceinline__ explicit Logistic(A x, Sigmoids sigmoids = Sigmoids::exact) {
         const A e = ex(-(x < A(0) ? -x : x));
-        const A l = lg1p(e);
+        const A l = lg1p_unit(e);
         sp_pos = (x > A(0) ? x : A(0)) + l;
         sp_neg = (x < A(0) ? -x : A(0)) + l;  // a NaN x makes e, l and so both NaN
         if (sigmoids != Sigmoids::none) {
@@ -658,7 +682,7 @@ struct LogCoshOp {
         const bool small = z < A(1);
         const A s = sinh_small(A(0.5) * z);
         const A arg = small ? A(2) * s * s : ex(A(-2) * z);
-        return (small ? A(0) : z - A(0.69314718055994531)) + lg1p(arg);
+        return (small ? A(0) : z - A(0.69314718055994531)) + lg1p_unit(arg);
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
