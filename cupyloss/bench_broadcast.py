@@ -1,6 +1,7 @@
 """Benchmark gradients of broadcast operands: mse_loss_value_and_grad at four patterns.
 
     python -m cupyloss.bench_broadcast [--reps 20] [--json out.json] [--no-compile] [--family]
+                                       [--family-compile]
 
 Patterns (float32, 'mean' reduction, both gradients), x vs t:
   per-channel  (1, 64, 1, 1) vs (256, 64, 56, 56)   x's gradient: pointwise_reduce [M1, O, M2]
@@ -16,8 +17,10 @@ measured in the same run) and cupyloss's percentage of it; and the relative erro
 gradient against float64 (max |error| / max |float64 gradient|) for cupyloss and torch eager.
 Pools are emptied between patterns.  --family adds a table of every registered pointwise
 loss's value_and_grad (every gradient) on the same patterns, its first array broadcast: time and
-percentage of the memory limit (each array read once, each gradient written once).  Never used
-as a test.
+percentage of the memory limit (each array read once, each gradient written once);
+--family-compile adds torch.compile's forward + backward of the same loss (torch.nn.functional's,
+or the formula of a loss torch lacks: _torch_forms) asking the same gradients, and the ratio
+of its time to cupyloss's.  Never used as a test.
 """
 
 from __future__ import annotations
@@ -87,8 +90,83 @@ def run_pattern(torch, x_shape, t_shape, reps: int, compile_: bool) -> dict:
     return out
 
 
-def family(reps: int, copy_bw: float, device: str) -> list[dict]:
-    """Every pointwise loss's value_and_grad on the four patterns, its first array broadcast."""
+def _same_shape(fn):
+    """fn on its arrays expanded to one shape (views), for torch losses that refuse to
+    broadcast; autograd sums the expanded gradients back."""
+    def run(*arrays):
+        import torch
+
+        return fn(*torch.broadcast_tensors(*arrays))
+    return run
+
+
+def _torch_forms() -> dict:
+    """name -> torch function of the family's arrays giving the loss at the options
+    bench._family_calls uses (torch.nn.functional's, torchvision's focal loss, and the
+    formulas of the losses torch lacks)."""
+    import torch
+
+    F = torch.nn.functional
+
+    def hinge(a, b):
+        return torch.clamp(1 - a * b, min=0)
+
+    def focal(x, t):   # torchvision.ops.sigmoid_focal_loss, alpha 0.25, gamma 2, then mean
+        p = torch.sigmoid(x)
+        ce = F.binary_cross_entropy_with_logits(x, t, reduction="none")
+        p_t = p * t + (1 - p) * (1 - t)
+        return ((0.25 * t + 0.75 * (1 - t)) * ce * (1 - p_t) ** 2).mean()
+
+    # torch's binary_cross_entropy and soft_margin_loss have no target gradient, which cupyloss
+    # gives: their formulas as torch defines them (each log clamped at -100; log(1 + e^(-x t))).
+    def bce(x, t):
+        log_x, log_1mx = torch.clamp(torch.log(x), min=-100), torch.clamp(torch.log1p(-x), min=-100)
+        return (-(t * log_x + (1 - t) * log_1mx)).mean()
+
+    return {
+        "mse_loss": F.mse_loss, "kl_div": F.kl_div, "l1_loss": F.l1_loss,
+        "smooth_l1_loss": F.smooth_l1_loss, "huber_loss": F.huber_loss,
+        "binary_cross_entropy": bce,
+        "binary_cross_entropy_with_logits": _same_shape(F.binary_cross_entropy_with_logits),
+        "soft_margin_loss": lambda x, t: torch.log1p(torch.exp(-x * t)).mean(),
+        "hinge_embedding_loss": F.hinge_embedding_loss,
+        "margin_ranking_loss": _same_shape(F.margin_ranking_loss),
+        "poisson_nll_loss": F.poisson_nll_loss,
+        "hinge_loss": lambda a, b: hinge(a, b).mean(),
+        "squared_hinge_loss": lambda a, b: (hinge(a, b) ** 2).mean(),
+        "sigmoid_focal_loss": _same_shape(focal),
+        "log_cosh_loss": lambda a, b: torch.log(torch.cosh(a - b)).mean(),
+    }
+
+
+def _compiled_ms(name, arrays, grads, reps: int):
+    """torch.compile's forward + backward of loss `name` on the CuPy `arrays` (as torch
+    tensors, zero-copy), asking the gradients cupyloss gave (`grads`, None where it gave none)."""
+    import warnings
+
+    import torch
+
+    form = _torch_forms().get(name)
+    if form is None:
+        return None
+    ts = [torch.from_dlpack(a).detach().requires_grad_(g is not None)
+          for a, g in zip(arrays, grads)]
+    wanted = [t for t in ts if t.requires_grad]
+    compiled = torch.compile(form, dynamic=False)
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # broadcasting targets warn
+            return torch.autograd.grad(compiled(*ts), wanted, allow_unused=True)
+
+    ms = bench_rowwise._timer(torch, run, reps)
+    torch._dynamo.reset()
+    return ms
+
+
+def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> list[dict]:
+    """Every pointwise loss's value_and_grad on the four patterns, its first array broadcast
+    (and with compile_, torch.compile's forward + backward of the same loss)."""
     import cupy
 
     import cupyloss
@@ -110,15 +188,29 @@ def family(reps: int, copy_bw: float, device: str) -> list[dict]:
             vag = getattr(cupyloss, name + "_value_and_grad")
             ms = _timing.gpu_ms(lambda: vag(*arrays, **opts), reps)
             limit = 2 * sum(a.nbytes for a in arrays) / copy_bw / 1e6
-            rows.append(dict(pattern=pattern, loss=name, ms=ms, limit_ms=limit,
-                             pct_limit=100 * limit / ms, device=device))
+            row = dict(pattern=pattern, loss=name, ms=ms, limit_ms=limit,
+                       pct_limit=100 * limit / ms, device=device)
+            if compile_:
+                _, grads = vag(*arrays, **opts)
+                row["compile_ms"] = _compiled_ms(name, arrays, grads, reps)
+                del grads
+                print(f"  {pattern} {name}: {ms:.3f} ms, torch.compile {row['compile_ms']:.3f} ms",
+                      flush=True)
+            rows.append(row)
         del full, small
         cupy.get_default_memory_pool().free_all_blocks()
-    print(f"every pointwise loss's value_and_grad, first array broadcast, {device}:")
-    print(f"{'loss':34} " + " ".join(f"{p:>18}" for p in PATTERNS))
+    print(f"every pointwise loss's value_and_grad, first array broadcast, {device}"
+          + (" (x: torch.compile's time over cupyloss's)" if compile_ else "") + ":")
+    width = 27 if compile_ else 18
+    print(f"{'loss':34} " + " ".join(f"{p:>{width}}" for p in PATTERNS))
     for name in dict.fromkeys(r["loss"] for r in rows):
-        cells = [f"{r['ms']:8.3f} ms {r['pct_limit']:5.1f}%" for r in rows if r["loss"] == name]
-        print(f"{name:34} " + " ".join(f"{c:>18}" for c in cells))
+        cells = []
+        for r in (r for r in rows if r["loss"] == name):
+            cell = f"{r['ms']:8.3f} ms {r['pct_limit']:5.1f}%"
+            if r.get("compile_ms"):
+                cell += f" {r['compile_ms'] / r['ms']:6.2f}x"
+            cells.append(cell)
+        print(f"{name:34} " + " ".join(f"{c:>{width}}" for c in cells))
     return rows
 
 
@@ -129,6 +221,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--family", action="store_true",
                     help="also every pointwise loss on the same patterns (cupyloss alone)")
+    ap.add_argument("--family-compile", action="store_true",
+                    help="--family with torch.compile's time of each loss beside cupyloss's")
     args = ap.parse_args(argv)
 
     import torch
@@ -154,9 +248,9 @@ def main(argv=None) -> list[dict]:
               f"{r['err cupyloss']:13.2e} {r['err torch']:10.2e}")
     print("ms: value_and_grad of mean((x - t) ** 2) with both gradients; limit: read + write "
           "bytes at the copy bandwidth; err: x's gradient vs float64, max |error| / max |ref|")
-    if args.family:
+    if args.family or args.family_compile:
         _free(torch)
-        rows += family(args.reps, copy_bw, device)
+        rows += family(args.reps, copy_bw, device, args.family_compile)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -1113,3 +1113,33 @@ def test_probability_rows_are_positive_and_normalised(data, shape):
         eps64 = np.finfo(np.float64).eps
         bound = float(info.eps) / 2 + n * (float(info.smallest_subnormal) + eps64)
         np.testing.assert_allclose(p64.sum(axis=-1), 1.0, rtol=0, atol=bound)
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("name", [n for n in ref.LOSS_NAMES if n != "gaussian_nll_loss"])
+def test_broadcast_bench_torch_forms_match_references(name):
+    """bench_broadcast times torch.compile on its own torch form of each loss (torch.nn.functional
+    where torch has the loss, the formula otherwise): on float64 CPU tensors, with the first
+    array broadcast as in the benchmark, each gives the reference's mean loss and gradients, so
+    the benchmark compares like with like."""
+    from cupyloss import bench_broadcast
+
+    rng = np.random.default_rng(5)
+    full = (rng.normal(size=(6, 7)), rng.normal(size=(6, 7)), rng.uniform(0.01, 0.99, (6, 7)))
+    small = (rng.normal(size=(6, 1)), rng.uniform(0.01, 0.99, (6, 1)))
+    uniform = {"kl_div": (0, 2), "binary_cross_entropy": (2, 2),
+               "binary_cross_entropy_with_logits": (0, 2), "margin_ranking_loss": (0, 1, 2),
+               "poisson_nll_loss": (0, 2), "sigmoid_focal_loss": (0, 2)}
+    picks = uniform.get(name, (0, 1))   # bench._family_calls' arrays: x, y, u
+    arrays = [full[k] for k in picks]
+    arrays[0] = small[1] if picks[0] == 2 else small[0]
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        value = bench_broadcast._torch_forms()[name](*ts)
+    got = torch.autograd.grad(value, ts, allow_unused=True)
+    assert np.isfinite(value.item())
+    np.testing.assert_allclose(value.item(), ref.loss(name, *arrays, "mean"), rtol=1e-12)
+    for g, want in zip(got, ref.grads(name, *arrays, "mean", 1.0)):
+        g = np.zeros_like(want) if g is None else g.numpy()
+        np.testing.assert_allclose(g, want, rtol=1e-10, atol=1e-14)
