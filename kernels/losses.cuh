@@ -30,21 +30,35 @@ __device__ __forceinline__ double lg(double v) { return log(v); }
 // exponent it splits off) makes it lean the same way for neighbouring v: -0.029 ulp on average
 // for t near 6e-5, which a sum of millions of t log t terms turns into its main error (kl_div at
 // 16384^2: 5.2e-8 relative, as torch's; a CPU emulation of logf gives 5.3e-8, and 6e-11 with a
-// correctly rounded log).  Added back to logf's rounded result, that lean rounds away.  So for v
-// outside (1/4, 4) __logf's estimate l (a few ulp) takes one Newton step, l + (v e^-l - 1),
-// whose error is expf's, about 2^-23 absolute: under an ulp of |log v| >= log 4.  Inside, where
-// that absolute error would be many ulps of a small log, and for NaN, v <= 0 and subnormal v
-// (which __logf flushes to 0), logf itself; for v = inf the step is NaN and l = inf stands.
-// Cost (H100, ratio of time to mse_loss's): kl_div of log-probabilities with t near 6e-5
-// forward 1.029, value_and_grad 1.172 (logf alone, in another run on the same data: 1.027 and
-// 1.127); with t uniform in (0, 1), where the two paths diverge within a warp, 1.143 and 1.235
-// (logf alone, in an earlier session's run: at most 1.017 and 1.106).
+// correctly rounded log).  Here v = 2^k m with m in [2/3, 4/3) (subnormal v scaled by 2^23
+// first), and log v = k ln2_hi + (k ln2_lo + f P(f)), f = m - 1 (exact), P of degree 10 fitted
+// to log1p(f) / f for relative error; ln2_hi has 16 significant bits, so k ln2_hi is exact and
+// only the last sum rounds.  Branch-free, about 28 instructions (logf: about 28 and a branch;
+// the former __logf + Newton step / logf split diverged within a warp wherever t straddled
+// (1/4, 4)).  Against float64 over 8M positive floats (uniform in (0, 1), log-uniform over the
+// whole range, near 1, near 6e-5): at most 1.5 ulp, mean signed error under 0.004 ulp in each
+// of those sets.  v = 0 gives -inf, v < 0 and NaN give NaN, +inf gives +inf, as logf.
 __device__ __forceinline__ float lg_fine(float v) {
-    // NaN, v <= 0, subnormal v (which __logf flushes to 0) and v near 1: logf.
-    if (!(v >= 1.17549435e-38f) || (v > 0.25f && v < 4.0f)) return logf(v);
-    const float l = __logf(v);
-    const float c = __fmaf_rn(v, expf(-l), -1.0f);
-    return fabsf(c) < 0.25f ? __fadd_rn(l, c) : l;
+    const bool sub = v < 1.17549435e-38f;
+    const float w = sub ? v * 8388608.0f : v;          // 2^23: a subnormal becomes normal
+    const int ix = __float_as_int(w) - 0x3f2aaaab;     // 0x3f2aaaab: 2/3
+    const float k = float((ix >> 23) - (sub ? 23 : 0));
+    const float f = __int_as_float((ix & 0x007fffff) + 0x3f2aaaab) - 1.0f;
+    float q = 1.218187138e-01f;
+    q = __fmaf_rn(q, f, -1.304625869e-01f);
+    q = __fmaf_rn(q, f, 1.070348248e-01f);
+    q = __fmaf_rn(q, f, -1.214159131e-01f);
+    q = __fmaf_rn(q, f, 1.430969387e-01f);
+    q = __fmaf_rn(q, f, -1.668459624e-01f);
+    q = __fmaf_rn(q, f, 1.999937147e-01f);
+    q = __fmaf_rn(q, f, -2.499963790e-01f);
+    q = __fmaf_rn(q, f, 3.333334029e-01f);
+    q = __fmaf_rn(q, f, -0.5f);
+    q = __fmaf_rn(q, f, 1.0f);
+    const float lo = __fmaf_rn(k, 1.428606765330187e-06f, __fmul_rn(q, f));
+    const float r = __fmaf_rn(k, 0.693145751953125f, lo);
+    if (v > 0.0f && v < __int_as_float(0x7f800000)) return r;
+    return v == 0.0f ? __int_as_float(0xff800000) : (v > 0.0f ? v : __int_as_float(0x7fffffff));
 }
 __device__ __forceinline__ double lg_fine(double v) { return log(v); }
 __device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
@@ -190,22 +204,25 @@ struct KlDivOp {
         const A lo = A(1.1754943508222875e-38), hi = A(8.507059173023462e37);  // 2^-126, 2^126
         return !p.log_input && !p.log_target && t >= lo && t < hi && x >= lo && x < hi;
     }
+    // The loss's log(t / p) in the ratio form.  Near 1, log r = log w + (u - (w - 1)) / w with
+    // u = (t - p) / p and w = 1 + u rounded: the second term restores what rounding w lost (one
+    // log either way).
+    template <typename A>
+    static __device__ __forceinline__ A ratio_log(A x, A t) {
+        const A r = div_fast(t, x);
+        const bool near = r > A(0.5) && r < A(2);
+        const A u = div_fast(t - x, x);
+        const A w = near ? add_rn(A(1), u) : r;
+        const A lost = near ? div_fast(add_rn(u, -add_rn(w, A(-1))), w) : A(0);
+        return add_rn(lg(w), lost);
+    }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A x = v[0], t = v[1];
         // Every sum and product here is rounded on its own (add_rn, mul_rn): the value-only
         // and the gradient kernels then give the same bits, where the compiler would otherwise
         // fuse a product into a later add in one and not the other.
-        if (ratio_form(x, t, p)) {
-            // Near 1, log r = log w + (u - (w - 1)) / w with u = (t - p) / p and w = 1 + u
-            // rounded: the second term restores what rounding w lost (one log either way).
-            const A r = div_fast(t, x);
-            const bool near = r > A(0.5) && r < A(2);
-            const A u = div_fast(t - x, x);
-            const A w = near ? add_rn(A(1), u) : r;
-            const A lost = near ? div_fast(add_rn(u, -add_rn(w, A(-1))), w) : A(0);
-            return mul_rn(t, add_rn(lg(w), lost));
-        }
+        if (ratio_form(x, t, p)) return mul_rn(t, ratio_log(x, t));
         const A lx = log_in(x, p);
         if (p.log_target) return mul_rn(ex(t), t - lx);
         const A xlogy = t == A(0) ? A(0) : mul_rn(t, lg_fine(t));
@@ -215,6 +232,9 @@ struct KlDivOp {
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
         const A x = v[0], t = v[1];
         if (ratio_form(x, t, p)) {
+            // log(ratio), not the value's ratio_log: sharing it took value_and_grad of
+            // probabilities at 16384^2 from 1.583 to 1.643 ms (H100; its division-heavy
+            // correction costs more than a second log).
             const A ratio = div_fast(t, x);
             d[0] = -ratio;
             d[1] = lg(ratio) + A(1);
@@ -230,9 +250,10 @@ struct KlDivOp {
             // t / t is 1 for every finite nonzero t (subnormals included) and NaN for 0, +-inf
             // and NaN: a compare and a select instead of the division.
             const A t_over_t = t != A(0) && isfinite(t) ? A(1) : quiet_nan(A(0));
-            // logf here: lg_fine's value_and_grad at 16384^2 took 1.202 of mse_loss's time,
-            // logf's 1.172 (H100); an elementwise gradient has no sum to drift.
-            d[1] = (t != A(0) ? lg(t) : A(0)) + t_over_t - lx;
+            // The value's log: value_and_grad computes it once for both (H100, 32768^2 float32,
+            // ratio of time to mse_loss's, one run: forward 1.185 -> 1.012 and value_and_grad
+            // 1.258 -> 1.131 against the former lg_fine and logf here).
+            d[1] = (t != A(0) ? lg_fine(t) : A(0)) + t_over_t - lx;
         }
     }
 };
