@@ -66,10 +66,11 @@ Measured on an H100 (python -m cupyloss.bench_torch, 2026-11-23): MSE of two flo
 [32768, 32768] tensors, forward + loss.backward() with both gradients, takes 6.0 ms with the
 gradients from the forward pass, 8.7 ms with the rerun backward, 12.2 ms with gradients in forward
 and an upstream gradient of 0.5 (torch.compile: 8.4 ms).  At 1K elements the host time is 1.26x
-to 1.30x torch eager's (160-178 us against 127-137 us per forward + backward; the forward alone
-41-50 us against 21 us): the Python autograd Function, its backward node and the launches cost
-more than torch's C++ path.  A Python autograd.Function that launches nothing already costs
-0.69x to 0.72x of torch eager's forward + backward in the same runs.
+to 1.40x torch eager's over three runs (160-230 us against 127-164 us per forward + backward;
+the forward alone 41-61 us against 21-30 us, of which the core value_and_grad is 26 us): the
+Python autograd Function, its backward node and the launches cost more than torch's C++ path.
+A Python autograd.Function that launches nothing already costs 0.67x to 0.72x of torch eager's
+forward + backward in the same runs.
 
 Arguments must be CUDA tensors of one floating dtype (float16, bfloat16, float32, float64) on one
 device; unlike torch, a mixed-dtype pair is refused, not promoted, and under autocast the loss
