@@ -644,21 +644,22 @@ def pair_vecs(cols: int, itemsize: int, narrays: int, grad: bool, limits: Device
 
 
 def pair_launch(rows: int, cols: int, itemsize: int, narrays: int, grad: bool,
-                limits: DeviceLimits, blocks_per_sm: int) -> PairLaunch:
-    """Launch for rowpair_rows over [rows, cols] of `narrays` arrays, with the gradient or not
-    (blocks_per_sm: its resident blocks per SM with `pair_shared(pair_vecs(...))` bytes).
+                limits: DeviceLimits, occupancy) -> PairLaunch:
+    """Launch for rowpair_rows over [rows, cols] of `narrays` arrays, with the gradient or not;
+    occupancy(shared bytes) gives its resident blocks per SM with that much dynamic shared memory.
 
     The team from `pair_team`, the unit from `pair_vecs`; the grid never exceeds the resident
     blocks: rows go round in a grid-stride loop.
     """
     if cols > ROW_MAX_COLS:
         raise ValueError(f"rows of {cols} elements exceed the {ROW_MAX_COLS} a row may have")
-    resident = max(1, limits.sm_count * blocks_per_sm)
     tpr = pair_team(cols, itemsize)
     hv = pair_vecs(cols, itemsize, narrays, grad, limits)
+    shared = pair_shared(hv, narrays)
+    resident = max(1, limits.sm_count * occupancy(shared))
     blocks = _cdiv(max(rows, 1), PAIR_BLOCK // tpr)
     grid = max(1, min(blocks, resident, limits.max_grid_x))
-    return PairLaunch((grid,), (PAIR_BLOCK,), pair_shared(hv, narrays), tpr, hv)
+    return PairLaunch((grid,), (PAIR_BLOCK,), shared, tpr, hv)
 
 
 def thread_per_row_launch(rows: int, acc_itemsize: int, limits: DeviceLimits,

@@ -175,11 +175,9 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     rows = math.prod(loss_shape)
     grad = any(grads)
     name = _source.rowpair_name(info.ctype, spec.op, grad)
-    narrays = len(geos)
-    hv = _launch.pair_vecs(cols, dtype.itemsize, narrays, grad, limits)
-    shared = _launch.pair_shared(hv, narrays)
-    cfg = _launch.pair_launch(rows, cols, dtype.itemsize, narrays, grad, limits,
-                              _source.resident("rowpair.cu", name, shared, _launch.PAIR_BLOCK))
+    cfg = _launch.pair_launch(
+        rows, cols, dtype.itemsize, len(geos), grad, limits,
+        lambda shared: _source.resident("rowpair.cu", name, shared, _launch.PAIR_BLOCK))
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
     flags = FLAG_SWAP if swap else 0

@@ -790,9 +790,10 @@ def test_pair_vecs_of_kernelbench_99():
 @pytest.mark.parametrize("cols", [1, 8192, 2**20 + 3])
 def test_pair_loss_alone_holds_nothing(cols):
     assert _launch.pair_vecs(cols, 4, 3, False, H100_OPTIN) == 0
-    cfg = _launch.pair_launch(1000, cols, 4, 3, False, H100_OPTIN, 4)
+    cfg = _launch.pair_launch(1000, cols, 4, 3, False, H100_OPTIN, lambda shared: 4)
     assert cfg.hv == 0 and cfg.shared == 0
-    assert cfg.tpr == _launch.pair_launch(1000, cols, 4, 3, True, H100_OPTIN, 1).tpr
+    assert cfg.tpr == _launch.pair_launch(1000, cols, 4, 3, True, H100_OPTIN,
+                                           lambda shared: 1).tpr
 
 
 def test_pair_vecs_refuse_a_device_without_room_for_one_chunk():
@@ -808,7 +809,14 @@ def test_pair_vecs_refuse_a_device_without_room_for_one_chunk():
 @pytest.mark.parametrize("per_sm", [1, 2, 4])
 @pytest.mark.parametrize("grad", [False, True])
 def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm, grad):
-    cfg = _launch.pair_launch(rows, cols, itemsize, 3, grad, H100_OPTIN, per_sm)
+    asked = []
+
+    def occupancy(shared):
+        asked.append(shared)
+        return per_sm
+
+    cfg = _launch.pair_launch(rows, cols, itemsize, 3, grad, H100_OPTIN, occupancy)
+    assert asked == [cfg.shared]   # residency is that of the shared memory it launches with
     (grid,) = cfg.grid
     block = _launch.PAIR_BLOCK
     assert cfg.block == (block,)
@@ -821,7 +829,7 @@ def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm, 
 
 def test_pair_launch_rejects_rows_past_32_bit_indices():
     with pytest.raises(ValueError, match="exceed the 2147483647 a row may have"):
-        _launch.pair_launch(1, 2**31, 4, 3, True, H100_OPTIN, 2)
+        _launch.pair_launch(1, 2**31, 4, 3, True, H100_OPTIN, lambda shared: 2)
 
 
 @settings(max_examples=200, deadline=None)
