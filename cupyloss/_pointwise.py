@@ -222,6 +222,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     divisor = _reduction.divisor(reduction, n, shapes[0])
     reduced = reduction != "none"
     fill = [_args.f64_word(spec.fill)] * k_ops
+    functor = spec.instance(params)   # the kernels' functor (with its modes' bits)
     common = {"fill": fill, "params": spec.pack(params), "flags": flags, "go_value": _ONE,
               "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
     contiguous = tuple(lay is not None and tuple(lay[1]) == _contiguous_strides(lay[0])
@@ -275,7 +276,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
         if (None not in kinds and KIND_ROW in kinds   # every broadcast operand is a row
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
-            name = _source.pointwise_name("rows", info.ctype, spec.functor, vec, any(want_grads))
+            name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads))
             shared = _launch.rows_shared(vec)
             cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits),
                                       1 if any(want_grads) else _launch.ROWS_WAVES_VALUE)
@@ -304,14 +305,14 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             grads[k] = {"direct": "g", "scalar": "g0"}.get(modes[k], "zeros" if n == 0 else None)
     scalars = reduced and want_value or "g0" in grads
     if bcast:
-        return _reduce_plan(spec, info, limits, common, out_shape, strides, lead, summed,
-                            aligned, grads, scalars, plan, chunked)
+        return _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead,
+                            summed, aligned, grads, scalars, plan, chunked)
     vec = 1
     if (len(shape) == 1 and aligned and all(st[0] in (0, 1) for st in cstrides)
             and "bcast" not in modes):
         vec = info.vec
     grad = any(want_grads)
-    name = _source.pointwise_name("flat", info.ctype, spec.functor, vec, grad)
+    name = _source.pointwise_name("flat", info.ctype, functor, vec, grad)
     cfg = _launch.flat_launch(n, vec, limits, _resident(name, 0, limits),
                               _launch.FLAT_STEPS_GRAD if grad else _launch.FLAT_STEPS_VALUE)
     layout = flat_layout(k_ops, spec.param_words)
@@ -321,8 +322,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 [None] * k_ops, scalars)
 
 
-def _reduce_plan(spec, info, limits, common, out_shape, strides, lead, summed, aligned, grads,
-                 scalars, plan, chunked) -> Plan:
+def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, summed, aligned,
+                 grads, scalars, plan, chunked) -> Plan:
     """The pointwise_reduce plan split by the broadcast pattern of operand `lead`, summing the
     gradients of operands `summed` (broadcast like it; none for the loss alone) in the pass
     that delivers every other output."""
@@ -338,7 +339,7 @@ def _reduce_plan(spec, info, limits, common, out_shape, strides, lead, summed, a
             and all(st[-1] == 0 or (st[-1] == 1 and all(s % info.vec == 0 for s in st[:-1]))
                     for st in cstrides)):
         vec = info.vec
-    name = _source.pointwise_reduce_name(info.ctype, spec.functor, vec)
+    name = _source.pointwise_reduce_name(info.ctype, functor, vec)
     cfg = _launch.reduce_launch(split, vec, limits, _resident(name, 0, limits))
     layout = reduce_layout(k_ops, spec.param_words)
     kept = _launch.geometry(split.kept, split.kept_strides, k_ops + 2)

@@ -2,10 +2,12 @@
 
 Each entry names the loss's functor in kernels/losses.cuh, its array arguments in torch's order
 (required ones; then optional ones, which default to None and then read as `fill` everywhere),
-the reductions it takes, and `params`: the host mirror of the functor's Params struct, its fields
-in declaration order, each a C ``double`` (F64) or ``long long`` (I64, also for bools), so the
-kernel parameter is a run of 64-bit words.  A functor without options has NoParams (one unused
-word).  `views` maps an array argument to the shape torch views it as before broadcasting
+the reductions it takes, and `params`: the loss's options, each a C ``double`` (F64) or ``long
+long`` (I64, also for bools).  The options named in `modes` (booleans that choose between
+formulas) are template arguments of the functor, bit i for modes[i] (``KlDivOp<2>``), so each
+combination is a kernel holding only its own formula; the others are the host mirror of the
+functor's Params struct, its fields in declaration order, so the kernel parameter is a run of
+64-bit words.  A functor without such options has NoParams (one unused word).  `views` maps an array argument to the shape torch views it as before broadcasting
 (gaussian_nll_loss's var).  Adding a pointwise loss: its functor, one entry here, a reference in
 tests/reference.py, and the public functions in pointwise.py.
 """
@@ -29,7 +31,8 @@ class LossSpec:
     functor: str
     arrays: tuple = ("input", "target")
     optional: tuple = ()
-    params: tuple = ()          # ((field, F64 | I64), ...): the functor's Params, in order
+    params: tuple = ()          # ((option, F64 | I64), ...): the options, in order
+    modes: tuple = ()           # options (of params) that are the functor's template bits
     reductions: tuple = ("none", "mean", "sum")
     fill: float = 1.0           # what an optional array left out reads as
     views: tuple = ()           # ((array, view(input_shape, shape) -> shape), ...)
@@ -51,16 +54,36 @@ class LossSpec:
     @property
     def param_words(self) -> int:
         """Words of the functor's Params struct (NoParams is one)."""
-        return max(1, len(self.params))
+        return max(1, len(self.params) - len(self.modes))
 
-    def pack(self, values: tuple) -> list[int]:
-        """The Params struct's words for option values given in field order."""
+    def _check(self, values: tuple) -> None:
         if len(values) != len(self.params):
             raise ValueError(f"{self.name} takes {len(self.params)} options "
                              f"{[f for f, _ in self.params]}, got {len(values)}")
+
+    def pack(self, values: tuple) -> list[int]:
+        """The Params struct's words for option values given in `params` order (the modes are
+        left out: they are template arguments)."""
+        self._check(values)
         words = [_args.f64_word(v) if kind == F64 else _args.i64_word(int(v))
-                 for (_, kind), v in zip(self.params, values)]
+                 for (name, kind), v in zip(self.params, values) if name not in self.modes]
         return words or [0]
+
+    def instance(self, values: tuple) -> str:
+        """The functor a call with these option values runs: ``functor<bits>`` where the
+        entry has modes (bit i set when option modes[i] is true), else the functor."""
+        if not self.modes:
+            return self.functor
+        self._check(values)
+        given = dict(zip((name for name, _ in self.params), values))
+        bits = sum(1 << i for i, mode in enumerate(self.modes) if given[mode])
+        return f"{self.functor}<{bits}>"
+
+    def instances(self) -> tuple:
+        """Every functor instance calls of this loss can run."""
+        if not self.modes:
+            return (self.functor,)
+        return tuple(f"{self.functor}<{bits}>" for bits in range(1 << len(self.modes)))
 
 
 def gaussian_var_view(input_shape: tuple, var_shape: tuple) -> tuple:
@@ -86,7 +109,7 @@ _MARGIN = (("margin", F64),)
 SPECS = {spec.name: spec for spec in (
     LossSpec("mse_loss", "MseOp"),
     LossSpec("kl_div", "KlDivOp", params=(("log_target", I64), ("log_input", I64)),
-             reductions=("none", "mean", "sum", "batchmean")),
+             modes=("log_target", "log_input"), reductions=("none", "mean", "sum", "batchmean")),
     LossSpec("hinge_loss", "HingeOp", params=_MARGIN),
     LossSpec("l1_loss", "L1Op"),
     LossSpec("smooth_l1_loss", "SmoothL1Op", params=(("beta", F64),)),
@@ -99,7 +122,7 @@ SPECS = {spec.name: spec for spec in (
     LossSpec("margin_ranking_loss", "MarginRankingOp", arrays=("input1", "input2", "target"),
              params=_MARGIN),
     LossSpec("poisson_nll_loss", "PoissonNllOp",
-             params=(("log_input", I64), ("full", I64), ("eps", F64))),
+             params=(("log_input", I64), ("full", I64), ("eps", F64)), modes=("log_input", "full")),
     LossSpec("gaussian_nll_loss", "GaussianNllOp", arrays=("input", "target", "var"),
              params=(("full", I64), ("eps", F64)), views=(("var", gaussian_var_view),),
              numbers=("var",)),
@@ -110,8 +133,8 @@ SPECS = {spec.name: spec for spec in (
 
 
 def functors() -> tuple:
-    """Every registered functor, once each, in registration order."""
-    return tuple(dict.fromkeys(spec.functor for spec in SPECS.values()))
+    """Every registered functor instance, once each, in registration order."""
+    return tuple(dict.fromkeys(f for spec in SPECS.values() for f in spec.instances()))
 
 
 # The modules holding a family's registry (a SPECS dict, name -> entry with at least `arrays` and

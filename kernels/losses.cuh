@@ -187,22 +187,27 @@ struct MseOp {
 // log t / p is small, and the ratio's own rounding would be large against it.  Every other
 // value takes the literal formula above, so zeros, subnormals, infinities and NaNs behave
 // exactly as kl_div(log(p), t) does in torch.
+// The two flags are template arguments (the registry's `modes`), not Params fields: each
+// combination is its own kernel, holding only its own formula's code.  With them read at run
+// time the kernels held every form and the compiler interleaved them (H100, fp32
+// log-probabilities broadcast over [8192, 4096] rows, value_and_grad: 0.272 -> 0.176 ms).
+template <int MODE>
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
-    struct Params {
-        long long log_target;  // target holds log-probabilities
-        long long log_input;   // input holds log-probabilities (torch's convention)
-    };
+    static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
+    static constexpr bool log_input = (MODE & 2) != 0;   // input holds log-probabilities
+    using Params = NoParams;
     template <typename A>
-    static __device__ __forceinline__ A log_in(A x, const Params& p) {
-        return p.log_input ? x : lg(x);
+    static __device__ __forceinline__ A log_in(A x, const Params&) {
+        if constexpr (log_input) return x;
+        else return lg(x);
     }
     // The ratio form's operands: positive, normal and below 2^126 (div_fast's range); every
     // other value takes the literal formula.
     template <typename A>
-    static __device__ __forceinline__ bool ratio_form(A x, A t, const Params& p) {
+    static __device__ __forceinline__ bool ratio_form(A x, A t, const Params&) {
         const A lo = A(1.1754943508222875e-38), hi = A(8.507059173023462e37);  // 2^-126, 2^126
-        return !p.log_input && !p.log_target && t >= lo && t < hi && x >= lo && x < hi;
+        return !log_input && !log_target && t >= lo && t < hi && x >= lo && x < hi;
     }
     // The loss's log(t / p) in the ratio form.  Near 1, log r = log w + (u - (w - 1)) / w with
     // u = (t - p) / p and w = 1 + u rounded: the second term restores what rounding w lost (one
@@ -224,7 +229,7 @@ struct KlDivOp {
         // fuse a product into a later add in one and not the other.
         if (ratio_form(x, t, p)) return mul_rn(t, ratio_log(x, t));
         const A lx = log_in(x, p);
-        if (p.log_target) return mul_rn(ex(t), t - lx);
+        if constexpr (log_target) return mul_rn(ex(t), t - lx);
         const A xlogy = t == A(0) ? A(0) : mul_rn(t, lg_fine(t));
         return add_rn(xlogy, -mul_rn(t, lx));
     }
@@ -240,10 +245,10 @@ struct KlDivOp {
             d[1] = lg(ratio) + A(1);
             return;
         }
-        const A dx = p.log_target ? -ex(t) : -t;
-        d[0] = p.log_input ? dx : dx / x;
+        const A dx = log_target ? -ex(t) : -t;
+        d[0] = log_input ? dx : dx / x;
         const A lx = log_in(x, p);
-        if (p.log_target) {
+        if constexpr (log_target) {
             const A et = ex(t);
             d[1] = et * (t - lx) + et;
         } else {
@@ -516,25 +521,27 @@ struct MarginRankingOp {
 //   full adds the Stirling term t log t - t + log(2 pi t) / 2 where t > 1 (0 where t <= 1), and
 //   to dl/dt torch's backward of the masked term, m log t + (m t) / t - m + m / (2 t) with
 //   m = [t > 1]: NaN where t <= 0 (0 * log 0 and 0 / 0 survive the mask), 0 on (0, 1].
+// log_input and full are template arguments (the registry's `modes`), as kl_div's flags.
+template <int MODE>
 struct PoissonNllOp {
     static constexpr int K = 2;  // input, target
+    static constexpr bool log_input = (MODE & 1) != 0;
+    static constexpr bool full = (MODE & 2) != 0;
     struct Params {
-        long long log_input;
-        long long full;
         double eps;
     };
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A x = v[0], t = v[1];
-        A l = p.log_input ? ex(x) - t * x : x - t * lg(x + A(p.eps));
-        if (p.full && !(t <= A(1)))
+        A l = log_input ? ex(x) - t * x : x - t * lg(x + A(p.eps));
+        if (full && !(t <= A(1)))
             l += t * lg(t) - t + A(0.5) * lg(A(6.283185307179586) * t);
         return l;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
         const A x = v[0], t = v[1];
-        if (p.log_input) {
+        if constexpr (log_input) {
             d[0] = ex(x) - t;
             d[1] = -x;
         } else {
@@ -542,7 +549,7 @@ struct PoissonNllOp {
             d[0] = A(1) - t / xe;
             d[1] = -lg(xe);
         }
-        if (p.full) {
+        if constexpr (full) {
             const A m = t <= A(1) ? A(0) : A(1);
             d[1] += m * lg(t) + (m * t) / t - m + A(0.5) * m / t;
         }

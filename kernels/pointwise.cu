@@ -586,7 +586,8 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // dim, its offsets computed once per row).  In a row the lanes of one o take e = q VEC, then
 // every lanes_m VEC further (VEC consecutive m along the innermost dim, whose stride is 0 or 1
 // in every operand when VEC > 1), UNROLL steps' loads issued before any use.  A reduced operand
-// is read once per lane; its gradient is summed per lane (compensated), then over the lanes_m
+// is read once per lane; its gradient is summed per lane (a vector's VEC values plainly, then
+// into a compensated sum, as the 0-d sums), then over the lanes_m
 // lanes by a fixed butterfly in double, and written to g[k][o] (one chunk) or
 // ws[k][c, o] (sum_chunks in reduce.cu adds the chunks in order).  lanes_m is large when the
 // innermost dim is reduced (lanes read along it), 1 when it is kept (lanes read 32 neighbouring
@@ -748,8 +749,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                     #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         if ((reduced >> k) & 1) {
-                            #pragma unroll
-                            for (int v = 0; v < VEC; ++v) sum[k].add(d[k][v]);
+                            sum[k].add(sum_of<A, VEC>(d[k]));
                         } else if (g.p[k] != nullptr) {
                             store_vec<T, VEC>(g.p[k], at, d[k]);
                         } else if (o.g[k] != nullptr) {

@@ -203,7 +203,7 @@ def _host_words(name: str):
         return layouts[kernel].size
     if kernel.startswith("pointwise_"):
         functor = args.split(",")[1].strip().removeprefix("cupyloss::")
-        spec = next(s for s in _registry.SPECS.values() if s.functor == functor)
+        spec = next(s for s in _registry.SPECS.values() if functor in s.instances())
         make = {"pointwise_flat": _pointwise.flat_layout, "pointwise_rows": _pointwise.rows_layout,
                 "pointwise_reduce": _pointwise.reduce_layout}[kernel]
         return make(len(spec.operands), spec.param_words).size

@@ -200,12 +200,18 @@ def test_absent_and_number_operands_read_their_fill(device):
 
 
 def test_params_are_the_functors_struct(device):
-    """Options land in the functor's Params words, in declaration order, 64-bit each."""
+    """Options land in the functor's Params words, in declaration order, 64-bit each; the
+    options named in the entry's modes choose the functor's template bits instead."""
     x = arr((16, 16))
-    cupyloss.poisson_nll_loss(x, x, log_input=False, full=True, eps=0.125)
     spec = _registry.SPECS["poisson_nll_loss"]
-    assert _words(spec, "flat", device.launches[-1][1], "params") == [
-        0, 1, _args.f64_word(0.125)]
+    for log_input, full, bits in ((False, True, 2), (True, False, 1), (False, False, 0)):
+        cupyloss.poisson_nll_loss(x, x, log_input=log_input, full=full, eps=0.125)
+        assert _words(spec, "flat", device.launches[-1][1], "params") == [_args.f64_word(0.125)]
+        assert f"cupyloss::PoissonNllOp<{bits}>," in device.names[-1]
+    kl = _registry.SPECS["kl_div"]
+    cupyloss.kl_div(x, x, log_target=True, log_input=False)
+    assert _words(kl, "flat", device.launches[-1][1], "params") == [0]   # NoParams
+    assert "cupyloss::KlDivOp<1>," in device.names[-1]
     cupyloss.mse_loss(x, x)
     mse = _registry.SPECS["mse_loss"]
     assert _words(mse, "flat", device.launches[-1][1], "params") == [0]   # NoParams
