@@ -78,15 +78,20 @@ enum : long long {
 #define CUPYLOSS_FLAT_UNROLL_GRAD 1
 #endif
 
+// Name<Op>::value: functor Op's static constexpr member `member` where it declares one, else
+// `fallback`.  The functors' optional shape hints below are read through it.
+#define CUPYLOSS_FUNCTOR_TRAIT(Name, member, type, fallback)           \
+    template <typename Op, typename = void>                             \
+    struct Name {                                                       \
+        static constexpr type value = fallback;                         \
+    };                                                                  \
+    template <typename Op>                                              \
+    struct Name<Op, decltype(void(Op::member))> {                       \
+        static constexpr type value = Op::member;                       \
+    };
+
 // Whether functor Op declares itself cheap (static constexpr bool cheap = true).
-template <typename Op, typename = void>
-struct IsCheap {
-    static constexpr bool value = false;
-};
-template <typename Op>
-struct IsCheap<Op, decltype(void(Op::cheap))> {
-    static constexpr bool value = Op::cheap;
-};
+CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 
 // The gradient instantiations' shape, for functors marked cheap and for the rest ("heavy": a
 // transcendental, a division or a branch a value, so bound by instructions where cheap ones are
@@ -122,18 +127,13 @@ struct IsCheap<Op, decltype(void(Op::cheap))> {
 #endif
 // The heavy shape applies to the element sizes set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte
 // elements), or in the functor's own `heavy_sizes` where it declares one; other sizes take the
-// cheap shape.
+// cheap shape.  A heavy functor may also declare its own `reduce_blocks` (pointwise_reduce's
+// bound), where the table's spills or starves it.
 #ifndef CUPYLOSS_GRAD_HEAVY_SIZES
 #define CUPYLOSS_GRAD_HEAVY_SIZES 0
 #endif
-template <typename Op, typename = void>
-struct HeavySizes {
-    static constexpr int value = CUPYLOSS_GRAD_HEAVY_SIZES;
-};
-template <typename Op>
-struct HeavySizes<Op, decltype(void(Op::heavy_sizes))> {
-    static constexpr int value = Op::heavy_sizes;
-};
+CUPYLOSS_FUNCTOR_TRAIT(HeavySizes, heavy_sizes, int, CUPYLOSS_GRAD_HEAVY_SIZES)
+CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY)
 template <typename Op, typename T>
 struct GradShape {
     static constexpr bool heavy =
@@ -145,7 +145,7 @@ struct GradShape {
         heavy ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY : CUPYLOSS_ROWS_MIN_BLOCKS_GRAD;
     static constexpr int rows_steps = heavy ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
     static constexpr int reduce_blocks =
-        heavy ? CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY : CUPYLOSS_REDUCE_MIN_BLOCKS;
+        heavy ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
     static constexpr int reduce_steps = heavy ? CUPYLOSS_REDUCE_STEPS_HEAVY : CUPYLOSS_REDUCE_STEPS;
 };
 
