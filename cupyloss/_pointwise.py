@@ -222,7 +222,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     divisor = _reduction.divisor(reduction, n, shapes[0])
     reduced = reduction != "none"
     fill = [_args.f64_word(spec.fill)] * k_ops
-    functor = spec.instance(params)   # the kernels' functor (with its modes' bits)
+    # The kernels' functor, with its modes' bits (options, and which optional arrays are given).
+    functor = spec.instance(params, tuple(spec.operands[k] for k in present))
     common = {"fill": fill, "params": spec.pack(params), "flags": flags, "go_value": _ONE,
               "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
     contiguous = tuple(lay is not None and tuple(lay[1]) == _contiguous_strides(lay[0])

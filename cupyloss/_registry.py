@@ -5,7 +5,9 @@ Each entry names the loss's functor in kernels/losses.cuh, its array arguments i
 the reductions it takes, and `params`: the loss's options, each a C ``double`` (F64) or ``long
 long`` (I64, also for bools).  The options named in `modes` (booleans that choose between
 formulas) are template arguments of the functor, bit i for modes[i] (``KlDivOp<2>``), so each
-combination is a kernel holding only its own formula; the others are the host mirror of the
+combination is a kernel holding only its own formula; `modes` may also name optional arrays (the
+bit is set when the array is given: an absent weight is then the constant 1 in the kernel,
+which holds no weight arithmetic).  The other options are the host mirror of the
 functor's Params struct, its fields in declaration order, so the kernel parameter is a run of
 64-bit words.  A functor without such options has NoParams (one unused word).  `views` maps an array argument to the shape torch views it as before broadcasting
 (gaussian_nll_loss's var).  Adding a pointwise loss: its functor, one entry here, a reference in
@@ -32,7 +34,8 @@ class LossSpec:
     arrays: tuple = ("input", "target")
     optional: tuple = ()
     params: tuple = ()          # ((option, F64 | I64), ...): the options, in order
-    modes: tuple = ()           # options (of params) that are the functor's template bits
+    modes: tuple = ()           # options (of params) and optional arrays (set: given) that
+                                # are the functor's template bits
     reductions: tuple = ("none", "mean", "sum")
     fill: float = 1.0           # what an optional array left out reads as
     views: tuple = ()           # ((array, view(input_shape, shape) -> shape), ...)
@@ -54,7 +57,7 @@ class LossSpec:
     @property
     def param_words(self) -> int:
         """Words of the functor's Params struct (NoParams is one)."""
-        return max(1, len(self.params) - len(self.modes))
+        return max(1, sum(name not in self.modes for name, _ in self.params))
 
     def _check(self, values: tuple) -> None:
         if len(values) != len(self.params):
@@ -69,14 +72,16 @@ class LossSpec:
                  for (name, kind), v in zip(self.params, values) if name not in self.modes]
         return words or [0]
 
-    def instance(self, values: tuple) -> str:
-        """The functor a call with these option values runs: ``functor<bits>`` where the
-        entry has modes (bit i set when option modes[i] is true), else the functor."""
+    def instance(self, values: tuple, arrays: tuple = ()) -> str:
+        """The functor a call with these option values and these array arguments given (names)
+        runs: ``functor<bits>`` where the entry has modes (bit i set when option modes[i] is
+        true, or when array modes[i] is given), else the functor."""
         if not self.modes:
             return self.functor
         self._check(values)
         given = dict(zip((name for name, _ in self.params), values))
-        bits = sum(1 << i for i, mode in enumerate(self.modes) if given[mode])
+        bits = sum(1 << i for i, mode in enumerate(self.modes)
+                   if (given[mode] if mode in given else mode in arrays))
         return f"{self.functor}<{bits}>"
 
     def instances(self) -> tuple:
@@ -114,9 +119,9 @@ SPECS = {spec.name: spec for spec in (
     LossSpec("l1_loss", "L1Op"),
     LossSpec("smooth_l1_loss", "SmoothL1Op", params=(("beta", F64),)),
     LossSpec("huber_loss", "HuberOp", params=(("delta", F64),)),
-    LossSpec("binary_cross_entropy", "BceOp", optional=("weight",)),
+    LossSpec("binary_cross_entropy", "BceOp", optional=("weight",), modes=("weight",)),
     LossSpec("binary_cross_entropy_with_logits", "BceLogitsOp",
-             optional=("weight", "pos_weight")),
+             optional=("weight", "pos_weight"), modes=("weight", "pos_weight")),
     LossSpec("soft_margin_loss", "SoftMarginOp"),
     LossSpec("hinge_embedding_loss", "HingeEmbeddingOp", params=_MARGIN),
     LossSpec("margin_ranking_loss", "MarginRankingOp", arrays=("input1", "input2", "target"),

@@ -391,8 +391,12 @@ struct HuberOp {
 //   dl/dt = w (log(1 - x) - log x) = -w logit(x)         (torch's target backward, unclamped)
 //   dl/dw = the unweighted loss
 // x outside [0, 1] (torch asserts) gives a NaN loss; the input gradient is the formula's.
+// MODE bit 0: a weight array is given (the registry's `modes`); without one w is the constant 1,
+// so the kernels hold no weight arithmetic.
+template <int MODE>
 struct BceOp {
     static constexpr int K = 3;  // input, target, weight
+    static constexpr bool weighted = (MODE & 1) != 0;
     // Gradient kernels bounded for more resident warps in float and double only (GradShape in
     // pointwise.cu): 16-bit vectors of 8 elements spill there (H100, bfloat16 32768^2
     // value_and_grad 14.5 ms bounded against 8.2 unbounded).
@@ -410,11 +414,12 @@ struct BceOp {
     }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
-        return v[2] * unweighted(lg(v[0]), lg1p(-v[0]), v[1]);
+        const A l = unweighted(lg(v[0]), lg1p(-v[0]), v[1]);
+        return weighted ? v[2] * l : l;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
-        const A x = v[0], t = v[1], w = v[2];
+        const A x = v[0], t = v[1], w = weighted ? v[2] : A(1);
         const A log_x = lg(x), log_1mx = lg1p(-x);
         const A m = (A(1) - x) * x;
         const A eps = A(1e-12f);
@@ -423,7 +428,7 @@ struct BceOp {
         // IEEE division's slow path having kept the compiler from overlapping elements.
         d[0] = w * div_fast(x - t, m < eps ? eps : m);
         d[1] = w * (log_1mx - log_x);
-        d[2] = unweighted(log_x, log_1mx, t);
+        d[2] = weighted ? unweighted(log_x, log_1mx, t) : A(0);  // no weight: never used
     }
 };
 
@@ -433,8 +438,12 @@ struct BceOp {
 // (non-negative terms for t in [0, 1]: no digits lost at large |x|, and exp never overflows):
 //   dl/dx = w ((1 - t) sigmoid(x) - q t sigmoid(-x)),   dl/dt = w (q softplus(-x) - softplus(x))
 //   dl/dw = the unweighted loss,                        dl/dq = w t softplus(-x)
+// MODE bit 0: a weight array is given, bit 1: a pos_weight array (the registry's `modes`); an
+// absent one is the constant 1, so the kernels hold none of its arithmetic.
+template <int MODE>
 struct BceLogitsOp {
     static constexpr int K = 4;  // input, target, weight, pos_weight
+    static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
     // pointwise_reduce bounded for 3 blocks per SM, as BceOp (four operands' bookkeeping spill
     // at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at 3 blocks, 0.284 at 4).
     static constexpr int reduce_blocks = 3;
@@ -442,16 +451,19 @@ struct BceLogitsOp {
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
         const Logistic<A> s(v[0], Sigmoids::none);
-        return v[2] * ((A(1) - v[1]) * s.sp_pos + v[3] * v[1] * s.sp_neg);
+        const A qt = pos_weighted ? v[3] * v[1] : v[1];
+        const A l = (A(1) - v[1]) * s.sp_pos + qt * s.sp_neg;
+        return weighted ? v[2] * l : l;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
-        const A t = v[1], w = v[2], q = v[3];
+        const A t = v[1], w = weighted ? v[2] : A(1), q = pos_weighted ? v[3] : A(1);
         const Logistic<A> s(v[0]);
         d[0] = w * ((A(1) - t) * s.sg_pos - q * t * s.sg_neg);
         d[1] = w * (q * s.sp_neg - s.sp_pos);
-        d[2] = (A(1) - t) * s.sp_pos + q * t * s.sp_neg;
-        d[3] = w * t * s.sp_neg;
+        // An absent weight or pos_weight has no gradient: its slot is never read.
+        d[2] = weighted ? (A(1) - t) * s.sp_pos + q * t * s.sp_neg : A(0);
+        d[3] = pos_weighted ? w * t * s.sp_neg : A(0);
     }
 };
 

@@ -167,7 +167,7 @@ def test_kernel_choice_and_gradient_routes(device):
     x, t = arr((4099, 96)), arr((4099, 96))
     cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t, weight=arr((96,)),
                                                              pos_weight=arr(()))
-    assert device.names == ["cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, true>",
+    assert device.names == ["cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, true>",
                             "cupyloss::sum_chunks<float>"]
     (plan,) = _pointwise._PLANS.values()
     assert plan.grads == ("g", "g", "chunks", "g0")   # full, full, row, 0-d
@@ -179,9 +179,15 @@ def test_kernel_choice_and_gradient_routes(device):
     assert device.launches[1][2][1:3] == [plan.grid[1], 96]    # [row blocks, cols] partials
     # A call that wants no gradient takes the value-only instantiation of the same kernel.
     cupyloss.binary_cross_entropy_with_logits(x, t, weight=arr((96,)), pos_weight=arr(()))
-    assert device.kernels[-1] == "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp, 4, false>"
+    assert device.kernels[-1] == (
+        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, false>")
+    # No weight and no pos_weight: the functor without their arithmetic (modes' bits 0).
     cupyloss.binary_cross_entropy_with_logits(x.ravel(), t.ravel())
-    assert device.kernels[-1] == "cupyloss::pointwise_flat<float, cupyloss::BceLogitsOp, 4, false>"
+    assert device.kernels[-1] == (
+        "cupyloss::pointwise_flat<float, cupyloss::BceLogitsOp<0>, 4, false>")
+    cupyloss.binary_cross_entropy_with_logits(x.ravel(), t.ravel(), pos_weight=arr(()))
+    assert device.kernels[-1] == (
+        "cupyloss::pointwise_flat<float, cupyloss::BceLogitsOp<2>, 4, false>")
 
 
 def test_absent_and_number_operands_read_their_fill(device):
