@@ -340,7 +340,10 @@ def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, 
             and all(st[-1] == 0 or (st[-1] == 1 and all(s % info.vec == 0 for s in st[:-1]))
                     for st in cstrides)):
         vec = info.vec
-    name = _source.pointwise_reduce_name(info.ctype, functor, vec)
+    # The operands read once per unit: broadcast along every reduced dim (the lead operand
+    # always), or absent (a zero stride everywhere): compiled into the kernel.
+    const = sum(1 << k for k in range(k_ops) if not any(split.red_strides[k]))
+    name = _source.pointwise_reduce_name(info.ctype, functor, vec, const)
     cfg = _launch.reduce_launch(split, vec, limits, _resident(name, 0, limits))
     layout = reduce_layout(k_ops, spec.param_words)
     kept = _launch.geometry(split.kept, split.kept_strides, k_ops + 2)

@@ -84,6 +84,18 @@ class LossSpec:
                    if (given[mode] if mode in given else mode in arrays))
         return f"{self.functor}<{bits}>"
 
+    def reduce_masks(self, instance: str) -> tuple:
+        """The CONST masks pointwise_reduce is compiled for with functor `instance`: the
+        operands read once per unit (bit k: operand k), every one of which is either broadcast
+        along all the reduced dims or absent.  A nonempty set of operands the instance takes
+        (the lead operand is always among them) but not all of them (the reduced dims come from
+        one that streams), with every one it leaves out."""
+        bits = int(instance.partition("<")[2].rstrip(">") or 0)
+        absent = sum(1 << self.operands.index(mode) for i, mode in enumerate(self.modes)
+                     if mode in self.optional and not (bits >> i) & 1)
+        taken = (1 << len(self.operands)) - 1 - absent
+        return tuple(absent | m for m in range(1, taken) if m & taken == m)
+
     def instances(self) -> tuple:
         """Every functor instance calls of this loss can run."""
         if not self.modes:
@@ -140,6 +152,12 @@ SPECS = {spec.name: spec for spec in (
 def functors() -> tuple:
     """Every registered functor instance, once each, in registration order."""
     return tuple(dict.fromkeys(f for spec in SPECS.values() for f in spec.instances()))
+
+
+def reduce_masks(instance: str) -> tuple:
+    """LossSpec.reduce_masks of the entry whose functor `instance` is."""
+    spec = next(s for s in SPECS.values() if instance in s.instances())
+    return spec.reduce_masks(instance)
 
 
 # The modules holding a family's registry (a SPECS dict, name -> entry with at least `arrays` and

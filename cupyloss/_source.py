@@ -51,18 +51,20 @@ def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool) ->
             f"{'true' if grad else 'false'}>")
 
 
-def pointwise_reduce_name(ctype: str, functor: str, vec: int) -> str:
-    """Name expression of pointwise_reduce<ctype, functor, vec> (launched for gradients only)."""
-    return f"cupyloss::pointwise_reduce<{ctype}, cupyloss::{functor}, {vec}>"
+def pointwise_reduce_name(ctype: str, functor: str, vec: int, const: int) -> str:
+    """Name expression of pointwise_reduce<ctype, functor, vec, const> (const: the operands
+    read once per unit, bit k for operand k)."""
+    return f"cupyloss::pointwise_reduce<{ctype}, cupyloss::{functor}, {vec}, {const}>"
 
 
 def pointwise_names(functor: str, info) -> list[str]:
     """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector,
-    value-only and with gradients, and reduce."""
+    value-only and with gradients, and reduce for each of its masks."""
     vecs = sorted({1, info.vec})
     return ([pointwise_name(kind, info.ctype, functor, vec, grad)
              for vec in vecs for kind in ("flat", "rows") for grad in (False, True)]
-            + [pointwise_reduce_name(info.ctype, functor, vec) for vec in vecs])
+            + [pointwise_reduce_name(info.ctype, functor, vec, const)
+               for const in _registry.reduce_masks(functor) for vec in vecs])
 
 
 def reduce_name(kernel: str, ctype: str) -> str:
@@ -126,13 +128,20 @@ def units() -> list[tuple[str, list[str]]]:
 
 @functools.lru_cache(maxsize=None)
 def _groups() -> dict:
-    """(file, name expression) -> its compilation group: (functor, C type) in pointwise.cu.
+    """(file, name expression) -> its compilation group: (functor, C type) in pointwise.cu, and
+    (functor, C type, mask) for its reduce kernels.
 
     A loss's first call compiles only its own functor's kernels for its dtype (a few seconds),
-    not every loss's; other files are one group each."""
-    return {("pointwise.cu", name): (functor, info.ctype)
-            for functor in _registry.functors() for info in _dtypes.DTYPES.values()
-            for name in pointwise_names(functor, info)}
+    not every loss's, and a broadcast gradient only the reduce kernels of its mask; other files
+    are one group each."""
+    groups = {}
+    for functor in _registry.functors():
+        for info in _dtypes.DTYPES.values():
+            for name in pointwise_names(functor, info):
+                const = name.rpartition(",")[2].strip(" >") if "pointwise_reduce<" in name else None
+                groups[("pointwise.cu", name)] = (functor, info.ctype) + (
+                    (int(const),) if const is not None else ())
+    return groups
 
 
 class Module:

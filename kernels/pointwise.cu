@@ -596,7 +596,24 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // read of the data.
 // Steps of loads a lane keeps in flight (K <= 2, 4-byte elements) and the blocks per SM the
 // registers are bounded for: GradShape (reduce_steps, reduce_blocks).
-template <typename T, typename Op, int VEC>
+// CONST (bit k): operand k reads one value per unit, being broadcast along every reduced dim
+// (the lead operand always) or absent; the host computes it (_pointwise._reduce_plan), so which
+// operands stream and into which slots is known at compile time: no per-element selection, and
+// the functor's arithmetic on per-unit values is computed once per vector, not per element.
+template <int K>
+__host__ __device__ constexpr int streamed_count(int constant) {
+    int f = 0;
+    for (int k = 0; k < K; ++k) f += ((constant >> k) & 1) ? 0 : 1;
+    return f;
+}
+template <int K>
+__host__ __device__ constexpr int stream_slot(int constant, int k) {  // k's slot when it streams
+    int f = 0;
+    for (int j = 0; j < k; ++j) f += ((constant >> j) & 1) ? 0 : 1;
+    return f;
+}
+
+template <typename T, typename Op, int VEC, int CONST>
 __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwise_reduce(
         const PerOperand<const T*, Op::K> in,     // operand k through kept/red strides, or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
@@ -623,7 +640,8 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
     constexpr int UNROLL_4 = (K <= 2 ? STEPS : STEPS / 2) * 4 / (VEC > 4 ? VEC : 4);
     constexpr int UNROLL = UNROLL_4 > 1 ? UNROLL_4 : 1;
     constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
-    constexpr int F = K > 1 ? K - 1 : 1;          // operands read per element (see slot)
+    constexpr int NF = streamed_count<K>(CONST);  // operands read per element
+    constexpr int F = NF > 0 ? NF : 1;
     using A = acc_t<T>;
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
@@ -640,21 +658,9 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
     const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
     // Operands broadcast along every reduced dim (the lead operand the split follows, the
     // operands summed with it, numbers) are one value per o, read once per unit; the others
-    // are read per element: at most F = K - 1 of them.  Slot f holds the f-th of those in
-    // operand order, so the loads in flight take F, not K, vectors a step.
-    long long constant = 0;
-    int slot[K];
-    {
-        int f = 0;
-        #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            bool c = true;
-            for (int d = 0; d < (int)red.ndim; ++d) c &= red.stride[k][d] == 0;
-            slot[k] = f;
-            if (c || in.p[k] == nullptr) constant |= 1ll << k;
-            else ++f;
-        }
-    }
+    // (CONST's clear bits) are read per element.  Slot f holds the f-th of those in operand
+    // order, so the loads in flight take F, not K, vectors a step.
+    constexpr long long constant = CONST;
     Sums<A, K> s;
 
     for (long long u = warp; u < units; u += nwarps) {  // uniform across the warp
@@ -691,7 +697,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                 src_stride[f] = 0;
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                    if (((constant >> k) & 1) || slot[k] != f) continue;
+                    if (((constant >> k) & 1) || stream_slot<K>(CONST, k) != f) continue;
                     src[f] = in.p[k] + off[k];
                     src_stride[f] = red.stride[k][inner];
                 }
@@ -723,10 +729,10 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                     for (int k = 0; k < K; ++k) {
                         #pragma unroll
                         for (int v = 0; v < VEC; ++v) {
-                            A x = fv[j][0][v];
-                            #pragma unroll
-                            for (int f = 1; f < F; ++f) x = slot[k] == f ? fv[j][f][v] : x;
-                            val[k][v] = ((constant >> k) & 1) ? fixed[k] : x;
+                            // k is unrolled: both the test and the slot fold to constants.
+                            const int f = stream_slot<K>(CONST, k) < F ? stream_slot<K>(CONST, k)
+                                                                        : F - 1;
+                            val[k][v] = ((CONST >> k) & 1) ? fixed[k] : fv[j][f][v];
                         }
                     }
                     A gv[VEC];  // an elementwise grad_output ('none' backward) is read here

@@ -309,11 +309,12 @@ def test_broadcast_gradients_have_no_full_size_workspace(device, full_shape, ope
 
 
 def test_per_channel_and_per_row_take_the_reduce_kernel(device):
-    """The [M1, O, M2] and [O, M] patterns: pointwise_reduce, vectorised, with the reduced
-    operand's bit set and its split in the words."""
+    """The [M1, O, M2] and [O, M] patterns: pointwise_reduce, vectorised, compiled for the
+    input read once per unit and the target streamed (mask 1), with the reduced operand's bit
+    set and its split in the words."""
     spec = _registry.SPECS["mse_loss"]
     cupyloss.mse_loss_value_and_grad(arr((1, 64, 1, 1)), arr((256, 64, 56, 56)))
-    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4>"
+    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4, 1>"
     assert device.names[1] == "cupyloss::sum_chunks<float>"
     words = device.launches[0][1]
     assert _words(spec, "reduce", words, "reduced") == [1]
@@ -326,9 +327,18 @@ def test_per_channel_and_per_row_take_the_reduce_kernel(device):
     device.launches.clear()
     cupyloss.mse_loss_value_and_grad(arr((8192, 1)), arr((8192, 4096)))
     # 8192 rows fill an H100's resident warps: one chunk, the gradient written directly.
-    assert device.names == ["cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4>"]
+    assert device.names == ["cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4, 1>"]
     (plan,) = [p for p in _pointwise._PLANS.values() if p.out_shape == (8192, 4096)]
     assert plan.grads == ("g", "g") and plan.chunks == (None, None)
+    # The target broadcast instead: it is read once per unit (mask 2); with a weight-free
+    # bce_with_logits the absent weight and pos_weight are in the mask too (4 + 8).
+    device.names.clear()
+    cupyloss.mse_loss_value_and_grad(arr((8192, 4096)), arr((8192, 1)))
+    assert device.names == ["cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4, 2>"]
+    device.names.clear()
+    cupyloss.binary_cross_entropy_with_logits_value_and_grad(arr((8192, 1)), arr((8192, 4096)))
+    assert device.names[0] == (
+        "cupyloss::pointwise_reduce<float, cupyloss::BceLogitsOp<0>, 4, 13>")
 
 
 def test_views_and_odd_sizes_take_the_scalar_steps(device):
@@ -336,10 +346,10 @@ def test_views_and_odd_sizes_take_the_scalar_steps(device):
     reads one element a step."""
     t = arr((64, 30)).T                      # (30, 64), strides (1, 30)
     cupyloss.mse_loss_value_and_grad(arr((30, 1)), t)
-    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 1>"
+    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 1, 1>"
     device.names.clear()
     cupyloss.mse_loss_value_and_grad(arr((30, 1)), arr((30, 63)))
-    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 1>"
+    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 1, 1>"
 
 
 def test_operands_broadcast_along_different_dims_take_a_pass_each(device):
