@@ -277,7 +277,10 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
         if (None not in kinds and KIND_ROW in kinds   # every broadcast operand is a row
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))):
             vec = info.vec if (cols % info.vec == 0 and aligned) else 1
-            name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads))
+            # The operands that are not full (rows, scalars, absent): compiled into the kernel.
+            const = sum(1 << k for k, kind in enumerate(kinds) if kind != KIND_FULL)
+            name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads),
+                                          const)
             shared = _launch.rows_shared(vec)
             cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits),
                                       1 if any(want_grads) else _launch.ROWS_WAVES_VALUE)

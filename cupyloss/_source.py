@@ -44,11 +44,15 @@ def expand(name: str) -> str:
     return inline(name)
 
 
-def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool) -> str:
-    """Name expression of pointwise_flat<ctype, functor, vec, grad> or pointwise_rows<...>
-    (grad: the instantiation that can write gradients; the other computes values only)."""
+def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool,
+                   const: int | None = None) -> str:
+    """Name expression of pointwise_flat<ctype, functor, vec, grad> or pointwise_rows<ctype,
+    functor, vec, grad, const> (grad: the instantiation that can write gradients; the other
+    computes values only; const: the rows kernel's operands that are not full, bit k for
+    operand k)."""
+    tail = "" if kind == "flat" else f", {const}"
     return (f"cupyloss::pointwise_{kind}<{ctype}, cupyloss::{functor}, {vec}, "
-            f"{'true' if grad else 'false'}>")
+            f"{'true' if grad else 'false'}{tail}>")
 
 
 def pointwise_reduce_name(ctype: str, functor: str, vec: int, const: int) -> str:
@@ -58,13 +62,17 @@ def pointwise_reduce_name(ctype: str, functor: str, vec: int, const: int) -> str
 
 
 def pointwise_names(functor: str, info) -> list[str]:
-    """Every pointwise kernel of one functor and dtype: flat and rows, scalar and vector,
-    value-only and with gradients, and reduce for each of its masks."""
+    """Every pointwise kernel of one functor and dtype: flat, scalar and vector, value-only and
+    with gradients; and for each of its masks (the operands read once per unit or row) rows,
+    likewise, and reduce."""
     vecs = sorted({1, info.vec})
-    return ([pointwise_name(kind, info.ctype, functor, vec, grad)
-             for vec in vecs for kind in ("flat", "rows") for grad in (False, True)]
+    masks = _registry.reduce_masks(functor)
+    return ([pointwise_name("flat", info.ctype, functor, vec, grad)
+             for vec in vecs for grad in (False, True)]
+            + [pointwise_name("rows", info.ctype, functor, vec, grad, const)
+               for const in masks for vec in vecs for grad in (False, True)]
             + [pointwise_reduce_name(info.ctype, functor, vec, const)
-               for const in _registry.reduce_masks(functor) for vec in vecs])
+               for const in masks for vec in vecs])
 
 
 def reduce_name(kernel: str, ctype: str) -> str:
@@ -128,19 +136,20 @@ def units() -> list[tuple[str, list[str]]]:
 
 @functools.lru_cache(maxsize=None)
 def _groups() -> dict:
-    """(file, name expression) -> its compilation group: (functor, C type) in pointwise.cu, and
-    (functor, C type, mask) for its reduce kernels.
+    """(file, name expression) -> its compilation group: (functor, C type) in pointwise.cu for
+    the flat kernels, and (functor, C type, mask) for its rows and reduce kernels.
 
     A loss's first call compiles only its own functor's kernels for its dtype (a few seconds),
-    not every loss's, and a broadcast gradient only the reduce kernels of its mask; other files
-    are one group each."""
+    not every loss's, and a broadcast call only the kernels of its mask; other files are one
+    group each."""
     groups = {}
     for functor in _registry.functors():
         for info in _dtypes.DTYPES.values():
             for name in pointwise_names(functor, info):
-                const = name.rpartition(",")[2].strip(" >") if "pointwise_reduce<" in name else None
-                groups[("pointwise.cu", name)] = (functor, info.ctype) + (
-                    (int(const),) if const is not None else ())
+                group = (functor, info.ctype)
+                if not name.startswith("cupyloss::pointwise_flat<"):
+                    group += (int(name.rpartition(",")[2].strip(" >")),)
+                groups[("pointwise.cu", name)] = group
     return groups
 
 

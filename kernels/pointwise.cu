@@ -432,7 +432,10 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
 // (in double), and written to ws[k][by, col] (reduce.cu's sum_chunks adds the row blocks) or,
 // with one row block, straight to g[k][col].  A scalar operand's gradient is a 0-d sum
 // (grid_sum_out).
-template <typename T, typename Op, int VEC, bool GRAD>
+// CONST (bit k): operand k is not KIND_FULL (a row, a scalar or absent), so it is the same for
+// every row a thread visits; the host sets it from `kind`.  Known at compile time, the functor's
+// arithmetic on those operands is loop-invariant and leaves the row loop.
+template <typename T, typename Op, int VEC, bool GRAD, int CONST>
 __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1) pointwise_rows(
         const PerOperand<const T*, Op::K> in,     // per kind: [rows, cols], [cols], [1] or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
@@ -498,7 +501,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
             if (ru < r1) {
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                    if (kind.p[k] == KIND_FULL)
+                    if (!((CONST >> k) & 1))
                         load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
                 }
                 if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
@@ -514,7 +517,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
             for (int k = 0; k < K; ++k) {
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
-                    val[k][j] = kind.p[k] == KIND_FULL ? fv[u][k][j] : fixed[k][j];
+                    val[k][j] = ((CONST >> k) & 1) ? fixed[k][j] : fv[u][k][j];
             }
             #pragma unroll
             for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
@@ -539,7 +542,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
                 }
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                    if (kind.p[k] == KIND_FULL) {
+                    if (!((CONST >> k) & 1)) {
                         if (g.p[k] != nullptr) store_vec<T, VEC>(g.p[k], i, d[k]);
                     } else if (kind.p[k] == KIND_ROW) {
                         #pragma unroll

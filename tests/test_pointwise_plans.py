@@ -167,8 +167,10 @@ def test_kernel_choice_and_gradient_routes(device):
     x, t = arr((4099, 96)), arr((4099, 96))
     cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t, weight=arr((96,)),
                                                              pos_weight=arr(()))
-    assert device.names == ["cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, true>",
-                            "cupyloss::sum_chunks<float>"]
+    # weight (a row) and pos_weight (a scalar) are the same for every row: mask 4 + 8.
+    assert device.names == [
+        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, true, 12>",
+        "cupyloss::sum_chunks<float>"]
     (plan,) = _pointwise._PLANS.values()
     assert plan.grads == ("g", "g", "chunks", "g0")   # full, full, row, 0-d
     words = device.launches[0][1]
@@ -180,7 +182,7 @@ def test_kernel_choice_and_gradient_routes(device):
     # A call that wants no gradient takes the value-only instantiation of the same kernel.
     cupyloss.binary_cross_entropy_with_logits(x, t, weight=arr((96,)), pos_weight=arr(()))
     assert device.kernels[-1] == (
-        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, false>")
+        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, false, 12>")
     # No weight and no pos_weight: the functor without their arithmetic (modes' bits 0).
     cupyloss.binary_cross_entropy_with_logits(x.ravel(), t.ravel())
     assert device.kernels[-1] == (
