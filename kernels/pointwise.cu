@@ -39,6 +39,8 @@
 //                    its own shape) and the dims it is broadcast along (M).  A warp ("unit")
 //                    takes lanes_o elements o and a chunk of m, so G_k is summed in registers,
 //                    then across the warp, in the pass that writes everything else.
+// rows and reduce are also compiled per CONST, the operands that stay the same across a thread's
+// rows (rows) or a unit (reduce): the functor's arithmetic on them is then shared or hoisted.
 // flat and rows come as GRAD = false, a value-only instantiation that never touches a gradient
 // (the forward of every loss: fewer registers, more resident blocks), and GRAD = true for
 // launches that want any gradient; reduce also takes the loss alone of a layout whose
