@@ -116,6 +116,15 @@ def _words(spec, kernel, words, name):
     return words[start:end]
 
 
+# Every pointwise kernel the project compiles (CI compiles each for sm_80 and sm_90): a plan
+# that named another would fail at its first call on a GPU.
+COMPILED = frozenset(dict(_source.units())["pointwise.cu"])
+
+
+def _all_compiled(device):
+    return {k for k in device.kernels if k.startswith("cupyloss::pointwise_")} <= COMPILED
+
+
 # (input shape, target shape), each here for the kernel and gradient route it takes.
 LAYOUTS = [
     ((64, 96), (64, 96)),    # flat, vectorised
@@ -154,6 +163,7 @@ def test_every_loss_plans_every_layout(device, name, input_shape, target_shape):
         assert [g.shape for g in grads] == [g.shape for g in grads2] == [a.shape for a in given]
     main = [launch for launch in device.launches if launch[0] != "sum_chunks"]
     assert len(main) == 6
+    assert _all_compiled(device)
     last = [name for name in device.names if "sum_chunks" not in name][-1]
     kernel = next(k for k in ("rows", "flat", "reduce") if f"pointwise_{k}<" in last)
     words = main[-1][1]
@@ -408,3 +418,34 @@ def test_the_loss_alone_takes_value_and_grads_split(device, shapes):
     for name in ("kept", "red", "n_o", "n_m", "chunk", "nchunks", "lanes_m"):
         assert _words(spec, "reduce", alone[1], name) == _words(spec, "reduce", both[1], name)
     assert alone[0] == both[0]
+
+
+# Broadcast patterns of every operand (None: an optional array left out), for the masks the rows
+# and reduce kernels are compiled for: input, target, then the optional arrays.
+MASK_PATTERNS = [
+    ((1, 6, 1, 1), (5, 6, 3, 4), None, None),        # per-channel input
+    ((5, 6, 3, 4), (1, 6, 1, 1), (4,), ()),          # per-channel target, weight a row
+    ((40, 1), (40, 36), (40, 1), (36,)),             # per-row, weight per row, pos_weight a row
+    ((36,), (40, 36), (), None),                     # row input, 0-d weight
+    ((40, 36), (36,), (40, 36), (40, 1)),            # row target, full weight
+    ((40, 1), (1, 36), None, (40, 36)),              # outer product of two broadcasts
+]
+
+
+@pytest.mark.parametrize("shapes", MASK_PATTERNS)
+@pytest.mark.parametrize("name", list(_registry.SPECS))
+def test_every_mask_a_plan_takes_is_compiled(device, name, shapes):
+    """Whatever operands stream and whichever optional arrays are given, the rows and reduce
+    kernels a plan names (their mask: the operands read once per row or unit, and the absent
+    ones) are among the kernels CI compiles, for the loss alone, backward and value_and_grad."""
+    spec = _registry.SPECS[name]
+    operands = [arr(s, 0.5) if s is not None else None for s in shapes]
+    arrays = operands[:2]
+    if len(spec.arrays) == 3:   # margin_ranking's target (the second input's shape), var
+        arrays.append(arr(shapes[0] if name == "gaussian_nll_loss" else shapes[1], 1.0))
+    kw = {o: a for o, a in zip(spec.optional, operands[2:]) if a is not None}
+    getattr(cupyloss, name)(*arrays, reduction="sum", **kw)
+    getattr(cupyloss, name + "_backward")(1.0, *arrays, reduction="sum", **kw)
+    getattr(cupyloss, name + "_value_and_grad")(*arrays, reduction="sum", **kw)
+    assert any("pointwise_reduce<" in k or "pointwise_rows<" in k for k in device.kernels)
+    assert _all_compiled(device)
