@@ -6,12 +6,13 @@ the reductions it takes, and `params`: the loss's options, each a C ``double`` (
 long`` (I64, also for bools).  The options named in `modes` (booleans that choose between
 formulas) are template arguments of the functor, bit i for modes[i] (``KlDivOp<2>``), so each
 combination is a kernel holding only its own formula; `modes` may also name optional arrays (the
-bit is set when the array is given: an absent weight is then the constant 1 in the kernel,
-which holds no weight arithmetic).  The other options are the host mirror of the
-functor's Params struct, its fields in declaration order, so the kernel parameter is a run of
-64-bit words.  A functor without such options has NoParams (one unused word).  `views` maps an array argument to the shape torch views it as before broadcasting
-(gaussian_nll_loss's var).  Adding a pointwise loss: its functor, one entry here, a reference in
-tests/reference.py, and the public functions in pointwise.py.
+bit is set when the array is given: an absent weight is then the constant 1 in the kernel, which
+holds no weight arithmetic).  The other options are the host mirror of the functor's Params
+struct, its fields in declaration order, so the kernel parameter is a run of 64-bit words.  A
+functor without such options has NoParams (one unused word).  `views` maps an array argument to
+the shape torch views it as before broadcasting (gaussian_nll_loss's var).  Adding a pointwise
+loss: its functor, one entry here, a reference in tests/reference.py, and the public functions in
+pointwise.py.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ class LossSpec:
         return f"{self.functor}<{bits}>"
 
     def reduce_masks(self, instance: str) -> tuple:
-        """The CONST masks pointwise_reduce is compiled for with functor `instance`: the
-        operands read once per unit (bit k: operand k), every one of which is either broadcast
-        along all the reduced dims or absent.  A nonempty set of operands the instance takes
+        """The CONST masks pointwise_rows and pointwise_reduce are compiled for with functor
+        `instance`: the operands that stay the same across a thread's rows or a unit (bit k:
+        operand k), every one of which is a row, a scalar, broadcast along all the reduced dims,
+        or absent.  A nonempty set of operands the instance takes
         (the lead operand is always among them) but not all of them (the reduced dims come from
         one that streams), with every one it leaves out."""
         bits = int(instance.partition("<")[2].rstrip(">") or 0)
@@ -139,7 +141,8 @@ SPECS = {spec.name: spec for spec in (
     LossSpec("margin_ranking_loss", "MarginRankingOp", arrays=("input1", "input2", "target"),
              params=_MARGIN),
     LossSpec("poisson_nll_loss", "PoissonNllOp",
-             params=(("log_input", I64), ("full", I64), ("eps", F64)), modes=("log_input", "full")),
+             params=(("log_input", I64), ("full", I64), ("eps", F64)),
+             modes=("log_input", "full")),
     LossSpec("gaussian_nll_loss", "GaussianNllOp", arrays=("input", "target", "var"),
              params=(("full", I64), ("eps", F64)), views=(("var", gaussian_var_view),),
              numbers=("var",)),
