@@ -340,6 +340,8 @@ REDUCE_MIN_STEPS = 16
 #            (3 blocks -> 4): kl 0.176 -> 0.154, soft_margin 0.155 -> 0.134, focal 0.230 ->
 #            0.207, log_cosh 0.167 -> 0.142, poisson 0.128 -> 0.116; bce 0.240 -> 0.345 and
 #            bce_with_logits 0.261 -> 0.284 (spills).  2 blocks with 2 steps: no better.
+#            (Measured before the kernel was compiled per mask of per-unit operands, which
+#            took most of bce's spills away; bce's 3 was not measured again since.)
 REDUCE_STEPS = 4
 REDUCE_STEPS_HEAVY = 1
 REDUCE_MIN_BLOCKS = 2

@@ -403,7 +403,7 @@ struct BceOp {
     static constexpr int heavy_sizes = (1 << 4) | (1 << 8);
     // pointwise_reduce bounded for 3 blocks per SM, not the table's 4: at 64 registers its two
     // logs spill (H100, float32 broadcast over [8192, 4096] rows, value_and_grad 0.240 ms at 3
-    // blocks, 0.345 at 4).
+    // blocks, 0.345 at 4; measured before pointwise_reduce's per-mask instantiations).
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     template <typename A>
@@ -445,7 +445,8 @@ struct BceLogitsOp {
     static constexpr int K = 4;  // input, target, weight, pos_weight
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
     // pointwise_reduce bounded for 3 blocks per SM, as BceOp (four operands' bookkeeping spill
-    // at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at 3 blocks, 0.284 at 4).
+    // at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at 3 blocks, 0.284 at 4;
+    // measured before pointwise_reduce's per-mask instantiations).
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     template <typename A>
