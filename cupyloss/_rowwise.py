@@ -287,6 +287,9 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         words = ROWS.template({**common, "x_rs": geo.x[0], "t_rs": geo.t[0], "go_rs": go_rs[0],
                                "g_rs": g_strides[0], "tpr": cfg.tpr, "k": cfg.k,
                                "stash": cfg.stash})
+        if cfg.cluster:
+            name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, cfg.k)
+            _source.resident("rowwise.cu", name, cfg.shared)   # opts in to its shared memory
         main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
                         cfg.shared, words, ROWS.slot, cfg.cooperative)
         if cfg.cooperative:

@@ -88,9 +88,13 @@ def scale_name(ctype: str, vec: int) -> str:
 ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum")
 
 
-def rowwise_name(kernel: str, ctype: str, mode: int = 2) -> str:
+def rowwise_name(kernel: str, ctype: str, mode: int = 2, cluster: int = 1) -> str:
     """Name expression of a rowwise.cu kernel: cross_entropy_rows<ctype, mode> (0 the class-index
-    loss alone, 1 with its gradient, 2 everything else), the others <ctype>."""
+    loss alone, 1 with its gradient, 2 everything else), or with cluster > 1
+    cross_entropy_rows_cluster<ctype, mode, cluster> (a cluster of that many blocks a row); the
+    others <ctype>."""
+    if kernel == "cross_entropy_rows" and cluster > 1:
+        return f"cupyloss::cross_entropy_rows_cluster<{ctype}, {mode}, {cluster}>"
     if kernel == "cross_entropy_rows":
         return f"cupyloss::{kernel}<{ctype}, {mode}>"
     return f"cupyloss::{kernel}<{ctype}>"
@@ -124,6 +128,9 @@ def units() -> list[tuple[str, list[str]]]:
     rowwise = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
                for info in _dtypes.DTYPES.values()
                for mode in ((0, 1, 2) if kernel == "cross_entropy_rows" else (2,))]
+    rowwise += [rowwise_name("cross_entropy_rows", info.ctype, mode, kc)
+                for info in _dtypes.DTYPES.values() for mode in (1, 2)
+                for kc in _launch.ROW_CLUSTER_SIZES]
     rowclass = [rowclass_name("rowclass_rows", info.ctype, loss)
                 for info in _dtypes.DTYPES.values() for loss in ROWCLASS_LOSSES]
     rowclass += [rowclass_name("rowclass_count", info.ctype) for info in _dtypes.DTYPES.values()]

@@ -34,11 +34,13 @@
 //                        vectors of it in registers, so the gradient is written from registers
 //                        after one read.  A row longer than a block's registers is split over k
 //                        blocks of one cooperative launch that exchange their states through global
-//                        memory (a counter per group, no float atomics).  A block's share beyond
-//                        its registers' tile is kept in dynamic shared memory (`stash` tiles of
-//                        blockDim.x * ROW_VECS vectors), so one read of the logits serves the loss
-//                        and the gradient; past that (k and stash are capped) the remaining tiles
-//                        are streamed twice.
+//                        memory (a counter per group, no float atomics), or, on sm_90 and later,
+//                        of one thread block cluster that exchange them through distributed
+//                        shared memory, one cluster barrier a row (cross_entropy_rows_cluster).
+//                        A block's share beyond its registers' tile is kept in dynamic shared
+//                        memory (`stash` tiles of blockDim.x * ROW_VECS vectors), so one read of
+//                        the logits serves the loss and the gradient; past that (k and stash are
+//                        capped) the remaining tiles are streamed twice.
 //   cross_entropy_cols   any strides (the class axis at dim 1 of (N, C, d1, ...)): a thread per
 //                        row; adjacent threads read adjacent positions, so loads coalesce.
 //   class_weight_sum     the 'mean' divisor sum_r w_{y_r} over counted rows, a launch before a
@@ -60,6 +62,8 @@ enum : long long {
 constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_launch.ROW_VECS)
 constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
 constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
+constexpr int ROW_EXCHANGE = 8 * ROW_FIELDS;  // scratch slot of a cluster's exchange (after the
+                                              // 8 warps' states of team_merge): [2][ROW_FIELDS]
 // cross_entropy_rows variants: the class-index loss alone (no gradient code, half the vectors a
 // tile, so twice the resident blocks), with its gradient, and everything else (probability
 // targets, label smoothing, softcap, nll_loss).
@@ -223,6 +227,63 @@ __device__ __forceinline__ RowStat<A> group_merge(const RowStat<A>& v, A* exchan
     __syncthreads();
     RowStat<A> r = load_stat_cg(slot);
     for (int j = 1; j < k; ++j) r = merge(r, load_stat_cg(slot + j * ROW_FIELDS));
+    return r;
+}
+
+// Thread block clusters (sm_90 and later).  On other architectures the cluster kernels compile
+// without their cluster shape and trap: the host never launches them there.
+#if __CUDA_ARCH__ >= 900
+#define CUPYLOSS_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
+#else
+#define CUPYLOSS_CLUSTER_DIMS(n)
+#endif
+
+// Every thread of the cluster arrives, then waits for all: shared-memory stores before it are
+// seen by every block of the cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// Field f of the state at p (this block's shared memory) in the block of cluster rank `rank`.
+template <typename A>
+__device__ __forceinline__ A load_cluster(const A* p, unsigned int rank) {
+    A v = A(0);
+#if __CUDA_ARCH__ >= 900
+    unsigned int local = (unsigned int)__cvta_generic_to_shared(p), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    if constexpr (sizeof(A) == 4) {
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    } else {
+        asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(remote) : "memory");
+    }
+#else
+    __trap();
+#endif
+    return v;
+}
+
+// The merged state of the KC blocks of a cluster that share a row: each publishes its state in
+// its own shared memory (exchange[parity], double-buffered by row parity as group_merge's), the
+// cluster synchronises once, and every block merges the KC states in rank order, as group_merge
+// does (so both give bitwise the same state).  A block writes slot parity again only after the
+// next row's barrier, which every block passes only once it has read this row's states.
+template <typename A, int KC>
+__device__ __forceinline__ RowStat<A> cluster_merge(const RowStat<A>& v, A* exchange,
+                                                    long long it) {
+    A* slot = exchange + (it & 1) * ROW_FIELDS;
+    if (threadIdx.x == 0) store_stat(slot, v);
+    cluster_sync();
+    auto state = [&](unsigned int j) -> RowStat<A> {
+        return {load_cluster(slot, j), load_cluster(slot + 1, j), load_cluster(slot + 2, j),
+                load_cluster(slot + 3, j), load_cluster(slot + 4, j)};
+    };
+    RowStat<A> r = state(0);
+    #pragma unroll
+    for (int j = 1; j < KC; ++j) r = merge(r, state(j));
     return r;
 }
 
@@ -437,37 +498,42 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
 // Rows go to teams in a grid-stride loop that every thread of a block runs the same number of
 // times (inactive teams take part in the block's merges).  MODE: see ROW_FORWARD.
 // Indices within a row are 32-bit (cols < 2^31, checked on the host); row offsets are 64-bit.
-// Resident blocks per SM: four for the forward variant (64 registers), three with a gradient (80:
-// a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an H100), two for
-// the general variant.  Several blocks per SM overlap one row's loads with another's stores.
-template <typename T, int MODE>
-__global__ void __launch_bounds__(256, MODE == ROW_FORWARD ? 4 : MODE == ROW_GRAD ? 3 : 2)
-cross_entropy_rows(
-        const T* x,                          // [rows, cols]: row r at x + r * x_rs
-        const void* tgt,                     // int32/int64 [rows] at r * t_rs, or T probabilities
-                                             // [rows, cols] with row r at r * t_rs
-        const T* __restrict__ weight,        // [cols] or null
-        const T* __restrict__ go,            // [rows] at r * go_rs, [1], or unused
-        const acc_t<T>* __restrict__ denom,  // [1] summed weights for a 'mean' gradient, or null
-        const long long rows, const long long cols,
-        const long long x_rs, const long long t_rs, const long long go_rs, const long long g_rs,
-        const long long flags, const long long ignore_index,
-        const double smoothing, const double zscale, const double softcap,
-        const double go_value, const double grad_scale,
-        const long long tpr,                 // threads per row: a power of two, 8..blockDim.x
-        const long long k,                   // blocks per row; > 1 only with tpr == blockDim.x
-        const long long stash,               // tiles a block keeps in shared memory after the
-                                             // scratch; > 0 only with tpr == blockDim.x
-        T* __restrict__ loss,                // [rows] or null
-        acc_t<T>* __restrict__ lse,          // [rows] or null
-        T* gx,                               // [rows, cols] at r * g_rs (may be x), or null
-        T* __restrict__ gt,                  // [rows, cols] contiguous, or null
-        T* __restrict__ value,               // [1] or null
-        acc_t<T>* __restrict__ partials,     // [2, gridDim.x] when value and gridDim.x > 1
-        unsigned int* __restrict__ ticket,
-        const double divisor,
-        unsigned int* __restrict__ sync,     // [gridDim.x / k] zeroed counters when k > 1
-        acc_t<T>* __restrict__ exchange) {   // [gridDim.x / k, 2, k, ROW_FIELDS] when k > 1
+// The parameters of every cross_entropy_rows kernel, one 64-bit word each, in this order:
+//   x          [rows, cols]: row r at x + r * x_rs
+//   tgt        int32/int64 [rows] at r * t_rs, or T probabilities [rows, cols], row r at r * t_rs
+//   weight     [cols] or null
+//   go         [rows] at r * go_rs, [1], or unused
+//   denom      [1] summed weights for a 'mean' gradient, or null
+//   tpr        threads per row: a power of two, 8..blockDim.x
+//   k          blocks per row; > 1 only with tpr == blockDim.x (the cluster size in a cluster)
+//   stash      tiles a block keeps in shared memory after the scratch; > 0 only with
+//              tpr == blockDim.x
+//   loss, lse  [rows] or null
+//   gx         [rows, cols] at r * g_rs (may be x), or null
+//   gt         [rows, cols] contiguous, or null
+//   value      [1] or null;  partials: [2, gridDim.x] when value and gridDim.x > 1
+//   sync       [gridDim.x / k] zeroed counters when k > 1 (cooperative launches only)
+//   exchange   [gridDim.x / k, 2, k, ROW_FIELDS] when k > 1 (cooperative launches only)
+#define CUPYLOSS_ROWS_PARAMS(T)                                                                \
+    const T* x, const void* tgt, const T* __restrict__ weight, const T* __restrict__ go,       \
+    const acc_t<T>* __restrict__ denom, const long long rows, const long long cols,            \
+    const long long x_rs, const long long t_rs, const long long go_rs, const long long g_rs,   \
+    const long long flags, const long long ignore_index, const double smoothing,               \
+    const double zscale, const double softcap, const double go_value, const double grad_scale, \
+    const long long tpr, const long long k, const long long stash, T* __restrict__ loss,       \
+    acc_t<T>* __restrict__ lse, T* gx, T* __restrict__ gt, T* __restrict__ value,              \
+    acc_t<T>* __restrict__ partials, unsigned int* __restrict__ ticket, const double divisor,  \
+    unsigned int* __restrict__ sync, acc_t<T>* __restrict__ exchange
+#define CUPYLOSS_ROWS_ARGS                                                                     \
+    x, tgt, weight, go, denom, rows, cols, x_rs, t_rs, go_rs, g_rs, flags, ignore_index,       \
+    smoothing, zscale, softcap, go_value, grad_scale, tpr, k, stash, loss, lse, gx, gt, value, \
+    partials, ticket, divisor, sync, exchange
+
+// The body of every cross_entropy_rows kernel.  KC > 1: a thread block cluster of KC blocks
+// takes each row (sm_90 and later), exchanging the row states through distributed shared memory
+// instead of global memory and a counter.
+template <typename T, int MODE, int KC>
+__device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
     using A = acc_t<T>;
     constexpr bool GENERAL = MODE == ROW_GENERAL;
     constexpr int VEC = 16 / sizeof(T);
@@ -493,7 +559,7 @@ cross_entropy_rows(
     const int ncols = (int)cols;
     const int t = (int)tpr;
     const int lane = threadIdx.x & (t - 1);
-    const int kk = (int)k;
+    const int kk = KC > 1 ? KC : (int)k;
     const int teams = kk > 1 ? 1 : blockDim.x / t;
     const int team = kk > 1 ? 0 : threadIdx.x / t;
     const int member = kk > 1 ? blockIdx.x % kk : 0;
@@ -573,7 +639,9 @@ cross_entropy_rows(
         if (active && lane == 0 && member == 0 && !ra.prob && !rt.ignored && !rt.oor)
             st.t = ra.nll ? to_acc(xr[rt.y]) : zval(xr[rt.y], ra);
         st = team_merge(st, t, scratch);
-        if (kk > 1) {
+        if constexpr (KC > 1) {
+            st = cluster_merge<A, KC>(st, scratch + ROW_EXCHANGE, it);
+        } else if (kk > 1) {
             st = group_merge(st, exchange + unit * 2 * kk * ROW_FIELDS, sync + unit, kk, member,
                              it);
         }
@@ -667,7 +735,29 @@ cross_entropy_rows(
             }
         }
     }
+    // A block's shared memory must outlive its cluster's last reads of it.
+    if constexpr (KC > 1) cluster_sync();
     finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
+}
+
+// Resident blocks per SM: four for the forward variant (64 registers), three with a gradient (80:
+// a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an H100), two for
+// the general variant.  Several blocks per SM overlap one row's loads with another's stores.
+#define CUPYLOSS_ROWS_BLOCKS(MODE) (MODE == ROW_FORWARD ? 4 : MODE == ROW_GRAD ? 3 : 2)
+
+// Rows of one block, of a team within a block, or of k blocks of a cooperative launch.
+template <typename T, int MODE>
+__global__ void __launch_bounds__(256, CUPYLOSS_ROWS_BLOCKS(MODE))
+cross_entropy_rows(CUPYLOSS_ROWS_PARAMS(T)) {
+    rows_body<T, MODE, 1>(CUPYLOSS_ROWS_ARGS);
+}
+
+// Rows of KC blocks of one thread block cluster (KC == k; compiled on every architecture, run
+// only where clusters exist: the host asks for it on sm_90 and later).
+template <typename T, int MODE, int KC>
+__global__ void __launch_bounds__(256, CUPYLOSS_ROWS_BLOCKS(MODE)) CUPYLOSS_CLUSTER_DIMS(KC)
+cross_entropy_rows_cluster(CUPYLOSS_ROWS_PARAMS(T)) {
+    rows_body<T, MODE, KC>(CUPYLOSS_ROWS_ARGS);
 }
 
 // Any strides: row r = (n, d) of an input viewed as [N, C, inner]; a thread per row, classes

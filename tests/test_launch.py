@@ -5,6 +5,7 @@ run-time constant, the coalesced broadcast geometry and its packed struct, and t
 and shared-memory sizes, clamped to a fake device's limits.
 """
 
+import dataclasses
 import math
 import struct
 
@@ -593,7 +594,7 @@ def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per
         assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // cfg.tpr), resident))
 
 
-def test_row_launch_light_rows_and_limits():
+def test_row_launch_light_rows_and_limits(monkeypatch):
     def per_sm(n):
         return lambda shared: n
 
@@ -611,6 +612,20 @@ def test_row_launch_light_rows_and_limits():
     assert llm.shared == 64 * 4 + 3 * 32768
     llm = _launch.row_launch(8192, 128256, 2, 4, True, False, H100, per_sm(3))
     assert (llm.tpr, llm.k, llm.stash, llm.grid) == (BLOCK, 4, 1, (132 * 3 // 4 * 4,))
+    assert llm.cooperative and not llm.cluster     # H100 here says it has no clusters
+    # With clusters (sm_90), the blocks of a row form one, the gradient launch only; the same
+    # grid, now plain (not cooperative).
+    sm90 = dataclasses.replace(H100_OPTIN, clusters=True)
+    llm = _launch.row_launch(8192, 128256, 2, 4, True, False, sm90, per_sm(2))
+    assert (llm.k, llm.stash, llm.grid, llm.cluster, llm.cooperative) == (2, 3, (264,), True,
+                                                                          False)
+    few = _launch.row_launch(4, 128256, 2, 4, False, False, sm90, per_sm(4))
+    assert few.k > 1 and few.cooperative and not few.cluster
+    wide = _launch.row_launch(2048, 128256, 4, 4, True, False, sm90, per_sm(2))
+    assert wide.k == 4 and wide.cooperative and not wide.cluster   # not in ROW_CLUSTER_SIZES
+    monkeypatch.setattr(_launch, "ROW_CLUSTERS", False)
+    llm = _launch.row_launch(8192, 128256, 2, 4, True, False, sm90, per_sm(2))
+    assert llm.cooperative and not llm.cluster
     # A 32000-class bfloat16 row fits one block with a tile of shared memory: no cooperation.
     mid = _launch.row_launch(8192, 32000, 2, 4, True, False, H100_OPTIN, per_sm(3))
     assert (mid.k, mid.stash, mid.cooperative) == (1, 1, False)

@@ -231,6 +231,38 @@ def test_long_rows_split_over_blocks(dtype, cols, rows, smoothing):
     assert cp.array_equal(value, value2) and cp.array_equal(gx, gx2)
 
 
+@pytest.mark.parametrize("dtype, cols, rows", [
+    (np.float32, 40000, 300),       # 2 blocks a row, more rows than resident groups
+    (BFLOAT16, 128256, 24),         # an LLM vocabulary: 2 blocks a row with 3 tiles each
+    (np.float16, 100003, 3),        # odd length: head and tail elements
+    (np.float64, 30000, 5),         # double states
+])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, cols, rows,
+                                                         smoothing):
+    """The blocks sharing a row as a thread block cluster (sm_90) and as a cooperative launch
+    merge their states in one order: bitwise the same value, gradient and lse."""
+    cp = _cupy()
+    cl = _cl()
+    from cupyloss import _launch, _rowwise
+
+    if not _launch.device_limits(cp.cuda.Device().id).clusters:
+        pytest.skip("this GPU has no thread block clusters (sm_90 and later)")
+    rng = np.random.default_rng(cols + rows)
+    x, _ = _put(rng.standard_normal((rows, cols)) * 4, dtype)
+    t = cp.asarray(_targets(rng, rows, cols, 0.2))
+    opts = dict(label_smoothing=smoothing, lse_square_scale=1e-4, return_lse=True)
+    got = {}
+    for clusters in (True, False):
+        monkeypatch.setattr(_launch, "ROW_CLUSTERS", clusters)
+        monkeypatch.setattr(_rowwise, "_PLANS", {})
+        got[clusters] = cl.cross_entropy_value_and_grad(x, t, **opts)
+        (plan,) = _rowwise._PLANS.values()
+        assert plan.main.cooperative is not clusters
+    for a, b in zip(got[True], got[False]):
+        assert a.dtype == b.dtype and cp.array_equal(a, b, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype, rows, cols", [
     (np.float32, 2048, 4099),       # rows enough for a warp per row without a gradient
     (BFLOAT16, 1100, 20011),        # a warp streaming a long row in tiles
