@@ -316,7 +316,11 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             and "bcast" not in modes):
         vec = info.vec
     grad = any(want_grads)
-    name = _source.pointwise_name("flat", info.ctype, functor, vec, grad)
+    # Operands of stride 0 on the vector path (one element, absent): compiled in with gradients.
+    const = sum(1 << k for k in range(k_ops) if not any(cstrides[k])) if grad and vec > 1 else 0
+    if const not in spec.reduce_masks(functor):
+        const = 0
+    name = _source.pointwise_name("flat", info.ctype, functor, vec, grad, const)
     cfg = _launch.flat_launch(n, vec, limits, _resident(name, 0, limits),
                               _launch.FLAT_STEPS_GRAD if grad else _launch.FLAT_STEPS_VALUE)
     layout = flat_layout(k_ops, spec.param_words)

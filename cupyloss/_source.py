@@ -46,11 +46,12 @@ def expand(name: str) -> str:
 
 def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool,
                    const: int | None = None) -> str:
-    """Name expression of pointwise_flat<ctype, functor, vec, grad> or pointwise_rows<ctype,
-    functor, vec, grad, const> (grad: the instantiation that can write gradients; the other
-    computes values only; const: the rows kernel's operands that are not full, bit k for
-    operand k)."""
-    tail = "" if kind == "flat" else f", {const}"
+    """Name expression of pointwise_flat<ctype, functor, vec, grad[, const]> or
+    pointwise_rows<ctype, functor, vec, grad, const> (grad: the instantiation that can write
+    gradients; the other computes values only; const: the rows kernel's operands that are not
+    full, or the flat kernel's with stride 0 compiled in, bit k for operand k; flat without it
+    reads every stride at run time)."""
+    tail = "" if kind == "flat" and not const else f", {const}"
     return (f"cupyloss::pointwise_{kind}<{ctype}, cupyloss::{functor}, {vec}, "
             f"{'true' if grad else 'false'}{tail}>")
 
@@ -63,12 +64,14 @@ def pointwise_reduce_name(ctype: str, functor: str, vec: int, const: int) -> str
 
 def pointwise_names(functor: str, info) -> list[str]:
     """Every pointwise kernel of one functor and dtype: flat, scalar and vector, value-only and
-    with gradients; and for each of its masks (the operands read once per unit or row) rows,
-    likewise, and reduce."""
+    with gradients; and for each of its masks (the operands read once per unit or row, or of
+    stride 0) the vector flat kernel with gradients, rows, likewise, and reduce."""
     vecs = sorted({1, info.vec})
     masks = _registry.reduce_masks(functor)
     return ([pointwise_name("flat", info.ctype, functor, vec, grad)
              for vec in vecs for grad in (False, True)]
+            + ([pointwise_name("flat", info.ctype, functor, info.vec, True, const)
+                for const in masks] if info.vec > 1 else [])
             + [pointwise_name("rows", info.ctype, functor, vec, grad, const)
                for const in masks for vec in vecs for grad in (False, True)]
             + [pointwise_reduce_name(info.ctype, functor, vec, const)
@@ -144,7 +147,8 @@ def units() -> list[tuple[str, list[str]]]:
 @functools.lru_cache(maxsize=None)
 def _groups() -> dict:
     """(file, name expression) -> its compilation group: (functor, C type) in pointwise.cu for
-    the flat kernels, and (functor, C type, mask) for its rows and reduce kernels.
+    the flat kernels, and (functor, C type, mask) for its rows and reduce kernels and the flat
+    ones with a mask.
 
     A loss's first call compiles only its own functor's kernels for its dtype (a few seconds),
     not every loss's, and a broadcast call only the kernels of its mask; other files are one
@@ -154,8 +158,9 @@ def _groups() -> dict:
         for info in _dtypes.DTYPES.values():
             for name in pointwise_names(functor, info):
                 group = (functor, info.ctype)
-                if not name.startswith("cupyloss::pointwise_flat<"):
-                    group += (int(name.rpartition(",")[2].strip(" >")),)
+                last = name.rpartition(",")[2].strip(" >")
+                if last not in ("true", "false"):   # a mask: rows, reduce, flat with const
+                    group += (int(last),)
                 groups[("pointwise.cu", name)] = group
     return groups
 

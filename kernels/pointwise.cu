@@ -279,7 +279,11 @@ __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g
 
 // Flat layout.  With VEC > 1 the host guarantees a 1-D geometry whose strides are 0 or 1 and
 // 16-byte aligned pointers; elements past the last whole vector take the VEC == 1 path.
-template <typename T, typename Op, int VEC, bool GRAD>
+// CONST (bit k; gradient instantiations with VEC > 1 only): operand k has stride 0 (one element,
+// or absent) on the vector path, known at compile time, so the functor's arithmetic on it is
+// loop-invariant and leaves the loop (a 0-d probability's logs in binary_cross_entropy).  The
+// host sets it from the strides; 0 reads each operand's stride at run time.
+template <typename T, typename Op, int VEC, bool GRAD, int CONST = 0>
 __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1) pointwise_flat(
         const PerOperand<const T*, Op::K> in,     // operand k through geo.stride[k], or null
         const PerOperand<double, Op::K> fill,     // what a null operand reads as
@@ -347,14 +351,15 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
         A fixed[K];  // stride-0 operands, read once
         #pragma unroll
         for (int k = 0; k < K; ++k)
-            fixed[k] = geo.stride[k][0] == 0 ? read_fixed<T>(in.p[k], fill.p[k]) : A(0);
+            fixed[k] = ((CONST >> k) & 1) || geo.stride[k][0] == 0
+                           ? read_fixed<T>(in.p[k], fill.p[k]) : A(0);
         const long long nvec = n / VEC;
         // One vector of every operand at flat vector index v (and its upstream).
         auto load = [&](long long v, A (&val)[K][VEC], A (&gv)[VEC]) {
             const long long i = v * VEC;
             #pragma unroll
             for (int k = 0; k < K; ++k) {
-                if (geo.stride[k][0] == 0) {
+                if (((CONST >> k) & 1) || geo.stride[k][0] == 0) {
                     #pragma unroll
                     for (int j = 0; j < VEC; ++j) val[k][j] = fixed[k];
                 } else {

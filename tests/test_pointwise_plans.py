@@ -364,6 +364,21 @@ def test_views_and_odd_sizes_take_the_scalar_steps(device):
     assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 1, 1>"
 
 
+def test_flat_gradients_compile_their_stride_zero_operands_in(device):
+    """A 0-d operand (or an absent one) on the vector path: the gradient kernel with its mask,
+    so the functor's arithmetic on it leaves the loop; the loss alone and the strided path
+    read strides at run time."""
+    x, t = arr((3, 8)), arr(())
+    cupyloss.binary_cross_entropy_value_and_grad(t, x)       # 0-d input, no weight (bit 2)
+    cupyloss.binary_cross_entropy(t, x)
+    cupyloss.mse_loss_value_and_grad(arr((64, 30)).T, t)      # strided: one element a step
+    assert device.names == [
+        "cupyloss::pointwise_flat<float, cupyloss::BceOp<0>, 4, true, 5>",
+        "cupyloss::pointwise_flat<float, cupyloss::BceOp<0>, 4, false>",
+        "cupyloss::pointwise_flat<float, cupyloss::MseOp, 1, true>"]
+    assert _all_compiled(device)
+
+
 def test_operands_broadcast_along_different_dims_take_a_pass_each(device):
     """x per channel and t per position: the first pass computes the value and x's gradient,
     a second only t's; an operand broadcast like x (same dims) shares x's pass."""
