@@ -86,12 +86,12 @@ class LossSpec:
         return f"{self.functor}<{bits}>"
 
     def reduce_masks(self, instance: str) -> tuple:
-        """The CONST masks pointwise_rows and pointwise_reduce are compiled for with functor
-        `instance`: the operands that stay the same across a thread's rows or a unit (bit k:
-        operand k), every one of which is a row, a scalar, broadcast along all the reduced dims,
-        or absent.  A nonempty set of operands the instance takes
-        (the lead operand is always among them) but not all of them (the reduced dims come from
-        one that streams), with every one it leaves out."""
+        """The CONST masks pointwise_rows, pointwise_reduce and pointwise_flat's gradient
+        instantiation are compiled for with functor `instance`: the operands that stay the same
+        across a thread's rows, a unit or the whole call (bit k: operand k), every one of which is
+        a row, a scalar, broadcast along all the reduced dims, or absent.  A nonempty set of
+        operands the instance takes (the lead operand is always among them) but not all of them
+        (the reduced dims come from one that streams), with every one it leaves out."""
         bits = int(instance.partition("<")[2].rstrip(">") or 0)
         absent = sum(1 << self.operands.index(mode) for i, mode in enumerate(self.modes)
                      if mode in self.optional and not (bits >> i) & 1)

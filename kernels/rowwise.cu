@@ -248,7 +248,7 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// Field f of the state at p (this block's shared memory) in the block of cluster rank `rank`.
+// The value at p (in this block's shared memory) in the block of cluster rank `rank`.
 template <typename A>
 __device__ __forceinline__ A load_cluster(const A* p, unsigned int rank) {
     A v = A(0);
