@@ -124,6 +124,7 @@ class TorchFrame:
         self._torch = torch
         self._empty_like = torch.empty_like
         self._devices = {}
+        self._scalars = {}      # (device, dtype) -> a 0-d tensor, the model of 0-d results
         self._to_numpy = {torch.float16: numpy.dtype("float16"),
                           torch.float32: numpy.dtype("float32"),
                           torch.float64: numpy.dtype("float64")}
@@ -160,7 +161,15 @@ class TorchFrame:
     def empty(self, shape, dtype, like):
         """A new contiguous tensor from torch's allocator on `like`'s device, and its pointer."""
         tdtype = self._to_torch[dtype]
-        t = like.new_empty(shape) if like.dtype is tdtype else like.new_empty(shape, dtype=tdtype)
+        if not shape:   # a reduced loss: empty_like of a kept 0-d tensor costs less than new_empty
+            key = (like.get_device(), tdtype)
+            model = self._scalars.get(key)
+            if model is None:
+                model = self._scalars[key] = like.new_empty((), dtype=tdtype)
+            t = self._empty_like(model)
+        else:
+            t = (like.new_empty(shape) if like.dtype is tdtype
+                 else like.new_empty(shape, dtype=tdtype))
         return t, t.data_ptr()
 
     def empty_like(self, a):

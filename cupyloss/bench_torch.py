@@ -6,11 +6,13 @@
 small   1K float32 elements, mse_loss: host microseconds per `loss = f(x, y); loss.backward()`
         (the time the Python thread spends per call, the GPU never being the bottleneck), for
         cupyloss.torch with gradients from the forward pass (the default), with the rerun
-        backward (gradients_in_forward=False), torch eager's F.mse_loss, and the floor of any
+        backward (gradients_in_forward=False), torch eager's F.mse_loss, the floor of any
         Python autograd.Function (one that allocates the loss and gradient and launches
-        nothing); then the forward alone of both and the core's value_and_grad without
-        autograd (--profile adds a cProfile of the adapter's loop).  The rows take turns batch
-        by batch, so their ratios are measured over the same stretch of the machine.
+        nothing) and the least one that launches cupyloss's kernels (the core value_and_grad
+        in forward, scale_by_grad_output in backward); then the forward alone of both and the
+        core's value_and_grad without autograd (--profile adds a cProfile of the adapter's
+        loop).  The rows take turns batch by batch, so their ratios are measured over the
+        same stretch of the machine.
 large   the KernelBench sizes, float32, gradients of both arguments asked for:
           mse    mse_loss(x, y), x, y [32768, 32768]
           kl     kl_div(p, q, 'batchmean') of probabilities p, q [16384, 16384] (cupyloss fuses
@@ -92,6 +94,23 @@ def small(profile: bool = False) -> dict:
             g, ctx.g = ctx.g, None
             return g, None
 
+    class Least(torch.autograd.Function):
+        """The least a Python autograd Function launching cupyloss's kernels can cost: the core
+        value_and_grad in forward, the scaling kernel in backward, nothing else."""
+
+        @staticmethod
+        def forward(ctx, a, b):
+            value, ctx.g = cupyloss.mse_loss_value_and_grad(a, b, wrt="input")
+            return value
+
+        @staticmethod
+        def backward(ctx, grad):
+            g, ctx.g = ctx.g, None
+            CF.scale_by_grad_output(grad, g)
+            return g, None
+
+    # autograd.Function.apply's C++ part alone, as cupyloss.torch calls it.
+    bare, least = (super(torch.autograd.Function, f).apply for f in (Bare, Least))
     sync = torch.cuda.synchronize
     # Where the time goes: the forward alone (graph recorded, then dropped), the core call.
     # The rows take turns batch by batch (bench._host_us), so their ratios compare like with like.
@@ -99,7 +118,8 @@ def small(profile: bool = False) -> dict:
         "cupyloss.torch fwd+bwd (gradients in forward)": (_fwd_bwd(CF.mse_loss, (x, y)), sync),
         "cupyloss.torch fwd+bwd (rerun backward)": (rerun_backward, sync),
         "torch eager F.mse_loss fwd+bwd": (_fwd_bwd(F.mse_loss, (x, y)), sync),
-        "bare autograd.Function fwd+bwd (no kernels)": (_fwd_bwd(Bare.apply, (x, y)), sync),
+        "bare autograd.Function fwd+bwd (no kernels)": (_fwd_bwd(bare, (x, y)), sync),
+        "least autograd.Function with the kernels": (_fwd_bwd(least, (x, y)), sync),
         "cupyloss.torch forward only": (lambda: CF.mse_loss(x, y), sync),
         "torch eager F.mse_loss forward only": (lambda: F.mse_loss(x, y), sync),
         "core mse_loss_value_and_grad (no autograd)":
@@ -115,6 +135,10 @@ def small(profile: bool = False) -> dict:
         "torch eager F.mse_loss fwd+bwd"]
     print(f"  bare autograd.Function / torch eager, fwd+bwd = {floor:.2f} (what any Python "
           f"Function costs)")
+    least = rows["least autograd.Function with the kernels"] / rows[
+        "torch eager F.mse_loss fwd+bwd"]
+    print(f"  least autograd.Function with the kernels / torch eager, fwd+bwd = {least:.2f} "
+          f"(the floor of a Python Function launching cupyloss's two kernels)")
     if profile:
         import cProfile
         import pstats
@@ -127,7 +151,8 @@ def small(profile: bool = False) -> dict:
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
-    return {"host_us": rows, "ratio_to_eager": ratio, "bare_function_ratio": floor}
+    return {"host_us": rows, "ratio_to_eager": ratio, "bare_function_ratio": floor,
+            "least_function_ratio": least}
 
 
 def _workloads(scale: float):

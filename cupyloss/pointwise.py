@@ -47,10 +47,19 @@ def _value(spec, arrays, reduction, params):
                     want_grads=spec.no_grads)[0]
 
 
+_PICKS: dict = {}   # (loss, wrt) -> (picked, single, want) of losses whose arrays are all given
+
+
 def _grads(spec, arrays, reduction, params, grad_output, wrt, want_value):
     names = spec.operands
     if wrt is None and spec.fixed:
         picked, single, want = names, False, spec.all_grads
+    elif spec.fixed and (wrt.__class__ is str or wrt.__class__ is tuple):
+        hit = _PICKS.get((spec.name, wrt))
+        if hit is None:
+            picked, single = _validate.check_wrt(wrt, names, names)
+            hit = _PICKS[spec.name, wrt] = (picked, single, tuple(n in picked for n in names))
+        picked, single, want = hit
     else:
         given = tuple(n for n, a in zip(names, arrays)
                       if a is not None and a.__class__ is not float)

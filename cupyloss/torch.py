@@ -111,19 +111,28 @@ SPECS = all_losses()
 class _Kernels:
     """What the ops run: cupyloss's public functions and the in-place scaling kernel."""
 
+    def __init__(self):
+        self._functions = {}     # loss name -> (f, f_value_and_grad, f_backward)
+
+    def _core(self, name):
+        functions = self._functions.get(name)
+        if functions is None:
+            functions = self._functions[name] = tuple(
+                getattr(cupyloss, name + suffix) for suffix in ("", "_value_and_grad",
+                                                                "_backward"))
+        return functions
+
     def value(self, name, arrays, reduction, options):
         """The loss alone."""
-        return getattr(cupyloss, name)(*arrays, reduction=reduction, **options)
+        return self._core(name)[0](*arrays, reduction=reduction, **options)
 
     def value_and_grad(self, name, arrays, reduction, options, wrt):
         """(loss, gradients of the names in wrt, in wrt's order), from one pass."""
-        return getattr(cupyloss, name + "_value_and_grad")(*arrays, reduction=reduction,
-                                                           wrt=wrt, **options)
+        return self._core(name)[1](*arrays, reduction=reduction, wrt=wrt, **options)
 
     def backward(self, name, grad_output, arrays, reduction, options, wrt):
         """Gradients of the names in wrt with upstream grad_output."""
-        return getattr(cupyloss, name + "_backward")(grad_output, *arrays, reduction=reduction,
-                                                     wrt=wrt, **options)
+        return self._core(name)[2](grad_output, *arrays, reduction=reduction, wrt=wrt, **options)
 
     def scale(self, grad_output, grads):
         """grads[k] *= grad_output[()] in place, on the device; nothing is touched if it is 1."""
@@ -216,10 +225,16 @@ def _scale(grad_output, grads) -> None:
     global _cupy
     if _cupy is None:
         import cupy as _cupy
-    live = [(g.data_ptr(), g.numel()) for g in grads if g.numel()]
-    if not live:
+    a = na = b = nb = 0
+    for g in grads:
+        n = g.numel()
+        if n:
+            if na:
+                b, nb = g.data_ptr(), n
+            else:
+                a, na = g.data_ptr(), n
+    if not na:
         return
-    (a, na), (b, nb) = (live + [(0, 0)])[:2]
     device = grad_output.get_device()
     dtype = grad_output.dtype
     vec = _dtype_info(dtype).vec if not ((a | b) & 15) else 1
@@ -252,6 +267,7 @@ class _Loss:
     no_flags: tuple = ()     # a False per array: no gradient computed in the forward pass
     differentiable: tuple = ()  # a bool per array: whether it has a gradient (a registry
                                 # entry's `differentiable` names them; every array without one)
+    wrt_of: dict = dataclasses.field(default_factory=dict)  # flags -> names they pick
     forward: object = None   # torch.ops.cupyloss.<name>.default
     backward: object = None  # torch.ops.cupyloss.<name>_backward.default
 
@@ -378,6 +394,9 @@ def _backward_fake(loss: _Loss):
     return fake
 
 
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _is_functional = torch._is_functional_tensor
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -393,15 +412,20 @@ def _backward_mode(grad_output) -> str:
 
 
 def _traced(loss: _Loss, arrays) -> bool:
-    """Whether a forward call is being traced (so it must go through the registered op)."""
-    if torch.compiler.is_compiling() or _dispatch_modes():
+    """Whether a forward call is being traced (so it must go through the registered op);
+    TypeError for an argument that is no tensor."""
+    for name, a in zip(loss.arrays, arrays):
+        if type(a) is not _Tensor and not isinstance(a, _Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__module__}."
+                            f"{type(a).__qualname__}")
+    if _compiling() or _dispatch_modes():
         return True
     for name, a in zip(loss.arrays, arrays):
         if _is_wrapped(a):
             raise NotImplementedError(
                 f"cupyloss.torch.{loss.name}: {name} comes from a torch.func transform (grad, "
                 f"vmap, jacrev, ...), which cupyloss's losses do not support; use torch.autograd")
-        if type(a) is not torch.Tensor or _is_functional(a):
+        if type(a) is not _Tensor or _is_functional(a):
             return True
     return False
 
@@ -413,11 +437,15 @@ def _save(ctx, arrays, reduction, options, flags, grads, private) -> None:
     so that the first backward may scale them in place; the op's are also its outputs, which
     its caller holds and which must not change when backward runs.
     """
-    tensors = {o: v for o, v in options.items() if isinstance(v, torch.Tensor)}
-    ctx.save_for_backward(*arrays, *tensors.values())
+    if options:
+        tensors = {o: v for o, v in options.items() if isinstance(v, torch.Tensor)}
+        ctx.save_for_backward(*arrays, *tensors.values())
+        ctx.tensor_options = tuple(tensors)
+    else:
+        ctx.save_for_backward(*arrays)
+        ctx.tensor_options = ()
     ctx.reduction = reduction
     ctx.options = options
-    ctx.tensor_options = tuple(tensors)
     ctx.private = private
     # Only a reduced loss's gradients are used: for 'none' g is elementwise and the gradient is
     # its product with the loss's Jacobian (summed over broadcast dims, or over a row), not g
@@ -431,14 +459,16 @@ def _save(ctx, arrays, reduction, options, flags, grads, private) -> None:
 def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
     """The backward formula of every loss: one gradient (or None) per array argument."""
     n = len(loss.arrays)
-    need = tuple(w and d for w, d in zip(need, loss.differentiable))
+    grads, ctx.grads = ctx.grads, None
+    same = need == ctx.computed    # the usual case: the forward pass computed just these
+    if not same:
+        need = tuple(w and d for w, d in zip(need, loss.differentiable))
     if True not in need:
         return [None] * n
     mode = _backward_mode(grad_loss)
-    grads, ctx.grads = ctx.grads, None
     if (grads is not None and mode != "graph"
-            and all(c or not w for c, w in zip(ctx.computed, need))):
-        picked = [g if w else None for g, w in zip(grads, need)]
+            and (same or all(c or not w for c, w in zip(ctx.computed, need)))):
+        picked = grads if same else [g if w else None for g, w in zip(grads, need)]
         if mode == "eager" and ctx.private:
             _engine.scale(grad_loss, [g for g in picked if g is not None])
             return picked
@@ -489,13 +519,19 @@ class _Eager(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, loss, reduction, options, flags, *arrays):
-        options = dict(zip(loss.option_names, options))
+    def forward(ctx, call, *arrays):
+        loss, reduction, options, flags = call
+        options = dict(zip(loss.option_names, options)) if options else {}
         if True in flags:
-            wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
+            wrt = loss.wrt_of.get(flags)
+            if wrt is None:
+                wrt = loss.wrt_of[flags] = tuple(a for a, f in zip(loss.arrays, flags) if f)
             value, got = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
-            got = iter(got)
-            grads = [next(got) if f else None for f in flags]
+            if len(wrt) == len(flags):
+                grads = list(got)
+            else:
+                got = iter(got)
+                grads = [next(got) if f else None for f in flags]
         else:
             value, grads = _engine.value(loss.name, arrays, reduction, options), None
         ctx.loss = loss
@@ -504,8 +540,13 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return (None, None, None, None,
-                *_gradients(ctx.loss, ctx, grad_loss, ctx.needs_input_grad[4:]))
+        return (None, *_gradients(ctx.loss, ctx, grad_loss, ctx.needs_input_grad[1:]))
+
+
+# autograd.Function.apply's C++ part.  The Python layer in front of it (Function.apply) binds
+# default arguments for a setup_context that _Eager lacks and unwraps functorch's dead wrappers,
+# which _traced has already refused; skipping it saves a few microseconds a call.
+_apply_eager = super(torch.autograd.Function, _Eager).apply
 
 
 def _register(loss: _Loss) -> None:
@@ -539,17 +580,14 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
         if value is not default and (default is None or value != default):
             raise ValueError(f"cupyloss.torch.{loss.name} does not support {name}={value!r}; "
                              f"only the default {default!r}")
-    for name, a in zip(loss.arrays, arrays):
-        if not isinstance(a, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__module__}."
-                            f"{type(a).__qualname__}")
-    if gradients_in_forward and reduction != "none" and torch.is_grad_enabled():
+    traced = _traced(loss, arrays)
+    if gradients_in_forward and reduction != "none" and _grad_enabled():
         flags = tuple(a.requires_grad and d for a, d in zip(arrays, loss.differentiable))
     else:
         flags = loss.no_flags
-    if _traced(loss, arrays):
+    if traced:
         return loss.forward(*arrays, reduction, *options, *flags)[0]
-    return _Eager.apply(loss, reduction, options, flags, *arrays)
+    return _apply_eager((loss, reduction, options, flags), *arrays)
 
 
 _PATHS = {

@@ -610,14 +610,9 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // (the lead operand always) or absent; the host computes it (_pointwise._reduce_plan), so which
 // operands stream and into which slots is known at compile time: no per-element selection, and
 // the functor's arithmetic on per-unit values is computed once per vector, not per element.
+// k's slot when it streams; stream_slot<K>(CONST, K) is the number of operands that stream.
 template <int K>
-__host__ __device__ constexpr int streamed_count(int constant) {
-    int f = 0;
-    for (int k = 0; k < K; ++k) f += ((constant >> k) & 1) ? 0 : 1;
-    return f;
-}
-template <int K>
-__host__ __device__ constexpr int stream_slot(int constant, int k) {  // k's slot when it streams
+__host__ __device__ constexpr int stream_slot(int constant, int k) {
     int f = 0;
     for (int j = 0; j < k; ++j) f += ((constant >> j) & 1) ? 0 : 1;
     return f;
@@ -650,7 +645,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
     constexpr int UNROLL_4 = (K <= 2 ? STEPS : STEPS / 2) * 4 / (VEC > 4 ? VEC : 4);
     constexpr int UNROLL = UNROLL_4 > 1 ? UNROLL_4 : 1;
     constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
-    constexpr int NF = streamed_count<K>(CONST);  // operands read per element
+    constexpr int NF = stream_slot<K>(CONST, K);  // operands read per element
     constexpr int F = NF > 0 ? NF : 1;
     using A = acc_t<T>;
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
@@ -670,7 +665,6 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
     // operands summed with it, numbers) are one value per o, read once per unit; the others
     // (CONST's clear bits) are read per element.  Slot f holds the f-th of those in operand
     // order, so the loads in flight take F, not K, vectors a step.
-    constexpr long long constant = CONST;
     Sums<A, K> s;
 
     for (long long u = warp; u < units; u += nwarps) {  // uniform across the warp
@@ -684,7 +678,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
         #pragma unroll
         for (int k = 0; k < K; ++k) {
             fixed[k] = in.p[k] == nullptr ? A(fill.p[k]) : A(0);
-            if (((constant >> k) & 1) && in.p[k] != nullptr && active)
+            if (((CONST >> k) & 1) && in.p[k] != nullptr && active)
                 fixed[k] = to_acc(in.p[k][base[k]]);
         }
         const long long m1 = active ? min(n_m, (c + 1) * chunk) : 0;
@@ -707,7 +701,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                 src_stride[f] = 0;
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                    if (((constant >> k) & 1) || stream_slot<K>(CONST, k) != f) continue;
+                    if (((CONST >> k) & 1) || stream_slot<K>(CONST, k) != f) continue;
                     src[f] = in.p[k] + off[k];
                     src_stride[f] = red.stride[k][inner];
                 }
