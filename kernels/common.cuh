@@ -106,17 +106,31 @@ struct Geometry {
     }
 };
 
+// a * b + c rounded once, in every context (the compiler's own contraction depends on how the
+// product is used).
+__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
+// A product rounded on its own, never contracted into an FMA with a later add: a tie such as
+// `margin - x*t == 0` must be decided as torch decides it.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+// A sum rounded on its own, likewise: neither operand's product is fused into it.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
 // A running sum that carries the rounding error of each addition into the next (Kahan's
 // compensated summation): n additions in sequence lose O(eps) instead of O(n eps) of the
 // magnitude they add up.  The compensation is dropped once the sum is not finite, so an inf
-// stays inf (instead of inf - inf = NaN) and a NaN stays NaN.  Plain adds and subtracts, so
-// FMA contraction cannot reassociate them.
+// stays inf (instead of inf - inf = NaN) and a NaN stays NaN.  Adds and subtracts only, the
+// first one rounded on its own (add_rn): a v that is a product (a loss h * h, a gradient
+// g * dl/dx) is rounded before it is added, never fused into an FMA with the sum, so every kernel
+// instantiation adds the same v, whatever else the compiler contracts around it.
 template <typename A>
 struct Compensated {
     A sum = A(0);
     A c = A(0);   // minus the low-order part lost so far
     __device__ __forceinline__ void add(A v) {
-        const A y = v - c;
+        const A y = add_rn(v, -c);
         const A t = sum + y;
         c = isfinite(t) ? (t - sum) - y : A(0);
         sum = t;

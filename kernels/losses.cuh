@@ -100,17 +100,6 @@ __device__ __forceinline__ double rcp(double v) { return __drcp_rn(v); }
 // a divisor in [2^-126, 2^126]), double's correctly rounded one.
 __device__ __forceinline__ float rcp_unit(float v) { return __fdividef(1.0f, v); }
 __device__ __forceinline__ double rcp_unit(double v) { return __drcp_rn(v); }
-// a * b + c rounded once, in every context (the compiler's own contraction depends on how the
-// product is used).
-__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-__device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
-// A product rounded on its own, never contracted into an FMA with a later add: a tie such as
-// `margin - x*t == 0` must be decided as torch decides it.
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-// A sum rounded on its own, likewise: neither operand's product is fused into it.
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fffffff); }
 __device__ __forceinline__ double quiet_nan(double) {
     return __longlong_as_double(0x7ff8000000000000ll);

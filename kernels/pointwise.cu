@@ -166,11 +166,14 @@ struct Sums {
     Compensated<A> g[K];
 };
 
+// r[0] + ... + r[W-1] in order, each add rounded on its own (add_rn): a term that is a product
+// is never fused into the add, so the value and gradient instantiations of a kernel, which the
+// compiler contracts differently, add the same terms (squared_hinge_loss's h * h).
 template <typename A, int W>
 __device__ __forceinline__ A sum_of(const A (&r)[W]) {
     A part = r[0];
     #pragma unroll
-    for (int j = 1; j < W; ++j) part += r[j];
+    for (int j = 1; j < W; ++j) part = add_rn(part, r[j]);
     return part;
 }
 
