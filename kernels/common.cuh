@@ -121,16 +121,17 @@ __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(
 // A running sum that carries the rounding error of each addition into the next (Kahan's
 // compensated summation): n additions in sequence lose O(eps) instead of O(n eps) of the
 // magnitude they add up.  The compensation is dropped once the sum is not finite, so an inf
-// stays inf (instead of inf - inf = NaN) and a NaN stays NaN.  Adds and subtracts only, the
-// first one rounded on its own (add_rn): a v that is a product (a loss h * h, a gradient
-// g * dl/dx) is rounded before it is added, never fused into an FMA with the sum, so every kernel
-// instantiation adds the same v, whatever else the compiler contracts around it.
+// stays inf (instead of inf - inf = NaN) and a NaN stays NaN.  Plain adds and subtracts, so
+// FMA contraction cannot reassociate them; `add` lets the compiler fuse a v that is a product
+// into the first subtraction, `add_rounded` rounds v on its own first (add_rn), so that kernel
+// instantiations the compiler contracts differently add the same v.
 template <typename A>
 struct Compensated {
     A sum = A(0);
     A c = A(0);   // minus the low-order part lost so far
-    __device__ __forceinline__ void add(A v) {
-        const A y = add_rn(v, -c);
+    __device__ __forceinline__ void add(A v) { add_y(v - c); }
+    __device__ __forceinline__ void add_rounded(A v) { add_y(add_rn(v, -c)); }
+    __device__ __forceinline__ void add_y(A y) {  // y = v - c
         const A t = sum + y;
         c = isfinite(t) ? (t - sum) - y : A(0);
         sum = t;

@@ -166,15 +166,26 @@ struct Sums {
     Compensated<A> g[K];
 };
 
-// r[0] + ... + r[W-1] in order, each add rounded on its own (add_rn): a term that is a product
-// is never fused into the add, so the value and gradient instantiations of a kernel, which the
-// compiler contracts differently, add the same terms (squared_hinge_loss's h * h).
 template <typename A, int W>
 __device__ __forceinline__ A sum_of(const A (&r)[W]) {
     A part = r[0];
     #pragma unroll
-    for (int j = 1; j < W; ++j) part = add_rn(part, r[j]);
+    for (int j = 1; j < W; ++j) part += r[j];
     return part;
+}
+
+// The loss terms r[0] + ... + r[W-1] into a 0-d loss's running sum, every add rounded on its
+// own (add_rn, Compensated::add_rounded): a term that is a product (squared_hinge_loss's h * h)
+// is never fused into an FMA with the sum.  The value-only and the gradient instantiations of a
+// kernel, which the compiler contracts differently, so add the same terms, and a loss from
+// value_and_grad is bitwise the loss alone.  (Gradient sums need no such care: backward and
+// value_and_grad run one instantiation.)
+template <typename A, int W>
+__device__ __forceinline__ void add_loss(Compensated<A>& sum, const A (&r)[W]) {
+    A part = r[0];
+    #pragma unroll
+    for (int j = 1; j < W; ++j) part = add_rn(part, r[j]);
+    sum.add_rounded(part);
 }
 
 // The 0-d outputs of a launch: the reduced loss and the gradients of 0-d-broadcast operands.
@@ -323,7 +334,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             if (loss != nullptr) {
                 store_vec<T, W>(loss, i, r);
             } else {
-                s.loss.add(sum_of<A, W>(r));
+                add_loss<A, W>(s.loss, r);
             }
         };
         if (!want_grad) {
@@ -535,7 +546,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
                 if (loss != nullptr) {
                     store_vec<T, VEC>(loss, i, lv);
                 } else {
-                    s.loss.add(sum_of<A, VEC>(lv));
+                    add_loss<A, VEC>(s.loss, lv);
                 }
             };
             if (!want_grad) {
@@ -757,7 +768,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                         A lv[VEC];
                         loss_of<Op, A, VEC>(val, p, lv);
                         if (loss != nullptr) store_vec<T, VEC>(loss, at, lv);
-                        else s.loss.add(sum_of<A, VEC>(lv));
+                        else add_loss<A, VEC>(s.loss, lv);
                     }
                     #pragma unroll
                     for (int k = 0; k < K; ++k) {
