@@ -65,12 +65,13 @@ with NotImplementedError.
 Measured on an H100 (python -m cupyloss.bench_torch, 2026-11-23): MSE of two float32
 [32768, 32768] tensors, forward + loss.backward() with both gradients, takes 6.0 ms with the
 gradients from the forward pass, 8.7 ms with the rerun backward, 12.2 ms with gradients in forward
-and an upstream gradient of 0.5 (torch.compile: 8.4 ms).  At 1K elements the host time is 1.26x
-to 1.40x torch eager's over three runs (160-230 us against 127-164 us per forward + backward;
-the forward alone 41-61 us against 21-30 us, of which the core value_and_grad is 26 us): the
-Python autograd Function, its backward node and the launches cost more than torch's C++ path.
-A Python autograd.Function that launches nothing already costs 0.67x to 0.72x of torch eager's
-forward + backward in the same runs.
+and an upstream gradient of 0.5 (torch.compile: 8.4 ms).  At 1K elements the host time of a
+forward + backward is 1.11x to 1.30x torch eager's over two runs of the benchmark (2026-11-23;
+188-239 us against 145-216 us), and the floor of this design is close: the least Python
+autograd.Function that launches the same two kernels (the core value_and_grad in forward,
+scale_by_grad_output in backward, nothing else) costs 1.07x to 1.08x in the same runs, and one
+that launches nothing 0.65x to 0.67x.  Eager calls go through autograd.Function's C++ apply,
+skipping the Python layer in front of it (about 5 us a call).
 
 Arguments must be CUDA tensors of one floating dtype (float16, bfloat16, float32, float64) on one
 device; unlike torch, a mixed-dtype pair is refused, not promoted, and under autocast the loss
