@@ -55,7 +55,10 @@ def _grads(spec, arrays, reduction, params, grad_output, wrt, want_value):
     if wrt is None and spec.fixed:
         picked, single, want = names, False, spec.all_grads
     elif spec.fixed and (wrt.__class__ is str or wrt.__class__ is tuple):
-        hit = _PICKS.get((spec.name, wrt))
+        try:
+            hit = _PICKS.get((spec.name, wrt))
+        except TypeError:   # an unhashable name: check_wrt says what is wrong with it
+            hit = None
         if hit is None:
             picked, single = _validate.check_wrt(wrt, names, names)
             hit = _PICKS[spec.name, wrt] = (picked, single, tuple(n in picked for n in names))
