@@ -4,6 +4,7 @@
 //   load_acc / store  conversions between storage and accumulator types
 //   Vec<T, N>         an N-element, N*sizeof(T)-aligned register vector for 16-byte accesses
 //   store_any         VEC rounded values stored as one 16-byte vector or element by element
+//   prefetch_l2       a 128-byte line fetched into L2 ahead of its loads (a hint)
 //   IntDiv            division of 64-bit indices by a run-time constant via multiply-high
 //   Geometry<N>       the coalesced broadcast shape and N operands' strides, passed by value
 //   Compensated       a per-thread running sum with Kahan's error compensation
@@ -74,6 +75,12 @@ __device__ __forceinline__ void store_any(T* p, const acc_t<T> (&g)[VEC], bool v
         #pragma unroll
         for (int e = 0; e < VEC; ++e) p[e] = v.v[e];
     }
+}
+
+// Fetch the 128-byte line of p into L2; only a hint, nothing waits for it, and a line evicted
+// before its use is read again from DRAM.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // Whether p may be read or written as 16-byte vectors.

@@ -305,11 +305,6 @@ __device__ __forceinline__ void pair_grad(const Vec<T, VEC> (&x)[N], const A (&c
     }
 }
 
-// Fetch the 128-byte line of p into L2; only a hint, nothing waits for it.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // cp.async (sm_80 and later): 16 bytes from global memory to shared memory without passing
 // through registers, cached in L2 only; the copies a thread issues between two commits form a
 // group, and wait<n> returns once at most n of the thread's latest groups are still in flight.

@@ -457,15 +457,13 @@ __device__ __forceinline__ Vec<T, VEC> load16(const T* p, bool keep) {
     return *reinterpret_cast<const Vec<T, VEC>*>(&raw);
 }
 
-// Fetch `vectors` 16-byte vectors from p into L2, a 128-byte line a thread at a time.  Only a
-// hint: nothing waits for it, and a line evicted before its use is read again from DRAM
-// (L2::evict_last instead changed nothing measurable).
-template <typename T>
-__device__ __forceinline__ void prefetch_l2(const T* p, int vectors) {
-    const char* b = reinterpret_cast<const char*>(p);
+// Fetch `vectors` 16-byte vectors from p into L2, a 128-byte line a thread of the block at a
+// time (L2::evict_last instead changed nothing measurable).
+__device__ __forceinline__ void prefetch_l2_span(const void* p, int vectors) {
+    const char* b = static_cast<const char*>(p);
     for (long long o = (long long)threadIdx.x * 128; o < (long long)vectors * 16;
          o += (long long)blockDim.x * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
+        prefetch_l2(b + o);
 }
 
 template <typename T, int VEC>
@@ -650,7 +648,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
         // this block's share is fetched into L2 now, so that DRAM stays busy through this row's
         // merge, barrier and gradient stores, and the next row's loads start from L2.
         if (MODE != ROW_FORWARD && t == (int)blockDim.x && r + units < rows)
-            prefetch_l2(x + (r + units) * x_rs + h + (long long)v0 * VEC, min(v1 - v0, span));
+            prefetch_l2_span(x + (r + units) * x_rs + h + (long long)v0 * VEC, min(v1 - v0, span));
         // z_y from one thread (the group's first block), read before any block of the row stores.
         if (active && lane == 0 && member == 0 && !ra.prob && !rt.ignored && !rt.oor)
             st.t = ra.nll ? to_acc(xr[rt.y]) : zval(xr[rt.y], ra);
