@@ -543,7 +543,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long ru = r + u * ty;
-            if (u == 0 || ru < r1) {  // r < r1: the first needs no test
+            if (ru < r1) {
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
                     if (!((CONST >> k) & 1))
@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long ru = r + u * ty;
-            if (u > 0 && ru >= r1) break;
+            if (ru >= r1) break;
             const long long i = ru * cols + c;
             A val[K][VEC];
             #pragma unroll
