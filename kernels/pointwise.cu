@@ -47,9 +47,10 @@
 // gradients it would sum, so that the 0-d loss adds up in one order either way.  A gradient
 // launch runs one of two loops, chosen once (with_work): gradients alone (backward) or gradients
 // and loss (value_and_grad), so no element branches on what is wanted.  With the choice made per
-// element the functor's work sat in conditional blocks: the compiler neither shared a log
-// between the gradient and the loss computed after it (kl_div took lg_fine twice) nor moved work
-// on CONST operands out of the loop (binary_cross_entropy's logs of a broadcast row).  H100,
+// element the functor's work sat in conditional blocks, where the compiler did not share a log
+// between the gradient and the loss computed after it (kl_div took lg_fine twice), and the
+// loop carried every path's code and registers.  (libdevice's logf and log1pf keep branches of
+// their own, so binary_cross_entropy's logs of a broadcast row still stay in the loop.)  H100,
 // float32, value_and_grad with the first array broadcast (bench_broadcast's patterns, per-channel,
 // per-row, row, scalar; with KlDivOp taking its log once): kl_div 0.227, 0.150, 0.152, 0.132 ms
 // -> 0.184, 0.122, 0.121, 0.111; binary_cross_entropy row 0.193 -> 0.145, scalar 0.122 -> 0.114;
@@ -536,70 +537,70 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
     }
 
     auto rows_loop = [&](auto work) {
-    constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
-    long long r = r0 + ly;
-    while (active && r < r1) {
-        A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long ru = r + u * ty;
-            if (ru < r1) {
+        constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
+        long long r = r0 + ly;
+        while (active && r < r1) {
+            A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const long long ru = r + u * ty;
+                if (ru < r1) {
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        if (!((CONST >> k) & 1))
+                            load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
+                    }
+                    if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const long long ru = r + u * ty;
+                if (ru >= r1) break;
+                const long long i = ru * cols + c;
+                A val[K][VEC];
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                    if (!((CONST >> k) & 1))
-                        load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j)
+                        val[k][j] = ((CONST >> k) & 1) ? fixed[k][j] : fv[u][k][j];
                 }
-                if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long ru = r + u * ty;
-            if (ru >= r1) break;
-            const long long i = ru * cols + c;
-            A val[K][VEC];
-            #pragma unroll
-            for (int k = 0; k < K; ++k) {
                 #pragma unroll
-                for (int j = 0; j < VEC; ++j)
-                    val[k][j] = ((CONST >> k) & 1) ? fixed[k][j] : fv[u][k][j];
-            }
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
-            auto deliver_loss = [&](const A (&lv)[VEC]) {
-                if (loss != nullptr) {
-                    store_vec<T, VEC>(loss, i, lv);
-                } else {
-                    add_loss<A, VEC>(s.loss, lv);
-                }
-            };
-            if constexpr (!WANT_GRAD) {
-                A lv[VEC];
-                loss_of<Op, A, VEC>(val, p, lv);
-                deliver_loss(lv);
-            } else {
-                A d[K][VEC];
-                grads_of<Op, A, VEC>(val, gv[u], p, d);
-                if constexpr (WANT_VALUE) {  // after the partials, so it reuses what they computed
+                for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
+                auto deliver_loss = [&](const A (&lv)[VEC]) {
+                    if (loss != nullptr) {
+                        store_vec<T, VEC>(loss, i, lv);
+                    } else {
+                        add_loss<A, VEC>(s.loss, lv);
+                    }
+                };
+                if constexpr (!WANT_GRAD) {
                     A lv[VEC];
                     loss_of<Op, A, VEC>(val, p, lv);
                     deliver_loss(lv);
-                }
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {
-                    if (!((CONST >> k) & 1)) {
-                        if (g.p[k] != nullptr) store_vec<T, VEC>(g.p[k], i, d[k]);
-                    } else if (kind.p[k] == KIND_ROW) {
-                        #pragma unroll
-                        for (int j = 0; j < VEC; ++j) row_grad[k][j].add(d[k][j]);
-                    } else if (o.g[k] != nullptr) {
-                        s.g[k].add(sum_of<A, VEC>(d[k]));
+                } else {
+                    A d[K][VEC];
+                    grads_of<Op, A, VEC>(val, gv[u], p, d);
+                    if constexpr (WANT_VALUE) {  // after the partials: it reuses them
+                        A lv[VEC];
+                        loss_of<Op, A, VEC>(val, p, lv);
+                        deliver_loss(lv);
+                    }
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        if (!((CONST >> k) & 1)) {
+                            if (g.p[k] != nullptr) store_vec<T, VEC>(g.p[k], i, d[k]);
+                        } else if (kind.p[k] == KIND_ROW) {
+                            #pragma unroll
+                            for (int j = 0; j < VEC; ++j) row_grad[k][j].add(d[k][j]);
+                        } else if (o.g[k] != nullptr) {
+                            s.g[k].add(sum_of<A, VEC>(d[k]));
+                        }
                     }
                 }
             }
+            r += UNROLL * ty;
         }
-        r += UNROLL * ty;
-    }
     };
     with_work<GRAD>(want_value, rows_loop);
 
