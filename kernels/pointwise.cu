@@ -44,7 +44,17 @@
 // flat and rows come as GRAD = false, a value-only instantiation that never touches a gradient
 // (the forward of every loss: fewer registers, more resident blocks), and GRAD = true for
 // launches that want any gradient; reduce also takes the loss alone of a layout whose
-// gradients it would sum, so that the 0-d loss adds up in one order either way.
+// gradients it would sum, so that the 0-d loss adds up in one order either way.  A gradient
+// launch runs one of two loops, chosen once (with_work): gradients alone (backward) or gradients
+// and loss (value_and_grad), so no element branches on what is wanted.  With the choice made per
+// element the functor's work sat in conditional blocks, where the compiler did not share a log
+// between the gradient and the loss computed after it (kl_div took lg_fine twice), and the
+// loop carried every path's code and registers.  (libdevice's logf and log1pf keep branches of
+// their own, so binary_cross_entropy's logs of a broadcast row still stay in the loop.)  H100,
+// float32, value_and_grad with the first array broadcast (bench_broadcast's patterns, per-channel,
+// per-row, row, scalar; with KlDivOp taking its log once): kl_div 0.227, 0.150, 0.152, 0.132 ms
+// -> 0.184, 0.122, 0.121, 0.111; binary_cross_entropy row 0.193 -> 0.145, scalar 0.122 -> 0.114;
+// sigmoid_focal_loss scalar 0.130 -> 0.120; the rest within 2%.
 // All loop over 64-bit indices (grid-stride, except that value-only flat gives each block one
 // contiguous chunk, and flat's grid grows past one wave for large inputs: _launch.FLAT_STEPS_*);
 // every sum has an order fixed by the shapes
@@ -178,8 +188,8 @@ __device__ __forceinline__ A sum_of(const A (&r)[W]) {
 // own (add_rn, Compensated::add_rounded): a term that is a product (squared_hinge_loss's h * h)
 // is never fused into an FMA with the sum.  The value-only and the gradient instantiations of a
 // kernel, which the compiler contracts differently, so add the same terms, and a loss from
-// value_and_grad is bitwise the loss alone.  (Gradient sums need no such care: backward and
-// value_and_grad run one instantiation.)
+// value_and_grad is bitwise the loss alone.  (Gradient terms are rounded on their own where they
+// are formed: grads_of.)
 template <typename A, int W>
 __device__ __forceinline__ void add_loss(Compensated<A>& sum, const A (&r)[W]) {
     A part = r[0];
@@ -263,6 +273,24 @@ __device__ __forceinline__ acc_t<T> upstream_scalar(const T* __restrict__ go, do
     return g * A(grad_scale);
 }
 
+// What a launch computes per element, fixed for the launch: the loss alone (value-only
+// instantiations), the gradients alone, or both (the gradient ones, which the host launches only
+// when a gradient is wanted).  The kernels pick it once, outside their loops (with_work), so a
+// loop body holds one kind of work and no per-element branch on it.
+template <bool GRADS, bool VALUE>
+struct Work {
+    static constexpr bool grads = GRADS, value = VALUE;
+};
+template <bool GRAD, typename F>
+__device__ __forceinline__ void with_work(bool want_value, F&& loop) {
+    if constexpr (GRAD) {
+        if (want_value) loop(Work<true, true>{});
+        else loop(Work<true, false>{});
+    } else {
+        loop(Work<false, true>{});
+    }
+}
+
 // The loss of VEC elements whose operands are in registers (val[k][j]: operand k, element j).
 template <typename Op, typename A, int VEC>
 __device__ __forceinline__ void loss_of(const A (&val)[Op::K][VEC], const typename Op::Params& p,
@@ -276,7 +304,11 @@ __device__ __forceinline__ void loss_of(const A (&val)[Op::K][VEC], const typena
     }
 }
 
-// Upstream times every partial: d[k][j] = g[j] * dl/dv_k at element j.
+// Upstream times every partial: d[k][j] = g[j] * dl/dv_k at element j, the product rounded on its
+// own (mul_rn).  backward and value_and_grad run different loops (with_work), which the compiler
+// contracts differently; a product left free was fused into the sum of a broadcast operand's
+// gradient in one and not the other (kl_div, float32, a [1, 2, 2] input broadcast to
+// [100000, 2, 2]: the two summed gradients differed in their last bits).
 template <typename Op, typename A, int VEC>
 __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g)[VEC],
                                          const typename Op::Params& p, A (&d)[Op::K][VEC]) {
@@ -287,7 +319,7 @@ __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g
         for (int k = 0; k < Op::K; ++k) v[k] = val[k][j];
         Op::grad(v, p, dj);
         #pragma unroll
-        for (int k = 0; k < Op::K; ++k) d[k][j] = g[j] * dj[k];
+        for (int k = 0; k < Op::K; ++k) d[k][j] = mul_rn(g[j], dj[k]);
     }
 }
 
@@ -316,130 +348,128 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
     const bool go_elem = (flags & FLAG_GO_ELEMENTWISE) != 0;
     const A g0 = upstream_scalar<T>(go, go_value, grad_scale, flags);
     const bool want_value = loss != nullptr || o.value != nullptr;
-    bool want_grad = false;
-    if constexpr (GRAD) {
-        #pragma unroll
-        for (int k = 0; k < K; ++k)
-            want_grad |= g.p[k] != nullptr || o.g[k] != nullptr;
-    }
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
     Sums<A, K> s;
 
-    // Delivers the results of W consecutive elements (W = VEC, or 1 on the strided path) at
-    // flat index i to their outputs; val[k][j] is operand k of element j, gv[j] its upstream.
-    auto visit = [&](const auto& val, const auto& gv, long long i) {
-        constexpr int W = int(sizeof(gv) / sizeof(gv[0]));
-        auto deliver_loss = [&](const A (&r)[W]) {
-            if (loss != nullptr) {
-                store_vec<T, W>(loss, i, r);
-            } else {
-                add_loss<A, W>(s.loss, r);
-            }
-        };
-        if (!want_grad) {
-            A r[W];
-            loss_of<Op, A, W>(val, p, r);
-            deliver_loss(r);
-        } else {
-            A d[K][W];
-            grads_of<Op, A, W>(val, gv, p, d);
-            if (want_value) {  // after the partials, so it reuses what they computed
+    auto flat_loop = [&](auto work) {
+        constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
+        // Delivers the results of W consecutive elements (W = VEC, or 1 on the strided path) at
+        // flat index i to their outputs; val[k][j] is operand k of element j, gv[j] its upstream.
+        auto visit = [&](const auto& val, const auto& gv, long long i) {
+            constexpr int W = int(sizeof(gv) / sizeof(gv[0]));
+            auto deliver_loss = [&](const A (&r)[W]) {
+                if (loss != nullptr) {
+                    store_vec<T, W>(loss, i, r);
+                } else {
+                    add_loss<A, W>(s.loss, r);
+                }
+            };
+            if constexpr (!WANT_GRAD) {
                 A r[W];
                 loss_of<Op, A, W>(val, p, r);
                 deliver_loss(r);
-            }
-            #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (g.p[k] != nullptr) {
-                    store_vec<T, W>(g.p[k], i, d[k]);
-                } else if (o.g[k] != nullptr) {
-                    s.g[k].add(sum_of<A, W>(d[k]));
-                }
-            }
-        }
-    };
-
-    long long done = 0;
-    if constexpr (VEC > 1) {
-        A fixed[K];  // stride-0 operands, read once
-        #pragma unroll
-        for (int k = 0; k < K; ++k)
-            fixed[k] = ((CONST >> k) & 1) || geo.stride[k][0] == 0
-                           ? read_fixed<T>(in.p[k], fill.p[k]) : A(0);
-        const long long nvec = n / VEC;
-        // One vector of every operand at flat vector index v (and its upstream).
-        auto load = [&](long long v, A (&val)[K][VEC], A (&gv)[VEC]) {
-            const long long i = v * VEC;
-            #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (((CONST >> k) & 1) || geo.stride[k][0] == 0) {
-                    #pragma unroll
-                    for (int j = 0; j < VEC; ++j) val[k][j] = fixed[k];
-                } else {
-                    load_vec<T, VEC>(in.p[k], i, 1, val[k]);
-                }
-            }
-            if (go_elem) {
-                load_vec<T, VEC>(go, i, geo.stride[K][0], gv);
-                #pragma unroll
-                for (int j = 0; j < VEC; ++j) gv[j] *= A(grad_scale);
             } else {
+                A d[K][W];
+                grads_of<Op, A, W>(val, gv, p, d);
+                if constexpr (WANT_VALUE) {  // after the partials: it reuses what they computed
+                    A r[W];
+                    loss_of<Op, A, W>(val, p, r);
+                    deliver_loss(r);
+                }
                 #pragma unroll
-                for (int j = 0; j < VEC; ++j) gv[j] = g0;
+                for (int k = 0; k < K; ++k) {
+                    if (g.p[k] != nullptr) {
+                        store_vec<T, W>(g.p[k], i, d[k]);
+                    } else if (o.g[k] != nullptr) {
+                        s.g[k].add(sum_of<A, W>(d[k]));
+                    }
+                }
             }
         };
-        // U grid-stride steps at once, every load issued before any use, then one at a time.
-        // (Gradient kernels with more operands or wider vectors hold enough per step already:
-        // two steps at once cost them registers and resident warps, e.g. bce_with_logits float
-        // 77 -> 109 and bfloat16 121 -> 171.)
-        // Value-only, float32 functors marked cheap (a compare or two and a product a value) take
-        // more steps at once than the rest, whose registers the extra steps would crowd.
-        constexpr int U = GRAD ? (K * VEC <= 8 ? GradShape<Op, T>::flat_steps : 1)
-                               : (IsCheap<Op>::value && sizeof(T) == 4 && K * VEC <= 8
-                                      ? CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
-                                      : CUPYLOSS_FLAT_UNROLL_VALUE);
-        // Value-only: block b takes the contiguous chunk [b per, (b + 1) per) of the vectors, its
-        // threads striding by the block; with gradients the whole grid strides together (both
-        // measured best, _launch.FLAT_STEPS_*).
-        long long v, stride, end;
-        if constexpr (GRAD) {
-            v = tid, stride = nthreads, end = nvec;
-        } else {
-            const long long per =   // whole blocks' worth: _launch.flat_chunk mirrors it
-                (nvec + (long long)gridDim.x * blockDim.x - 1) / ((long long)gridDim.x * blockDim.x)
-                * blockDim.x;
-            v = (long long)blockIdx.x * per + threadIdx.x;
-            stride = blockDim.x;
-            end = min(nvec, v - threadIdx.x + per);
-        }
-        if constexpr (U > 1) {
-            for (; v + (U - 1) * stride < end; v += U * stride) {
-                A val[U][K][VEC], gv[U][VEC];
+
+        long long done = 0;
+        if constexpr (VEC > 1) {
+            A fixed[K];  // stride-0 operands, read once
+            #pragma unroll
+            for (int k = 0; k < K; ++k)
+                fixed[k] = ((CONST >> k) & 1) || geo.stride[k][0] == 0
+                               ? read_fixed<T>(in.p[k], fill.p[k]) : A(0);
+            const long long nvec = n / VEC;
+            // One vector of every operand at flat vector index v (and its upstream).
+            auto load = [&](long long v, A (&val)[K][VEC], A (&gv)[VEC]) {
+                const long long i = v * VEC;
                 #pragma unroll
-                for (int u = 0; u < U; ++u) load(v + u * stride, val[u], gv[u]);
-                #pragma unroll
-                for (int u = 0; u < U; ++u) visit(val[u], gv[u], (v + u * stride) * VEC);
+                for (int k = 0; k < K; ++k) {
+                    if (((CONST >> k) & 1) || geo.stride[k][0] == 0) {
+                        #pragma unroll
+                        for (int j = 0; j < VEC; ++j) val[k][j] = fixed[k];
+                    } else {
+                        load_vec<T, VEC>(in.p[k], i, 1, val[k]);
+                    }
+                }
+                if (go_elem) {
+                    load_vec<T, VEC>(go, i, geo.stride[K][0], gv);
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) gv[j] *= A(grad_scale);
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) gv[j] = g0;
+                }
+            };
+            // U grid-stride steps at once, every load issued before any use, then one at a
+            // time.  (Gradient kernels with more operands or wider vectors hold enough per step
+            // already: two steps at once cost them registers and resident warps, e.g.
+            // bce_with_logits float 77 -> 109 and bfloat16 121 -> 171.)  Value-only, float32
+            // functors marked cheap (a compare or two and a product a value) take more steps at
+            // once than the rest, whose registers the extra steps would crowd.
+            constexpr int U = GRAD ? (K * VEC <= 8 ? GradShape<Op, T>::flat_steps : 1)
+                                   : (IsCheap<Op>::value && sizeof(T) == 4 && K * VEC <= 8
+                                          ? CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
+                                          : CUPYLOSS_FLAT_UNROLL_VALUE);
+            // Value-only: block b takes the contiguous chunk [b per, (b + 1) per) of the
+            // vectors, its threads striding by the block; with gradients the whole grid strides
+            // together (both measured best, _launch.FLAT_STEPS_*).
+            long long v, stride, end;
+            if constexpr (GRAD) {
+                v = tid, stride = nthreads, end = nvec;
+            } else {
+                const long long threads = (long long)gridDim.x * blockDim.x;
+                // whole blocks' worth: _launch.flat_chunk mirrors it
+                const long long per = (nvec + threads - 1) / threads * blockDim.x;
+                v = (long long)blockIdx.x * per + threadIdx.x;
+                stride = blockDim.x;
+                end = min(nvec, v - threadIdx.x + per);
             }
+            if constexpr (U > 1) {
+                for (; v + (U - 1) * stride < end; v += U * stride) {
+                    A val[U][K][VEC], gv[U][VEC];
+                    #pragma unroll
+                    for (int u = 0; u < U; ++u) load(v + u * stride, val[u], gv[u]);
+                    #pragma unroll
+                    for (int u = 0; u < U; ++u) visit(val[u], gv[u], (v + u * stride) * VEC);
+                }
+            }
+            #pragma unroll (U == 1 ? 4 : 1)
+            for (; v < end; v += stride) {
+                A val[K][VEC], gv[VEC];
+                load(v, val, gv);
+                visit(val, gv, v * VEC);
+            }
+            done = nvec * VEC;
         }
-        #pragma unroll (U == 1 ? 4 : 1)
-        for (; v < end; v += stride) {
-            A val[K][VEC], gv[VEC];
-            load(v, val, gv);
-            visit(val, gv, v * VEC);
+        for (long long i = done + tid; i < n; i += nthreads) {
+            long long off[K + 1];
+            geo.offsets(i, off);
+            A val[K][1];
+            #pragma unroll
+            for (int k = 0; k < K; ++k)
+                val[k][0] = in.p[k] != nullptr ? to_acc(in.p[k][off[k]]) : A(fill.p[k]);
+            const A gv[1] = {go_elem ? to_acc(go[off[K]]) * A(grad_scale) : g0};
+            visit(val, gv, i);
         }
-        done = nvec * VEC;
-    }
-    for (long long i = done + tid; i < n; i += nthreads) {
-        long long off[K + 1];
-        geo.offsets(i, off);
-        A val[K][1];
-        #pragma unroll
-        for (int k = 0; k < K; ++k)
-            val[k][0] = in.p[k] != nullptr ? to_acc(in.p[k][off[k]]) : A(fill.p[k]);
-        const A gv[1] = {go_elem ? to_acc(go[off[K]]) * A(grad_scale) : g0};
-        visit(val, gv, i);
-    }
+    };
+    with_work<GRAD>(want_value, flat_loop);
     finish<T, K>(s, o, blockIdx.x, gridDim.x);
 }
 
@@ -489,13 +519,10 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
     const long long r1 = min(rows, r0 + rows_per_block);
     const bool active = c < cols;
     const bool want_value = loss != nullptr || o.value != nullptr;
-    bool want_grad = false, want_row[K];
+    bool want_row[K];
     #pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const bool wants = GRAD && (g.p[k] != nullptr || ws.p[k] != nullptr);
-        want_row[k] = wants && kind.p[k] == KIND_ROW;
-        want_grad |= wants || (GRAD && o.g[k] != nullptr);
-    }
+    for (int k = 0; k < K; ++k)
+        want_row[k] = GRAD && (g.p[k] != nullptr || ws.p[k] != nullptr) && kind.p[k] == KIND_ROW;
 
     Sums<A, K> s;
     A fixed[K][VEC];
@@ -513,69 +540,73 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
         }
     }
 
-    long long r = r0 + ly;
-    while (active && r < r1) {
-        A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long ru = r + u * ty;
-            if (ru < r1) {
+    auto rows_loop = [&](auto work) {
+        constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
+        long long r = r0 + ly;
+        while (active && r < r1) {
+            A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const long long ru = r + u * ty;
+                if (ru < r1) {
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        if (!((CONST >> k) & 1))
+                            load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
+                    }
+                    if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const long long ru = r + u * ty;
+                if (ru >= r1) break;
+                const long long i = ru * cols + c;
+                A val[K][VEC];
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                    if (!((CONST >> k) & 1))
-                        load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j)
+                        val[k][j] = ((CONST >> k) & 1) ? fixed[k][j] : fv[u][k][j];
                 }
-                if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long ru = r + u * ty;
-            if (ru >= r1) break;
-            const long long i = ru * cols + c;
-            A val[K][VEC];
-            #pragma unroll
-            for (int k = 0; k < K; ++k) {
                 #pragma unroll
-                for (int j = 0; j < VEC; ++j)
-                    val[k][j] = ((CONST >> k) & 1) ? fixed[k][j] : fv[u][k][j];
-            }
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
-            auto deliver_loss = [&](const A (&lv)[VEC]) {
-                if (loss != nullptr) {
-                    store_vec<T, VEC>(loss, i, lv);
-                } else {
-                    add_loss<A, VEC>(s.loss, lv);
-                }
-            };
-            if (!want_grad) {
-                A lv[VEC];
-                loss_of<Op, A, VEC>(val, p, lv);
-                deliver_loss(lv);
-            } else {
-                A d[K][VEC];
-                grads_of<Op, A, VEC>(val, gv[u], p, d);
-                if (want_value) {  // after the partials, so it reuses what they computed
+                for (int j = 0; j < VEC; ++j) gv[u][j] = go_elem ? gv[u][j] * gs : g0;
+                auto deliver_loss = [&](const A (&lv)[VEC]) {
+                    if (loss != nullptr) {
+                        store_vec<T, VEC>(loss, i, lv);
+                    } else {
+                        add_loss<A, VEC>(s.loss, lv);
+                    }
+                };
+                if constexpr (!WANT_GRAD) {
                     A lv[VEC];
                     loss_of<Op, A, VEC>(val, p, lv);
                     deliver_loss(lv);
-                }
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {
-                    if (!((CONST >> k) & 1)) {
-                        if (g.p[k] != nullptr) store_vec<T, VEC>(g.p[k], i, d[k]);
-                    } else if (kind.p[k] == KIND_ROW) {
-                        #pragma unroll
-                        for (int j = 0; j < VEC; ++j) row_grad[k][j].add(d[k][j]);
-                    } else if (o.g[k] != nullptr) {
-                        s.g[k].add(sum_of<A, VEC>(d[k]));
+                } else {
+                    A d[K][VEC];
+                    grads_of<Op, A, VEC>(val, gv[u], p, d);
+                    if constexpr (WANT_VALUE) {  // after the partials: it reuses them
+                        A lv[VEC];
+                        loss_of<Op, A, VEC>(val, p, lv);
+                        deliver_loss(lv);
+                    }
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        if (!((CONST >> k) & 1)) {
+                            if (g.p[k] != nullptr) store_vec<T, VEC>(g.p[k], i, d[k]);
+                        } else if (kind.p[k] == KIND_ROW) {
+                            #pragma unroll
+                            for (int j = 0; j < VEC; ++j) row_grad[k][j].add(d[k][j]);
+                        } else if (o.g[k] != nullptr) {
+                            s.g[k].add(sum_of<A, VEC>(d[k]));
+                        }
                     }
                 }
             }
+            r += UNROLL * ty;
         }
-        r += UNROLL * ty;
-    }
+    };
+    with_work<GRAD>(want_value, rows_loop);
 
     const long long block = (long long)blockIdx.y * gridDim.x + blockIdx.x;
     finish<T, K>(s, o, block, (long long)gridDim.x * gridDim.y);
@@ -681,120 +712,124 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
     // order, so the loads in flight take F, not K, vectors a step.
     Sums<A, K> s;
 
-    for (long long u = warp; u < units; u += nwarps) {  // uniform across the warp
-        const long long c = u / units_o;
-        const long long oi = (u - c * units_o) * lanes_o + lane / lanes_m;
-        const bool active = oi < n_o;
-        long long base[K + 2];
-        kept.offsets(active ? oi : 0, base);
-        A fixed[K];
-        Compensated<A> sum[K];
-        #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            fixed[k] = in.p[k] == nullptr ? A(fill.p[k]) : A(0);
-            if (((CONST >> k) & 1) && in.p[k] != nullptr && active)
-                fixed[k] = to_acc(in.p[k][base[k]]);
-        }
-        const long long m1 = active ? min(n_m, (c + 1) * chunk) : 0;
-        const long long n_in = red.dim[inner].divisor;
-        long long m = c * chunk;
-        while (m < m1) {
-            // The reduced row holding m (every reduced dim but the innermost fixed): its
-            // offsets are computed once, then the lanes walk it along the innermost dim.
-            const long long row = (long long)red.dim[inner].div((unsigned long long)m) * n_in;
-            const long long row_end = min(m1, row + n_in);
-            long long off[K + 2];
-            red.offsets(row, off);
+    auto reduce_loop = [&](auto work) {
+        constexpr bool WANT_VALUE = decltype(work)::value;
+        for (long long u = warp; u < units; u += nwarps) {  // uniform across the warp
+            const long long c = u / units_o;
+            const long long oi = (u - c * units_o) * lanes_o + lane / lanes_m;
+            const bool active = oi < n_o;
+            long long base[K + 2];
+            kept.offsets(active ? oi : 0, base);
+            A fixed[K];
+            Compensated<A> sum[K];
             #pragma unroll
-            for (int k = 0; k < K + 2; ++k) off[k] += base[k];
-            const T* src[F];
-            long long src_stride[F];
-            #pragma unroll
-            for (int f = 0; f < F; ++f) {
-                src[f] = nullptr;   // no operand in this slot: nothing read
-                src_stride[f] = 0;
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {
-                    if (((CONST >> k) & 1) || stream_slot<K>(CONST, k) != f) continue;
-                    src[f] = in.p[k] + off[k];
-                    src_stride[f] = red.stride[k][inner];
-                }
+            for (int k = 0; k < K; ++k) {
+                fixed[k] = in.p[k] == nullptr ? A(fill.p[k]) : A(0);
+                if (((CONST >> k) & 1) && in.p[k] != nullptr && active)
+                    fixed[k] = to_acc(in.p[k][base[k]]);
             }
-            #pragma unroll 1
-            for (long long e0 = m - row + q * VEC; row + e0 < row_end; e0 += UNROLL * step) {
-                A fv[UNROLL][F][VEC];
+            const long long m1 = active ? min(n_m, (c + 1) * chunk) : 0;
+            const long long n_in = red.dim[inner].divisor;
+            long long m = c * chunk;
+            while (m < m1) {
+                // The reduced row holding m (every reduced dim but the innermost fixed): its
+                // offsets are computed once, then the lanes walk it along the innermost dim.
+                const long long row = (long long)red.dim[inner].div((unsigned long long)m) * n_in;
+                const long long row_end = min(m1, row + n_in);
+                long long off[K + 2];
+                red.offsets(row, off);
                 #pragma unroll
-                for (int j = 0; j < UNROLL; ++j) {
-                    const long long e = e0 + j * step;
-                    if (row + e >= row_end) break;
+                for (int k = 0; k < K + 2; ++k) off[k] += base[k];
+                const T* src[F];
+                long long src_stride[F];
+                #pragma unroll
+                for (int f = 0; f < F; ++f) {
+                    src[f] = nullptr;   // no operand in this slot: nothing read
+                    src_stride[f] = 0;
                     #pragma unroll
-                    for (int f = 0; f < F; ++f) {
-                        if (src[f] != nullptr) {
-                            load_vec<T, VEC>(src[f], e, src_stride[f], fv[j][f]);
+                    for (int k = 0; k < K; ++k) {
+                        if (((CONST >> k) & 1) || stream_slot<K>(CONST, k) != f) continue;
+                        src[f] = in.p[k] + off[k];
+                        src_stride[f] = red.stride[k][inner];
+                    }
+                }
+                #pragma unroll 1
+                for (long long e0 = m - row + q * VEC; row + e0 < row_end; e0 += UNROLL * step) {
+                    A fv[UNROLL][F][VEC];
+                    #pragma unroll
+                    for (int j = 0; j < UNROLL; ++j) {
+                        const long long e = e0 + j * step;
+                        if (row + e >= row_end) break;
+                        #pragma unroll
+                        for (int f = 0; f < F; ++f) {
+                            if (src[f] != nullptr) {
+                                load_vec<T, VEC>(src[f], e, src_stride[f], fv[j][f]);
+                            } else {
+                                #pragma unroll
+                                for (int v = 0; v < VEC; ++v) fv[j][f][v] = A(0);
+                            }
+                        }
+                    }
+                    #pragma unroll
+                    for (int j = 0; j < UNROLL; ++j) {
+                        const long long e = e0 + j * step;
+                        if (row + e >= row_end) break;
+                        const long long at = off[OUT] + e * red.stride[OUT][inner];
+                        A val[K][VEC];
+                        #pragma unroll
+                        for (int k = 0; k < K; ++k) {
+                            #pragma unroll
+                            for (int v = 0; v < VEC; ++v) {
+                                // k is unrolled: both the test and the slot fold to constants.
+                                const int f = stream_slot<K>(CONST, k) < F
+                                                  ? stream_slot<K>(CONST, k) : F - 1;
+                                val[k][v] = ((CONST >> k) & 1) ? fixed[k] : fv[j][f][v];
+                            }
+                        }
+                        A gv[VEC];  // an elementwise grad_output ('none' backward) is read here
+                        if (go_elem) {
+                            load_vec<T, VEC>(go + off[K], e, red.stride[K][inner], gv);
+                            #pragma unroll
+                            for (int v = 0; v < VEC; ++v) gv[v] *= gs;
                         } else {
                             #pragma unroll
-                            for (int v = 0; v < VEC; ++v) fv[j][f][v] = A(0);
+                            for (int v = 0; v < VEC; ++v) gv[v] = g0;
+                        }
+                        A d[K][VEC];
+                        grads_of<Op, A, VEC>(val, gv, p, d);
+                        if constexpr (WANT_VALUE) {  // after the partials: it reuses them
+                            A lv[VEC];
+                            loss_of<Op, A, VEC>(val, p, lv);
+                            if (loss != nullptr) store_vec<T, VEC>(loss, at, lv);
+                            else add_loss<A, VEC>(s.loss, lv);
+                        }
+                        #pragma unroll
+                        for (int k = 0; k < K; ++k) {
+                            if ((reduced >> k) & 1) {
+                                sum[k].add(sum_of<A, VEC>(d[k]));
+                            } else if (g.p[k] != nullptr) {
+                                store_vec<T, VEC>(g.p[k], at, d[k]);
+                            } else if (o.g[k] != nullptr) {
+                                s.g[k].add(sum_of<A, VEC>(d[k]));
+                            }
                         }
                     }
                 }
-                #pragma unroll
-                for (int j = 0; j < UNROLL; ++j) {
-                    const long long e = e0 + j * step;
-                    if (row + e >= row_end) break;
-                    const long long at = off[OUT] + e * red.stride[OUT][inner];
-                    A val[K][VEC];
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        #pragma unroll
-                        for (int v = 0; v < VEC; ++v) {
-                            // k is unrolled: both the test and the slot fold to constants.
-                            const int f = stream_slot<K>(CONST, k) < F ? stream_slot<K>(CONST, k)
-                                                                        : F - 1;
-                            val[k][v] = ((CONST >> k) & 1) ? fixed[k] : fv[j][f][v];
-                        }
-                    }
-                    A gv[VEC];  // an elementwise grad_output ('none' backward) is read here
-                    if (go_elem) {
-                        load_vec<T, VEC>(go + off[K], e, red.stride[K][inner], gv);
-                        #pragma unroll
-                        for (int v = 0; v < VEC; ++v) gv[v] *= gs;
-                    } else {
-                        #pragma unroll
-                        for (int v = 0; v < VEC; ++v) gv[v] = g0;
-                    }
-                    A d[K][VEC];
-                    grads_of<Op, A, VEC>(val, gv, p, d);
-                    if (want_value) {  // after the partials, so it reuses what they computed
-                        A lv[VEC];
-                        loss_of<Op, A, VEC>(val, p, lv);
-                        if (loss != nullptr) store_vec<T, VEC>(loss, at, lv);
-                        else add_loss<A, VEC>(s.loss, lv);
-                    }
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        if ((reduced >> k) & 1) {
-                            sum[k].add(sum_of<A, VEC>(d[k]));
-                        } else if (g.p[k] != nullptr) {
-                            store_vec<T, VEC>(g.p[k], at, d[k]);
-                        } else if (o.g[k] != nullptr) {
-                            s.g[k].add(sum_of<A, VEC>(d[k]));
-                        }
-                    }
+                m = row_end;
+            }
+            #pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (!((reduced >> k) & 1)) continue;
+                double v = sum[k].wide();
+                for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
+                if (q == 0 && active) {
+                    if (nchunks == 1) g.p[k][oi] = from_acc<T>(A(v));
+                    else ws.p[k][c * n_o + oi] = v;
                 }
             }
-            m = row_end;
         }
-        #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            if (!((reduced >> k) & 1)) continue;
-            double v = sum[k].wide();
-            for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
-            if (q == 0 && active) {
-                if (nchunks == 1) g.p[k][oi] = from_acc<T>(A(v));
-                else ws.p[k][c * n_o + oi] = v;
-            }
-        }
-    }
+    };
+    with_work<true>(want_value, reduce_loop);
     finish<T, K>(s, o, blockIdx.x, gridDim.x);
 }
 
