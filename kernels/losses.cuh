@@ -61,8 +61,19 @@ __device__ __forceinline__ float lg_fine(float v) {
     return v == 0.0f ? __int_as_float(0xff800000) : (v > 0.0f ? v : __int_as_float(0x7fffffff));
 }
 __device__ __forceinline__ double lg_fine(double v) { return log(v); }
-__device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
-__device__ __forceinline__ double lg1p(double v) { return log1p(v); }
+// log(1 - x) for x in [0, 1] (or NaN), branch-free: u = 1 - x rounded, then
+//   log(1 - x) = log u + c / u,   c = (1 - u) - x   (what rounding u lost; exact)
+// with lg_fine's log and div_fast's quotient (the correction is below an ulp of the result).
+// x = 1 gives -inf (c = 0 there is selected, not divided by u = 0), x > 1 and NaN give NaN, as
+// log1pf(-x); a subnormal x gives -x or 0 (div_fast flushes a subnormal quotient).
+// libdevice's log1pf keeps a branch, around which binary_cross_entropy's logs of a broadcast
+// probability did not leave the loop.
+__device__ __forceinline__ float lg1m(float x) {
+    const float u = 1.0f - x;
+    const float c = (1.0f - u) - x;
+    return lg_fine(u) + (c == 0.0f ? 0.0f : div_fast(c, u));
+}
+__device__ __forceinline__ double lg1m(double x) { return log1p(-x); }
 // log1p(e) for e in [0, 1] (or NaN): e P(e), P of degree 11 fitted to log1p(e) / e for relative
 // error.  12 FMAs where log1pf takes about 33 instructions and a branch, which bound the
 // logistic losses' gradients by instructions rather than memory.  Against float64 over
@@ -93,9 +104,19 @@ __device__ __forceinline__ float th(float v) { return tanhf(v); }
 __device__ __forceinline__ double th(double v) { return tanh(v); }
 __device__ __forceinline__ float pw(float b, float e) { return powf(b, e); }
 __device__ __forceinline__ double pw(double b, double e) { return pow(b, e); }
-// 1 / v correctly rounded (what the division gives), without the division's slow path.
-__device__ __forceinline__ float rcp(float v) { return __frcp_rn(v); }
-__device__ __forceinline__ double rcp(double v) { return __drcp_rn(v); }
+// 1 / v correctly rounded for v in [1, 2] (or NaN): the bits of __frcp_rn, branch-free.
+// __frcp_rn is the hardware's approximate reciprocal and one Newton step (r + r (1 - v r), both
+// FMAs), behind a test of v's exponent that sends v near the ends of the float range to an
+// out-of-line slow path; in [1, 2] the test never sends it there, but the branch and the call
+// stay in the loop, where they split the logistic losses' gradients into blocks the compiler
+// neither interleaves nor moves a broadcast operand's work out of.  Here the fast path alone
+// (tests/test_common_gpu.py compares it with __frcp_rn on every float in [1, 2]).
+__device__ __forceinline__ float rcp_unit_rn(float v) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return __fmaf_rn(r, -__fmaf_rn(v, r, -1.0f), r);
+}
+__device__ __forceinline__ double rcp_unit_rn(double v) { return __drcp_rn(v); }
 // 1 / v for v in [1, 2] (or NaN): float's approximate reciprocal (__fdividef, within 2 ulp for
 // a divisor in [2^-126, 2^126]), double's correctly rounded one.
 __device__ __forceinline__ float rcp_unit(float v) { return __fdividef(1.0f, v); }
@@ -119,11 +140,11 @@ __device__ __forceinline__ A sign0(A v) { return A(v > A(0)) - A(v < A(0)); }
 //   softplus(x) = log(1 + e^x) = max(x, 0) + log1p(e),   softplus(-x) = max(-x, 0) + log1p(e),
 //   sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below, sigmoid(-x) = 1 - sigmoid(x)
 //   taken from the same two numbers, so neither loses digits to 1 - (1 - tiny).
-// Sigmoids::exact takes 1 / (1 + e) correctly rounded (rcp); its out-of-line slow path also
-// keeps the compiler from interleaving the elements of a vector, which holds the registers of
-// the gradient kernels down.  Sigmoids::fast takes rcp_unit (2 ulp in float, fewer
-// instructions), for a loss value: the forward kernels, which run it alone, have registers to
-// spare.
+// Sigmoids::exact takes 1 / (1 + e) correctly rounded (rcp_unit_rn, the bits of __frcp_rn
+// without its branch: H100, float32 value_and_grad on bench_broadcast's per-channel, per-row,
+// row and scalar patterns, soft_margin_loss 0.195, 0.129, 0.131, 0.112 ms -> 0.182, 0.121,
+// 0.123, 0.108, binary_cross_entropy_with_logits row 0.138 -> 0.127, results bitwise the same).
+// Sigmoids::fast takes rcp_unit (2 ulp in float, fewer instructions), for a loss value.
 enum class Sigmoids { none, exact, fast };
 
 template <typename A>
@@ -137,7 +158,7 @@ struct Logistic {
         sp_pos = (x > A(0) ? x : A(0)) + l;
         sp_neg = (x < A(0) ? -x : A(0)) + l;  // a NaN x makes e, l and so both NaN
         if (sigmoids != Sigmoids::none) {
-            const A inv = sigmoids == Sigmoids::fast ? rcp_unit(A(1) + e) : rcp(A(1) + e);
+            const A inv = sigmoids == Sigmoids::fast ? rcp_unit(A(1) + e) : rcp_unit_rn(A(1) + e);
             const A small = e * inv;
             sg_pos = x >= A(0) ? inv : small;
             sg_neg = x >= A(0) ? small : inv;
@@ -385,6 +406,11 @@ struct HuberOp {
 //   dl/dt = w (log(1 - x) - log x) = -w logit(x)         (torch's target backward, unclamped)
 //   dl/dw = the unweighted loss
 // x outside [0, 1] (torch asserts) gives a NaN loss; the input gradient is the formula's.
+// In float the logs are lg_fine and lg1m, branch-free (at most 1.5 and 2 ulp where logf and
+// log1pf are within 0.9, mean signed errors under 0.04 ulp; tests/test_common_gpu.py checks
+// them against float64).  libdevice's keep branches, around which the logs of a broadcast x
+// did not leave the loop (H100, float32 value_and_grad on the per-channel, per-row and scalar
+// patterns: 0.198, 0.142, 0.117 ms -> 0.186, 0.131, 0.113; the row pattern 0.146 either way).
 // MODE bit 0: a weight array is given (the registry's `modes`); without one w is the constant 1,
 // so the kernels hold no weight arithmetic.
 template <int MODE>
@@ -408,13 +434,13 @@ struct BceOp {
     }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
-        const A l = unweighted(lg(v[0]), lg1p(-v[0]), v[1]);
+        const A l = unweighted(lg_fine(v[0]), lg1m(v[0]), v[1]);
         return weighted ? v[2] * l : l;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
         const A x = v[0], t = v[1], w = weighted ? v[2] : A(1);
-        const A log_x = lg(x), log_1mx = lg1p(-x);
+        const A log_x = lg_fine(x), log_1mx = lg1m(x);
         const A m = (A(1) - x) * x;
         const A eps = A(1e-12f);
         // The divisor is in [1e-12, 1/4] (or NaN), where __fdividef is within 2 ulp for any

@@ -66,10 +66,10 @@ def test_tiny_logistic_losses_match_float64(dtype):
 
 
 def test_kl_t_log_t_across_the_float32_range():
-    """kl_div's t log t (its log is lg_fine: a Newton step on __logf away from 1, logf near 1
-    and below the normal range) against float64 for t from the smallest subnormal to 10, with
-    a close look at t near 1, where a Newton step's absolute error would be many ulps, and at
-    subnormal t, which __logf flushes to 0; and the target gradient log t + 1."""
+    """kl_div's t log t (its log is lg_fine, a polynomial on the reduced mantissa, subnormal t
+    scaled into the normal range first) against float64 for t from the smallest subnormal to
+    10, with a close look at t near 1, where a log's absolute error must shrink with log t, and
+    at subnormal t, which an approximate log flushes to 0; and the target gradient log t + 1."""
     import cupy
 
     import cupyloss
