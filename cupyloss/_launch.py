@@ -373,6 +373,33 @@ ROWS_MIN_BLOCKS_GRAD_HEAVY = 3
 ROWS_STEPS_GRAD_HEAVY = 1
 FLAT_MIN_BLOCKS_GRAD_HEAVY = 4
 FLAT_UNROLL_GRAD_HEAVY = 2
+# Heavy functors on 4-byte elements ("streaming", pointwise.cu's GradShape), rows and reduce
+# kernels: blocks per SM and steps in flight.  Once their arithmetic on a broadcast operand left
+# the loop (per-mask instantiations, branch-free logs and reciprocals, one loop per kind of
+# work) they were bound by loads in flight, not latency.  H100, float32 value_and_grad, first
+# array broadcast, % of the read+write limit, one run, each variant once (the first repeated
+# last, within 0.5%); rows kernel on the row pattern as rows blocks/steps, reduce kernel on
+# per-channel / per-row as reduce blocks/steps (bce and bce_with_logits keep their own 3 blocks):
+#                   rows 3/1  3/2   2/2   2/4   4/2     reduce 4/1      4/2        2/4
+#   focal                65   44    65    74    23             74/73    71/68      78/77
+#   bce                  61   61    63    69    54             73/68    73/67      77/72
+#   bce_with_logits      70   70    66    71    70             73/69    73/68      80/77
+#   soft_margin          72   78    71    77    77             75/74    80/78      79/78
+#   poisson_nll          78   80    80    81    78             81/80    81/80      85/83
+#   kl_div               73   74    75    72    77             74/73    77/76      71/70
+#   log_cosh             67   66    59    64    65             66/65    66/66      63/61
+#   (mse, cheap: 81 and 85/84 throughout; bce's row measured with branch-free logs, which it
+#   no longer takes: with libdevice's, rows 3/1 61 against 2/4 60, reduce 4/1 69/63 against
+#   2/4 74/68)
+# 2/4 is taken for both, by the functors that declare stream_shape (the five above kl_div).
+# kl_div and log_cosh, whose logs and exps are of every element whichever operand is broadcast,
+# keep the heavy shape above, as does margin_ranking_loss (three arrays; 2/4 took its
+# per-channel and per-row patterns from 79 and 77% to 67 and 66%), and every functor in 16-bit
+# or float64, where this was not measured.
+ROWS_MIN_BLOCKS_GRAD_STREAM = 2
+ROWS_STEPS_GRAD_STREAM = 4
+REDUCE_MIN_BLOCKS_STREAM = 2
+REDUCE_STEPS_STREAM = 4
 # Element sizes (bytes) whose heavy functors take the heavy shape; others take the cheap one (a
 # functor may declare its own, losses.cuh's heavy_sizes).  The old shape against E, H100,
 # value_and_grad, ratio of time to mse's (one run; bfloat16 32768^2, float64 16384^2):
@@ -442,6 +469,10 @@ def kernel_defines() -> tuple[str, ...]:
             f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD={ROWS_MIN_BLOCKS_GRAD}",
             f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY={ROWS_MIN_BLOCKS_GRAD_HEAVY}",
             f"-DCUPYLOSS_ROWS_STEPS_GRAD_HEAVY={ROWS_STEPS_GRAD_HEAVY}",
+            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM={ROWS_MIN_BLOCKS_GRAD_STREAM}",
+            f"-DCUPYLOSS_ROWS_STEPS_GRAD_STREAM={ROWS_STEPS_GRAD_STREAM}",
+            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS_STREAM={REDUCE_MIN_BLOCKS_STREAM}",
+            f"-DCUPYLOSS_REDUCE_STEPS_STREAM={REDUCE_STEPS_STREAM}",
             f"-DCUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY={FLAT_MIN_BLOCKS_GRAD_HEAVY}",
             f"-DCUPYLOSS_FLAT_UNROLL_GRAD_HEAVY={FLAT_UNROLL_GRAD_HEAVY}",
             f"-DCUPYLOSS_GRAD_HEAVY_SIZES={sum(1 << b for b in GRAD_HEAVY_SIZES)}",

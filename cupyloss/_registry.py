@@ -7,12 +7,16 @@ long`` (I64, also for bools).  The options named in `modes` (booleans that choos
 formulas) are template arguments of the functor, bit i for modes[i] (``KlDivOp<2>``), so each
 combination is a kernel holding only its own formula; `modes` may also name optional arrays (the
 bit is set when the array is given: an absent weight is then the constant 1 in the kernel, which
-holds no weight arithmetic).  The other options are the host mirror of the functor's Params
-struct, its fields in declaration order, so the kernel parameter is a run of 64-bit words.  A
-functor without such options has NoParams (one unused word).  `views` maps an array argument to
-the shape torch views it as before broadcasting (gaussian_nll_loss's var).  Adding a pointwise
-loss: its functor, one entry here, a reference in tests/reference.py, and the public functions in
-pointwise.py.
+holds no weight arithmetic).  `constants` names option values that calls usually give and that a
+kernel computes far more cheaply when it knows them (sigmoid_focal_loss's gamma = 2: a square,
+where any other gamma takes powf behind a branch that keeps every element's other work in the
+loop): bit len(modes) + i is set when the call's option equals constants[i]'s value, and the
+option stays in Params for the general formula.  The other options are the host mirror of the
+functor's Params struct, its fields in declaration order, so the kernel parameter is a run of
+64-bit words.  A functor without such options has NoParams (one unused word).  `views` maps an
+array argument to the shape torch views it as before broadcasting (gaussian_nll_loss's var).
+Adding a pointwise loss: its functor, one entry here, a reference in tests/reference.py, and the
+public functions in pointwise.py.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class LossSpec:
     params: tuple = ()          # ((option, F64 | I64), ...): the options, in order
     modes: tuple = ()           # options (of params) and optional arrays (set: given) that
                                 # are the functor's template bits
+    constants: tuple = ()       # ((option, value), ...): further template bits, set when the
+                                # option equals the value (the option stays in Params)
     reductions: tuple = ("none", "mean", "sum")
     fill: float = 1.0           # what an optional array left out reads as
     views: tuple = ()           # ((array, view(input_shape, shape) -> shape), ...)
@@ -73,16 +79,24 @@ class LossSpec:
                  for (name, kind), v in zip(self.params, values) if name not in self.modes]
         return words or [0]
 
+    @property
+    def template_bits(self) -> int:
+        """How many template bits the functor takes: one per mode and per constant."""
+        return len(self.modes) + len(self.constants)
+
     def instance(self, values: tuple, arrays: tuple = ()) -> str:
         """The functor a call with these option values and these array arguments given (names)
-        runs: ``functor<bits>`` where the entry has modes (bit i set when option modes[i] is
-        true, or when array modes[i] is given), else the functor."""
-        if not self.modes:
+        runs: ``functor<bits>`` where the entry has modes or constants (bit i set when option
+        modes[i] is true, or when array modes[i] is given; bit len(modes) + j when option
+        constants[j] has its value), else the functor."""
+        if not self.template_bits:
             return self.functor
         self._check(values)
         given = dict(zip((name for name, _ in self.params), values))
         bits = sum(1 << i for i, mode in enumerate(self.modes)
                    if (given[mode] if mode in given else mode in arrays))
+        bits += sum(1 << (len(self.modes) + j) for j, (name, value) in enumerate(self.constants)
+                    if given[name] == value)
         return f"{self.functor}<{bits}>"
 
     def reduce_masks(self, instance: str) -> tuple:
@@ -100,9 +114,9 @@ class LossSpec:
 
     def instances(self) -> tuple:
         """Every functor instance calls of this loss can run."""
-        if not self.modes:
+        if not self.template_bits:
             return (self.functor,)
-        return tuple(f"{self.functor}<{bits}>" for bits in range(1 << len(self.modes)))
+        return tuple(f"{self.functor}<{bits}>" for bits in range(1 << self.template_bits))
 
 
 def gaussian_var_view(input_shape: tuple, var_shape: tuple) -> tuple:
@@ -147,7 +161,8 @@ SPECS = {spec.name: spec for spec in (
              params=(("full", I64), ("eps", F64)), views=(("var", gaussian_var_view),),
              numbers=("var",)),
     LossSpec("squared_hinge_loss", "SquaredHingeOp", params=_MARGIN),
-    LossSpec("sigmoid_focal_loss", "SigmoidFocalOp", params=(("alpha", F64), ("gamma", F64))),
+    LossSpec("sigmoid_focal_loss", "SigmoidFocalOp", params=(("alpha", F64), ("gamma", F64)),
+             constants=(("gamma", 2.0),)),
     LossSpec("log_cosh_loss", "LogCoshOp"),
 )}
 

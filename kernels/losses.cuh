@@ -61,19 +61,8 @@ __device__ __forceinline__ float lg_fine(float v) {
     return v == 0.0f ? __int_as_float(0xff800000) : (v > 0.0f ? v : __int_as_float(0x7fffffff));
 }
 __device__ __forceinline__ double lg_fine(double v) { return log(v); }
-// log(1 - x) for x in [0, 1] (or NaN), branch-free: u = 1 - x rounded, then
-//   log(1 - x) = log u + c / u,   c = (1 - u) - x   (what rounding u lost; exact)
-// with lg_fine's log and div_fast's quotient (the correction is below an ulp of the result).
-// x = 1 gives -inf (c = 0 there is selected, not divided by u = 0), x > 1 and NaN give NaN, as
-// log1pf(-x); a subnormal x gives -x or 0 (div_fast flushes a subnormal quotient).
-// libdevice's log1pf keeps a branch, around which binary_cross_entropy's logs of a broadcast
-// probability did not leave the loop.
-__device__ __forceinline__ float lg1m(float x) {
-    const float u = 1.0f - x;
-    const float c = (1.0f - u) - x;
-    return lg_fine(u) + (c == 0.0f ? 0.0f : div_fast(c, u));
-}
-__device__ __forceinline__ double lg1m(double x) { return log1p(-x); }
+__device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
+__device__ __forceinline__ double lg1p(double v) { return log1p(v); }
 // log1p(e) for e in [0, 1] (or NaN): e P(e), P of degree 11 fitted to log1p(e) / e for relative
 // error.  12 FMAs where log1pf takes about 33 instructions and a branch, which bound the
 // logistic losses' gradients by instructions rather than memory.  Against float64 over
@@ -406,16 +395,19 @@ struct HuberOp {
 //   dl/dt = w (log(1 - x) - log x) = -w logit(x)         (torch's target backward, unclamped)
 //   dl/dw = the unweighted loss
 // x outside [0, 1] (torch asserts) gives a NaN loss; the input gradient is the formula's.
-// In float the logs are lg_fine and lg1m, branch-free (at most 1.5 and 2 ulp where logf and
-// log1pf are within 0.9, mean signed errors under 0.04 ulp; tests/test_common_gpu.py checks
-// them against float64).  libdevice's keep branches, around which the logs of a broadcast x
-// did not leave the loop (H100, float32 value_and_grad on the per-channel, per-row and scalar
-// patterns: 0.198, 0.142, 0.117 ms -> 0.186, 0.131, 0.113; the row pattern 0.146 either way).
+// The logs are libdevice's (logf, log1pf).  Branch-free ones (lg_fine, and lg_fine(1 - x) plus
+// the rounding 1 - x lost) let the logs of a broadcast x leave the loop, 4-8% on those patterns,
+// but cost the full-size forward a fifth more instructions (H100, 32768^2 float32 forward at
+// 1.235x mse_loss's time), and a full-size x is bce's common case.
 // MODE bit 0: a weight array is given (the registry's `modes`); without one w is the constant 1,
 // so the kernels hold no weight arithmetic.
 template <int MODE>
 struct BceOp {
     static constexpr int K = 3;  // input, target, weight
+    // The streaming shape (GradShape), though libdevice's logs stay in the loop: H100, float32
+    // value_and_grad, first array broadcast, per-channel / per-row 0.198 / 0.141 ms -> 0.185 /
+    // 0.130 (reduce kernel), row 0.145 -> 0.148 (rows kernel).
+    static constexpr bool stream_shape = true;
     static constexpr bool weighted = (MODE & 1) != 0;
     // Gradient kernels bounded for more resident warps in float and double only (GradShape in
     // pointwise.cu): 16-bit vectors of 8 elements spill there (H100, bfloat16 32768^2
@@ -434,13 +426,13 @@ struct BceOp {
     }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
-        const A l = unweighted(lg_fine(v[0]), lg1m(v[0]), v[1]);
+        const A l = unweighted(lg(v[0]), lg1p(-v[0]), v[1]);
         return weighted ? v[2] * l : l;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
         const A x = v[0], t = v[1], w = weighted ? v[2] : A(1);
-        const A log_x = lg_fine(x), log_1mx = lg1m(x);
+        const A log_x = lg(x), log_1mx = lg1p(-x);
         const A m = (A(1) - x) * x;
         const A eps = A(1e-12f);
         // The divisor is in [1e-12, 1/4] (or NaN), where __fdividef is within 2 ulp for any
@@ -463,6 +455,9 @@ struct BceOp {
 template <int MODE>
 struct BceLogitsOp {
     static constexpr int K = 4;  // input, target, weight, pos_weight
+    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
+    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    static constexpr bool stream_shape = true;
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
     // pointwise_reduce bounded for 3 blocks per SM, as BceOp (four operands' bookkeeping spill
     // at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at 3 blocks, 0.284 at 4;
@@ -492,6 +487,9 @@ struct BceLogitsOp {
 // log1p(exp(-x t)) overflows),   dl/dx = -t sigmoid(-x t),   dl/dt = -x sigmoid(-x t)
 struct SoftMarginOp {
     static constexpr int K = 2;  // input, target
+    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
+    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    static constexpr bool stream_shape = true;
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
@@ -565,6 +563,9 @@ struct MarginRankingOp {
 template <int MODE>
 struct PoissonNllOp {
     static constexpr int K = 2;  // input, target
+    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
+    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    static constexpr bool stream_shape = true;
     static constexpr bool log_input = (MODE & 1) != 0;
     static constexpr bool full = (MODE & 2) != 0;
     struct Params {
@@ -669,15 +670,30 @@ struct SquaredHingeOp {
 // a is one fma of t with the constants a' and 1 - alpha (1 when alpha < 0).  It differs from
 // the literal sum only for an infinite or NaN t, where ce is NaN (-inf + inf, or 0 inf when a
 // softplus is 0), so the loss and both partials are NaN either way.
+// MODE bit 0: gamma == 2, torchvision's default (the registry's `constants`), compiled in: q^2
+// and dq = 2 q with no branch on gamma, whose powf path kept every element's other work in the
+// loop (H100, float32 value_and_grad, first array broadcast, per-channel, per-row, row, scalar:
+// 0.209, 0.140, 0.165, 0.120 ms -> 0.184, 0.122, 0.136, 0.109, results bitwise the same).
+template <int MODE>
 struct SigmoidFocalOp {
     static constexpr int K = 2;  // input, target
+    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
+    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    static constexpr bool stream_shape = true;
+    static constexpr bool gamma_two = (MODE & 1) != 0;
     struct Params {
         double alpha;
         double gamma;
     };
     template <typename A>
     static __device__ __forceinline__ A focus(A q, double gamma) {  // q^gamma
-        return gamma == 2 ? q * q : (gamma == 1 ? q : pw(q, A(gamma)));
+        if constexpr (gamma_two) return q * q;
+        else return gamma == 2 ? q * q : (gamma == 1 ? q : pw(q, A(gamma)));
+    }
+    template <typename A>
+    static __device__ __forceinline__ A focus_slope(A q, double gamma) {  // gamma q^(gamma - 1)
+        if constexpr (gamma_two) return A(2) * q;
+        else return gamma == 0 ? A(0) : (gamma == 2 ? A(2) * q : A(gamma) * focus(q, gamma - 1));
     }
     template <typename A>
     static __device__ __forceinline__ A weight_slope(const Params& p) {  // a'
@@ -713,8 +729,7 @@ struct SigmoidFocalOp {
         const A ce = cross_entropy(t, s);
         const A q = one_minus_pt(t, s);
         const A mod = focus(q, p.gamma);
-        const A dq = p.gamma == 0 ? A(0)
-                   : (p.gamma == 2 ? A(2) * q : A(p.gamma) * focus(q, p.gamma - 1));
+        const A dq = focus_slope(q, p.gamma);
         const A a = weight(t, p);
         const A ce_dq = ce * dq;
         d[0] = a * ((s.sg_pos * (A(1) - t) - s.sg_neg * t) * mod

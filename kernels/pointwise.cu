@@ -137,28 +137,53 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 #ifndef CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY
 #define CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY 1
 #endif
+// The rows and reduce kernels' shape for heavy functors that declare stream_shape, on 4-byte
+// elements: their arithmetic on a broadcast operand leaves the loop (the CONST instantiations),
+// so what is left per element is bound by loads in flight rather than by the arithmetic's
+// latency.  (kl_div's and log_cosh_loss's logs and exps are of every element whichever operand
+// is broadcast, and keep the heavy shape; so does margin_ranking_loss, measured slower.)
+#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM
+#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM 1
+#endif
+#ifndef CUPYLOSS_ROWS_STEPS_GRAD_STREAM
+#define CUPYLOSS_ROWS_STEPS_GRAD_STREAM 4
+#endif
+#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM
+#define CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM 1
+#endif
+#ifndef CUPYLOSS_REDUCE_STEPS_STREAM
+#define CUPYLOSS_REDUCE_STEPS_STREAM 4
+#endif
 // The heavy shape applies to the element sizes set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte
 // elements), or in the functor's own `heavy_sizes` where it declares one; other sizes take the
 // cheap shape.  A heavy functor may also declare its own `reduce_blocks` (pointwise_reduce's
-// bound), where the table's spills or starves it.
+// bound, heavy or streaming), where the table's spills or starves it.
 #ifndef CUPYLOSS_GRAD_HEAVY_SIZES
 #define CUPYLOSS_GRAD_HEAVY_SIZES 0
 #endif
 CUPYLOSS_FUNCTOR_TRAIT(HeavySizes, heavy_sizes, int, CUPYLOSS_GRAD_HEAVY_SIZES)
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY)
+CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
+CUPYLOSS_FUNCTOR_TRAIT(StreamShape, stream_shape, bool, false)
 template <typename Op, typename T>
 struct GradShape {
     static constexpr bool heavy =
         !IsCheap<Op>::value && ((HeavySizes<Op>::value >> sizeof(T)) & 1) != 0;
+    static constexpr bool stream = heavy && sizeof(T) == 4 && StreamShape<Op>::value;
     static constexpr int flat_blocks = heavy ? CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY : 1;
     static constexpr int flat_steps =
         heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
     static constexpr int rows_blocks =
-        heavy ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY : CUPYLOSS_ROWS_MIN_BLOCKS_GRAD;
-    static constexpr int rows_steps = heavy ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
+        stream ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM
+               : heavy ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY : CUPYLOSS_ROWS_MIN_BLOCKS_GRAD;
+    static constexpr int rows_steps =
+        stream ? CUPYLOSS_ROWS_STEPS_GRAD_STREAM : heavy ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
     static constexpr int reduce_blocks =
-        heavy ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
-    static constexpr int reduce_steps = heavy ? CUPYLOSS_REDUCE_STEPS_HEAVY : CUPYLOSS_REDUCE_STEPS;
+        stream ? ReduceBlocksStream<Op>::value
+               : heavy ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
+    static constexpr int reduce_steps =
+        stream ? CUPYLOSS_REDUCE_STEPS_STREAM
+               : heavy ? CUPYLOSS_REDUCE_STEPS_HEAVY : CUPYLOSS_REDUCE_STEPS;
 };
 
 // One value per array operand, passed by value as a kernel parameter.

@@ -219,7 +219,8 @@ def test_absent_and_number_operands_read_their_fill(device):
 
 def test_params_are_the_functors_struct(device):
     """Options land in the functor's Params words, in declaration order, 64-bit each; the
-    options named in the entry's modes choose the functor's template bits instead."""
+    options named in the entry's modes choose the functor's template bits instead, and option
+    values named in its constants set a further bit."""
     x = arr((16, 16))
     spec = _registry.SPECS["poisson_nll_loss"]
     for log_input, full, bits in ((False, True, 2), (True, False, 1), (False, False, 0)):
@@ -233,6 +234,13 @@ def test_params_are_the_functors_struct(device):
     cupyloss.mse_loss(x, x)
     mse = _registry.SPECS["mse_loss"]
     assert _words(mse, "flat", device.launches[-1][1], "params") == [0]   # NoParams
+    # An option value named in `constants` sets a template bit and stays in Params.
+    focal = _registry.SPECS["sigmoid_focal_loss"]
+    for gamma, bits in ((2.0, 1), (2, 1), (1.5, 0), (0.0, 0)):
+        cupyloss.sigmoid_focal_loss(x, x, alpha=0.5, gamma=gamma)
+        assert _words(focal, "flat", device.launches[-1][1], "params") == [
+            _args.f64_word(0.5), _args.f64_word(gamma)]
+        assert f"cupyloss::SigmoidFocalOp<{bits}>," in device.names[-1]
 
 
 def test_a_cached_plan_is_reused(device):
