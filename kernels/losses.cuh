@@ -455,8 +455,8 @@ struct BceOp {
 template <int MODE>
 struct BceLogitsOp {
     static constexpr int K = 4;  // input, target, weight, pos_weight
-    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
-    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
+    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
     static constexpr bool stream_shape = true;
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
     // pointwise_reduce bounded for 3 blocks per SM, as BceOp (four operands' bookkeeping spill
@@ -487,8 +487,8 @@ struct BceLogitsOp {
 // log1p(exp(-x t)) overflows),   dl/dx = -t sigmoid(-x t),   dl/dt = -x sigmoid(-x t)
 struct SoftMarginOp {
     static constexpr int K = 2;  // input, target
-    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
-    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
+    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
     static constexpr bool stream_shape = true;
     using Params = NoParams;
     template <typename A>
@@ -563,8 +563,8 @@ struct MarginRankingOp {
 template <int MODE>
 struct PoissonNllOp {
     static constexpr int K = 2;  // input, target
-    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
-    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
+    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
     static constexpr bool stream_shape = true;
     static constexpr bool log_input = (MODE & 1) != 0;
     static constexpr bool full = (MODE & 2) != 0;
@@ -677,8 +677,8 @@ struct SquaredHingeOp {
 template <int MODE>
 struct SigmoidFocalOp {
     static constexpr int K = 2;  // input, target
-    // Its logs, exps and reciprocals of a broadcast operand leave the rows and reduce kernels'
-    // loops, which are then bound by loads in flight: the streaming shape (GradShape).
+    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
+    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
     static constexpr bool stream_shape = true;
     static constexpr bool gamma_two = (MODE & 1) != 0;
     struct Params {
