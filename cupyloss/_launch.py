@@ -375,8 +375,8 @@ FLAT_MIN_BLOCKS_GRAD_HEAVY = 4
 FLAT_UNROLL_GRAD_HEAVY = 2
 # Heavy functors on 4-byte elements ("streaming", pointwise.cu's GradShape), rows and reduce
 # kernels: blocks per SM and steps in flight.  Once their arithmetic on a broadcast operand left
-# the loop (per-mask instantiations, branch-free logs and reciprocals, one loop per kind of
-# work) they were bound by loads in flight, not latency.  H100, float32 value_and_grad, first
+# the loop (per-mask instantiations, the branch-free reciprocal, gamma = 2 compiled in, one loop
+# per kind of work) they were bound by loads in flight, not latency.  H100, float32 value_and_grad, first
 # array broadcast, % of the read+write limit, one run, each variant once (the first repeated
 # last, within 0.5%); rows kernel on the row pattern as rows blocks/steps, reduce kernel on
 # per-channel / per-row as reduce blocks/steps (bce and bce_with_logits keep their own 3 blocks):
