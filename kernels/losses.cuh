@@ -17,6 +17,13 @@ struct NoParams {
     long long unused;
 };
 
+// A functor's own gradient shape on 4-byte elements, where the launch table's starves it
+// (`static constexpr Shape32 shape_f32`): blocks per SM the rows and reduce kernels are bounded
+// for and steps of loads in flight, 0 for the table's (pointwise.cu's GradShape).
+struct Shape32 {
+    int rows_blocks, rows_steps, reduce_blocks, reduce_steps;
+};
+
 // Division by a divisor known to be a normal number of magnitude below 2^126 (or NaN):
 // __fdividef's 2 ulp in fp32, for any dividend, instead of the IEEE division's longer sequence
 // and its out-of-line slow path, which bound kl_div's forward and binary_cross_entropy's
@@ -193,6 +200,10 @@ struct MseOp {
 template <int MODE>
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
+    // Rows and reduce kernels at 4 blocks an SM and 2 steps in flight, where the heavy shape is
+    // 3/1 and 4/1 (_launch.py's table of variants): its logs are of every element whichever
+    // operand is broadcast, so it wants both warps and loads in flight.
+    static constexpr Shape32 shape_f32 = {4, 2, 0, 2};
     static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
     static constexpr bool log_input = (MODE & 2) != 0;   // input holds log-probabilities
     using Params = NoParams;
