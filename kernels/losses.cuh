@@ -756,6 +756,14 @@ struct SigmoidFocalOp {
 //   elements usually take different branches.  sinh(w), w < 1/2, is its Taylor polynomial
 //   (truncation below 1e-10 relative in float, 1e-19 in double).
 //   dl/dx = tanh(d) = -dl/dt
+// In float, tanh z is branch-free: z + z^3 Q(z^2) for z < 0.6 (Q of degree 4 fitted to
+// (tanh z - z) / z^3 for relative error), else 1 - 2 e / (1 + e) with the value's own
+// e = exp(-2 z), which a value_and_grad pass then takes once for both; 1 + e is in [1, 2], so its
+// reciprocal is rcp_unit_rn's.  tanhf branches on |d|, which kept its work apart from the
+// value's.  Against float64 over 12M d (H100): at most 1.69 ulp, mean signed error within
+// 0.013 ulp in each set (tanhf: 1.81 ulp, and +0.60 ulp on average for d near 0.5); float32
+// value_and_grad, first array broadcast, per-channel / per-row / row / scalar: 65.9 / 64.9 /
+// 66.6 / 74.0 -> 67.2 / 66.3 / 66.5 / 76.8% of the read+write limit.
 struct LogCoshOp {
     static constexpr int K = 2;  // input, target
     using Params = NoParams;
@@ -785,9 +793,24 @@ struct LogCoshOp {
         const A arg = small ? A(2) * s * s : ex(A(-2) * z);
         return (small ? A(0) : z - A(0.69314718055994531)) + lg1p_unit(arg);
     }
+    // tanh d; float: as the comment above says, double: tanh.
+    static __device__ __forceinline__ float tanh_of(float d) {
+        const float z = d < 0.0f ? -d : d;                  // as value's, which shares e
+        const float e = ex(-2.0f * z);
+        const float u = z * z;
+        float q = -5.984960590e-03f;
+        q = __fmaf_rn(q, u, 2.086814865e-02f);
+        q = __fmaf_rn(q, u, -5.380356684e-02f);
+        q = __fmaf_rn(q, u, 1.333213300e-01f);
+        q = __fmaf_rn(q, u, -3.333330452e-01f);
+        const float near0 = __fmaf_rn(q, u * z, z);
+        const float far = __fmaf_rn(-2.0f * e, rcp_unit_rn(1.0f + e), 1.0f);
+        return copysignf(z < 0.6f ? near0 : far, d);
+    }
+    static __device__ __forceinline__ double tanh_of(double d) { return th(d); }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
-        d[0] = th(v[0] - v[1]);
+        d[0] = tanh_of(v[0] - v[1]);
         d[1] = -d[0];
     }
 };
