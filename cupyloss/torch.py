@@ -62,16 +62,20 @@ first-order gradients through the rerun path, but differentiating them again rai
 backward ops have no derivatives of their own.  torch.func transforms (grad, vmap) are refused
 with NotImplementedError.
 
-Measured on an H100 (python -m cupyloss.bench_torch, 2026-11-23): MSE of two float32
-[32768, 32768] tensors, forward + loss.backward() with both gradients, takes 6.0 ms with the
-gradients from the forward pass, 8.7 ms with the rerun backward, 12.2 ms with gradients in forward
-and an upstream gradient of 0.5 (torch.compile: 8.4 ms).  At 1K elements the host time of a
-forward + backward is 1.11x to 1.30x torch eager's over two runs of the benchmark (2026-11-23;
-188-239 us against 145-216 us), and the floor of this design is close: the least Python
-autograd.Function that launches the same two kernels (the core value_and_grad in forward,
-scale_by_grad_output in backward, nothing else) costs 1.07x to 1.08x in the same runs, and one
-that launches nothing 0.65x to 0.67x.  Eager calls go through autograd.Function's C++ apply,
-skipping the Python layer in front of it (6 to 10 us a call in the same runs).
+Measured on an H100 (python -m cupyloss.bench_torch, 2026-11-24): forward + loss.backward() with
+the gradients of both arguments takes 5.99 ms for MSE of two float32 [32768, 32768] tensors
+(torch.compile: 8.45 ms, 1.41x; the read+write limit at the copy bandwidth, 5.67 ms, allows at
+most 1.49x), 1.51 ms for kl_div of [16384, 16384] probabilities (torch.compile 2.16 ms, 1.43x;
+at most 1.52x) and 3.04 ms for hinge_loss (torch.compile 4.61 ms, 1.52x); MSE takes 8.66 ms with
+the rerun backward and 12.17 ms with an upstream gradient of 0.5.  At 1K elements the host time
+of a forward + backward is 1.08x to 1.15x torch eager's over two runs (139 and 134 us against 128
+and 116), and the floor of this design is close: the least Python autograd.Function that
+launches the same two kernels (the core value_and_grad in forward, scale_by_grad_output in
+backward, nothing else) costs 0.96x to 0.99x in the same runs, and one that launches nothing
+0.64x.  What lies between is save_for_backward (3 us, so that a later backward sees inputs
+changed in place), the check for tracers and torch.func (3 us) and the argument handling.
+Eager calls go through autograd.Function's C++ apply, skipping the Python layer in front of it
+(6 to 10 us a call, measured 2026-11-23).
 
 Arguments must be CUDA tensors of one floating dtype (float16, bfloat16, float32, float64) on one
 device; unlike torch, a mixed-dtype pair is refused, not promoted, and under autocast the loss
