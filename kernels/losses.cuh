@@ -18,10 +18,11 @@ struct NoParams {
 };
 
 // A functor's own gradient shape on 4-byte elements, where the launch table's starves it
-// (`static constexpr Shape32 shape_f32`): blocks per SM the rows and reduce kernels are bounded
-// for and steps of loads in flight, 0 for the table's (pointwise.cu's GradShape).
+// (`static constexpr Shape32 shape_f32`): blocks per SM the rows kernel is bounded for and steps
+// of loads in flight in the rows and reduce kernels, 0 for the table's (pointwise.cu's
+// GradShape; the reduce kernel's blocks are the functor's `reduce_blocks` where it names them).
 struct Shape32 {
-    int rows_blocks, rows_steps, reduce_blocks, reduce_steps;
+    int rows_blocks, rows_steps, reduce_steps;
 };
 
 // Division by a divisor known to be a normal number of magnitude below 2^126 (or NaN):
@@ -96,8 +97,6 @@ __device__ __forceinline__ float lg1p_unit(float e) {
 __device__ __forceinline__ double lg1p_unit(double e) { return log1p(e); }
 __device__ __forceinline__ float ex(float v) { return expf(v); }
 __device__ __forceinline__ double ex(double v) { return exp(v); }
-__device__ __forceinline__ float th(float v) { return tanhf(v); }
-__device__ __forceinline__ double th(double v) { return tanh(v); }
 __device__ __forceinline__ float pw(float b, float e) { return powf(b, e); }
 __device__ __forceinline__ double pw(double b, double e) { return pow(b, e); }
 // 1 / v correctly rounded for v in [1, 2] (or NaN): the bits of __frcp_rn, branch-free.
@@ -203,7 +202,7 @@ struct KlDivOp {
     // Rows and reduce kernels at 4 blocks an SM and 2 steps in flight, where the heavy shape is
     // 3/1 and 4/1 (_launch.py's table of variants): its logs are of every element whichever
     // operand is broadcast, so it wants both warps and loads in flight.
-    static constexpr Shape32 shape_f32 = {4, 2, 0, 2};
+    static constexpr Shape32 shape_f32 = {4, 2, 2};
     static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
     static constexpr bool log_input = (MODE & 2) != 0;   // input holds log-probabilities
     using Params = NoParams;
@@ -807,7 +806,7 @@ struct LogCoshOp {
         const float far = __fmaf_rn(-2.0f * e, rcp_unit_rn(1.0f + e), 1.0f);
         return copysignf(z < 0.6f ? near0 : far, d);
     }
-    static __device__ __forceinline__ double tanh_of(double d) { return th(d); }
+    static __device__ __forceinline__ double tanh_of(double d) { return tanh(d); }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
         d[0] = tanh_of(v[0] - v[1]);

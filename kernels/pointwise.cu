@@ -157,9 +157,9 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 // The heavy shape applies to the element sizes set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte
 // elements), or in the functor's own `heavy_sizes` where it declares one; other sizes take the
 // cheap shape.  A heavy functor may also declare its own `reduce_blocks` (pointwise_reduce's
-// bound, heavy or streaming), where the table's spills or starves it, and its own rows and
-// reduce shape on 4-byte elements (`shape_f32`, a Shape32 of blocks and steps, each 0 for the
-// table's), which take the place of the heavy or streaming one there.
+// bound, heavy or streaming), where the table's spills or starves it, and its own rows blocks
+// and rows and reduce steps on 4-byte elements (`shape_f32`, a Shape32, each 0 for the table's),
+// which take the place of the heavy or streaming ones there.
 #ifndef CUPYLOSS_GRAD_HEAVY_SIZES
 #define CUPYLOSS_GRAD_HEAVY_SIZES 0
 #endif
@@ -167,7 +167,7 @@ CUPYLOSS_FUNCTOR_TRAIT(HeavySizes, heavy_sizes, int, CUPYLOSS_GRAD_HEAVY_SIZES)
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY)
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
 CUPYLOSS_FUNCTOR_TRAIT(StreamShape, stream_shape, bool, false)
-CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0, 0}))
+CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0}))
 template <typename Op, typename T>
 struct GradShape {
     static constexpr bool heavy =
@@ -175,7 +175,7 @@ struct GradShape {
     static constexpr bool stream = heavy && sizeof(T) == 4 && StreamShape<Op>::value;
     // The functor's own 4-byte shape, where it declares one (zeros elsewhere).
     static constexpr Shape32 own = heavy && sizeof(T) == 4 ? OwnShape32<Op>::value
-                                                           : Shape32{0, 0, 0, 0};
+                                                           : Shape32{0, 0, 0};
     static constexpr int flat_blocks = heavy ? CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY : 1;
     static constexpr int flat_steps =
         heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
@@ -188,9 +188,8 @@ struct GradShape {
         : stream       ? CUPYLOSS_ROWS_STEPS_GRAD_STREAM
         : heavy        ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
     static constexpr int reduce_blocks =
-        own.reduce_blocks ? own.reduce_blocks
-        : stream          ? ReduceBlocksStream<Op>::value
-        : heavy           ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
+        stream ? ReduceBlocksStream<Op>::value
+               : heavy ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
     static constexpr int reduce_steps =
         own.reduce_steps ? own.reduce_steps
         : stream         ? CUPYLOSS_REDUCE_STEPS_STREAM
