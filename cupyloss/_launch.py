@@ -395,13 +395,34 @@ FLAT_UNROLL_GRAD_HEAVY = 2
 # kl_div, whose logs are of every element whichever operand is broadcast, declares its own 4/2
 # for both (KlDivOp::shape_f32; H100, one later run, old and new alternated twice, per-channel /
 # per-row / row: 74.0 / 73.2 / 73.7 -> 76.8 / 75.9 / 76.6%; rows 4/1 with reduce 4/2 left the
-# row at 73.7).  log_cosh keeps the heavy shape above, as does margin_ranking_loss (three
-# arrays; 2/4 took its per-channel and per-row patterns from 79 and 77% to 67 and 66%), and
-# every functor in 16-bit or float64, where this was not measured.
+# row at 73.7).  margin_ranking_loss keeps the heavy shape above (three arrays; 2/4 took its
+# per-channel and per-row patterns from 79 and 77% to 67 and 66%), as does every functor in
+# 16-bit or float64, where this was not measured; log_cosh, unpipelined, did too (its pipelined
+# shape: below).
 ROWS_MIN_BLOCKS_GRAD_STREAM = 2
 ROWS_STEPS_GRAD_STREAM = 4
 REDUCE_MIN_BLOCKS_STREAM = 2
 REDUCE_STEPS_STREAM = 4
+# Software pipelining (pointwise.cu): a loop that loads a step and then computes it leaves a
+# functor bound by its arithmetic's latency with no loads in flight while it computes; a
+# pipelined loop issues the next step's loads before this step's arithmetic (more registers,
+# bitwise the same results).  pointwise_flat's gradient loop is pipelined for every heavy
+# functor on 4-byte elements (FLAT_PIPE_GRAD_HEAVY); the rows and reduce loops where a functor's
+# own shape asks (losses.cuh's Shape32::pipe), since some lose there.  H100, float32
+# value_and_grad, first array broadcast, % of the read+write limit, one run, each variant twice
+# (one run per block of rows):
+#   flat, scalar pattern, off -> on:  log_cosh 77.1 -> 81.6, kl 80.6 -> 82.2, bce_logits 79.4 ->
+#     80.0, focal 81.5 -> 82.0, soft_margin 82.2 -> 82.6, bce 76.5 -> 76.8; margin_ranking,
+#     hinge_embedding (89.2, 84.1) unchanged.
+#   rows (row pattern) and reduce (per-channel / per-row), off -> on at the same shape:
+#     bce 60.4 -> 68.5 and 73.6 / 67.4 -> 77.5 / 68.9;  bce_logits 70.5 -> 78.5 and 80.3 / 76.1
+#     -> 81.5 / 78.5;  soft_margin 77 -> 77 and 78.6 / 77.8 -> 83.0 / 82.0 (rows at 3/2: 80.1);
+#     focal 74 -> 63 (2/2: 76.9) and 77.8 / 77.2 -> 82.8 / 82.0;  log_cosh 66.2 -> 72.3 and
+#     67.3 / 66.3 -> 70.3 / 70.2 (rows and reduce at 2/2: 77.2 and 75.4 / 74.1);
+#     kl_div 76.4 -> 70.5 and 76.3 / 75.5 -> 73 / 70.5 (kept off); margin_ranking 84.7 -> 86.0
+#     and 79.3 / 77.8 -> 66.5 / 64.5 (kept off: its rows results also changed bits);
+#     smooth_l1 and hinge_embedding (cheap, not pipelined) unchanged.
+FLAT_PIPE_GRAD_HEAVY = True
 # Element sizes (bytes) whose heavy functors take the heavy shape; others take the cheap one (a
 # functor may declare its own, losses.cuh's heavy_sizes).  The old shape against E, H100,
 # value_and_grad, ratio of time to mse's (one run; bfloat16 32768^2, float64 16384^2):

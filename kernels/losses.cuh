@@ -18,11 +18,18 @@ struct NoParams {
 };
 
 // A functor's own gradient shape on 4-byte elements, where the launch table's starves it
-// (`static constexpr Shape32 shape_f32`): blocks per SM the rows kernel is bounded for and steps
-// of loads in flight in the rows and reduce kernels, 0 for the table's (pointwise.cu's
-// GradShape; the reduce kernel's blocks are the functor's `reduce_blocks` where it names them).
+// (`static constexpr Shape32 shape_f32`, pointwise.cu's GradShape): blocks per SM the rows and
+// reduce kernels are bounded for and their steps of loads in flight, 0 for the table's (or, for
+// the reduce kernel's blocks, the functor's `reduce_blocks`, which holds for every element
+// size); and the gradient loops that are software-pipelined (`pipe`), issuing the next step's
+// loads before this step's arithmetic, so that a functor bound by its arithmetic's latency keeps
+// loads in flight while it computes.  PIPE_FLAT_BROADCAST pipelines only the flat kernels with a
+// stride-0 operand compiled in (a 0-d operand broadcast), where PIPE_FLAT pipelines every flat
+// gradient kernel (_launch.py's table has the measurements).
+enum : int { PIPE_ROWS = 1, PIPE_REDUCE = 2, PIPE_FLAT = 4, PIPE_FLAT_BROADCAST = 8 };
 struct Shape32 {
-    int rows_blocks, rows_steps, reduce_steps;
+    int rows_blocks, rows_steps, reduce_blocks, reduce_steps;
+    int pipe = 0;
 };
 
 // Division by a divisor known to be a normal number of magnitude below 2^126 (or NaN):
@@ -201,8 +208,9 @@ struct KlDivOp {
     static constexpr int K = 2;  // input, target
     // Rows and reduce kernels at 4 blocks an SM and 2 steps in flight, where the heavy shape is
     // 3/1 and 4/1 (_launch.py's table of variants): its logs are of every element whichever
-    // operand is broadcast, so it wants both warps and loads in flight.
-    static constexpr Shape32 shape_f32 = {4, 2, 2};
+    // operand is broadcast, so it wants both warps and loads in flight.  The flat kernel of a
+    // 0-d broadcast operand is pipelined (the full-size one lost by it, as did rows and reduce).
+    static constexpr Shape32 shape_f32 = {4, 2, 0, 2, PIPE_FLAT_BROADCAST};
     static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
     static constexpr bool log_input = (MODE & 2) != 0;   // input holds log-probabilities
     using Params = NoParams;
@@ -416,8 +424,10 @@ struct BceOp {
     static constexpr int K = 3;  // input, target, weight
     // The streaming shape (GradShape), though libdevice's logs stay in the loop: H100, float32
     // value_and_grad, first array broadcast, per-channel / per-row 0.198 / 0.141 ms -> 0.185 /
-    // 0.130 (reduce kernel), row 0.145 -> 0.148 (rows kernel).
+    // 0.130 (reduce kernel), row 0.145 -> 0.148 (rows kernel).  Both loops pipelined: the logs'
+    // latency then overlaps the next step's loads.
     static constexpr bool stream_shape = true;
+    static constexpr Shape32 shape_f32 = {0, 0, 0, 0, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0;
     // Gradient kernels bounded for more resident warps in float and double only (GradShape in
     // pointwise.cu): 16-bit vectors of 8 elements spill there (H100, bfloat16 32768^2
@@ -466,8 +476,10 @@ template <int MODE>
 struct BceLogitsOp {
     static constexpr int K = 4;  // input, target, weight, pos_weight
     // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
-    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
+    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
+    // both loops pipelined.
     static constexpr bool stream_shape = true;
+    static constexpr Shape32 shape_f32 = {0, 0, 0, 0, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
     // pointwise_reduce bounded for 3 blocks per SM, as BceOp (four operands' bookkeeping spill
     // at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at 3 blocks, 0.284 at 4;
@@ -498,8 +510,10 @@ struct BceLogitsOp {
 struct SoftMarginOp {
     static constexpr int K = 2;  // input, target
     // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
-    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
+    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
+    // both loops pipelined and the rows kernel at 3 blocks an SM and 2 steps.
     static constexpr bool stream_shape = true;
+    static constexpr Shape32 shape_f32 = {3, 2, 0, 0, PIPE_ROWS | PIPE_REDUCE};
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
@@ -688,8 +702,10 @@ template <int MODE>
 struct SigmoidFocalOp {
     static constexpr int K = 2;  // input, target
     // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
-    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
+    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
+    // both loops pipelined and the rows kernel at 2 steps (4 pipelined spill).
     static constexpr bool stream_shape = true;
+    static constexpr Shape32 shape_f32 = {2, 2, 0, 0, PIPE_ROWS | PIPE_REDUCE};
     static constexpr bool gamma_two = (MODE & 1) != 0;
     struct Params {
         double alpha;
@@ -765,6 +781,11 @@ struct SigmoidFocalOp {
 // 66.6 / 74.0 -> 67.2 / 66.3 / 66.5 / 76.8% of the read+write limit.
 struct LogCoshOp {
     static constexpr int K = 2;  // input, target
+    // Bound by its arithmetic on every element whichever operand is broadcast: both loops
+    // pipelined, at 2 blocks an SM and 2 steps in flight (rows and reduce), so loads stay in
+    // flight while the exp, log and tanh run, as is the flat kernel of a 0-d broadcast operand
+    // (the full-size one lost by it; _launch.py's table).
+    static constexpr Shape32 shape_f32 = {2, 2, 2, 2, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     using Params = NoParams;
     // sinh(w) for 0 <= w < 1/2: w (1 + w^2/3! + w^4/5! + ...), Horner in w^2.
     static __device__ __forceinline__ float sinh_small(float w) {

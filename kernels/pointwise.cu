@@ -157,9 +157,9 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 // The heavy shape applies to the element sizes set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte
 // elements), or in the functor's own `heavy_sizes` where it declares one; other sizes take the
 // cheap shape.  A heavy functor may also declare its own `reduce_blocks` (pointwise_reduce's
-// bound, heavy or streaming), where the table's spills or starves it, and its own rows blocks
-// and rows and reduce steps on 4-byte elements (`shape_f32`, a Shape32, each 0 for the table's),
-// which take the place of the heavy or streaming ones there.
+// bound, heavy or streaming, every element size), where the table's spills or starves it, and
+// its own 4-byte shape (`shape_f32`, a Shape32: rows and reduce blocks and steps, each 0 for the
+// table's, which they take the place of there, and the loops it pipelines).
 #ifndef CUPYLOSS_GRAD_HEAVY_SIZES
 #define CUPYLOSS_GRAD_HEAVY_SIZES 0
 #endif
@@ -167,7 +167,7 @@ CUPYLOSS_FUNCTOR_TRAIT(HeavySizes, heavy_sizes, int, CUPYLOSS_GRAD_HEAVY_SIZES)
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY)
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
 CUPYLOSS_FUNCTOR_TRAIT(StreamShape, stream_shape, bool, false)
-CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0}))
+CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0, 0, 0}))
 template <typename Op, typename T>
 struct GradShape {
     static constexpr bool heavy =
@@ -175,7 +175,7 @@ struct GradShape {
     static constexpr bool stream = heavy && sizeof(T) == 4 && StreamShape<Op>::value;
     // The functor's own 4-byte shape, where it declares one (zeros elsewhere).
     static constexpr Shape32 own = heavy && sizeof(T) == 4 ? OwnShape32<Op>::value
-                                                           : Shape32{0, 0, 0};
+                                                           : Shape32{0, 0, 0, 0, 0};
     static constexpr int flat_blocks = heavy ? CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY : 1;
     static constexpr int flat_steps =
         heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
@@ -187,8 +187,17 @@ struct GradShape {
         own.rows_steps ? own.rows_steps
         : stream       ? CUPYLOSS_ROWS_STEPS_GRAD_STREAM
         : heavy        ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
+    // Software-pipelined loops (the next step's loads issued before this step's arithmetic),
+    // where the functor's own shape asks (Shape32::pipe): flat_pipe(has_const), of the flat
+    // kernel with or without stride-0 operands compiled in.
+    static constexpr bool rows_pipe = (own.pipe & PIPE_ROWS) != 0;
+    static constexpr bool reduce_pipe = (own.pipe & PIPE_REDUCE) != 0;
+    __host__ __device__ static constexpr bool flat_pipe(bool has_const) {
+        return (own.pipe & PIPE_FLAT) != 0 || (has_const && (own.pipe & PIPE_FLAT_BROADCAST) != 0);
+    }
     static constexpr int reduce_blocks =
-        stream ? ReduceBlocksStream<Op>::value
+        own.reduce_blocks ? own.reduce_blocks
+        : stream ? ReduceBlocksStream<Op>::value
                : heavy ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
     static constexpr int reduce_steps =
         own.reduce_steps ? own.reduce_steps
@@ -476,7 +485,32 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
                 stride = blockDim.x;
                 end = min(nvec, v - threadIdx.x + per);
             }
-            if constexpr (U > 1) {
+            if constexpr (GRAD && GradShape<Op, T>::flat_pipe(CONST != 0)) {
+                // The next U steps' loads are issued before these steps' arithmetic.
+                A val[U][K][VEC], gv[U][VEC];
+                if (v + (U - 1) * stride < end) {
+                    #pragma unroll
+                    for (int u = 0; u < U; ++u) load(v + u * stride, val[u], gv[u]);
+                }
+                for (; v + (U - 1) * stride < end; v += U * stride) {
+                    A cv[U][K][VEC], cg[U][VEC];
+                    #pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        #pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            cg[u][j] = gv[u][j];
+                            #pragma unroll
+                            for (int k = 0; k < K; ++k) cv[u][k][j] = val[u][k][j];
+                        }
+                    }
+                    if (v + (2 * U - 1) * stride < end) {
+                        #pragma unroll
+                        for (int u = 0; u < U; ++u) load(v + (U + u) * stride, val[u], gv[u]);
+                    }
+                    #pragma unroll
+                    for (int u = 0; u < U; ++u) visit(cv[u], cg[u], (v + u * stride) * VEC);
+                }
+            } else if constexpr (U > 1) {
                 for (; v + (U - 1) * stride < end; v += U * stride) {
                     A val[U][K][VEC], gv[U][VEC];
                     #pragma unroll
@@ -540,6 +574,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
     constexpr int K = Op::K;
     constexpr int STEPS = GRAD ? GradShape<Op, T>::rows_steps : 4;
     constexpr int UNROLL = K <= 2 ? STEPS : (STEPS > 1 ? STEPS / 2 : 1);
+    constexpr bool PIPE = GRAD && GradShape<Op, T>::rows_pipe;
     using A = acc_t<T>;
     extern __shared__ unsigned char smem_raw[];
     double* smem = reinterpret_cast<double*>(smem_raw);  // [ty * tx * VEC]: lanes' row sums
@@ -575,23 +610,25 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
         }
     }
 
+    // UNROLL steps' loads of operands and grad_output for the rows from rb on (ty apart).
+    auto load_rows = [&](long long rb, A (&fv)[UNROLL][K][VEC], A (&gv)[UNROLL][VEC]) {
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long ru = rb + u * ty;
+            if (ru < r1) {
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    if (!((CONST >> k) & 1))
+                        load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
+                }
+                if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
+            }
+        }
+    };
     auto rows_loop = [&](auto work) {
         constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
-        long long r = r0 + ly;
-        while (active && r < r1) {
-            A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
-            #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const long long ru = r + u * ty;
-                if (ru < r1) {
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        if (!((CONST >> k) & 1))
-                            load_vec<T, VEC>(in.p[k], ru * cols + c, 1, fv[u][k]);
-                    }
-                    if (go_elem) load_vec<T, VEC>(go, ru * cols + c, 1, gv[u]);
-                }
-            }
+        // The UNROLL steps from row r on, their loads in fv and gv.
+        auto visit = [&](long long r, A (&fv)[UNROLL][K][VEC], A (&gv)[UNROLL][VEC]) {
             #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const long long ru = r + u * ty;
@@ -638,7 +675,35 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
                     }
                 }
             }
-            r += UNROLL * ty;
+        };
+        long long r = r0 + ly;
+        if constexpr (PIPE) {
+            // The next steps' loads are issued before this step's arithmetic, so they are in
+            // flight while it runs.
+            A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
+            if (active && r < r1) load_rows(r, fv, gv);
+            while (active && r < r1) {
+                A cf[UNROLL][K][VEC], cg[UNROLL][VEC];
+                #pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        cg[u][j] = gv[u][j];
+                        #pragma unroll
+                        for (int k = 0; k < K; ++k) cf[u][k][j] = fv[u][k][j];
+                    }
+                }
+                if (r + UNROLL * ty < r1) load_rows(r + UNROLL * ty, fv, gv);
+                visit(r, cf, cg);
+                r += UNROLL * ty;
+            }
+        } else {
+            while (active && r < r1) {
+                A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
+                load_rows(r, fv, gv);
+                visit(r, fv, gv);
+                r += UNROLL * ty;
+            }
         }
     };
     with_work<GRAD>(want_value, rows_loop);
@@ -724,6 +789,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
     constexpr int STEPS = GradShape<Op, T>::reduce_steps;
     constexpr int UNROLL_4 = (K <= 2 ? STEPS : STEPS / 2) * 4 / (VEC > 4 ? VEC : 4);
     constexpr int UNROLL = UNROLL_4 > 1 ? UNROLL_4 : 1;
+    constexpr bool PIPE = GradShape<Op, T>::reduce_pipe;
     constexpr int OUT = K + 1;                    // the flat index's slot in the geometries
     constexpr int NF = stream_slot<K>(CONST, K);  // operands read per element
     constexpr int F = NF > 0 ? NF : 1;
@@ -788,9 +854,8 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                         src_stride[f] = red.stride[k][inner];
                     }
                 }
-                #pragma unroll 1
-                for (long long e0 = m - row + q * VEC; row + e0 < row_end; e0 += UNROLL * step) {
-                    A fv[UNROLL][F][VEC];
+                // UNROLL steps' loads from e0 on, and their arithmetic.
+                auto load_steps = [&](long long e0, A (&fv)[UNROLL][F][VEC]) {
                     #pragma unroll
                     for (int j = 0; j < UNROLL; ++j) {
                         const long long e = e0 + j * step;
@@ -805,6 +870,8 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                             }
                         }
                     }
+                };
+                auto visit = [&](long long e0, const A (&fv)[UNROLL][F][VEC]) {
                     #pragma unroll
                     for (int j = 0; j < UNROLL; ++j) {
                         const long long e = e0 + j * step;
@@ -848,6 +915,33 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                                 s.g[k].add(sum_of<A, VEC>(d[k]));
                             }
                         }
+                    }
+                };
+                long long e0 = m - row + q * VEC;
+                if constexpr (PIPE) {
+                    // The next steps' loads are issued before this step's arithmetic.
+                    A fv[UNROLL][F][VEC];
+                    if (row + e0 < row_end) load_steps(e0, fv);
+                    #pragma unroll 1
+                    for (; row + e0 < row_end; e0 += UNROLL * step) {
+                        A cf[UNROLL][F][VEC];
+                        #pragma unroll
+                        for (int j = 0; j < UNROLL; ++j) {
+                            #pragma unroll
+                            for (int f = 0; f < F; ++f) {
+                                #pragma unroll
+                                for (int v = 0; v < VEC; ++v) cf[j][f][v] = fv[j][f][v];
+                            }
+                        }
+                        if (row + e0 + UNROLL * step < row_end) load_steps(e0 + UNROLL * step, fv);
+                        visit(e0, cf);
+                    }
+                } else {
+                    #pragma unroll 1
+                    for (; row + e0 < row_end; e0 += UNROLL * step) {
+                        A fv[UNROLL][F][VEC];
+                        load_steps(e0, fv);
+                        visit(e0, fv);
                     }
                 }
                 m = row_end;
