@@ -229,8 +229,10 @@ def rows_shared(vec: int) -> int:
     return BLOCK * vec * ROW_SUM_BYTES
 
 
-# pointwise_rows' value-only grid holds this many waves of resident blocks (the gradient kernels
-# one: each row block adds a row of partials to a row operand's gradient).  Hinge forward at
+# pointwise_rows' value-only grid of an elementwise ('none') loss holds this many waves of
+# resident blocks (the gradient kernels one: each row block adds a row of partials to a row
+# operand's gradient; a loss reduced to 0-d takes the gradient kernel's split, so that it adds up
+# in value_and_grad's order).  Hinge forward at
 # KernelBench 100 (x [32768, 32768], t [32768]; 3 resident blocks per SM), H100, ms, one run,
 # median of 5 alternating rounds: blocks per SM 3 (one wave) 1.371-1.388 in two runs, 8 1.401,
 # 12 (four waves) 1.369, 16 1.404, 32 1.370; torch.compile 1.372.  Whole waves or many of them

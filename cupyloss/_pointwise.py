@@ -282,8 +282,15 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads),
                                           const)
             shared = _launch.rows_shared(vec)
-            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits),
-                                      1 if any(want_grads) else _launch.ROWS_WAVES_VALUE)
+            # The loss alone, reduced to 0-d, takes the split value_and_grad takes (the gradient
+            # kernel's residency, one wave), so both add the loss up in the same order: the
+            # value-only kernel's own split (more resident blocks, ROWS_WAVES_VALUE waves) gave
+            # kl_div sums one ulp apart from value_and_grad's.
+            sized = (name if any(want_grads) or not reduced else
+                     _source.pointwise_name("rows", info.ctype, functor, vec, True, const))
+            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(sized, shared, limits),
+                                      1 if any(want_grads) or reduced
+                                      else _launch.ROWS_WAVES_VALUE)
             layout = rows_layout(k_ops, spec.param_words)
             words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
                                      "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})

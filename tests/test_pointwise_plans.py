@@ -443,6 +443,26 @@ def test_the_loss_alone_takes_value_and_grads_split(device, shapes):
     assert alone[0] == both[0]
 
 
+@pytest.mark.parametrize("name", ["mse_loss", "kl_div"])
+def test_the_rows_loss_alone_takes_value_and_grads_split(device, name):
+    """A row broadcast down the rows: the loss alone, reduced to 0-d, launches the value-only
+    rows kernel on value_and_grad's grid and rows per block, so both add the loss up in one
+    order; an elementwise loss keeps the value-only kernel's own (larger) grid."""
+    x, t = arr((4096, 1024)), arr((1024,))
+    spec = _registry.SPECS[name]
+    getattr(cupyloss, name)(x, t)
+    alone = device.launches[-1]
+    assert "pointwise_rows<" in device.names[-1] and ", false, " in device.names[-1]
+    getattr(cupyloss, name + "_value_and_grad")(x, t)
+    both = next(launch for launch, kernel in zip(device.launches[::-1], device.names[::-1])
+                if "pointwise_rows<" in kernel)
+    for word in ("rows", "cols", "rows_per_block", "tx"):
+        assert _words(spec, "rows", alone[1], word) == _words(spec, "rows", both[1], word)
+    assert alone[0] == both[0]
+    getattr(cupyloss, name)(x, t, reduction="none")
+    assert math.prod(device.launches[-1][0]) > math.prod(both[0])
+
+
 # Broadcast patterns of every operand (None: an optional array left out), for the masks the rows
 # and reduce kernels are compiled for: input, target, then the optional arrays.
 MASK_PATTERNS = [
