@@ -232,7 +232,10 @@ def rows_shared(vec: int) -> int:
 # pointwise_rows' value-only grid of an elementwise ('none') loss holds this many waves of
 # resident blocks (the gradient kernels one: each row block adds a row of partials to a row
 # operand's gradient; a loss reduced to 0-d takes the gradient kernel's split, so that it adds up
-# in value_and_grad's order).  Hinge forward at
+# in value_and_grad's order, at a cost to the forward: H100, ms, one run, old split -> this one,
+# hinge [32768, 32768] against [32768] 1.370 -> 1.433, mse / kl_div / log_cosh [8192, 4096]
+# against [4096] 0.0511 / 0.0587 / 0.0622 -> 0.0525 / 0.0642 / 0.0692; a loss order independent of
+# the grid, through fixed groups of rows, would give both).  Hinge forward at
 # KernelBench 100 (x [32768, 32768], t [32768]; 3 resident blocks per SM), H100, ms, one run,
 # median of 5 alternating rounds: blocks per SM 3 (one wave) 1.371-1.388 in two runs, 8 1.401,
 # 12 (four waves) 1.369, 16 1.404, 32 1.370; torch.compile 1.372.  Whole waves or many of them
