@@ -234,8 +234,11 @@ def rows_shared(vec: int) -> int:
 # operand's gradient; a loss reduced to 0-d takes the gradient kernel's split, so that it adds up
 # in value_and_grad's order, at a cost to the forward: H100, ms, one run, old split -> this one,
 # hinge [32768, 32768] against [32768] 1.370 -> 1.433, mse / kl_div / log_cosh [8192, 4096]
-# against [4096] 0.0511 / 0.0587 / 0.0622 -> 0.0525 / 0.0642 / 0.0692; a loss order independent of
-# the grid, through fixed groups of rows, would give both).  Hinge forward at
+# against [4096] 0.0511 / 0.0587 / 0.0622 -> 0.0525 / 0.0642 / 0.0692.  Both at two waves of the
+# gradient kernel, a later run: forwards 1.368 / 0.0506 / 0.0568 / 0.0605 ms against 1.380 /
+# 0.0533 / 0.0658 / 0.0683 at one, but value_and_grad of mse and log_cosh 0.1080 / 0.1136 ->
+# 0.1119 / 0.1179, so one wave is kept; a loss order independent of the grid, through fixed
+# groups of rows, would give both).  Hinge forward at
 # KernelBench 100 (x [32768, 32768], t [32768]; 3 resident blocks per SM), H100, ms, one run,
 # median of 5 alternating rounds: blocks per SM 3 (one wave) 1.371-1.388 in two runs, 8 1.401,
 # 12 (four waves) 1.369, 16 1.404, 32 1.370; torch.compile 1.372.  Whole waves or many of them
