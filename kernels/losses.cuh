@@ -206,11 +206,13 @@ struct MseOp {
 template <int MODE>
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
-    // Rows and reduce kernels at 4 blocks an SM and 2 steps in flight, where the heavy shape is
-    // 3/1 and 4/1 (_launch.py's table of variants): its logs are of every element whichever
-    // operand is broadcast, so it wants both warps and loads in flight.  The flat kernel of a
-    // 0-d broadcast operand is pipelined (the full-size one lost by it, as did rows and reduce).
-    static constexpr Shape32 shape_f32 = {4, 2, 0, 2, PIPE_FLAT_BROADCAST};
+    // Its logs are of every element whichever operand is broadcast, so it wants both warps and
+    // loads in flight: the reduce kernel at 4 blocks an SM (the heavy table's) and 2 steps, where
+    // the heavy shape is 4/1 (_launch.py's table of variants); the rows kernel pipelined at 3
+    // blocks and 2 steps (row pattern 76.5 -> 79.0% against 4/2 unpipelined; H100, float32
+    // value_and_grad); the flat kernel of a 0-d broadcast operand pipelined (the full-size one
+    // lost by it, as did the reduce kernel).
+    static constexpr Shape32 shape_f32 = {3, 2, 0, 2, PIPE_ROWS | PIPE_FLAT_BROADCAST};
     static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
     static constexpr bool log_input = (MODE & 2) != 0;   // input holds log-probabilities
     using Params = NoParams;
