@@ -787,7 +787,8 @@ struct LogCoshOp {
     // pipelined, at 2 blocks an SM and 2 steps in flight (rows and reduce), so loads stay in
     // flight while the exp, log and tanh run, as is the flat kernel of a 0-d broadcast operand
     // (the full-size one lost by it; _launch.py's table).
-    static constexpr Shape32 shape_f32 = {2, 2, 2, 2, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
+    static constexpr Shape32 shape_f32 = {2, 2, 2, 2,
+                                          PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     using Params = NoParams;
     // sinh(w) for 0 <= w < 1/2: w (1 + w^2/3! + w^4/5! + ...), Horner in w^2.
     static __device__ __forceinline__ float sinh_small(float w) {
