@@ -414,14 +414,16 @@ REDUCE_STEPS_STREAM = 4
 # Software pipelining (pointwise.cu): a loop that loads a step and then computes it leaves a
 # functor bound by its arithmetic's latency with no loads in flight while it computes; a
 # pipelined loop issues the next step's loads before this step's arithmetic (more registers,
-# bitwise the same results).  pointwise_flat's gradient loop is pipelined for every heavy
-# functor on 4-byte elements (FLAT_PIPE_GRAD_HEAVY); the rows and reduce loops where a functor's
-# own shape asks (losses.cuh's Shape32::pipe), since some lose there.  H100, float32
+# bitwise the same results).  Which loops a functor pipelines is its own choice on 4-byte
+# elements (losses.cuh's Shape32::pipe), since some lose: no table entry here.  H100, float32
 # value_and_grad, first array broadcast, % of the read+write limit, one run, each variant twice
 # (one run per block of rows):
 #   flat, scalar pattern, off -> on:  log_cosh 77.1 -> 81.6, kl 80.6 -> 82.2, bce_logits 79.4 ->
 #     80.0, focal 81.5 -> 82.0, soft_margin 82.2 -> 82.6, bce 76.5 -> 76.8; margin_ranking,
-#     hinge_embedding (89.2, 84.1) unchanged.
+#     hinge_embedding (89.2, 84.1) unchanged.  At 16384^2 (no broadcast), off -> on: bce 88.7
+#     -> 92.4, bce_logits 91.5 -> 93.4, but log_cosh 93.3 -> 90.4, kl 93.3 -> 91.4 and focal
+#     93.4 -> 85.4, so those pipeline the flat kernel only with a 0-d broadcast operand
+#     (PIPE_FLAT_BROADCAST) or not at all.
 #   rows (row pattern) and reduce (per-channel / per-row), off -> on at the same shape:
 #     bce 60.4 -> 68.5 and 73.6 / 67.4 -> 77.5 / 68.9;  bce_logits 70.5 -> 78.5 and 80.3 / 76.1
 #     -> 81.5 / 78.5;  soft_margin 77 -> 77 and 78.6 / 77.8 -> 83.0 / 82.0 (rows at 3/2: 80.1);
@@ -429,10 +431,10 @@ REDUCE_STEPS_STREAM = 4
 #     67.3 / 66.3 -> 70.3 / 70.2 (rows and reduce at 2/2: 77.2 and 75.4 / 74.1);
 #     kl_div 76.4 -> 70.5 and 76.3 / 75.5 -> 73 / 70.5 at its 4/2 (rows pipelined at 3/2 in a
 #     later run: 76.5 -> 79.3, taken; reduce at 3/2: per-channel 81.3, per-row 73.0, not taken);
-#     margin_ranking 84.7 -> 86.0
-#     and 79.3 / 77.8 -> 66.5 / 64.5 (kept off: its rows results also changed bits);
-#     smooth_l1 and hinge_embedding (cheap, not pipelined) unchanged.
-FLAT_PIPE_GRAD_HEAVY = True
+#     margin_ranking 84.7 -> 86.0 and 79.3 / 77.8 -> 66.5 / 64.5 (kept off: its rows results
+#     also changed bits);  smooth_l1 and hinge_embedding (cheap, not pipelined) unchanged.
+#   bce and bce_logits with rows at 3/2, or rows and reduce at 2/2, pipelined: no better (bce
+#     row 66, per-row 67-70; bce_logits row 69-75).
 # Element sizes (bytes) whose heavy functors take the heavy shape; others take the cheap one (a
 # functor may declare its own, losses.cuh's heavy_sizes).  The old shape against E, H100,
 # value_and_grad, ratio of time to mse's (one run; bfloat16 32768^2, float64 16384^2):
