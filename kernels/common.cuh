@@ -117,6 +117,25 @@ struct Geometry {
 // product is used).
 __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 __device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
+// A software pipeline over positions p, p + step, ... while more(p): the loads of the next
+// position, load(q, next), are issued before the arithmetic of this one, visit(p, cur), so they
+// are in flight while it runs.  Buf holds one position's loads (arrays in a struct, so that it
+// copies); each position is visited once and in order, as an unpipelined loop would.  Returns
+// the first position past the pipeline.
+template <typename Buf, typename P, typename More, typename Load, typename Visit>
+__device__ __forceinline__ P pipelined(P p, const P step, More&& more, Load&& load,
+                                       Visit&& visit) {
+    Buf next;
+    if (more(p)) load(p, next);
+    #pragma unroll 1
+    for (; more(p); p += step) {
+        Buf cur = next;
+        if (more(p + step)) load(p + step, next);
+        visit(p, cur);
+    }
+    return p;
+}
+
 // A product rounded on its own, never contracted into an FMA with a later add: a tie such as
 // `margin - x*t == 0` must be decided as torch decides it.
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }

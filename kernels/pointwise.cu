@@ -197,8 +197,8 @@ struct GradShape {
     }
     static constexpr int reduce_blocks =
         own.reduce_blocks ? own.reduce_blocks
-        : stream ? ReduceBlocksStream<Op>::value
-               : heavy ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
+        : stream          ? ReduceBlocksStream<Op>::value
+        : heavy           ? ReduceBlocksHeavy<Op>::value : CUPYLOSS_REDUCE_MIN_BLOCKS;
     static constexpr int reduce_steps =
         own.reduce_steps ? own.reduce_steps
         : stream         ? CUPYLOSS_REDUCE_STEPS_STREAM
@@ -486,30 +486,20 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
                 end = min(nvec, v - threadIdx.x + per);
             }
             if constexpr (GRAD && GradShape<Op, T>::flat_pipe(CONST != 0)) {
-                // The next U steps' loads are issued before these steps' arithmetic.
-                A val[U][K][VEC], gv[U][VEC];
-                if (v + (U - 1) * stride < end) {
-                    #pragma unroll
-                    for (int u = 0; u < U; ++u) load(v + u * stride, val[u], gv[u]);
-                }
-                for (; v + (U - 1) * stride < end; v += U * stride) {
-                    A cv[U][K][VEC], cg[U][VEC];
-                    #pragma unroll
-                    for (int u = 0; u < U; ++u) {
+                struct Steps {
+                    A val[U][K][VEC], gv[U][VEC];
+                };
+                v = pipelined<Steps>(
+                    v, U * stride, [&](long long q) { return q + (U - 1) * stride < end; },
+                    [&](long long q, Steps& b) {
                         #pragma unroll
-                        for (int j = 0; j < VEC; ++j) {
-                            cg[u][j] = gv[u][j];
-                            #pragma unroll
-                            for (int k = 0; k < K; ++k) cv[u][k][j] = val[u][k][j];
-                        }
-                    }
-                    if (v + (2 * U - 1) * stride < end) {
+                        for (int u = 0; u < U; ++u) load(q + u * stride, b.val[u], b.gv[u]);
+                    },
+                    [&](long long q, Steps& b) {
                         #pragma unroll
-                        for (int u = 0; u < U; ++u) load(v + (U + u) * stride, val[u], gv[u]);
-                    }
-                    #pragma unroll
-                    for (int u = 0; u < U; ++u) visit(cv[u], cg[u], (v + u * stride) * VEC);
-                }
+                        for (int u = 0; u < U; ++u)
+                            visit(b.val[u], b.gv[u], (q + u * stride) * VEC);
+                    });
             } else if constexpr (U > 1) {
                 for (; v + (U - 1) * stride < end; v += U * stride) {
                     A val[U][K][VEC], gv[U][VEC];
@@ -678,25 +668,13 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
         };
         long long r = r0 + ly;
         if constexpr (PIPE) {
-            // The next steps' loads are issued before this step's arithmetic, so they are in
-            // flight while it runs.
-            A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
-            if (active && r < r1) load_rows(r, fv, gv);
-            while (active && r < r1) {
-                A cf[UNROLL][K][VEC], cg[UNROLL][VEC];
-                #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    #pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        cg[u][j] = gv[u][j];
-                        #pragma unroll
-                        for (int k = 0; k < K; ++k) cf[u][k][j] = fv[u][k][j];
-                    }
-                }
-                if (r + UNROLL * ty < r1) load_rows(r + UNROLL * ty, fv, gv);
-                visit(r, cf, cg);
-                r += UNROLL * ty;
-            }
+            struct Steps {
+                A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
+            };
+            pipelined<Steps>(
+                r, UNROLL * ty, [&](long long q) { return active && q < r1; },
+                [&](long long q, Steps& b) { load_rows(q, b.fv, b.gv); },
+                [&](long long q, Steps& b) { visit(q, b.fv, b.gv); });
         } else {
             while (active && r < r1) {
                 A fv[UNROLL][K][VEC], gv[UNROLL][VEC];
@@ -919,23 +897,13 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                 };
                 long long e0 = m - row + q * VEC;
                 if constexpr (PIPE) {
-                    // The next steps' loads are issued before this step's arithmetic.
-                    A fv[UNROLL][F][VEC];
-                    if (row + e0 < row_end) load_steps(e0, fv);
-                    #pragma unroll 1
-                    for (; row + e0 < row_end; e0 += UNROLL * step) {
-                        A cf[UNROLL][F][VEC];
-                        #pragma unroll
-                        for (int j = 0; j < UNROLL; ++j) {
-                            #pragma unroll
-                            for (int f = 0; f < F; ++f) {
-                                #pragma unroll
-                                for (int v = 0; v < VEC; ++v) cf[j][f][v] = fv[j][f][v];
-                            }
-                        }
-                        if (row + e0 + UNROLL * step < row_end) load_steps(e0 + UNROLL * step, fv);
-                        visit(e0, cf);
-                    }
+                    struct Steps {
+                        A fv[UNROLL][F][VEC];
+                    };
+                    pipelined<Steps>(
+                        e0, UNROLL * step, [&](long long q) { return row + q < row_end; },
+                        [&](long long q, Steps& b) { load_steps(q, b.fv); },
+                        [&](long long q, Steps& b) { visit(q, b.fv); });
                 } else {
                     #pragma unroll 1
                     for (; row + e0 < row_end; e0 += UNROLL * step) {
