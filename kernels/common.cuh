@@ -3,6 +3,7 @@
 //   acc_t<T>          the accumulator type: float for half/bfloat16/float, double for double
 //   load_acc / store  conversions between storage and accumulator types
 //   Vec<T, N>         an N-element, N*sizeof(T)-aligned register vector for 16-byte accesses
+//   widen             a vector's values in the accumulator type
 //   store_any         VEC rounded values stored as one 16-byte vector or element by element
 //   prefetch_l2       a 128-byte line fetched into L2 ahead of its loads (a hint)
 //   IntDiv            division of 64-bit indices by a run-time constant via multiply-high
@@ -62,13 +63,48 @@ struct IntDiv {
     }
 };
 
+// Two values rounded to a 16-bit pair by one conversion (cvt.rn.bf16x2 / f16x2 on sm_80 and
+// later): bitwise the two single conversions, in half the instructions.
+__device__ __forceinline__ void round_pair(__nv_bfloat16* d, float lo, float hi) {
+    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(lo, hi);
+}
+__device__ __forceinline__ void round_pair(__half* d, float lo, float hi) {
+    *reinterpret_cast<__half2*>(d) = __floats2half2_rn(lo, hi);
+}
+
+template <typename T> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+// The VEC values of v in the accumulator type.  bfloat16 pairs are taken apart with a shift and
+// a mask a 32-bit word (its bits are a float's upper half), where element-wise extraction takes
+// three instructions a pair.
+template <typename T, int VEC>
+__device__ __forceinline__ void widen(const Vec<T, VEC>& v, acc_t<T> (&out)[VEC]) {
+    if constexpr (IsBf16<T>::value && VEC % 2 == 0) {
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(v.v);
+        #pragma unroll
+        for (int e = 0; e < VEC; e += 2) {
+            out[e] = __uint_as_float(w[e / 2] << 16);
+            out[e + 1] = __uint_as_float(w[e / 2] & 0xffff0000u);
+        }
+    } else {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) out[e] = to_acc(v.v[e]);
+    }
+}
+
 // VEC values rounded to T and stored at p: one streaming 16-byte store when `vec` (p 16-byte
-// aligned, VEC * sizeof(T) == 16), else element by element.
+// aligned, VEC * sizeof(T) == 16), else element by element.  16-bit values are rounded in pairs.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_any(T* p, const acc_t<T> (&g)[VEC], bool vec) {
     Vec<T, VEC> v;
-    #pragma unroll
-    for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
+    if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
+        #pragma unroll
+        for (int e = 0; e < VEC; e += 2) round_pair(v.v + e, g[e], g[e + 1]);
+    } else {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
+    }
     if (vec) {
         __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
     } else {

@@ -347,7 +347,11 @@ __device__ __forceinline__ void copies_wait() {
 // H100, KernelBench 99's loss alone (torch.compile 1.021 ms), separate runs: this 1.036-1.050;
 // the staged path with no gradient 1.096 (hv 8), 1.114 (4), 1.125 (2); a warp a row standing
 // for the team's threads 1.047; 3 or 4 chunks a tile at 3 blocks an SM, or 8 at 2, within 1%
-// (more spill); 6 or 8 blocks an SM spill and lose 2-20%; load cache hints change nothing.
+// (more spill); 6 or 8 blocks an SM spill and lose 2-20%; load cache hints change nothing.  In
+// later runs (torch.compile 1.020): this 1.037-1.042; 6 blocks an SM of one chunk a tile
+// 1.048-1.052, 3 of 3 1.056; a loop of 16-byte loads alone where every array allows them (82
+// instructions a tile against 244) 1.046-1.047, so the loop's integer work is not what holds it;
+// the next row's first tile fetched into L2 before the team's sums 1.041.
 // Either way a thread adds its head element, its tail element, then its chunks in increasing
 // order, so the loss's sums are bitwise value_and_grad's.
 template <typename T, typename Op, bool GRAD>

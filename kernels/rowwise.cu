@@ -60,6 +60,7 @@ enum : long long {
 };
 
 constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_launch.ROW_VECS)
+constexpr int ROW_BLOCK = 256;     // threads a block of every launch (_launch.BLOCK)
 constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
 constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
 constexpr int ROW_EXCHANGE = 8 * ROW_FIELDS;  // scratch slot of a cluster's exchange (after the
@@ -101,6 +102,8 @@ __device__ __forceinline__ float ex2_ftz(float v) {  // 2^v, subnormals flushed
 __device__ __forceinline__ float fexp_sum(float v) { return ex2_ftz(v * 1.4426950408889634f); }
 __device__ __forceinline__ double fexp_sum(double v) { return exp(v); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float fmadd(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fmadd(double a, double b, double c) { return __fma_rn(a, b, c); }
 
 template <typename A>
 struct RowStat {
@@ -322,10 +325,13 @@ __device__ __forceinline__ RowArgs<A> row_args(long long flags, long long ignore
     return ra;
 }
 
+template <typename A>
+__device__ __forceinline__ A zval_acc(A v, const RowArgs<A>& ra) {
+    return ra.cap > A(0) ? ra.cap * th(v / ra.cap) : v;
+}
 template <typename T, typename A>
 __device__ __forceinline__ A zval(T raw, const RowArgs<A>& ra) {
-    const A v = to_acc(raw);
-    return ra.cap > A(0) ? ra.cap * th(v / ra.cap) : v;
+    return zval_acc(to_acc(raw), ra);
 }
 
 // u_c: the weight of (lse - z_c) in the loss (w_c for smoothing, w_c t'_c for probabilities).
@@ -482,9 +488,11 @@ template <typename T, typename A, int VEC>
 __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, int c0,
                                        const T* tr, bool t_vec, const T* __restrict__ weight,
                                        const RowArgs<A>& ra) {
-    A vmax = to_acc(xv.v[0]);
+    A xa[VEC];
+    widen(xv, xa);
+    A vmax = xa[0];
     #pragma unroll
-    for (int e = 1; e < VEC; ++e) vmax = amax(vmax, to_acc(xv.v[e]));
+    for (int e = 1; e < VEC; ++e) vmax = amax(vmax, xa[e]);
     const A zmax = ra.cap > A(0) ? ra.cap * th(vmax / ra.cap) : vmax;
     if (zmax > st.m) rebase(st, zmax);
     // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
@@ -493,7 +501,7 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
     if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
     #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-        const A z = zval(xv.v[e], ra);
+        const A z = zval_acc(xa[e], ra);
         st.s += fexp_sum(z - mref);
         if (ra.track) {
             const A u = elem_u<T, A>(weight, c0 + e, ra.prob ? to_acc(tv.v[e]) : A(0), ra);
@@ -549,7 +557,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
     constexpr int NV = MODE == ROW_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile a thread
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [ROW_SCRATCH]
-    // [stash][NV][blockDim.x] vectors: thread-interleaved, conflict-free 16-byte accesses.
+    // [stash][NV][ROW_BLOCK] vectors: thread-interleaved, conflict-free 16-byte accesses.
     int4* held = reinterpret_cast<int4*>(smem_raw + ROW_SCRATCH * sizeof(A));
 
     RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, cols);
@@ -575,6 +583,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
     const long long unit = kk > 1 ? blockIdx.x / kk : blockIdx.x;
     const long long units = kk > 1 ? gridDim.x / kk : gridDim.x;
     const int span = t * NV;  // vectors of a tile
+    const long long step = (long long)t * VEC;  // elements from a thread's vector to its next
     A lacc = A(0), wacc = A(0);
 
     long long it = 0;
@@ -621,20 +630,25 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
                      ra.track ? elem_u<T, A>(weight, c_tail, ra.prob ? to_acc(tr[c_tail]) : A(0),
                                              ra) : A(0), ra.track);
             }
+            // The kept tiles reach shared memory through registers.  Copying them in with
+            // cp.async instead, all of a row's in flight at once, was slower (H100, 8192 x 128256
+            // bfloat16 value_and_grad, one run: 1.662 -> 2.384 ms, 2.153 with the register
+            // tile's loads after the copies; prefetching the next row's whole share into L2
+            // rather than its first tile made it slower still).
             for (int ti = 0; ti < ntiles; ++ti) {
                 const int vb = v0 + ti * span + lane;
                 const bool again = MODE != ROW_FORWARD && ti >= kept && ti < ntiles - 1;
+                const T* src = xr + h + (long long)vb * VEC;  // vector i at src + i * step
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
-                    const int j = vb + i * t;
-                    if (j < v1) xv[i] = load16<T, VEC>(xr + h + j * VEC, again);
+                    if (vb + i * t < v1) xv[i] = load16<T, VEC>(src + i * step, again);
                 }
                 if (ti < kept) {
+                    int4* dst = held + ti * NV * ROW_BLOCK + threadIdx.x;
                     #pragma unroll
                     for (int i = 0; i < NV; ++i) {
                         if (vb + i * t < v1)
-                            held[(ti * NV + i) * blockDim.x + threadIdx.x] =
-                                *reinterpret_cast<const int4*>(&xv[i]);
+                            dst[i * ROW_BLOCK] = *reinterpret_cast<const int4*>(&xv[i]);
                     }
                 }
                 #pragma unroll
@@ -700,20 +714,33 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
                 gr[c] = from_acc<T>(grad_input(fexp(z - o.lse), z, c == rt.y, tv, w, o, rt, ra));
             if (gtr != nullptr) gtr[c] = from_acc<T>(grad_target(z, w, o, ra));
         }
+        // The gradient's loop holds most of the kernel's instructions, which bound it with 16-bit
+        // logits (an H100 scheduler issued on 62% of cycles at 8192 x 128256 bfloat16): per
+        // vector one compare for the target (jy, ey below), kept tiles at constant offsets,
+        // bfloat16 widened by shift and mask, pairs rounded by one conversion (store_any), and
+        // no selects where the target is not in the vector.  H100, bfloat16 value_and_grad, one
+        // run, results bitwise the same: 8192 x 128256 1.681 -> 1.626 ms (83.1 -> 86.0% of the
+        // copy limit), 4096 x 32768 0.224 -> 0.213, 2048 x 65536 0.235 -> 0.225; float32 as
+        // before.
+        // The target's vector among the row's (-1: none of them) and its place there.
+        const long long yv = rt.y - h;
+        const int jy = yv >= 0 && yv < (long long)nv * VEC ? (int)(yv / VEC) : -1;
+        const int ey = jy >= 0 ? (int)(yv - (long long)jy * VEC) : -1;
         // The last tile first, from the registers; then the others from shared or global memory.
         for (int q = 0; q < ntiles; ++q) {
             const int ti = q == 0 ? ntiles - 1 : q - 1;
             const int vb = v0 + ti * span + lane;
             if (q > 0) {
+                const T* src = xr + h + (long long)vb * VEC;
+                const int4* kept_at = held + ti * NV * ROW_BLOCK + threadIdx.x;
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
-                    const int j = vb + i * t;
-                    if (j >= v1) continue;
+                    if (vb + i * t >= v1) continue;
                     if (ti < kept) {
-                        const int4 raw = held[(ti * NV + i) * blockDim.x + threadIdx.x];
+                        const int4 raw = kept_at[i * ROW_BLOCK];
                         xv[i] = *reinterpret_cast<const Vec<T, VEC>*>(&raw);
                     } else {
-                        xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
+                        xv[i] = load16<T, VEC>(src + i * step, false);
                     }
                 }
             }
@@ -724,18 +751,25 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
                 const int c0 = h + j * VEC;
                 Vec<T, VEC> tv;
                 if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
-                // The target's place in this vector, or -1: one 64-bit compare a vector.
-                const long long dy = rt.y - c0;
-                const int ye = dy >= 0 && dy < VEC ? (int)dy : -1;
+                const int ye = j == jy ? ey : -1;  // the target's place in this vector, or -1
                 A z[VEC], p[VEC], gi[VEC];
+                widen(xv[i], z);
                 #pragma unroll
-                for (int e = 0; e < VEC; ++e) z[e] = zval(xv[i].v[e], ra);
+                for (int e = 0; e < VEC; ++e) z[e] = zval_acc(z[e], ra);
                 probs(z, o.lse, p);
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
-                    gi[e] = grad_input(p[e], z[e], ye == e, ra.prob ? to_acc(tv.v[e]) : A(0), w,
-                                       o, rt, ra);
+                if (!GENERAL && ye < 0) {
+                    // Not the target's vector: k p_c (+ dz p_c), grad_input's value without
+                    // its selects (k p - 0 is k p; without a z-loss nothing is added).
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        gi[e] = o.g * (ra.zloss ? fmadd(o.dz, p[e], o.k * p[e]) : o.k * p[e]);
+                } else {
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
+                        gi[e] = grad_input(p[e], z[e], ye == e, ra.prob ? to_acc(tv.v[e]) : A(0),
+                                           w, o, rt, ra);
+                    }
                 }
                 if (gr != nullptr) store_any<T, VEC>(gr + c0, gi, g_vec);
                 if (GENERAL && gtr != nullptr) {
