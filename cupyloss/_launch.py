@@ -404,7 +404,9 @@ FLAT_UNROLL_GRAD_HEAVY = 2
 # for both (KlDivOp::shape_f32; H100, one later run, old and new alternated twice, per-channel /
 # per-row / row: 74.0 / 73.2 / 73.7 -> 76.8 / 75.9 / 76.6%; rows 4/1 with reduce 4/2 left the
 # row at 73.7).  margin_ranking_loss keeps the heavy shape above (three arrays; 2/4 took its
-# per-channel and per-row patterns from 79 and 77% to 67 and 66%), as does every functor in
+# per-channel and per-row patterns from 79 and 77% to 67 and 66%; a later run, reduce blocks /
+# steps against 4/1's 78.9 / 77.7%: 4/2 the same, 3/2 77.2 / 73.2, 2/2 68.6 / 67.5, 5/1 68.4 /
+# 64.5, 6/1 65.2 / 60.6, 8/1 58.1 / 58.2, the last three spilling), as does every functor in
 # 16-bit or float64, where this was not measured; log_cosh, unpipelined, did too (its pipelined
 # shape: below).
 ROWS_MIN_BLOCKS_GRAD_STREAM = 2
