@@ -351,7 +351,8 @@ __device__ __forceinline__ void copies_wait() {
 // later runs (torch.compile 1.020): this 1.037-1.042; 6 blocks an SM of one chunk a tile
 // 1.048-1.052, 3 of 3 1.056; a loop of 16-byte loads alone where every array allows them (82
 // instructions a tile against 244) 1.046-1.047, so the loop's integer work is not what holds it;
-// the next row's first tile fetched into L2 before the team's sums 1.041.
+// the next row's first tile fetched into L2 before the team's sums 1.041; plain, .nc and
+// L1::no_allocate loads for ld.global.cs 1.036-1.038, as it (1.037).
 // Either way a thread adds its head element, its tail element, then its chunks in increasing
 // order, so the loss's sums are bitwise value_and_grad's.
 template <typename T, typename Op, bool GRAD>
