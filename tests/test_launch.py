@@ -7,6 +7,7 @@ and shared-memory sizes, clamped to a fake device's limits.
 
 import dataclasses
 import math
+import re
 import struct
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyloss import _launch
+from cupyloss import _launch, _source
 from cupyloss._launch import BLOCK, BLOCKS_PER_SM, MAX_DIMS, WARP, DeviceLimits
 
 # An H100 SXM: 132 SMs, the grid limits every CUDA device since sm_30 has, 48 KiB of static
@@ -927,3 +928,18 @@ def test_heavy_sizes_mask_holds_the_table_sizes():
     mask = next(int(o.split("=")[1]) for o in _launch.kernel_defines()
                 if o.startswith("-DCUPYLOSS_GRAD_HEAVY_SIZES="))
     assert {b for b in range(16) if mask >> b & 1} == set(_launch.GRAD_HEAVY_SIZES)
+
+
+def test_kernel_constants_match_the_launcher():
+    """A kernel constant noted `(_launch.NAME)` beside it equals that launcher constant: the
+    host's grid, block and shared-memory arithmetic assumes the kernel's value (rowwise.cu's
+    kept tiles, for one, are laid out for blocks of ROW_BLOCK = _launch.BLOCK threads)."""
+    noted = re.compile(r"constexpr int (\w+) = (\d+);[^\n]*\(_launch\.(\w+)\)")
+    pairs = [(path.name, m.group(1), int(m.group(2)), m.group(3))
+             for path in sorted(_source.kernel_dir().glob("*.cu*"))
+             for m in noted.finditer(path.read_text())]
+    assert {const for _, const, _, _ in pairs} >= {"ROW_BLOCK", "ROW_VECS", "ROW_SCRATCH",
+                                                   "PAIR_BLOCK", "PAIR_STAGES"}
+    for file, const, value, name in pairs:
+        assert getattr(_launch, name) == value, (
+            f"{file}: {const} = {value}, but _launch.{name} = {getattr(_launch, name)}")
