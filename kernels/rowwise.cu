@@ -719,9 +719,12 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
         // vector one compare for the target (jy, ey below), kept tiles at constant offsets,
         // bfloat16 widened by shift and mask, pairs rounded by one conversion (store_any), and
         // no selects where the target is not in the vector.  H100, bfloat16 value_and_grad, one
-        // run, results bitwise the same: 8192 x 128256 1.681 -> 1.626 ms (83.1 -> 86.0% of the
-        // copy limit), 4096 x 32768 0.224 -> 0.213, 2048 x 65536 0.235 -> 0.225; float32 as
-        // before.
+        // run: 8192 x 128256 1.681 -> 1.626 ms (83.1 -> 86.0% of the copy limit), 4096 x 32768
+        // 0.224 -> 0.213, 2048 x 65536 0.235 -> 0.225; float32 as before; label smoothing 3.70
+        // -> 3.03 ms.  Results bitwise as before (the plain loss, z-loss, 'none', weights,
+        // smoothing), except with a softcap (likely c tanh(x / c) contracted into the next
+        // operation otherwise): 810 of the 1.05e9 bfloat16 gradient values (12 rows) came out
+        // an ulp apart, values on a rounding boundary, both sides as near float64.
         // The target's vector among the row's (-1: none of them) and its place there.
         const long long yv = rt.y - h;
         const int jy = yv >= 0 && yv < (long long)nv * VEC ? (int)(yv / VEC) : -1;
