@@ -102,8 +102,6 @@ __device__ __forceinline__ float ex2_ftz(float v) {  // 2^v, subnormals flushed
 __device__ __forceinline__ float fexp_sum(float v) { return ex2_ftz(v * 1.4426950408889634f); }
 __device__ __forceinline__ double fexp_sum(double v) { return exp(v); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
-__device__ __forceinline__ float fmadd(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-__device__ __forceinline__ double fmadd(double a, double b, double c) { return __fma_rn(a, b, c); }
 
 template <typename A>
 struct RowStat {
@@ -493,7 +491,7 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
     A vmax = xa[0];
     #pragma unroll
     for (int e = 1; e < VEC; ++e) vmax = amax(vmax, xa[e]);
-    const A zmax = ra.cap > A(0) ? ra.cap * th(vmax / ra.cap) : vmax;
+    const A zmax = zval_acc(vmax, ra);
     if (zmax > st.m) rebase(st, zmax);
     // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
     const A mref = st.m == neg_inf(A(0)) ? A(0) : st.m;
@@ -765,7 +763,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
                     // its selects (k p - 0 is k p; without a z-loss nothing is added).
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e)
-                        gi[e] = o.g * (ra.zloss ? fmadd(o.dz, p[e], o.k * p[e]) : o.k * p[e]);
+                        gi[e] = o.g * (ra.zloss ? fma_rn(o.dz, p[e], o.k * p[e]) : o.k * p[e]);
                 } else {
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
