@@ -418,7 +418,13 @@ struct HuberOp {
 // The logs are libdevice's (logf, log1pf).  Branch-free ones (lg_fine, and lg_fine(1 - x) plus
 // the rounding 1 - x lost) let the logs of a broadcast x leave the loop, 4-8% on those patterns,
 // but cost the full-size forward a fifth more instructions (H100, 32768^2 float32 forward at
-// 1.235x mse_loss's time), and a full-size x is bce's common case.
+// 1.235x mse_loss's time), and a full-size x is bce's common case.  Branch-free copies of logf
+// and log1pf themselves (the library's steps, its special cases selected rather than branched
+// to; the same bits for all 2^32 floats, H100) gained at full size, float32 16384^2
+// value_and_grad 1.535 -> 1.500 ms and forward 0.742 -> 0.729, but lost with a broadcast input,
+// per-channel / per-row / row / scalar 78.1 / 69.5 / 68.5 / 77.0 -> 60.0 / 53.2 / 56.5 / 67.3% of
+// the read+write limit: the compiler then evaluated a per-unit x's logs at every element, not
+// once a step (the rows kernel's loop 852 -> 1155 instructions).  So the library's stay.
 // MODE bit 0: a weight array is given (the registry's `modes`); without one w is the constant 1,
 // so the kernels hold no weight arithmetic.
 template <int MODE>

@@ -168,6 +168,16 @@ CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MI
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
 CUPYLOSS_FUNCTOR_TRAIT(StreamShape, stream_shape, bool, false)
 CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0, 0, 0}))
+// The kernels compiled per mask CONST of operands that are the same across a unit of work (bit
+// k: operand k is broadcast along it, or absent) read the others, which stream: operand k's
+// slot among them is stream_slot<K>(CONST, k), and stream_slot<K>(CONST, K) is their number.
+template <int K>
+__host__ __device__ constexpr int stream_slot(int constant, int k) {
+    int f = 0;
+    for (int j = 0; j < k; ++j) f += ((constant >> j) & 1) ? 0 : 1;
+    return f;
+}
+
 template <typename Op, typename T>
 struct GradShape {
     static constexpr bool heavy =
@@ -464,10 +474,21 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             // U grid-stride steps at once, every load issued before any use, then one at a
             // time.  (Gradient kernels with more operands or wider vectors hold enough per step
             // already: two steps at once cost them registers and resident warps, e.g.
-            // bce_with_logits float 77 -> 109 and bfloat16 121 -> 171.)  Value-only, float32
-            // functors marked cheap (a compare or two and a product a value) take more steps at
-            // once than the rest, whose registers the extra steps would crowd.
-            constexpr int U = GRAD ? (K * VEC <= 8 ? GradShape<Op, T>::flat_steps : 1)
+            // bce_with_logits float 77 -> 109 and bfloat16 121 -> 171.)  The gradient kernel
+            // counts the operands it streams (stride-0 ones compiled in hold no loads), up to
+            // K * VEC = 24 values a step in all.  H100, value_and_grad of a 0-d first operand
+            // against [8192, 4096], ms, one run, old rule (K * VEC <= 8) -> this one, results
+            // bitwise the same: float32 bce_with_logits 0.1109 -> 0.1056; bfloat16 bce 0.0909 ->
+            // 0.0855, log_cosh 0.0983 -> 0.0916, kl_div 0.0890 -> 0.0854, soft_margin 0.0729 ->
+            // 0.0700, poisson_nll 0.0596 -> 0.0572, smooth_l1 0.0725 -> 0.0706; the rest within
+            // 1%, but bfloat16 bce_with_logits (K * VEC = 32) 0.0635 -> 0.0748, so it stays out.
+            // The same count in the rows and reduce kernels' steps (2 -> 4 for bce and
+            // bce_with_logits with a broadcast input) spilled: float32 bce per-channel / per-row /
+            // row 78.1 / 69.5 / 68.5 -> 62.4 / 57.5 / 57.1% of the read+write limit.
+            // Value-only, float32 functors marked cheap (a compare or two and a product a value)
+            // take more steps at once than the rest, whose registers the extra steps would crowd.
+            constexpr int U = GRAD ? (stream_slot<K>(CONST, K) * VEC <= 8 && K * VEC <= 24
+                                          ? GradShape<Op, T>::flat_steps : 1)
                                    : (IsCheap<Op>::value && sizeof(T) == 4 && K * VEC <= 8
                                           ? CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
                                           : CUPYLOSS_FLAT_UNROLL_VALUE);
@@ -733,13 +754,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // (the lead operand always) or absent; the host computes it (_pointwise._reduce_plan), so which
 // operands stream and into which slots is known at compile time: no per-element selection, and
 // the functor's arithmetic on per-unit values is computed once per vector, not per element.
-// k's slot when it streams; stream_slot<K>(CONST, K) is the number of operands that stream.
-template <int K>
-__host__ __device__ constexpr int stream_slot(int constant, int k) {
-    int f = 0;
-    for (int j = 0; j < k; ++j) f += ((constant >> j) & 1) ? 0 : 1;
-    return f;
-}
+// k's slot when it streams: stream_slot<K>(CONST, k), above GradShape.
 
 template <typename T, typename Op, int VEC, int CONST>
 __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwise_reduce(
