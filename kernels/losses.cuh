@@ -340,12 +340,24 @@ struct L1Op {
 // out-of-line slow path and the reconvergence points around it were paid by every element of
 // the common case (H100, value_and_grad with a per-channel broadcast: 0.191 ms with them,
 // 0.175 without; mse 0.164).
+// MODE bit 0: beta == 1, torch's default (the registry's `constants`), compiled in: the factors
+// are then 0.5 and 1 and the tests on beta fold away, leaving no uniform branch in the loop
+// (the same bits: z^2 0.5 and d 1 are the products the general path forms for beta == 1).
+// H100, value_and_grad, results bitwise the same: float32, input broadcast against
+// bench_broadcast's shapes, per-channel / per-row / row / scalar 0.166 / 0.109 / 0.112 / 0.114
+// ms -> 0.162 / 0.107 / 0.110 / 0.106 (scalar 78.1 -> 83.7% of the read+write limit);
+// bfloat16 [16384, 16384] 0.886 -> 0.763 ms, forward float32 scalar 0.0566 -> 0.0546.
+template <int MODE>
 struct SmoothL1Op {
     static constexpr int K = 2;  // input, target
     static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
+    static constexpr bool beta_one = (MODE & 1) != 0;
     struct Params {
         double beta;  // >= 0, checked on the host
     };
+    static __device__ __forceinline__ double beta_of(const Params& p) {
+        return beta_one ? 1.0 : p.beta;
+    }
     static __device__ __forceinline__ bool keeps_division(double beta) {
         return beta != 0 && !(beta >= 0x1p-64 && beta <= 0x1p64);
     }
@@ -365,21 +377,23 @@ struct SmoothL1Op {
     static __device__ __forceinline__ double ratio(double d, double beta) { return d / beta; }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
-        const A beta = A(p.beta), d = v[0] - v[1];
+        const double b = beta_of(p);
+        const A beta = A(b), d = v[0] - v[1];
         const A z = d < A(0) ? -d : d;
         // beta == 0 (l1_loss) needs no case of its own: z < 0 never holds and z - 0 is z.
         // Both sides are formed for every element and one selected: the branch inside
         // quadratic (on beta alone) is then uniform, and no element diverges around it.
-        const A q = quadratic(z, p.beta), lin = z - A(0.5) * beta;
+        const A q = quadratic(z, b), lin = z - A(0.5) * beta;
         return z < beta ? q : lin;
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
-        const A beta = A(p.beta), diff = v[0] - v[1];
-        if (p.beta == 0) {
+        const double b = beta_of(p);
+        const A beta = A(b), diff = v[0] - v[1];
+        if (b == 0) {
             d[0] = sign0(diff);
         } else {  // ratio for every element, then selected (see value)
-            const A r = ratio(diff, p.beta);
+            const A r = ratio(diff, b);
             d[0] = diff <= -beta ? A(-1) : (diff >= beta ? A(1) : r);
         }
         d[1] = -d[0];
@@ -430,10 +444,10 @@ struct HuberOp {
 template <int MODE>
 struct BceOp {
     static constexpr int K = 3;  // input, target, weight
-    // The streaming shape (GradShape), though libdevice's logs stay in the loop: H100, float32
-    // value_and_grad, first array broadcast, per-channel / per-row 0.198 / 0.141 ms -> 0.185 /
-    // 0.130 (reduce kernel), row 0.145 -> 0.148 (rows kernel).  Both loops pipelined: the logs'
-    // latency then overlaps the next step's loads.
+    // The streaming shape (GradShape): H100, float32 value_and_grad, first array broadcast,
+    // per-channel / per-row 0.198 / 0.141 ms -> 0.185 / 0.130 (reduce kernel), row 0.145 ->
+    // 0.148 (rows kernel), measured while the logs stayed in the loops.  Both loops pipelined:
+    // a full input's logs then overlap the next step's loads.
     static constexpr bool stream_shape = true;
     static constexpr Shape32 shape_f32 = {0, 0, 0, 0, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0;
@@ -441,34 +455,75 @@ struct BceOp {
     // pointwise.cu): 16-bit vectors of 8 elements spill there (H100, bfloat16 32768^2
     // value_and_grad 14.5 ms bounded against 8.2 unbounded).
     static constexpr int heavy_sizes = (1 << 4) | (1 << 8);
+    // Unbounded, the 16-bit flat gradient kernel took 133 registers: one block an SM.  H100,
+    // bfloat16 [16384, 16384] value_and_grad, blocks bound 1 (unbounded) / 2 / 3: 2.190 / 1.396
+    // / 1.349 ms (3 spills 104 bytes and is still the fastest; mse_loss 0.762).
+    static constexpr int flat_blocks_16 = 3;
     // pointwise_reduce bounded for 3 blocks per SM, not the table's 4: at 64 registers its two
     // logs spill (H100, float32 broadcast over [8192, 4096] rows, value_and_grad 0.240 ms at 3
     // blocks, 0.345 at 4; measured before pointwise_reduce's per-mask instantiations).
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
+    // The input's logs are fixed terms (pointwise.cu's FixedTerms): formed once before the loop
+    // where the input is the same for every element a thread visits (CONST bit 0, a broadcast
+    // input), per element otherwise.  libdevice's logf and log1pf branch, and the compiler left
+    // them in the loops (sm_90 SASS, float32 value_and_grad loops: rows 852 -> 467
+    // instructions, reduce 809 -> 533, flat with a 0-d input 747 -> 350 and no spill).  H100,
+    // value_and_grad, input broadcast against bench_broadcast's shapes (per-channel, per-row,
+    // row, scalar), results bitwise the same: float32 0.175, 0.129, 0.130, 0.116 ms -> 0.166,
+    // 0.111, 0.113, 0.106 (77.6, 68.9, 68.3, 76.5 -> 81.9, 80.1, 78.5, 84.1% of the read+write
+    // limit); bfloat16 0.185, 0.119, 0.180, 0.086 -> 0.126, 0.080, 0.107, 0.067; the forward
+    // (float32) per-channel 0.167 -> 0.094, per-row 0.124 -> 0.070, row 0.071 -> 0.059.
+    static constexpr bool fixed_terms = true;
+    template <int CONST, typename A>
+    struct Fixed {
+        A log_x, log_1mx;
+    };
+    template <int CONST, typename A>
+    static __device__ __forceinline__ Fixed<CONST, A> fix(const A (&v)[K], const Params&) {
+        if constexpr ((CONST & 1) != 0) return {lg(v[0]), lg1p(-v[0])};
+        else return {A(0), A(0)};
+    }
+    template <int CONST, typename A>
+    static __device__ __forceinline__ Fixed<CONST, A> logs(const A (&v)[K],
+                                                          const Fixed<CONST, A>& f) {
+        if constexpr ((CONST & 1) != 0) return f;
+        else return {lg(v[0]), lg1p(-v[0])};
+    }
     template <typename A>
     static __device__ __forceinline__ A clamp_log(A v) { return v < A(-100) ? A(-100) : v; }
     template <typename A>
     static __device__ __forceinline__ A unweighted(A log_x, A log_1mx, A t) {
         return (t - A(1)) * clamp_log(log_1mx) - t * clamp_log(log_x);
     }
-    template <typename A>
-    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
-        const A l = unweighted(lg(v[0]), lg1p(-v[0]), v[1]);
+    template <int CONST, typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&,
+                                              const Fixed<CONST, A>& f) {
+        const Fixed<CONST, A> lf = logs(v, f);
+        const A l = unweighted(lf.log_x, lf.log_1mx, v[1]);
         return weighted ? v[2] * l : l;
     }
-    template <typename A>
-    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+    template <int CONST, typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&,
+                                                const Fixed<CONST, A>& f, A (&d)[K]) {
         const A x = v[0], t = v[1], w = weighted ? v[2] : A(1);
-        const A log_x = lg(x), log_1mx = lg1p(-x);
+        const Fixed<CONST, A> lf = logs(v, f);
         const A m = (A(1) - x) * x;
         const A eps = A(1e-12f);
         // The divisor is in [1e-12, 1/4] (or NaN), where __fdividef is within 2 ulp for any
         // dividend: value_and_grad at 32768^2 1.285 -> 0.978 of mse_loss's time (H100), the
         // IEEE division's slow path having kept the compiler from overlapping elements.
         d[0] = w * div_fast(x - t, m < eps ? eps : m);
-        d[1] = w * (log_1mx - log_x);
-        d[2] = weighted ? unweighted(log_x, log_1mx, t) : A(0);  // no weight: never used
+        d[1] = w * (lf.log_1mx - lf.log_x);
+        d[2] = weighted ? unweighted(lf.log_x, lf.log_1mx, t) : A(0);  // no weight: never used
+    }
+    template <typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+        return value<0, A>(v, p, Fixed<0, A>{A(0), A(0)});
+    }
+    template <typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+        grad<0, A>(v, p, Fixed<0, A>{A(0), A(0)}, d);
     }
 };
 
@@ -714,6 +769,10 @@ struct SigmoidFocalOp {
     // both loops pipelined and the rows kernel at 2 steps (4 pipelined spill).
     static constexpr bool stream_shape = true;
     static constexpr Shape32 shape_f32 = {2, 2, 0, 0, PIPE_ROWS | PIPE_REDUCE};
+    // The 16-bit flat gradient kernel bounded for 3 blocks an SM, not the heavy table's 4, at
+    // which its 8-element vectors spilled 120-144 bytes.  H100, bfloat16 [16384, 16384]
+    // value_and_grad (gamma = 2), bound 4 / 3 / 2: 1.222 / 1.137 / 1.172 ms.
+    static constexpr int flat_blocks_16 = 3;
     static constexpr bool gamma_two = (MODE & 1) != 0;
     struct Params {
         double alpha;

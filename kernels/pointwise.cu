@@ -50,7 +50,8 @@
 // element the functor's work sat in conditional blocks, where the compiler did not share a log
 // between the gradient and the loss computed after it (kl_div took lg_fine twice), and the
 // loop carried every path's code and registers.  (libdevice's logf and log1pf keep branches of
-// their own, so binary_cross_entropy's logs of a broadcast row still stay in the loop.)  H100,
+// their own, which the compiler leaves in the loop: binary_cross_entropy forms them as fixed
+// terms, FixedTerms below.)  H100,
 // float32, value_and_grad with the first array broadcast (bench_broadcast's patterns, per-channel,
 // per-row, row, scalar; with KlDivOp taking its log once): kl_div 0.227, 0.150, 0.152, 0.132 ms
 // -> 0.184, 0.122, 0.121, 0.111; binary_cross_entropy row 0.193 -> 0.145, scalar 0.122 -> 0.114;
@@ -159,7 +160,9 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 // cheap shape.  A heavy functor may also declare its own `reduce_blocks` (pointwise_reduce's
 // bound, heavy or streaming, every element size), where the table's spills or starves it, and
 // its own 4-byte shape (`shape_f32`, a Shape32: rows and reduce blocks and steps, each 0 for the
-// table's, which they take the place of there, and the loops it pipelines).
+// table's, which they take the place of there, and the loops it pipelines).  Any functor not
+// marked cheap may declare the blocks per SM its 16-bit pointwise_flat gradient kernel is bounded
+// for (`flat_blocks_16`), heavy there or not.
 #ifndef CUPYLOSS_GRAD_HEAVY_SIZES
 #define CUPYLOSS_GRAD_HEAVY_SIZES 0
 #endif
@@ -168,6 +171,7 @@ CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MI
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
 CUPYLOSS_FUNCTOR_TRAIT(StreamShape, stream_shape, bool, false)
 CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0, 0, 0}))
+CUPYLOSS_FUNCTOR_TRAIT(FlatBlocks16, flat_blocks_16, int, 0)
 // The kernels compiled per mask CONST of operands that are the same across a unit of work (bit
 // k: operand k is broadcast along it, or absent) read the others, which stream: operand k's
 // slot among them is stream_slot<K>(CONST, k), and stream_slot<K>(CONST, K) is their number.
@@ -186,7 +190,10 @@ struct GradShape {
     // The functor's own 4-byte shape, where it declares one (zeros elsewhere).
     static constexpr Shape32 own = heavy && sizeof(T) == 4 ? OwnShape32<Op>::value
                                                            : Shape32{0, 0, 0, 0, 0};
-    static constexpr int flat_blocks = heavy ? CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY : 1;
+    // 16-bit: a functor's own bound where it declares one (flat_blocks_16), else the table's.
+    static constexpr int flat_blocks =
+        sizeof(T) == 2 && FlatBlocks16<Op>::value ? FlatBlocks16<Op>::value
+        : heavy                                   ? CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY : 1;
     static constexpr int flat_steps =
         heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
     static constexpr int rows_blocks =
@@ -345,16 +352,55 @@ __device__ __forceinline__ void with_work(bool want_value, F&& loop) {
     }
 }
 
-// The loss of VEC elements whose operands are in registers (val[k][j]: operand k, element j).
-template <typename Op, typename A, int VEC>
+// A functor's terms of the operands in CONST alone (the ones that stay the same across a
+// thread's loop), formed once before the loop rather than per element.  The compiler moves
+// plain arithmetic on such operands out of the loops by itself, but not code with branches of
+// its own (libdevice's logf and log1pf): a functor with such terms declares
+//   static constexpr bool fixed_terms = true;
+//   template <int CONST, typename A> struct Fixed { ... };
+//   template <int CONST, typename A> static Fixed<CONST, A> fix(const A (&v)[K], const Params&);
+//   value<CONST>(v, p, fixed) and grad<CONST>(v, p, fixed, d),
+// forming in fix only what CONST allows and the rest per element; the kernels hold one
+// FixedTerms per distinct set of fixed operands (set once, before their loop) and call the
+// functor through it.  Functors without them are called as they are.
+CUPYLOSS_FUNCTOR_TRAIT(HasFixedTerms, fixed_terms, bool, false)
+template <typename Op, int CONST, typename A, bool = HasFixedTerms<Op>::value>
+struct FixedTerms {
+    using P = typename Op::Params;
+    __device__ __forceinline__ void set(const A (&)[Op::K], const P&) {}
+    __device__ __forceinline__ A value(const A (&v)[Op::K], const P& p) const {
+        return Op::value(v, p);
+    }
+    __device__ __forceinline__ void grad(const A (&v)[Op::K], const P& p, A (&d)[Op::K]) const {
+        Op::grad(v, p, d);
+    }
+};
+template <typename Op, int CONST, typename A>
+struct FixedTerms<Op, CONST, A, true> {
+    using P = typename Op::Params;
+    typename Op::template Fixed<CONST, A> f;
+    __device__ __forceinline__ void set(const A (&v)[Op::K], const P& p) {
+        f = Op::template fix<CONST, A>(v, p);
+    }
+    __device__ __forceinline__ A value(const A (&v)[Op::K], const P& p) const {
+        return Op::template value<CONST, A>(v, p, f);
+    }
+    __device__ __forceinline__ void grad(const A (&v)[Op::K], const P& p, A (&d)[Op::K]) const {
+        Op::template grad<CONST, A>(v, p, f, d);
+    }
+};
+
+// The loss of VEC elements whose operands are in registers (val[k][j]: operand k, element j),
+// through the fixed terms fx[j] (NF == VEC) or fx[0] (NF == 1: the same for every element).
+template <typename Op, typename A, int VEC, typename FX, int NF>
 __device__ __forceinline__ void loss_of(const A (&val)[Op::K][VEC], const typename Op::Params& p,
-                                        A (&r)[VEC]) {
+                                        const FX (&fx)[NF], A (&r)[VEC]) {
     #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         A v[Op::K];
         #pragma unroll
         for (int k = 0; k < Op::K; ++k) v[k] = val[k][j];
-        r[j] = Op::value(v, p);
+        r[j] = fx[NF == 1 ? 0 : j].value(v, p);
     }
 }
 
@@ -363,15 +409,16 @@ __device__ __forceinline__ void loss_of(const A (&val)[Op::K][VEC], const typena
 // contracts differently; a product left free was fused into the sum of a broadcast operand's
 // gradient in one and not the other (kl_div, float32, a [1, 2, 2] input broadcast to
 // [100000, 2, 2]: the two summed gradients differed in their last bits).
-template <typename Op, typename A, int VEC>
+template <typename Op, typename A, int VEC, typename FX, int NF>
 __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g)[VEC],
-                                         const typename Op::Params& p, A (&d)[Op::K][VEC]) {
+                                         const typename Op::Params& p, const FX (&fx)[NF],
+                                         A (&d)[Op::K][VEC]) {
     #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         A v[Op::K], dj[Op::K];
         #pragma unroll
         for (int k = 0; k < Op::K; ++k) v[k] = val[k][j];
-        Op::grad(v, p, dj);
+        fx[NF == 1 ? 0 : j].grad(v, p, dj);
         #pragma unroll
         for (int k = 0; k < Op::K; ++k) d[k][j] = mul_rn(g[j], dj[k]);
     }
@@ -381,8 +428,9 @@ __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g
 // 16-byte aligned pointers; elements past the last whole vector take the VEC == 1 path.
 // CONST (bit k; gradient instantiations with VEC > 1 only): operand k has stride 0 (one element,
 // or absent) on the vector path, known at compile time, so the functor's arithmetic on it is
-// loop-invariant and leaves the loop (a 0-d probability's logs in binary_cross_entropy).  The
-// host sets it from the strides; 0 reads each operand's stride at run time.
+// loop-invariant and leaves the loop, or is formed before it (FixedTerms: a 0-d probability's
+// logs in binary_cross_entropy).  The host sets it from the strides; 0 reads each operand's
+// stride at run time.
 template <typename T, typename Op, int VEC, bool GRAD, int CONST = 0>
 __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1) pointwise_flat(
         const PerOperand<const T*, Op::K> in,     // operand k through geo.stride[k], or null
@@ -409,8 +457,9 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
     auto flat_loop = [&](auto work) {
         constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
         // Delivers the results of W consecutive elements (W = VEC, or 1 on the strided path) at
-        // flat index i to their outputs; val[k][j] is operand k of element j, gv[j] its upstream.
-        auto visit = [&](const auto& val, const auto& gv, long long i) {
+        // flat index i to their outputs; val[k][j] is operand k of element j, gv[j] its upstream,
+        // fx[0] the functor's fixed terms of the path's compiled-in operands.
+        auto visit = [&](const auto& val, const auto& gv, const auto& fx, long long i) {
             constexpr int W = int(sizeof(gv) / sizeof(gv[0]));
             auto deliver_loss = [&](const A (&r)[W]) {
                 if (loss != nullptr) {
@@ -421,14 +470,14 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             };
             if constexpr (!WANT_GRAD) {
                 A r[W];
-                loss_of<Op, A, W>(val, p, r);
+                loss_of<Op, A, W>(val, p, fx, r);
                 deliver_loss(r);
             } else {
                 A d[K][W];
-                grads_of<Op, A, W>(val, gv, p, d);
+                grads_of<Op, A, W>(val, gv, p, fx, d);
                 if constexpr (WANT_VALUE) {  // after the partials: it reuses what they computed
                     A r[W];
-                    loss_of<Op, A, W>(val, p, r);
+                    loss_of<Op, A, W>(val, p, fx, r);
                     deliver_loss(r);
                 }
                 #pragma unroll
@@ -449,6 +498,8 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             for (int k = 0; k < K; ++k)
                 fixed[k] = ((CONST >> k) & 1) || geo.stride[k][0] == 0
                                ? read_fixed<T>(in.p[k], fill.p[k]) : A(0);
+            FixedTerms<Op, CONST, A> fx[1];
+            fx[0].set(fixed, p);
             const long long nvec = n / VEC;
             // One vector of every operand at flat vector index v (and its upstream).
             auto load = [&](long long v, A (&val)[K][VEC], A (&gv)[VEC]) {
@@ -519,7 +570,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
                     [&](long long q, Steps& b) {
                         #pragma unroll
                         for (int u = 0; u < U; ++u)
-                            visit(b.val[u], b.gv[u], (q + u * stride) * VEC);
+                            visit(b.val[u], b.gv[u], fx, (q + u * stride) * VEC);
                     });
             } else if constexpr (U > 1) {
                 for (; v + (U - 1) * stride < end; v += U * stride) {
@@ -527,14 +578,14 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
                     #pragma unroll
                     for (int u = 0; u < U; ++u) load(v + u * stride, val[u], gv[u]);
                     #pragma unroll
-                    for (int u = 0; u < U; ++u) visit(val[u], gv[u], (v + u * stride) * VEC);
+                    for (int u = 0; u < U; ++u) visit(val[u], gv[u], fx, (v + u * stride) * VEC);
                 }
             }
             #pragma unroll (U == 1 ? 4 : 1)
             for (; v < end; v += stride) {
                 A val[K][VEC], gv[VEC];
                 load(v, val, gv);
-                visit(val, gv, v * VEC);
+                visit(val, gv, fx, v * VEC);
             }
             done = nvec * VEC;
         }
@@ -546,7 +597,8 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             for (int k = 0; k < K; ++k)
                 val[k][0] = in.p[k] != nullptr ? to_acc(in.p[k][off[k]]) : A(fill.p[k]);
             const A gv[1] = {go_elem ? to_acc(go[off[K]]) * A(grad_scale) : g0};
-            visit(val, gv, i);
+            const FixedTerms<Op, 0, A> fx[1] = {};  // every operand read here
+            visit(val, gv, fx, i);
         }
     };
     with_work<GRAD>(want_value, flat_loop);
@@ -620,6 +672,14 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
             for (int j = 0; j < VEC; ++j) fixed[k][j] = v;
         }
     }
+    FixedTerms<Op, CONST, A> fx[VEC];
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        A v[K];
+        #pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = fixed[k][j];
+        fx[j].set(v, p);
+    }
 
     // UNROLL steps' loads of operands and grad_output for the rows from rb on (ty apart).
     auto load_rows = [&](long long rb, A (&fv)[UNROLL][K][VEC], A (&gv)[UNROLL][VEC]) {
@@ -663,14 +723,14 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
                 };
                 if constexpr (!WANT_GRAD) {
                     A lv[VEC];
-                    loss_of<Op, A, VEC>(val, p, lv);
+                    loss_of<Op, A, VEC>(val, p, fx, lv);
                     deliver_loss(lv);
                 } else {
                     A d[K][VEC];
-                    grads_of<Op, A, VEC>(val, gv[u], p, d);
+                    grads_of<Op, A, VEC>(val, gv[u], p, fx, d);
                     if constexpr (WANT_VALUE) {  // after the partials: it reuses them
                         A lv[VEC];
-                        loss_of<Op, A, VEC>(val, p, lv);
+                        loss_of<Op, A, VEC>(val, p, fx, lv);
                         deliver_loss(lv);
                     }
                     #pragma unroll
@@ -822,6 +882,8 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                 if (((CONST >> k) & 1) && in.p[k] != nullptr && active)
                     fixed[k] = to_acc(in.p[k][base[k]]);
             }
+            FixedTerms<Op, CONST, A> fx[1];
+            fx[0].set(fixed, p);
             const long long m1 = active ? min(n_m, (c + 1) * chunk) : 0;
             const long long n_in = red.dim[inner].divisor;
             long long m = c * chunk;
@@ -891,10 +953,10 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                             for (int v = 0; v < VEC; ++v) gv[v] = g0;
                         }
                         A d[K][VEC];
-                        grads_of<Op, A, VEC>(val, gv, p, d);
+                        grads_of<Op, A, VEC>(val, gv, p, fx, d);
                         if constexpr (WANT_VALUE) {  // after the partials: it reuses them
                             A lv[VEC];
-                            loss_of<Op, A, VEC>(val, p, lv);
+                            loss_of<Op, A, VEC>(val, p, fx, lv);
                             if (loss != nullptr) store_vec<T, VEC>(loss, at, lv);
                             else add_loss<A, VEC>(s.loss, lv);
                         }

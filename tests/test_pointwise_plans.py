@@ -241,6 +241,11 @@ def test_params_are_the_functors_struct(device):
         assert _words(focal, "flat", device.launches[-1][1], "params") == [
             _args.f64_word(0.5), _args.f64_word(gamma)]
         assert f"cupyloss::SigmoidFocalOp<{bits}>," in device.names[-1]
+    smooth = _registry.SPECS["smooth_l1_loss"]
+    for beta, bits in ((1.0, 1), (1, 1), (0.5, 0), (0.0, 0)):
+        cupyloss.smooth_l1_loss(x, x, beta=beta)
+        assert _words(smooth, "flat", device.launches[-1][1], "params") == [_args.f64_word(beta)]
+        assert f"cupyloss::SmoothL1Op<{bits}>," in device.names[-1]
 
 
 def test_a_cached_plan_is_reused(device):
