@@ -6,6 +6,9 @@
 // accumulator type A (float or double):
 //   value(v, p)      the loss of one element whose operands are v[0..K)
 //   grad(v, p, d)    d[k] = dl/dv[k] for every operand (the kernel keeps the ones asked for)
+// or, where some of that work depends on operands that may stay the same across a kernel's loop
+// (a log of a broadcast input), the same two as templates on the mask CONST of those operands,
+// taking their terms formed once before the loop (pointwise.cu's FixedTerms says how).
 // Adding a pointwise loss means one functor here, one registration in cupyloss/_registry.py and
 // one reference in tests/reference.py.
 #pragma once
@@ -517,14 +520,6 @@ struct BceOp {
         d[1] = w * (lf.log_1mx - lf.log_x);
         d[2] = weighted ? unweighted(lf.log_x, lf.log_1mx, t) : A(0);  // no weight: never used
     }
-    template <typename A>
-    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
-        return value<0, A>(v, p, Fixed<0, A>{A(0), A(0)});
-    }
-    template <typename A>
-    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
-        grad<0, A>(v, p, Fixed<0, A>{A(0), A(0)}, d);
-    }
 };
 
 // binary_cross_entropy_with_logits, x = logit, t = target, w = weight, q = pos_weight (1 when
@@ -738,14 +733,6 @@ struct GaussianNllOp {
         d[0] = diff / s;
         d[1] = -d[0];
         d[2] = A(0.5) * (A(1) / s - diff * diff / (s * s));
-    }
-    template <typename A>
-    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
-        return value<0, A>(v, p, Fixed<0, A>{A(0)});
-    }
-    template <typename A>
-    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
-        grad<0, A>(v, p, Fixed<0, A>{A(0)}, d);
     }
 };
 
