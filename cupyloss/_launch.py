@@ -246,18 +246,29 @@ def rows_shared(vec: int) -> int:
 ROWS_WAVES_VALUE = 4
 
 
+# pointwise_rows' threads along a row where something is summed down the rows (a row operand's
+# gradient, a 0-d loss): narrower column blocks (more of them, fewer row blocks) leave each
+# column fewer row blocks' partials to add.  H100, float32 value_and_grad, x (4096,) against t
+# (8192, 4096), one run, % of the read+write limit at tx 256 / 128 / 64 / 32 (partials added by
+# sum_chunks): mse 80.8 / 82.2 / 82.9 / 84.2, kl_div 79.6 / 80.1 / 80.6 / 82.0, log_cosh 77.1 /
+# 78.4 / 78.8 / 79.1, binary_cross_entropy 78.3 / 79.9 / 80.4 / 81.2; 64 with the row blocks
+# adding their partials themselves (no sum_chunks): 85.4, 83.0, 80.7, 82.5.
+ROWS_TX_SUMMED = 64
+
+
 def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
-                blocks_per_sm: int = BLOCKS_PER_SM, waves: int = 1) -> Launch:
+                blocks_per_sm: int = BLOCKS_PER_SM, waves: int = 1,
+                max_tx: int = BLOCK) -> Launch:
     """Launch for pointwise_rows over [rows, cols] with tx threads along a row.
 
-    tx is the power of two in [32, BLOCK] closest above cols / vec, so narrow rows still fill
+    tx is the power of two in [32, max_tx] closest above cols / vec, so narrow rows still fill
     a warp; ty = BLOCK / tx threads go down the rows.  Column blocks cover cols; row blocks
     are added until the grid holds `waves` times blocks_per_sm blocks per SM (at most 65535 of
     them, and never fewer than ty rows each).  Shared memory: `rows_shared`, where the lanes'
     row-gradient sums meet (whatever the accumulator type).
     """
     lanes = _cdiv(cols, vec)
-    tx = min(BLOCK, max(WARP, 1 << max(lanes - 1, 0).bit_length()))
+    tx = min(BLOCK, max_tx, max(WARP, 1 << max(lanes - 1, 0).bit_length()))
     ty = BLOCK // tx
     col_blocks = _cdiv(lanes, tx)
     if col_blocks > limits.max_grid_x:

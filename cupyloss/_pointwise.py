@@ -59,7 +59,7 @@ def rows_layout(k: int, params: int) -> _args.Layout:
     return _args.Layout([("in", k), ("fill", k), ("kind", k), ("go", 1), ("rows", 1),
                          ("cols", 1), ("rows_per_block", 1), ("tx", 1), ("params", params),
                          ("flags", 1), ("go_value", 1), ("grad_scale", 1), ("loss", 1)]
-                        + _scalar_words(k) + [("g", k), ("ws", k)])
+                        + _scalar_words(k) + [("g", k), ("ws", k), ("col_tickets", 1)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,10 +92,12 @@ class Plan:
     loss: bool               # allocate the elementwise loss
     value: bool              # allocate the 0-d loss
     grads: tuple             # per operand: None or where its gradient goes: "g", "g0",
-                             # "chunks" (float64 partials summed by sum_chunks) or "zeros"
+                             # "chunks" (float64 partials summed by sum_chunks), "fused" ("g",
+                             # with float64 partials the kernel itself adds up) or "zeros"
     partials: int            # accumulator elements of scratch for several blocks (0: none)
     acc: numpy.dtype
-    chunks: tuple = ()       # per operand: None or (partials' words, sum_chunks grid and words)
+    chunks: tuple = ()       # per operand: None or (partials' words, sum_chunks grid and words;
+                             # None for "fused")
     sum_chunks: int = 0      # CUfunction of sum_chunks for this dtype (when chunks are used)
     rest: "Plan | None" = None   # the pass for operands broadcast along other dims
     too_many_dims: bool = False
@@ -117,7 +119,7 @@ class Plan:
         for k, where in enumerate(self.grads):
             if where is None:
                 continue
-            word = {"g": "g", "g0": "g0"}.get(where)   # "chunks": sum_chunks writes it
+            word = {"g": "g", "g0": "g0", "fused": "g"}.get(where)  # "chunks": sum_chunks's
             how = "zeros" if where == "zeros" else "like" if self.contiguous[k] else "empty"
             self.allocs.append((k + 1, slot[word] + k if word else -1, self.shapes[k], how))
         self.slow = self.too_many_dims
@@ -131,33 +133,47 @@ class Plan:
             self.sgo, self.sgov = slot["go"], slot["go_value"]
             self.spartials, self.sticket = slot["partials"], slot["ticket"]
             self.sws = slot.get("ws", 0)
+            self.scol = slot.get("col_tickets", 0)
+        self.fused = [(k, self.chunks[k][0]) for k, where in enumerate(self.grads)
+                      if where == "fused"]
 
 
 _PLANS: dict = {}
 _TICKETS: dict = {}          # device -> (base pointer, {stream: slot})
 _TICKET_SLOTS = 1024
+_COL_TICKETS = 256           # column blocks of a pointwise_rows launch that finish its row sums
 
 
 def _ticket(device: int, stream: int) -> int:
     """A zeroed uint32 on `device` for the last-block ticket of launches on `stream`.
 
     Each kernel that uses it leaves it zero again (atomicInc wraps it), so launches on one
-    stream share one slot.
+    stream share one slot.  Behind the _TICKET_SLOTS tickets lie _COL_TICKETS more per slot
+    (`_col_tickets`), allocated with them.
     The slots are allocated and zeroed once per device (warm up before capturing a CUDA graph).
     """
     import cupy
 
     entry = _TICKETS.get(device)
     if entry is None:
+        size = 4 * _TICKET_SLOTS * (1 + _COL_TICKETS)
         with cupy.cuda.Device(device):
-            base = cupy.cuda.runtime.malloc(4 * _TICKET_SLOTS)
-            cupy.cuda.runtime.memset(base, 0, 4 * _TICKET_SLOTS)
+            base = cupy.cuda.runtime.malloc(size)
+            cupy.cuda.runtime.memset(base, 0, size)
         entry = _TICKETS[device] = (base, {})
     base, slots = entry
     slot = slots.get(stream)
     if slot is None:
         slot = slots[stream] = len(slots) % _TICKET_SLOTS
     return base + 4 * slot
+
+
+def _col_tickets(device: int, stream: int) -> int:
+    """_COL_TICKETS zeroed uint32 on `device` for the column blocks of a pointwise_rows launch on
+    `stream` (one each; the kernel leaves them zero, as `_ticket`)."""
+    ticket = _ticket(device, stream)
+    base = _TICKETS[device][0]
+    return base + 4 * _TICKET_SLOTS + 4 * _COL_TICKETS * ((ticket - base) // 4)
 
 
 def _mode(size: int, n: int) -> str:
@@ -288,9 +304,10 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             # kl_div sums one ulp apart from value_and_grad's.
             sized = (name if any(want_grads) or not reduced else
                      _source.pointwise_name("rows", info.ctype, functor, vec, True, const))
+            summed = any(want_grads) or reduced
             cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(sized, shared, limits),
-                                      1 if any(want_grads) or reduced
-                                      else _launch.ROWS_WAVES_VALUE)
+                                      1 if summed else _launch.ROWS_WAVES_VALUE,
+                                      _launch.ROWS_TX_SUMMED if summed else _launch.BLOCK)
             layout = rows_layout(k_ops, spec.param_words)
             words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
                                      "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})
@@ -298,7 +315,10 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             for k in range(k_ops):
                 if not want_grads[k]:
                     continue
-                if kinds[k] == KIND_ROW and cfg.grid[1] > 1:
+                if kinds[k] == KIND_ROW and cfg.grid[1] > 1 and cfg.grid[0] <= _COL_TICKETS:
+                    grads[k] = "fused"      # the kernel's last row blocks add the partials
+                    chunks[k] = (cfg.grid[1] * cols, None, None)
+                elif kinds[k] == KIND_ROW and cfg.grid[1] > 1:
                     grads[k] = "chunks"
                     chunks[k] = chunked(cfg.grid[1], cols)
                 else:
@@ -512,6 +532,12 @@ def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
     if plan.partials:
         _, words[plan.spartials] = frame.empty((plan.partials,), plan.acc, like)
         words[plan.sticket] = _ticket(x.device, stream)
+    held = []
+    for k, size in plan.fused:
+        part, words[plan.sws + k] = frame.empty((size,), _F64, like)
+        held.append(part)
+    if held:
+        words[plan.scol] = _col_tickets(x.device, stream)
     if post:
         _launch_chunked(plan, frame, words, post, stream, like)
     else:

@@ -612,8 +612,9 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
 // down the rows, each taking UNROLL rows per step with all their loads issued before any use.
 // Row and scalar operands stay in registers; a row operand's gradient is summed down the
 // column in registers (compensated), then across the ty lanes in shared memory in lane order
-// (in double), and written to ws[k][by, col] (reduce.cu's sum_chunks adds the row blocks) or,
-// with one row block, straight to g[k][col].  A scalar operand's gradient is a 0-d sum
+// (in double), and written to ws[k][by, col] or, with one row block, straight to g[k][col].
+// With col_tickets the last row block of each column block to finish adds the row blocks'
+// partials into g[k]; without, reduce.cu's sum_chunks does.  A scalar operand's gradient is a 0-d sum
 // (grid_sum_out).
 // CONST (bit k): operand k is not KIND_FULL (a row, a scalar or absent), so it is the same for
 // every row a thread visits; the host sets it from `kind`.  Known at compile time, the functor's
@@ -633,7 +634,8 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
         T* __restrict__ loss,                     // [rows, cols] or null
         const Scalars<T, Op::K> o,                // 0-d loss and scalar operands' gradients
         const PerOperand<T*, Op::K> g,            // full: [rows, cols]; row: [cols]; or null
-        const PerOperand<double*, Op::K> ws) {    // row: [gridDim.y, cols], or null
+        const PerOperand<double*, Op::K> ws,      // row: [gridDim.y, cols], or null
+        unsigned int* __restrict__ col_tickets) { // [gridDim.x] zeros (left zero), or null
     constexpr int K = Op::K;
     constexpr int STEPS = GRAD ? GradShape<Op, T>::rows_steps : 4;
     constexpr int UNROLL = K <= 2 ? STEPS : (STEPS > 1 ? STEPS / 2 : 1);
@@ -781,9 +783,36 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
             for (int j = 0; j < VEC; ++j) {
                 double acc = smem[lx * VEC + j];
                 for (long long q = 1; q < ty; ++q) acc += smem[(q * tx + lx) * VEC + j];
-                if (g.p[k] != nullptr) g.p[k][c + j] = from_acc<T>(A(acc));
-                else ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
+                if (ws.p[k] != nullptr) ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
+                else g.p[k][c + j] = from_acc<T>(A(acc));
             }
+        }
+    }
+    if (col_tickets == nullptr) return;
+    // The row blocks of this column block meet here: the one that draws the last ticket adds
+    // their partials in row-block order (the same order whichever block that is) and writes
+    // the gradients, so no second launch is needed.
+    __shared__ unsigned int is_last;
+    __threadfence();  // every thread's partials published before the block takes a ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int last = gridDim.y - 1;
+        is_last = atomicInc(col_tickets + blockIdx.x, last) == last;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const long long c0 = (long long)blockIdx.x * tx * VEC;
+    const long long c1 = min(cols, c0 + tx * VEC);
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!want_row[k] || ws.p[k] == nullptr) continue;
+        for (long long col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
+            double acc = 0.0;
+            #pragma unroll 8
+            for (unsigned int by = 0; by < gridDim.y; ++by)
+                acc += __ldcg(ws.p[k] + (long long)by * cols + col);  // L2: other blocks'
+            g.p[k][col] = from_acc<T>(A(acc));
         }
     }
 }

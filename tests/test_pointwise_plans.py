@@ -99,6 +99,7 @@ def device(monkeypatch):
     monkeypatch.setattr(_pointwise, "_make_plan", lambda *a: _pointwise._build(*a))
     monkeypatch.setattr(_pointwise, "_current_device", lambda: 0)
     monkeypatch.setattr(_pointwise, "_ticket", lambda d, s: 0x7)
+    monkeypatch.setattr(_pointwise, "_col_tickets", lambda d, s: 0x70)
     monkeypatch.setattr(_pointwise, "_run_slow", slow)
     monkeypatch.setattr(_pointwise, "_PLANS", {})
     monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
@@ -178,17 +179,21 @@ def test_kernel_choice_and_gradient_routes(device):
     cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t, weight=arr((96,)),
                                                              pos_weight=arr(()))
     # weight (a row) and pos_weight (a scalar) are the same for every row: mask 4 + 8.
+    # The row blocks add the weight's partials themselves: one launch.
     assert device.names == [
-        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, true, 12>",
-        "cupyloss::sum_chunks<float>"]
+        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, true, 12>"]
     (plan,) = _pointwise._PLANS.values()
-    assert plan.grads == ("g", "g", "chunks", "g0")   # full, full, row, 0-d
+    assert plan.grads == ("g", "g", "fused", "g0")   # full, full, row, 0-d
     words = device.launches[0][1]
     assert _words(spec, "rows", words, "kind") == [_pointwise.KIND_FULL, _pointwise.KIND_FULL,
                                                    _pointwise.KIND_ROW, _pointwise.KIND_SCALAR]
     assert plan.partials == 5 * np.prod(plan.grid)   # the loss and 4 operands' 0-d sums
-    assert device.launches[1][0] == "sum_chunks"
-    assert device.launches[1][2][1:3] == [plan.grid[1], 96]    # [row blocks, cols] partials
+    assert plan.grid[1] > 1 and _words(spec, "rows", words, "col_tickets") == [0x70]
+    ws = _words(spec, "rows", words, "ws")
+    assert ws[:2] == [0, 0] and ws[3] == 0 and ws[2] != 0    # partials for the row operand
+    g = _words(spec, "rows", words, "g")
+    assert g[2] != 0 and g[2] != ws[2]                       # and its own gradient array
+
     # A call that wants no gradient takes the value-only instantiation of the same kernel.
     cupyloss.binary_cross_entropy_with_logits(x, t, weight=arr((96,)), pos_weight=arr(()))
     assert device.kernels[-1] == (
@@ -497,3 +502,30 @@ def test_every_mask_a_plan_takes_is_compiled(device, name, shapes):
     getattr(cupyloss, name + "_value_and_grad")(*arrays, reduction="sum", **kw)
     assert any("pointwise_reduce<" in k or "pointwise_rows<" in k for k in device.kernels)
     assert _all_compiled(device)
+
+
+def test_row_gradients_summed_in_one_launch_up_to_the_column_tickets(device, monkeypatch):
+    """A row operand's gradient over several row blocks: summed by the kernel's last row blocks
+    while the column blocks have tickets (_COL_TICKETS), by sum_chunks past that; the summing
+    launches take ROWS_TX_SUMMED threads along a row, an elementwise loss alone the widest."""
+    spec = _registry.SPECS["mse_loss"]
+    x, t = arr((4096,)), arr((512, 4096))
+    cupyloss.mse_loss_value_and_grad(x, t)
+    (plan,) = _pointwise._PLANS.values()
+    assert plan.grads == ("fused", "g") and len(device.launches) == 1
+    words = device.launches[0][1]
+    assert _words(spec, "rows", words, "tx") == [_launch.ROWS_TX_SUMMED]
+    assert plan.grid[0] == 4096 // (4 * _launch.ROWS_TX_SUMMED) and plan.grid[1] > 1
+    cupyloss.mse_loss(x, t, reduction="none")
+    assert _words(spec, "rows", device.launches[-1][1], "tx") == [_launch.BLOCK]
+    cupyloss.mse_loss(x, t)   # a 0-d loss alone: value_and_grad's split, so the same sum
+    assert _words(spec, "rows", device.launches[-1][1], "tx") == [_launch.ROWS_TX_SUMMED]
+    # More column blocks than tickets: the partials go to sum_chunks.
+    _pointwise._PLANS.clear()
+    monkeypatch.setattr(_pointwise, "_COL_TICKETS", plan.grid[0] - 1)
+    cupyloss.mse_loss_value_and_grad(x, t)
+    (again,) = _pointwise._PLANS.values()
+    assert again.grid == plan.grid and again.grads == ("chunks", "g")
+    assert device.launches[-1][0] == "sum_chunks"
+    assert device.launches[-1][2][1:3] == [plan.grid[1], 4096]   # [row blocks, cols] partials
+    assert _words(spec, "rows", device.launches[-2][1], "col_tickets") == [0]
