@@ -70,7 +70,7 @@ def reduce_layout(k: int, params: int) -> _args.Layout:
                          ("n_o", 1), ("n_m", 1), ("chunk", 1), ("nchunks", 1), ("lanes_m", 1),
                          ("reduced", 1), ("params", params), ("flags", 1), ("go_value", 1),
                          ("grad_scale", 1), ("loss", 1)] + _scalar_words(k)
-                        + [("g", k), ("ws", k)])
+                        + [("g", k), ("ws", k), ("col_tickets", 1)])
 
 
 SUM_CHUNKS = _args.Layout([("ws", 1), ("chunks", 1), ("cols", 1), ("out", 1)])
@@ -141,7 +141,8 @@ class Plan:
 _PLANS: dict = {}
 _TICKETS: dict = {}          # device -> (base pointer, {stream: slot})
 _TICKET_SLOTS = 1024
-_COL_TICKETS = 256           # column blocks of a pointwise_rows launch that finish its row sums
+_COL_TICKETS = 256           # column blocks of pointwise_rows, or groups of o of pointwise_reduce,
+                             # whose partials a launch adds up itself
 
 
 def _ticket(device: int, stream: int) -> int:
@@ -169,8 +170,9 @@ def _ticket(device: int, stream: int) -> int:
 
 
 def _col_tickets(device: int, stream: int) -> int:
-    """_COL_TICKETS zeroed uint32 on `device` for the column blocks of a pointwise_rows launch on
-    `stream` (one each; the kernel leaves them zero, as `_ticket`)."""
+    """_COL_TICKETS zeroed uint32 on `device` for the column blocks of a pointwise_rows launch or
+    the groups of o of a pointwise_reduce launch on `stream` (one each; the kernel leaves them
+    zero, as `_ticket`)."""
     ticket = _ticket(device, stream)
     base = _TICKETS[device][0]
     return base + 4 * _TICKET_SLOTS + 4 * _COL_TICKETS * ((ticket - base) // 4)
@@ -388,8 +390,12 @@ def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, 
                              "lanes_m": cfg.lanes_m,
                              "reduced": sum(1 << k for k in summed)})
     chunks = [None] * k_ops
+    units_o = _launch._cdiv(split.n_o, _launch.WARP // cfg.lanes_m)
     for k in summed:
-        if cfg.nchunks > 1:
+        if cfg.nchunks > 1 and units_o <= _COL_TICKETS:
+            grads[k] = "fused"      # the unit finishing an o's chunks last adds them
+            chunks[k] = (cfg.nchunks * split.n_o, None, None)
+        elif cfg.nchunks > 1:
             grads[k] = "chunks"
             chunks[k] = chunked(cfg.nchunks, split.n_o)
         else:

@@ -831,9 +831,10 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // in every operand when VEC > 1), UNROLL steps' loads issued before any use.  A reduced operand
 // is read once per lane; its gradient is summed per lane (a vector's VEC values plainly, then
 // into a compensated sum, as the 0-d sums), then over the lanes_m
-// lanes by a fixed butterfly in double, and written to g[k][o] (one chunk) or
-// ws[k][c, o] (sum_chunks in reduce.cu adds the chunks in order).  lanes_m is large when the
-// innermost dim is reduced (lanes read along it), 1 when it is kept (lanes read 32 neighbouring
+// lanes by a fixed butterfly in double, and written to g[k][o] (one chunk) or ws[k][c, o],
+// added in a fixed order by the unit that finishes o's chunks last (col_tickets: a ticket per
+// group of lanes_o elements o) or, without tickets, by sum_chunks in reduce.cu.  lanes_m is
+// large when the innermost dim is reduced (lanes read along it), 1 when it is kept (lanes read 32 neighbouring
 // o); _launch.reduce_launch picks it, chunk and nchunks.  Units are a grid-stride loop.  The
 // loss, full-size gradients and 0-d sums are delivered as in pointwise_flat, so a call is one
 // read of the data.
@@ -862,8 +863,10 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
         const double go_value, const double grad_scale,
         T* __restrict__ loss,                     // [n] (flat index) or null
         const Scalars<T, Op::K> o,                // 0-d loss and scalar operands' gradients
-        const PerOperand<T*, Op::K> g,            // full: [n]; reduced: [n_o] when nchunks == 1
-        const PerOperand<double*, Op::K> ws) {    // reduced: [nchunks, n_o] when nchunks > 1
+        const PerOperand<T*, Op::K> g,            // full: [n]; reduced: [n_o] (or null when
+                                                  // nchunks > 1 and sum_chunks finishes them)
+        const PerOperand<double*, Op::K> ws,      // reduced: [nchunks, n_o] when nchunks > 1
+        unsigned int* __restrict__ col_tickets) { // [units_o] zeros (left zero), or null
     constexpr int K = Op::K;
     // Steps whose loads are in flight at once: reduce_steps vectors of 4 elements (K <= 2; half
     // as many for more operands, at least one); 16-bit vectors of 8 take half the steps
@@ -1041,6 +1044,30 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                     if (nchunks == 1) g.p[k][oi] = from_acc<T>(A(v));
                     else ws.p[k][c * n_o + oi] = v;
                 }
+            }
+            if (nchunks == 1 || col_tickets == nullptr) continue;
+            // The chunks of these o meet here: the unit that draws the last ticket of its o
+            // adds their partials in a fixed order (whichever unit that is) and writes G_k, so
+            // no second launch is needed.
+            __threadfence();  // this unit's partials published before its ticket
+            __syncwarp();
+            unsigned int last = 0;
+            if (lane == 0) {
+                const unsigned int end = (unsigned int)(nchunks - 1);
+                last = atomicInc(col_tickets + (u - c * units_o), end) == end;
+            }
+            if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+            __threadfence();
+            #pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (!((reduced >> k) & 1)) continue;
+                double v = 0.0;
+                if (active) {
+                    for (long long cc = q; cc < nchunks; cc += lanes_m)
+                        v += __ldcg(ws.p[k] + cc * n_o + oi);  // L2: other units'
+                }
+                for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
+                if (q == 0 && active) g.p[k][oi] = from_acc<T>(A(v));
             }
         }
     };

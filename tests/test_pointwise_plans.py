@@ -344,15 +344,19 @@ def test_per_channel_and_per_row_take_the_reduce_kernel(device):
     set and its split in the words."""
     spec = _registry.SPECS["mse_loss"]
     cupyloss.mse_loss_value_and_grad(arr((1, 64, 1, 1)), arr((256, 64, 56, 56)))
-    assert device.names[0] == "cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4, 1>"
-    assert device.names[1] == "cupyloss::sum_chunks<float>"
+    # Its chunks' partials are added by the unit finishing each channel last: one launch.
+    assert device.names == ["cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4, 1>"]
     words = device.launches[0][1]
     assert _words(spec, "reduce", words, "reduced") == [1]
     n_o, n_m, chunk, nchunks, lanes = (_words(spec, "reduce", words, k)[0]
                                       for k in ("n_o", "n_m", "chunk", "nchunks", "lanes_m"))
     assert (n_o, n_m, lanes) == (64, 256 * 56 * 56, 32)
     assert nchunks > 1 and (nchunks - 1) * chunk < n_m <= nchunks * chunk
-    assert device.launches[1][2][1:3] == [nchunks, 64]
+    (plan,) = _pointwise._PLANS.values()
+    assert plan.grads == ("fused", "g") and plan.fused == [(0, nchunks * 64)]
+    assert _words(spec, "reduce", words, "col_tickets") == [0x70]
+    g, ws = _words(spec, "reduce", words, "g"), _words(spec, "reduce", words, "ws")
+    assert 0 not in (g[0], ws[0]) and g[0] != ws[0] and ws[1] == 0
     device.names.clear()
     device.launches.clear()
     cupyloss.mse_loss_value_and_grad(arr((8192, 1)), arr((8192, 4096)))
@@ -529,3 +533,9 @@ def test_row_gradients_summed_in_one_launch_up_to_the_column_tickets(device, mon
     assert device.launches[-1][0] == "sum_chunks"
     assert device.launches[-1][2][1:3] == [plan.grid[1], 4096]   # [row blocks, cols] partials
     assert _words(spec, "rows", device.launches[-2][1], "col_tickets") == [0]
+    # The same past the tickets in pointwise_reduce (64 channels, a unit each).
+    monkeypatch.setattr(_pointwise, "_COL_TICKETS", 63)
+    cupyloss.mse_loss_value_and_grad(arr((1, 64, 1, 1)), arr((256, 64, 56, 56)))
+    (plan,) = [p for p in _pointwise._PLANS.values() if p.out_shape == (256, 64, 56, 56)]
+    assert plan.grads == ("chunks", "g") and device.launches[-1][0] == "sum_chunks"
+    assert _words(spec, "reduce", device.launches[-2][1], "col_tickets") == [0]
