@@ -15,7 +15,10 @@ kernels/common.cuh).
 The gradient of an operand broadcast along some of the dims (a per-channel or per-row
 parameter) is summed in the same pass, in registers (pointwise_rows for one row broadcast down
 the rows, pointwise_reduce for every other pattern), into float64 partials no larger than
-[resident warps, its size]; `sum_chunks` adds them in a fixed order.  No full-size workspace.
+[resident warps, its size], which the last block of each column block (pointwise_rows) or the
+last unit of each group of elements (pointwise_reduce) adds in a fixed order in the same launch
+(a ticket each, from a zeroed per-stream pool the kernels leave zero; reduce.cu's `sum_chunks`
+only past _COL_TICKETS of them).  No full-size workspace, no atomics on values.
 Operands broadcast along different dims that both want a gradient take one pass per pattern:
 the first pass computes everything else, each later one (`Plan.rest`) only its operands'
 gradients.  Nothing is read back to the host.

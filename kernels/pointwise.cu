@@ -23,8 +23,9 @@
 //              in the rows and reduce kernels also a broadcast operand's G_k when one block
 //              (rows) or one unit (reduce) covers each of its elements
 //   ws[k]      float64 partial sums of a broadcast operand's G_k, [chunks, its size]: per row
-//              block (rows kernel) or per chunk of m (reduce kernel); reduce.cu's sum_chunks
-//              adds the chunks in order
+//              block (rows kernel) or per chunk of m (reduce kernel), added in order by the
+//              kernel's last block (rows) or unit (reduce) of each output column or group
+//              (col_tickets), or without tickets by reduce.cu's sum_chunks
 // The 0-d results are finished in the same launch (grid_sum_out in common.cuh): one block
 // writes them directly, several blocks leave per-block partials and the last one adds them.
 //

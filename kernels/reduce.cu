@@ -1,5 +1,7 @@
-// Second stage of the reductions that produce arrays: fixed-order sums of per-chunk partials.
-// (0-d results are finished inside the first kernel: grid_sum_out in common.cuh.)
+// Second stage of the reductions that produce arrays: fixed-order sums of per-chunk partials,
+// for the launches that have no tickets to finish them themselves (more column blocks or output
+// groups than _pointwise._COL_TICKETS).  (0-d results are finished inside the first kernel:
+// grid_sum_out in common.cuh.)
 //
 //   sum_chunks   out[k] = from_acc(sum_c ws[c, k]) in double, one warp per column
 //
