@@ -357,8 +357,12 @@ __device__ __forceinline__ void copies_wait() {
 // losses stored) ran in 1.010 (512 threads a row, 3 blocks an SM: 1.016); the same shape for the
 // 0-d loss alone, its rows' losses meeting through grid_sum_out's ticket (a kernel of its own,
 // 32 registers, no spill in float): 1.060, 1.028-1.045 with the grid capped at 2-32 blocks an
-// SM, and cosine_embedding_loss and bfloat16 13-45% slower than this one (not profiled: the
-// ticket's fence and block sums at the end of every short-lived block, presumably).
+// SM, and cosine_embedding_loss and bfloat16 13-45% slower than this one.  With the rows'
+// losses stored instead and added by a second, one-block launch, the team's total formed in its
+// first thread alone: float32 triplet 1.078-1.088 with or without the second launch (with a
+// thread's sums split over its chunk's 4 lanes 1.111-1.136), against bfloat16 triplet 0.517
+// (this kernel 0.532), cosine float32 0.684 (0.695) and bfloat16 0.352 at 512 threads a row
+// (0.371): the standalone kernel's float32 speed did not carry over, so none was taken.
 // Either way a thread adds its head element, its tail element, then its chunks in increasing
 // order, so the loss's sums are bitwise value_and_grad's.
 template <typename T, typename Op, bool GRAD>
