@@ -615,8 +615,8 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
 // column in registers (compensated), then across the ty lanes in shared memory in lane order
 // (in double), and written to ws[k][by, col] or, with one row block, straight to g[k][col].
 // With col_tickets the last row block of each column block to finish adds the row blocks'
-// partials into g[k]; without, reduce.cu's sum_chunks does.  A scalar operand's gradient is a 0-d sum
-// (grid_sum_out).
+// partials into g[k]; without, reduce.cu's sum_chunks does.  A scalar operand's gradient is a
+// 0-d sum (grid_sum_out).
 // CONST (bit k): operand k is not KIND_FULL (a row, a scalar or absent), so it is the same for
 // every row a thread visits; the host sets it from `kind`.  Known at compile time, the functor's
 // arithmetic on those operands is loop-invariant and leaves the row loop.
@@ -835,8 +835,8 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // lanes by a fixed butterfly in double, and written to g[k][o] (one chunk) or ws[k][c, o],
 // added in a fixed order by the unit that finishes o's chunks last (col_tickets: a ticket per
 // group of lanes_o elements o) or, without tickets, by sum_chunks in reduce.cu.  lanes_m is
-// large when the innermost dim is reduced (lanes read along it), 1 when it is kept (lanes read 32 neighbouring
-// o); _launch.reduce_launch picks it, chunk and nchunks.  Units are a grid-stride loop.  The
+// large when the innermost dim is reduced (lanes read along it), 1 when it is kept (lanes read
+// 32 neighbouring o); _launch.reduce_launch picks it, chunk and nchunks.  Units are a grid-stride loop.  The
 // loss, full-size gradients and 0-d sums are delivered as in pointwise_flat, so a call is one
 // read of the data.
 // Steps of loads a lane keeps in flight (K <= 2, 4-byte elements) and the blocks per SM the
