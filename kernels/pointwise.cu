@@ -836,9 +836,9 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // added in a fixed order by the unit that finishes o's chunks last (col_tickets: a ticket per
 // group of lanes_o elements o) or, without tickets, by sum_chunks in reduce.cu.  lanes_m is
 // large when the innermost dim is reduced (lanes read along it), 1 when it is kept (lanes read
-// 32 neighbouring o); _launch.reduce_launch picks it, chunk and nchunks.  Units are a grid-stride loop.  The
-// loss, full-size gradients and 0-d sums are delivered as in pointwise_flat, so a call is one
-// read of the data.
+// 32 neighbouring o); _launch.reduce_launch picks it, chunk and nchunks.  Units are a
+// grid-stride loop.  The loss, full-size gradients and 0-d sums are delivered as in
+// pointwise_flat, so a call is one read of the data.
 // Steps of loads a lane keeps in flight (K <= 2, 4-byte elements) and the blocks per SM the
 // registers are bounded for: GradShape (reduce_steps, reduce_blocks).
 // CONST (bit k): operand k reads one value per unit, being broadcast along every reduced dim
