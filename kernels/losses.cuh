@@ -615,6 +615,13 @@ struct HingeEmbeddingOp {
 //   dl/dx1 = -(t pass),   dl/dx2 = t pass,   dl/dt = -((x1 - x2) pass)
 struct MarginRankingOp {
     static constexpr int K = 3;  // input1, input2, target
+    // The reduce kernel at 2 blocks an SM and 4 steps (two of its three operands streaming),
+    // pipelined, where the heavy table's 4 blocks and 1 step spill.  H100, float32 value_and_grad,
+    // input1 broadcast (bench_broadcast's patterns), % of the read+write limit, two rounds of one
+    // run: per-channel 76.5 / 76.8 -> 79.2 / 78.0, per-row 75.9 / 74.1 -> 79.8 / 79.2 against the
+    // table's shape (3 blocks: 76.3 / 77.0 and 75.3 / 73.1; 2 blocks and 1 step: 79.0 / 78.6 and
+    // 75.6 / 76.9).
+    static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_REDUCE};
     struct Params {
         double margin;
     };
