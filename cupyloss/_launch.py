@@ -359,7 +359,8 @@ REDUCE_MIN_STEPS = 16
 #            bytes; half for more operands or 8-byte ones); REDUCE_MIN_BLOCKS: blocks per SM
 #            the kernel's registers are bounded for.  Each for functors marked cheap
 #            (losses.cuh) and for the rest (_HEAVY), compile-time: kernel_defines passes them.
-#            A heavy functor may declare its own reduce_blocks (bce and bce_with_logits: 3).
+#            A heavy functor may declare its own reduce_blocks (bce and bce_with_logits: 3,
+#            which their own 4-byte shapes replace by 2).
 #            Heavy, H100, float32 value_and_grad, [8192, 1] against [8192, 4096], ms, one run
 #            (3 blocks -> 4): kl 0.176 -> 0.154, soft_margin 0.155 -> 0.134, focal 0.230 ->
 #            0.207, log_cosh 0.167 -> 0.142, poisson 0.128 -> 0.116; bce 0.240 -> 0.345 and
@@ -417,12 +418,14 @@ FLAT_UNROLL_GRAD_HEAVY = 2
 # kl_div, whose logs are of every element whichever operand is broadcast, declares its own 4/2
 # for both (KlDivOp::shape_f32; H100, one later run, old and new alternated twice, per-channel /
 # per-row / row: 74.0 / 73.2 / 73.7 -> 76.8 / 75.9 / 76.6%; rows 4/1 with reduce 4/2 left the
-# row at 73.7).  margin_ranking_loss keeps the heavy shape above (three arrays; 2/4 took its
+# row at 73.7; its reduce kernel was later pipelined at 2/4, KlDivOp's comment).
+# margin_ranking_loss kept the heavy shape above (three arrays; 2/4 unpipelined took its
 # per-channel and per-row patterns from 79 and 77% to 67 and 66%; a later run, reduce blocks /
 # steps against 4/1's 78.9 / 77.7%: 4/2 the same, 3/2 77.2 / 73.2, 2/2 68.6 / 67.5, 5/1 68.4 /
-# 64.5, 6/1 65.2 / 60.6, 8/1 58.1 / 58.2, the last three spilling), as does every functor in
-# 16-bit or float64, where this was not measured; log_cosh, unpipelined, did too (its pipelined
-# shape: below).
+# 64.5, 6/1 65.2 / 60.6, 8/1 58.1 / 58.2, the last three spilling) until its reduce kernel
+# was pipelined at 2/4 (MarginRankingOp::shape_f32).  Every functor in
+# 16-bit or float64 keeps the heavy shape, where this was not measured; log_cosh, unpipelined,
+# did too (its pipelined shape: below).
 ROWS_MIN_BLOCKS_GRAD_STREAM = 2
 ROWS_STEPS_GRAD_STREAM = 4
 REDUCE_MIN_BLOCKS_STREAM = 2

@@ -209,13 +209,16 @@ struct MseOp {
 template <int MODE>
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
-    // Its logs are of every element whichever operand is broadcast, so it wants both warps and
-    // loads in flight: the reduce kernel at 4 blocks an SM (the heavy table's) and 2 steps, where
-    // the heavy shape is 4/1 (_launch.py's table of variants); the rows kernel pipelined at 3
-    // blocks and 2 steps (row pattern 76.5 -> 79.0% against 4/2 unpipelined; H100, float32
-    // value_and_grad); the flat kernel of a 0-d broadcast operand pipelined (the full-size one
-    // lost by it, as did the reduce kernel).
-    static constexpr Shape32 shape_f32 = {3, 2, 0, 2, PIPE_ROWS | PIPE_FLAT_BROADCAST};
+    // Its logs are of every element whichever operand is broadcast, so it wants loads in flight
+    // while they run: the reduce kernel pipelined at 2 blocks an SM and 4 steps; the rows kernel
+    // pipelined at 3 blocks and 2 steps (row pattern 76.5 -> 79.0% against 4/2 unpipelined; H100,
+    // float32 value_and_grad); the flat kernel of a 0-d broadcast operand pipelined (the
+    // full-size one lost by it).  The reduce kernel's 4 blocks and 2 steps (unpipelined) spilled
+    // 80 bytes at 64 registers; one run, three rounds, % of the read+write limit, per-channel /
+    // per-row: 4/2 78.5 / 75.4, 3/2 80.5 / 75.3, 2/2 pipelined 80.0 / 80.0, 2/2 72.8 / 71.9,
+    // 2/4 pipelined 82.0 / 80.6 (the same bits in each).
+    static constexpr Shape32 shape_f32 = {3, 2, 2, 4,
+                                          PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
     static constexpr bool log_input = (MODE & 2) != 0;   // input holds log-probabilities
     using Params = NoParams;
@@ -451,8 +454,11 @@ struct BceOp {
     // per-channel / per-row 0.198 / 0.141 ms -> 0.185 / 0.130 (reduce kernel), row 0.145 ->
     // 0.148 (rows kernel), measured while the logs stayed in the loops.  Both loops pipelined:
     // a full input's logs then overlap the next step's loads.
+    // The reduce kernel on 4-byte elements at the table's 2 blocks an SM, not the 3 below (one
+    // run, three rounds, % of the read+write limit, per-channel / per-row: 3/4 82.0 / 80.3, 2/4
+    // 82.3 / 82.6).
     static constexpr bool stream_shape = true;
-    static constexpr Shape32 shape_f32 = {0, 0, 0, 0, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
+    static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0;
     // Gradient kernels bounded for more resident warps in float and double only (GradShape in
     // pointwise.cu): 16-bit vectors of 8 elements spill there (H100, bfloat16 32768^2
@@ -462,9 +468,10 @@ struct BceOp {
     // bfloat16 [16384, 16384] value_and_grad, blocks bound 1 (unbounded) / 2 / 3: 2.190 / 1.396
     // / 1.349 ms (3 spills 104 bytes and is still the fastest; mse_loss 0.762).
     static constexpr int flat_blocks_16 = 3;
-    // pointwise_reduce bounded for 3 blocks per SM, not the table's 4: at 64 registers its two
-    // logs spill (H100, float32 broadcast over [8192, 4096] rows, value_and_grad 0.240 ms at 3
-    // blocks, 0.345 at 4; measured before pointwise_reduce's per-mask instantiations).
+    // pointwise_reduce bounded for 3 blocks per SM in float64 (4-byte elements take the shape
+    // above), not the table's 4: at 64 registers its two logs spill (H100, float32 broadcast over
+    // [8192, 4096] rows, value_and_grad 0.240 ms at 3 blocks, 0.345 at 4; measured before
+    // pointwise_reduce's per-mask instantiations and the shape above).
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     // The input's logs are fixed terms (pointwise.cu's FixedTerms): formed once before the loop
@@ -535,13 +542,16 @@ struct BceLogitsOp {
     static constexpr int K = 4;  // input, target, weight, pos_weight
     // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
     // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
-    // both loops pipelined.
+    // both loops pipelined.  On 4-byte elements the reduce kernel takes the table's 2 blocks an
+    // SM, not the 3 below, at which its pipelined loop spilled 120 bytes; one run, three rounds,
+    // % of the read+write limit, per-channel / per-row, all pipelined: 3/4 80.3 / 78.7, 2/4
+    // 82.2 / 82.6 (2/2 72.0 / 70.9, 3/2 78.7 / 74.8, 4/1 79.3 / 76.2).
     static constexpr bool stream_shape = true;
-    static constexpr Shape32 shape_f32 = {0, 0, 0, 0, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
+    static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
-    // pointwise_reduce bounded for 3 blocks per SM, as BceOp (four operands' bookkeeping spill
-    // at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at 3 blocks, 0.284 at 4;
-    // measured before pointwise_reduce's per-mask instantiations).
+    // pointwise_reduce bounded for 3 blocks per SM in 16-bit and float64, as BceOp (four
+    // operands' bookkeeping spill at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at
+    // 3 blocks, 0.284 at 4; measured before pointwise_reduce's per-mask instantiations).
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     template <typename A>
@@ -870,10 +880,12 @@ struct SigmoidFocalOp {
 struct LogCoshOp {
     static constexpr int K = 2;  // input, target
     // Bound by its arithmetic on every element whichever operand is broadcast: both loops
-    // pipelined, at 2 blocks an SM and 2 steps in flight (rows and reduce), so loads stay in
-    // flight while the exp, log and tanh run, as is the flat kernel of a 0-d broadcast operand
-    // (the full-size one lost by it; _launch.py's table).
-    static constexpr Shape32 shape_f32 = {2, 2, 2, 2,
+    // pipelined at 2 blocks an SM, with 2 steps in flight in the rows kernel and 4 in the
+    // reduce kernel, so loads stay in flight while the exp, log and tanh run, as is the flat
+    // kernel of a 0-d broadcast operand (the full-size one lost by it; _launch.py's table).
+    // Reduce 2/2 -> 2/4, one run, three rounds, % of the read+write limit: per-channel 79.5 ->
+    // 81.0, per-row 79.8 -> 79.8 (the same bits).
+    static constexpr Shape32 shape_f32 = {2, 2, 2, 4,
                                           PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     using Params = NoParams;
     // sinh(w) for 0 <= w < 1/2: w (1 + w^2/3! + w^4/5! + ...), Horner in w^2.
