@@ -176,11 +176,18 @@ CUPYLOSS_FUNCTOR_TRAIT(FlatBlocks16, flat_blocks_16, int, 0)
 // The kernels compiled per mask CONST of operands that are the same across a unit of work (bit
 // k: operand k is broadcast along it, or absent) read the others, which stream: operand k's
 // slot among them is stream_slot<K>(CONST, k), and stream_slot<K>(CONST, K) is their number.
+// It counts the clear bits of CONST below k in straight-line arithmetic: with a loop over the
+// bits, the reduce kernel of margin_ranking_loss (float32, input1 broadcast) kept the loop at run
+// time inside its whole-steps loop, once per element, and read the streamed values back from a
+// 64-byte stack array at the slot it computed (H100, float32 value_and_grad, input1 broadcast,
+// % of the read+write limit, per-channel / per-row: 78.9 / 79.9 -> 88.8 / 89.6, the same bits).
 template <int K>
 __host__ __device__ constexpr int stream_slot(int constant, int k) {
-    int f = 0;
-    for (int j = 0; j < k; ++j) f += ((constant >> j) & 1) ? 0 : 1;
-    return f;
+    unsigned int x = ~(unsigned int)constant & ((1u << k) - 1u);
+    x = x - ((x >> 1) & 0x55555555u);
+    x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+    x = (x + (x >> 4)) & 0x0f0f0f0fu;
+    return (int)((x * 0x01010101u) >> 24);
 }
 
 template <typename Op, typename T>
