@@ -136,6 +136,7 @@ def _torch_forms() -> dict:
         "squared_hinge_loss": lambda a, b: (hinge(a, b) ** 2).mean(),
         "sigmoid_focal_loss": _same_shape(focal),
         "log_cosh_loss": lambda a, b: torch.log(torch.cosh(a - b)).mean(),
+        "gaussian_nll_loss": F.gaussian_nll_loss,
     }
 
 
@@ -166,7 +167,9 @@ def _compiled_ms(name, arrays, grads, reps: int):
 
 def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> list[dict]:
     """Every pointwise loss's value_and_grad on the four patterns, its first array broadcast
-    (and with compile_, torch.compile's forward + backward of the same loss)."""
+    (and with compile_, torch.compile's forward + backward of the same loss); gaussian_nll_loss
+    with its var broadcast instead, on the per-row pattern only (var (N, 1): torch takes no
+    other broadcast var)."""
     import cupy
 
     import cupyloss
@@ -181,10 +184,13 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
         small = (rng.standard_normal(x_shape, dtype=cupy.float32),
                  rng.random(x_shape, dtype=cupy.float32) * 0.98 + 0.01)
         for name, (arrays, opts) in bench._family_calls(*full).items():
-            if name == "gaussian_nll_loss":   # var takes input's shape: nothing to broadcast
-                continue
-            first = small[1] if arrays[0] is full[2] else small[0]
-            arrays = (first, *arrays[1:])
+            if name == "gaussian_nll_loss":
+                if pattern != "per-row":
+                    continue
+                arrays = (*arrays[:2], small[1])
+            else:
+                first = small[1] if arrays[0] is full[2] else small[0]
+                arrays = (first, *arrays[1:])
             vag = getattr(cupyloss, name + "_value_and_grad")
             ms = _timing.gpu_ms(lambda: vag(*arrays, **opts), reps)
             limit = 2 * sum(a.nbytes for a in arrays) / copy_bw / 1e6
@@ -205,9 +211,11 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
     print(f"{'loss':34} " + " ".join(f"{p:>{width}}" for p in PATTERNS))
     for name in dict.fromkeys(r["loss"] for r in rows):
         cells = []
-        for r in (r for r in rows if r["loss"] == name):
-            cell = f"{r['ms']:8.3f} ms {r['pct_limit']:5.1f}%"
-            if r.get("compile_ms"):
+        by_pattern = {r["pattern"]: r for r in rows if r["loss"] == name}
+        for pattern in PATTERNS:
+            r = by_pattern.get(pattern)
+            cell = "-" if r is None else f"{r['ms']:8.3f} ms {r['pct_limit']:5.1f}%"
+            if r is not None and r.get("compile_ms"):
                 cell += f" {r['compile_ms'] / r['ms']:6.2f}x"
             cells.append(cell)
         print(f"{name:34} " + " ".join(f"{c:>{width}}" for c in cells))
