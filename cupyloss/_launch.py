@@ -422,10 +422,10 @@ FLAT_UNROLL_GRAD_HEAVY = 2
 # margin_ranking_loss kept the heavy shape above (three arrays; 2/4 unpipelined took its
 # per-channel and per-row patterns from 79 and 77% to 67 and 66%; a later run, reduce blocks /
 # steps against 4/1's 78.9 / 77.7%: 4/2 the same, 3/2 77.2 / 73.2, 2/2 68.6 / 67.5, 5/1 68.4 /
-# 64.5, 6/1 65.2 / 60.6, 8/1 58.1 / 58.2, the last three spilling) until its reduce kernel
-# was pipelined at 2/4 (MarginRankingOp::shape_f32).  Every functor in
-# 16-bit or float64 keeps the heavy shape, where this was not measured; log_cosh, unpipelined,
-# did too (its pipelined shape: below).
+# 64.5, 6/1 65.2 / 60.6, 8/1 58.1 / 58.2, the last three spilling) until its reduce kernel was
+# pipelined at 2/4 (MarginRankingOp::shape_f32).  Every functor in 16-bit or float64 keeps the
+# heavy shape, where this was not measured; log_cosh, unpipelined, did too (its pipelined shape:
+# below).
 ROWS_MIN_BLOCKS_GRAD_STREAM = 2
 ROWS_STEPS_GRAD_STREAM = 4
 REDUCE_MIN_BLOCKS_STREAM = 2

@@ -1129,10 +1129,9 @@ def test_broadcast_bench_torch_forms_match_references(name):
     small = (rng.normal(size=(6, 1)), rng.uniform(0.01, 0.99, (6, 1)))
     uniform = {"kl_div": (0, 2), "binary_cross_entropy": (2, 2),
                "binary_cross_entropy_with_logits": (0, 2), "margin_ranking_loss": (0, 1, 2),
-               "poisson_nll_loss": (0, 2), "sigmoid_focal_loss": (0, 2)}
+               "poisson_nll_loss": (0, 2), "sigmoid_focal_loss": (0, 2),
+               "gaussian_nll_loss": (0, 1, 2)}
     picks = uniform.get(name, (0, 1))   # bench._family_calls' arrays: x, y, u
-    if name == "gaussian_nll_loss":
-        picks = (0, 1, 2)
     arrays = [full[k] for k in picks]
     if name == "gaussian_nll_loss":
         arrays[2] = small[1]
