@@ -151,6 +151,11 @@ struct Geometry {
     }
 };
 
+// |v|, +0 for -0 (as torch's abs), NaN for NaN.  A select (v < 0 ? -v : v) keeps -0 and costs a
+// compare and a select where this is an operand modifier of the instruction that uses it.
+__device__ __forceinline__ float absv(float v) { return fabsf(v); }
+__device__ __forceinline__ double absv(double v) { return fabs(v); }
+
 // a * b + c rounded once, in every context (the compiler's own contraction depends on how the
 // product is used).
 __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }

@@ -157,8 +157,9 @@ struct Logistic {
     A sp_pos, sp_neg;    // softplus(x), softplus(-x)
     A sg_pos, sg_neg;    // sigmoid(x), sigmoid(-x); with Sigmoids::none, unset
 
+    Logistic() = default;  // unset: a functor's fixed terms of an operand that is not fixed
     __device__ __forceinline__ explicit Logistic(A x, Sigmoids sigmoids = Sigmoids::exact) {
-        const A e = ex(-(x < A(0) ? -x : x));
+        const A e = ex(-absv(x));
         const A l = lg1p_unit(e);
         sp_pos = (x > A(0) ? x : A(0)) + l;
         sp_neg = (x < A(0) ? -x : A(0)) + l;  // a NaN x makes e, l and so both NaN
@@ -325,7 +326,7 @@ struct L1Op {
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
         const A d = v[0] - v[1];
-        return d < A(0) ? -d : d;
+        return absv(d);
     }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
@@ -385,7 +386,7 @@ struct SmoothL1Op {
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const double b = beta_of(p);
         const A beta = A(b), d = v[0] - v[1];
-        const A z = d < A(0) ? -d : d;
+        const A z = absv(d);
         // beta == 0 (l1_loss) needs no case of its own: z < 0 never holds and z - 0 is z.
         // Both sides are formed for every element and one selected: the branch inside
         // quadratic (on beta alone) is then uniform, and no element diverges around it.
@@ -418,7 +419,7 @@ struct HuberOp {
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
         const A delta = A(p.delta), d = v[0] - v[1];
-        const A z = d < A(0) ? -d : d;
+        const A z = absv(d);
         return z < delta ? A(0.5) * z * z : delta * (z - A(0.5) * delta);
     }
     template <typename A>
@@ -554,17 +555,34 @@ struct BceLogitsOp {
     // 3 blocks, 0.284 at 4; measured before pointwise_reduce's per-mask instantiations).
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
-    template <typename A>
-    static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
-        const Logistic<A> s(v[0], Sigmoids::none);
+    // The logit's logistic pieces are fixed terms (pointwise.cu's FixedTerms), as
+    // sigmoid_focal_loss's: formed once before the loop where x is fixed (CONST bit 0).  The
+    // rows kernel's loop, float32 value_and_grad, x broadcast: 637 -> 482 instructions, 8 -> 0
+    // MUFU; its time was bound by memory already (H100, row pattern 82.0% either way, the same
+    // bits).
+    static constexpr bool fixed_terms = true;
+    template <int CONST, typename A>
+    struct Fixed {
+        Logistic<A> s;  // unset when x is not fixed
+    };
+    template <int CONST, typename A>
+    static __device__ __forceinline__ Fixed<CONST, A> fix(const A (&v)[K], const Params&) {
+        if constexpr ((CONST & 1) != 0) return {Logistic<A>(v[0], Sigmoids::exact)};
+        else return {};
+    }
+    template <int CONST, typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params&,
+                                              const Fixed<CONST, A>& f) {
+        const Logistic<A> s = (CONST & 1) != 0 ? f.s : Logistic<A>(v[0], Sigmoids::none);
         const A qt = pos_weighted ? v[3] * v[1] : v[1];
         const A l = (A(1) - v[1]) * s.sp_pos + qt * s.sp_neg;
         return weighted ? v[2] * l : l;
     }
-    template <typename A>
-    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
+    template <int CONST, typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params&,
+                                                const Fixed<CONST, A>& f, A (&d)[K]) {
         const A t = v[1], w = weighted ? v[2] : A(1), q = pos_weighted ? v[3] : A(1);
-        const Logistic<A> s(v[0]);
+        const Logistic<A> s = (CONST & 1) != 0 ? f.s : Logistic<A>(v[0], Sigmoids::exact);
         d[0] = w * ((A(1) - t) * s.sg_pos - q * t * s.sg_neg);
         d[1] = w * (q * s.sp_neg - s.sp_pos);
         // An absent weight or pos_weight has no gradient: its slot is never read.
@@ -804,7 +822,8 @@ struct SigmoidFocalOp {
     // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
     // both loops pipelined and the rows kernel at 2 steps (4 pipelined spill).  Rows kernel, row
     // pattern, float32 value_and_grad, H100, one run, three rounds, % of the read+write limit:
-    // 2/2 pipelined 79.4, 1/4 pipelined 61.7, 2/2 66.2, 2/4 76.1 (3/2 pipelined spills 128 bytes).
+    // 2/2 pipelined 79.4, 1/4 pipelined 61.7, 2/2 66.2, 2/4 76.1 (3/2 pipelined spills 128 bytes);
+    // measured before x's fixed terms below.
     static constexpr bool stream_shape = true;
     static constexpr Shape32 shape_f32 = {2, 2, 0, 0, PIPE_ROWS | PIPE_REDUCE};
     // The 16-bit flat gradient kernel bounded for 3 blocks an SM, not the heavy table's 4, at
@@ -847,16 +866,35 @@ struct SigmoidFocalOp {
     static __device__ __forceinline__ A one_minus_pt(A t, const Logistic<A>& s) {
         return fma_rn(s.sg_pos, A(1) - t, mul_rn(s.sg_neg, t));
     }
-    template <typename A>
-    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
+    // The logit's logistic pieces are fixed terms (pointwise.cu's FixedTerms): formed once
+    // before the loop where x is the same for every element a thread visits (CONST bit 0), per
+    // element otherwise.  Left to the compiler, the rows kernel kept half of a broadcast x's
+    // exps and reciprocals in its loop (sm_90 SASS, float32 value_and_grad, x broadcast: 653 ->
+    // 501 instructions a loop of 8 elements, 12 -> 0 MUFU; H100, one run, three rounds, row
+    // pattern 79.7 -> 81.9% of the read+write limit, the other patterns within 0.3, the same bits).
+    static constexpr bool fixed_terms = true;
+    template <int CONST, typename A>
+    struct Fixed {
+        Logistic<A> fast, exact;  // value's and grad's pieces of x (unset when x is not fixed)
+    };
+    template <int CONST, typename A>
+    static __device__ __forceinline__ Fixed<CONST, A> fix(const A (&v)[K], const Params&) {
+        if constexpr ((CONST & 1) != 0)
+            return {Logistic<A>(v[0], Sigmoids::fast), Logistic<A>(v[0], Sigmoids::exact)};
+        else return {};
+    }
+    template <int CONST, typename A>
+    static __device__ __forceinline__ A value(const A (&v)[K], const Params& p,
+                                              const Fixed<CONST, A>& f) {
         const A t = v[1];
-        const Logistic<A> s(v[0], Sigmoids::fast);
+        const Logistic<A> s = (CONST & 1) != 0 ? f.fast : Logistic<A>(v[0], Sigmoids::fast);
         return weight(t, p) * cross_entropy(t, s) * focus(one_minus_pt(t, s), p.gamma);
     }
-    template <typename A>
-    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
+    template <int CONST, typename A>
+    static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p,
+                                                const Fixed<CONST, A>& f, A (&d)[K]) {
         const A x = v[0], t = v[1];
-        const Logistic<A> s(x);
+        const Logistic<A> s = (CONST & 1) != 0 ? f.exact : Logistic<A>(x, Sigmoids::exact);
         const A ce = cross_entropy(t, s);
         const A q = one_minus_pt(t, s);
         const A mod = focus(q, p.gamma);
@@ -870,11 +908,19 @@ struct SigmoidFocalOp {
 };
 
 // log_cosh_loss, d = x - t, z = |d|:
-//   l = log(cosh d) = log1p(2 sinh(z / 2)^2) for z < 1 (no cancellation near 0, where it is
+//   l = log(cosh d) = log1p(cosh z - 1) for z < 1 (no cancellation near 0, where it is
 //   d^2 / 2), z - log 2 + log1p(exp(-2 z)) otherwise (no overflow of cosh); both branches are
 //   formed for every element and one log1p taken of the selected argument, since neighbouring
-//   elements usually take different branches.  sinh(w), w < 1/2, is its Taylor polynomial
-//   (truncation below 1e-10 relative in float, 1e-19 in double).
+//   elements usually take different branches.  cosh z - 1 = z^2/2! + z^4/4! + ... is its Taylor
+//   polynomial in y = z^2, the y tanh's polynomial takes too (truncation below 4e-9 relative in
+//   float, 2e-21 in double).  It replaced 2 sinh(z / 2)^2 with sinh's polynomial, and |d| a
+//   select (absv): sm_90 SASS, float32 value_and_grad loops with x broadcast, rows 672 -> 631
+//   instructions, reduce 1098 -> 1023, in a kernel bound by issuing them (ncu: 81% of issue
+//   slots in the rows kernel).  H100, one run, 2-3 rounds, per-channel / per-row / row / scalar:
+//   80.9-81.5 / 80.4-81.0 / 80.0-80.2 / 81.7-82.1 -> 81.8 / 81.0-82.2 / 81.4-81.5 / 82.4-82.7% of
+//   the read+write limit.  The loss against float64, 4M d in each of N(0, 0.1), N(0, 1),
+//   U(0, 1.2), N(0, 5): at most 3.64 ulp (3.57 before), above 1 ulp 15.1 / 9.3 / 11.1 / 2.1% of
+//   them (19.5 / 12.0 / 14.5 / 2.8 before).
 //   dl/dx = tanh(d) = -dl/dt
 // In float, tanh z is branch-free: z + z^3 Q(z^2) for z < 0.6 (Q of degree 4 fitted to
 // (tanh z - z) / z^3 for relative error), else 1 - 2 e / (1 + e) with the value's own
@@ -896,35 +942,39 @@ struct LogCoshOp {
     static constexpr Shape32 shape_f32 = {2, 2, 2, 4,
                                           PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     using Params = NoParams;
-    // sinh(w) for 0 <= w < 1/2: w (1 + w^2/3! + w^4/5! + ...), Horner in w^2.
-    static __device__ __forceinline__ float sinh_small(float w) {
-        const float u = w * w;
-        return w + w * u * (1.0f / 6 + u * (1.0f / 120 + u * (1.0f / 5040 + u * (1.0f / 362880))));
+    // cosh z - 1 for y = z^2 < 1: y (1/2! + y/4! + y^2/6! + ...), Horner in y.
+    static __device__ __forceinline__ float cosh_m1_small(float y) {
+        float q = 1.0f / 3628800;                                 // 1 / 10!
+        q = __fmaf_rn(q, y, 1.0f / 40320);
+        q = __fmaf_rn(q, y, 1.0f / 720);
+        q = __fmaf_rn(q, y, 1.0f / 24);
+        q = __fmaf_rn(q, y, 0.5f);
+        return y * q;
     }
-    static __device__ __forceinline__ double sinh_small(double w) {
-        const double u = w * w;
-        double q = 1.0 / 355687428096000.0;                      // 1 / 17!
-        q = 1.0 / 1307674368000.0 + u * q;                       // 1 / 15!
-        q = 1.0 / 6227020800.0 + u * q;                          // 1 / 13!
-        q = 1.0 / 39916800.0 + u * q;                            // 1 / 11!
-        q = 1.0 / 362880.0 + u * q;
-        q = 1.0 / 5040.0 + u * q;
-        q = 1.0 / 120.0 + u * q;
-        q = 1.0 / 6.0 + u * q;
-        return w + w * u * q;
+    static __device__ __forceinline__ double cosh_m1_small(double y) {
+        double q = 1.0 / 2432902008176640000.0;                   // 1 / 20!
+        q = __fma_rn(q, y, 1.0 / 6402373705728000.0);             // 1 / 18!
+        q = __fma_rn(q, y, 1.0 / 20922789888000.0);               // 1 / 16!
+        q = __fma_rn(q, y, 1.0 / 87178291200.0);                  // 1 / 14!
+        q = __fma_rn(q, y, 1.0 / 479001600.0);                    // 1 / 12!
+        q = __fma_rn(q, y, 1.0 / 3628800.0);
+        q = __fma_rn(q, y, 1.0 / 40320.0);
+        q = __fma_rn(q, y, 1.0 / 720.0);
+        q = __fma_rn(q, y, 1.0 / 24.0);
+        q = __fma_rn(q, y, 0.5);
+        return y * q;
     }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
         const A d = v[0] - v[1];
-        const A z = d < A(0) ? -d : d;
+        const A z = absv(d);
         const bool small = z < A(1);
-        const A s = sinh_small(A(0.5) * z);
-        const A arg = small ? A(2) * s * s : ex(A(-2) * z);
+        const A arg = small ? cosh_m1_small(z * z) : ex(A(-2) * z);
         return (small ? A(0) : z - A(0.69314718055994531)) + lg1p_unit(arg);
     }
     // tanh d; float: as the comment above says, double: tanh.
     static __device__ __forceinline__ float tanh_of(float d) {
-        const float z = d < 0.0f ? -d : d;                  // as value's, which shares e
+        const float z = absv(d);                 // as value's, which shares e
         const float e = ex(-2.0f * z);
         const float u = z * z;
         float q = -5.984960590e-03f;

@@ -60,8 +60,6 @@ constexpr int ROWC_NV = 4;  // 16-byte vectors of each operand a thread loads be
 
 __device__ __forceinline__ float lg1p(float v) { return log1pf(v); }
 __device__ __forceinline__ double lg1p(double v) { return log1p(v); }
-__device__ __forceinline__ float absv(float v) { return fabsf(v); }
-__device__ __forceinline__ double absv(double v) { return fabs(v); }
 
 // The sums (a, b) of each team of tpr consecutive threads, in every thread of the team: a fixed
 // butterfly within a warp (commutative, so every lane gets the same bits), the warps of a team in
