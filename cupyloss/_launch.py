@@ -424,8 +424,10 @@ FLAT_UNROLL_GRAD_HEAVY = 2
 # steps against 4/1's 78.9 / 77.7%: 4/2 the same, 3/2 77.2 / 73.2, 2/2 68.6 / 67.5, 5/1 68.4 /
 # 64.5, 6/1 65.2 / 60.6, 8/1 58.1 / 58.2, the last three spilling) until its reduce kernel was
 # pipelined at 2/4 (MarginRankingOp::shape_f32).  Every functor in 16-bit or float64 keeps the
-# heavy shape, where this was not measured; log_cosh, unpipelined, did too (its pipelined shape:
-# below).
+# heavy shape, where this was not measured, but for sigmoid_focal_loss's and bce_with_logits'
+# 16-bit rows kernels, bounded for 2 blocks an SM (`rows_blocks_16`; float16 row pattern 237 ->
+# 118 and 152 -> 85 us, where kl_div, log_cosh_loss and soft_margin_loss lost 5-12%);
+# log_cosh, unpipelined, did too (its pipelined shape: below).
 ROWS_MIN_BLOCKS_GRAD_STREAM = 2
 ROWS_STEPS_GRAD_STREAM = 4
 REDUCE_MIN_BLOCKS_STREAM = 2

@@ -559,8 +559,12 @@ struct BceLogitsOp {
     // sigmoid_focal_loss's: formed once before the loop where x is fixed (CONST bit 0).  The
     // rows kernel's loop, float32 value_and_grad, x broadcast: 637 -> 482 instructions, 8 -> 0
     // MUFU; its time was bound by memory already (H100, row pattern 82.0% either way, the same
-    // bits).
+    // bits).  The 16-bit rows kernel bounded for 2 blocks an SM, as sigmoid_focal_loss's: H100,
+    // float16 row pattern value_and_grad, one run, two rounds, 152 -> 85 us (2 blocks without
+    // the fixed terms 98, 1 block with them 114).  kl_div, log_cosh_loss and soft_margin_loss
+    // lost 5-12% there at 2 blocks, and keep the table's 3.
     static constexpr bool fixed_terms = true;
+    static constexpr int rows_blocks_16 = 2;
     template <int CONST, typename A>
     struct Fixed {
         Logistic<A> s;  // unset when x is not fixed
@@ -872,7 +876,12 @@ struct SigmoidFocalOp {
     // exps and reciprocals in its loop (sm_90 SASS, float32 value_and_grad, x broadcast: 653 ->
     // 501 instructions a loop of 8 elements, 12 -> 0 MUFU; H100, one run, three rounds, row
     // pattern 79.7 -> 81.9% of the read+write limit, the other patterns within 0.3, the same bits).
+    // In 16-bit the rows kernel holds them for vectors of 8 elements, which at the heavy table's
+    // 3 blocks an SM (80 registers) spilled 352 bytes (152 without them): bounded for 2 blocks
+    // instead (rows_blocks_16), 136.  H100, float16 row pattern value_and_grad, one run, two
+    // rounds: 237 -> 118 us (2 blocks without the fixed terms 132, 1 block with them 139).
     static constexpr bool fixed_terms = true;
+    static constexpr int rows_blocks_16 = 2;
     template <int CONST, typename A>
     struct Fixed {
         Logistic<A> fast, exact;  // value's and grad's pieces of x (unset when x is not fixed)

@@ -163,7 +163,8 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 // its own 4-byte shape (`shape_f32`, a Shape32: rows and reduce blocks and steps, each 0 for the
 // table's, which they take the place of there, and the loops it pipelines).  Any functor not
 // marked cheap may declare the blocks per SM its 16-bit pointwise_flat gradient kernel is bounded
-// for (`flat_blocks_16`), heavy there or not.
+// for (`flat_blocks_16`), heavy there or not, and likewise its 16-bit pointwise_rows gradient
+// kernel (`rows_blocks_16`).
 #ifndef CUPYLOSS_GRAD_HEAVY_SIZES
 #define CUPYLOSS_GRAD_HEAVY_SIZES 0
 #endif
@@ -173,6 +174,7 @@ CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_M
 CUPYLOSS_FUNCTOR_TRAIT(StreamShape, stream_shape, bool, false)
 CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0, 0, 0}))
 CUPYLOSS_FUNCTOR_TRAIT(FlatBlocks16, flat_blocks_16, int, 0)
+CUPYLOSS_FUNCTOR_TRAIT(RowsBlocks16, rows_blocks_16, int, 0)
 // The kernels compiled per mask CONST of operands that are the same across a unit of work (bit
 // k: operand k is broadcast along it, or absent) read the others, which stream: operand k's
 // slot among them is stream_slot<K>(CONST, k), and stream_slot<K>(CONST, K) is their number.
@@ -205,7 +207,8 @@ struct GradShape {
     static constexpr int flat_steps =
         heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
     static constexpr int rows_blocks =
-        own.rows_blocks ? own.rows_blocks
+        sizeof(T) == 2 && RowsBlocks16<Op>::value ? RowsBlocks16<Op>::value
+        : own.rows_blocks ? own.rows_blocks
         : stream        ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM
         : heavy         ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY : CUPYLOSS_ROWS_MIN_BLOCKS_GRAD;
     static constexpr int rows_steps =
