@@ -392,6 +392,14 @@ REDUCE_MIN_BLOCKS_HEAVY = 4
 # from .165 to .164; rows 2 blocks against 1 took hinge's row pattern from .140 to .113 ms.)
 # E is taken; single losses do better elsewhere (bce's rows with C, .225 against .290).
 ROWS_MIN_BLOCKS_GRAD = 2
+# The cheap losses' 16-bit rows gradient kernels (vectors of 8 elements): at the table's 2
+# blocks and 4 steps mse_loss's spilled 16 bytes at 128 registers.  H100, float16 row pattern
+# value_and_grad, one run, two rounds, 2/4 -> 3/1 (us): mse 77.5 -> 67.7, l1 78.2 -> 67.2,
+# hinge 81.1 -> 68.7, huber 82.6 -> 68.8, smooth_l1 80.9 -> 68.3, squared_hinge 82.9 -> 69.2,
+# hinge_embedding 93.7 -> 70.4 (2/2 76.4-85.3 with one round of mse at 188.8, 1/4 112-131;
+# 4/1 spills), the same bits.
+ROWS_MIN_BLOCKS_GRAD_CHEAP_16 = 3
+ROWS_STEPS_GRAD_CHEAP_16 = 1
 ROWS_MIN_BLOCKS_GRAD_HEAVY = 3
 ROWS_STEPS_GRAD_HEAVY = 1
 FLAT_MIN_BLOCKS_GRAD_HEAVY = 4
@@ -523,6 +531,8 @@ def kernel_defines() -> tuple[str, ...]:
             f"-DCUPYLOSS_REDUCE_MIN_BLOCKS={REDUCE_MIN_BLOCKS}",
             f"-DCUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY={REDUCE_MIN_BLOCKS_HEAVY}",
             f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD={ROWS_MIN_BLOCKS_GRAD}",
+            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16={ROWS_MIN_BLOCKS_GRAD_CHEAP_16}",
+            f"-DCUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16={ROWS_STEPS_GRAD_CHEAP_16}",
             f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY={ROWS_MIN_BLOCKS_GRAD_HEAVY}",
             f"-DCUPYLOSS_ROWS_STEPS_GRAD_HEAVY={ROWS_STEPS_GRAD_HEAVY}",
             f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM={ROWS_MIN_BLOCKS_GRAD_STREAM}",
