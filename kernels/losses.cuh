@@ -983,7 +983,7 @@ struct LogCoshOp {
     }
     // tanh d; float: as the comment above says, double: tanh.
     static __device__ __forceinline__ float tanh_of(float d) {
-        const float z = absv(d);                 // as value's, which shares e
+        const float z = absv(d);  // as value's, which shares e
         const float e = ex(-2.0f * z);
         const float u = z * z;
         float q = -5.984960590e-03f;

@@ -121,15 +121,15 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 #ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD
 #define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD 1
 #endif
-#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY
-#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY 1
-#endif
 // The cheap functors' 16-bit rows gradient kernels: blocks per SM and steps in flight.
 #ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16
 #define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16 1
 #endif
 #ifndef CUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16
 #define CUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16 4
+#endif
+#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY
+#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY 1
 #endif
 #ifndef CUPYLOSS_ROWS_STEPS_GRAD_HEAVY
 #define CUPYLOSS_ROWS_STEPS_GRAD_HEAVY 4
@@ -215,16 +215,16 @@ struct GradShape {
         heavy ? CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY : CUPYLOSS_FLAT_UNROLL_GRAD;
     static constexpr bool cheap_16 = sizeof(T) == 2 && IsCheap<Op>::value;
     static constexpr int rows_blocks =
-        cheap_16 ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16
+        cheap_16                                    ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16
         : sizeof(T) == 2 && RowsBlocks16<Op>::value ? RowsBlocks16<Op>::value
-        : own.rows_blocks ? own.rows_blocks
-        : stream        ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM
-        : heavy         ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY : CUPYLOSS_ROWS_MIN_BLOCKS_GRAD;
+        : own.rows_blocks                           ? own.rows_blocks
+        : stream                                    ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM
+        : heavy ? CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY : CUPYLOSS_ROWS_MIN_BLOCKS_GRAD;
     static constexpr int rows_steps =
-        cheap_16       ? CUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16
+        cheap_16         ? CUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16
         : own.rows_steps ? own.rows_steps
-        : stream       ? CUPYLOSS_ROWS_STEPS_GRAD_STREAM
-        : heavy        ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
+        : stream         ? CUPYLOSS_ROWS_STEPS_GRAD_STREAM
+        : heavy          ? CUPYLOSS_ROWS_STEPS_GRAD_HEAVY : 4;
     // Software-pipelined loops (the next step's loads issued before this step's arithmetic),
     // where the functor's own shape asks (Shape32::pipe): flat_pipe(has_const), of the flat
     // kernel with or without stride-0 operands compiled in.
