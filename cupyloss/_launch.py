@@ -715,6 +715,18 @@ PAIR_STATIC_SHARED = 2048
 # same team: each thread then adds the same elements in the same order, so a row's loss is
 # bitwise the one value_and_grad gives.
 PAIR_TEAMS = (8, 16, 32, 64, 128, PAIR_BLOCK)
+# The loss alone of rows of at least PAIR_WIDE_ROW_BYTES bytes of an element size in
+# PAIR_WIDE_ITEMSIZES, over at least PAIR_WIDE_GROUPS row groups a multiprocessor, takes the wide
+# form: a block a row (rowpair_rows<..., WIDE>: more loads of a tile in flight, fewer blocks an
+# SM), the blocks handed out as SMs free up rather than a persistent grid's fixed share of rows
+# each; rowpair_finish then adds the rows' losses.  Measured (H100 and H200, the loss alone):
+# float32 rows of 8192-32768 elements gain 1-2% over the persistent form; 4096 float32 elements
+# and fewer, and 16-bit rows of 8192, lose 2-75% (a block's row is too little to cover its
+# start and its sums).
+PAIR_WIDE_GROUPS = 16
+PAIR_WIDE_ROW_BYTES = 32768
+PAIR_WIDE_ITEMSIZES = (4,)
+PAIR_FINISH_BLOCK = 1024   # threads of rowpair_finish (PAIR_FINISH_BLOCK there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -729,6 +741,7 @@ class PairLaunch:
     shared: int
     tpr: int
     hv: int
+    wide: bool = False
 
 
 def pair_team(cols: int, itemsize: int) -> int:
@@ -762,21 +775,32 @@ def pair_vecs(cols: int, itemsize: int, narrays: int, grad: bool, limits: Device
     return min(need, room)
 
 
+def pair_wide(rows: int, cols: int, itemsize: int, grad: bool, limits: DeviceLimits) -> bool:
+    """Whether rowpair_rows takes its wide form: the loss alone, rows of PAIR_WIDE_ROW_BYTES or
+    more of an element size in PAIR_WIDE_ITEMSIZES, at least PAIR_WIDE_GROUPS row groups an SM."""
+    groups = _cdiv(max(rows, 1), PAIR_BLOCK // pair_team(cols, itemsize))
+    return (not grad and itemsize in PAIR_WIDE_ITEMSIZES and cols * itemsize >= PAIR_WIDE_ROW_BYTES
+            and groups >= PAIR_WIDE_GROUPS * limits.sm_count)
+
+
 def pair_launch(rows: int, cols: int, itemsize: int, narrays: int, grad: bool,
                 limits: DeviceLimits, occupancy) -> PairLaunch:
     """Launch for rowpair_rows over [rows, cols] of `narrays` arrays, with the gradient or not;
     occupancy(shared bytes) gives its resident blocks per SM with that much dynamic shared memory.
 
-    The team from `pair_team`, the unit from `pair_vecs`; the grid never exceeds the resident
-    blocks: rows go round in a grid-stride loop.
+    The team from `pair_team`, the unit from `pair_vecs`.  The wide form (`pair_wide`) takes a
+    block a row group; otherwise the grid never exceeds the resident blocks, and rows go round in
+    a grid-stride loop.
     """
     if cols > ROW_MAX_COLS:
         raise ValueError(f"rows of {cols} elements exceed the {ROW_MAX_COLS} a row may have")
     tpr = pair_team(cols, itemsize)
     hv = pair_vecs(cols, itemsize, narrays, grad, limits)
     shared = pair_shared(hv, narrays)
-    resident = max(1, limits.sm_count * occupancy(shared))
     blocks = _cdiv(max(rows, 1), PAIR_BLOCK // tpr)
+    if pair_wide(rows, cols, itemsize, grad, limits):
+        return PairLaunch((min(blocks, limits.max_grid_x),), (PAIR_BLOCK,), 0, tpr, 0, True)
+    resident = max(1, limits.sm_count * occupancy(shared))
     grid = max(1, min(blocks, resident, limits.max_grid_x))
     return PairLaunch((grid,), (PAIR_BLOCK,), shared, tpr, hv)
 

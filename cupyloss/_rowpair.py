@@ -131,6 +131,7 @@ _PARAMS = ("x0", "x1", "x2", "tgt", "go", "rows", "cols", "rs0", "rs1", "rs2", "
            "cs2", "t_rs", "go_rs", "flags", "tpr", "hv", "p", "eps", "margin", "go_value",
            "grad_scale", "divisor", "loss", "g0", "g1", "g2", "value", "partials", "ticket")
 LAYOUT = _args.Layout([(name, 1) for name in _PARAMS])
+FINISH_LAYOUT = _args.Layout([(name, 1) for name in ("partials", "rows", "divisor", "value")])
 _ONE = _args.f64_word(1.0)
 
 _PLANS: dict = {}
@@ -152,7 +153,9 @@ class Plan:
     value: bool             # allocate the 0-d loss
     loss: bool              # allocate the per-row loss (reduction 'none')
     grads: tuple            # per input: allocate its gradient
-    partials: int           # acc-typed partial sums (0: none, one block)
+    partials: int           # acc-typed partial sums (0: none): a block's, or a wide launch's rows'
+    finish: int             # rowpair_finish, which adds the rows' after a wide launch (0: none)
+    finish_words: array.array
 
 
 def _row_geometry(shape, strides):
@@ -174,10 +177,11 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     loss_shape = tuple(x_shape[:-1])
     rows = math.prod(loss_shape)
     grad = any(grads)
-    name = _source.rowpair_name(info.ctype, spec.op, grad)
     cfg = _launch.pair_launch(
         rows, cols, dtype.itemsize, len(geos), grad, limits,
-        lambda shared: _source.resident("rowpair.cu", name, shared, _launch.PAIR_BLOCK))
+        lambda shared: _source.resident("rowpair.cu", _source.rowpair_name(
+            info.ctype, spec.op, grad), shared, _launch.PAIR_BLOCK))
+    name = _source.rowpair_name(info.ctype, spec.op, grad, cfg.wide)
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
     flags = FLAG_SWAP if swap else 0
@@ -200,9 +204,14 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     words = LAYOUT.template(values)
     function = _source.function("rowpair.cu", name).kernel.ptr  # allowed cfg.shared above
     value = want_value and reduction != "none"
-    partials = cfg.grid[0] if value and cfg.grid[0] > 1 else 0
+    finish = 0
+    partials = (rows if cfg.wide else cfg.grid[0] if cfg.grid[0] > 1 else 0) if value else 0
+    finish_words = FINISH_LAYOUT.template({"rows": rows, "divisor": _args.f64_word(divisor)})
+    if value and cfg.wide:
+        finish = _source.function("rowpair.cu", _source.rowpair_finish_name(info.ctype)).kernel.ptr
     return Plan(function, cfg.grid, cfg.block, cfg.shared, words, tuple(x_shape), loss_shape,
-                dtype, acc, value, want_value and reduction == "none", tuple(grads), partials)
+                dtype, acc, value, want_value and reduction == "none", tuple(grads),
+                partials, finish, finish_words)
 
 
 def _make_plan(*args) -> Plan:
@@ -237,8 +246,17 @@ def _run(plan: Plan, frame, xs, t, go, go_value, stream):
             grads[k], words[slot["g0"] + k] = frame.empty(plan.x_shape, plan.dtype, like)
     if plan.partials:
         _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
-        words[slot["ticket"]] = _ticket(xs[0].device, stream)
-    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
+        if not plan.finish:
+            words[slot["ticket"]] = _ticket(xs[0].device, stream)
+    if plan.finish:
+        # The wide launch writes the rows' losses; rowpair_finish adds them into the 0-d loss.
+        done = array.array("Q", plan.finish_words)
+        done[FINISH_LAYOUT.slot["partials"]] = words[slot["partials"]]
+        done[FINISH_LAYOUT.slot["value"]] = words[slot["value"]]
+        _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
+        _args.launch(plan.finish, (1,), (_launch.PAIR_FINISH_BLOCK,), 0, stream, done)
+    else:
+        _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     result = frame.result
     return [None if a is None else result(a) for a in [out, *grads]]
 

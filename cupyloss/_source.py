@@ -116,9 +116,15 @@ def rowclass_name(kernel: str, ctype: str, loss: int = 0) -> str:
 ROWPAIR_OPS = ("TripletOp", "CosineOp")
 
 
-def rowpair_name(ctype: str, op: str, grad: bool) -> str:
-    """Name expression of rowpair.cu's rowpair_rows<ctype, op, grad>."""
-    return f"cupyloss::rowpair_rows<{ctype}, cupyloss::{op}, {'true' if grad else 'false'}>"
+def rowpair_name(ctype: str, op: str, grad: bool, wide: bool = False) -> str:
+    """Name expression of rowpair.cu's rowpair_rows<ctype, op, grad, wide>."""
+    flag = {True: "true", False: "false"}
+    return f"cupyloss::rowpair_rows<{ctype}, cupyloss::{op}, {flag[grad]}, {flag[wide]}>"
+
+
+def rowpair_finish_name(ctype: str) -> str:
+    """Name expression of rowpair.cu's rowpair_finish<ctype>."""
+    return f"cupyloss::rowpair_finish<{ctype}>"
 
 
 def units() -> list[tuple[str, list[str]]]:
@@ -137,8 +143,12 @@ def units() -> list[tuple[str, list[str]]]:
     rowclass = [rowclass_name("rowclass_rows", info.ctype, loss)
                 for info in _dtypes.DTYPES.values() for loss in ROWCLASS_LOSSES]
     rowclass += [rowclass_name("rowclass_count", info.ctype) for info in _dtypes.DTYPES.values()]
+    wide = [info for dtype, info in _dtypes.DTYPES.items()
+            if dtype.itemsize in _launch.PAIR_WIDE_ITEMSIZES]
     rowpair = [rowpair_name(info.ctype, op, grad) for op in ROWPAIR_OPS
                for info in _dtypes.DTYPES.values() for grad in (False, True)]
+    rowpair += [rowpair_name(info.ctype, op, False, True) for op in ROWPAIR_OPS for info in wide]
+    rowpair += [rowpair_finish_name(info.ctype) for info in wide]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
             ("rowwise.cu", rowwise), ("rowclass.cu", rowclass), ("rowpair.cu", rowpair),
             ("bench.cu", ["cupyloss::hold_stream"])]

@@ -34,7 +34,9 @@
 // alone streams each row once through registers.  The row's sums: per thread in the accumulator
 // type, then a fixed butterfly within a warp and the warps' sums in warp order (deterministic).
 // The 0-d loss is finished in the same launch (grid_sum_out's last-block ticket; the rows'
-// losses summed in double across threads and blocks).  Indices within a row are 32-bit
+// losses summed in double across threads and blocks), except by the wide form of the loss alone
+// (a block a row, no grid-stride loop), whose rows' losses a second one-block launch,
+// rowpair_finish, adds in double in a fixed order.  Indices within a row are 32-bit
 // (cols < 2^31, checked on the host); row offsets are 64-bit.
 #include "common.cuh"
 
@@ -54,7 +56,17 @@ constexpr int PAIR_STAGES = 2;       // units in shared memory at once (_launch.
 // take twice their size once converted), so that 4 blocks of 256 threads (64 registers a thread)
 // fit an SM without spilling (double's triplet does spill a little, for its general-p pow).
 constexpr int PAIR_STREAM_REGS = 32;
+// The same for the wide form of the loss alone (WIDE: a block a row, 2 blocks of 256 threads
+// an SM, 128 registers a thread), whose tiles keep twice as many loads in flight: KernelBench
+// 99's float32 row (8192 elements) is two tiles of 5 and 3 chunks a thread.  H100, KernelBench
+// 99's loss alone / cosine_embedding_loss's of two such arrays, ms, two rounds alike: 64 here
+// 1.014 / 0.677; 96 (the whole row a tile, 24 bytes of spill) 1.042 / 0.679; 48 at 2 blocks
+// 1.015 / 0.769; 36 at 3 blocks an SM 1.020 / 0.679.  H200: 64 0.705 / 0.521, 36 at 3 blocks
+// 0.701 / 0.473 (the persistent form 0.703 / 0.475).
+constexpr int PAIR_WIDE_REGS = 64;
+constexpr int PAIR_WIDE_BLOCKS = 2;  // blocks an SM the wide form is compiled for
 constexpr int PAIR_WARPS = 32;       // at most 1024 threads a block
+constexpr int PAIR_FINISH_BLOCK = 1024;  // threads of rowpair_finish (_launch.PAIR_FINISH_BLOCK)
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
@@ -365,8 +377,15 @@ __device__ __forceinline__ void copies_wait() {
 // (0.371): the standalone kernel's float32 speed did not carry over, so none was taken.
 // Either way a thread adds its head element, its tail element, then its chunks in increasing
 // order, so the loss's sums are bitwise value_and_grad's.
-template <typename T, typename Op, bool GRAD>
-__global__ void __launch_bounds__(PAIR_BLOCK, (GRAD ? 512 : 1024) / PAIR_BLOCK) rowpair_rows(
+// WIDE (the loss alone of long float32 rows, _launch.pair_wide): a block a row group and no
+// grid-stride loop, tiles of PAIR_WIDE_REGS, each row's loss written to partials[r] for
+// rowpair_finish instead of a block's sum and a last-block ticket.  H100, KernelBench 99's loss
+// alone, one run: 1.014 ms (1.011 with reduction 'none', where nothing is finished) against
+// 1.037 for the persistent form and 1.021 for torch.compile.  The rows' sums are the persistent
+// form's, in the same order: the rows' losses are bitwise the same.
+template <typename T, typename Op, bool GRAD, bool WIDE>
+__global__ void __launch_bounds__(PAIR_BLOCK, GRAD ? 2 : WIDE ? PAIR_WIDE_BLOCKS : 4)
+rowpair_rows(
         const T* __restrict__ x0,            // [rows, cols]: element (r, c) at r * rs0 + c * cs0
         const T* __restrict__ x1,            // the same with rs1, cs1
         const T* __restrict__ x2,            // the same with rs2, cs2 (unused by 2-array losses)
@@ -385,14 +404,15 @@ __global__ void __launch_bounds__(PAIR_BLOCK, (GRAD ? 512 : 1024) / PAIR_BLOCK) 
         T* __restrict__ g0,                  // [rows, cols] contiguous, or null (each gradient
         T* __restrict__ g1,                  // asked for separately)
         T* __restrict__ g2,
-        T* __restrict__ value,               // [1] or null
-        acc_t<T>* __restrict__ partials,     // [gridDim.x] when value and gridDim.x > 1
-        unsigned int* __restrict__ ticket) {
+        T* __restrict__ value,               // [1] or null (unused by WIDE)
+        acc_t<T>* __restrict__ partials,     // [gridDim.x] when value and gridDim.x > 1; WIDE:
+        unsigned int* __restrict__ ticket) { // [rows], the rows' losses for rowpair_finish
     using A = acc_t<T>;
     constexpr int N = Op::N;
     constexpr int S = Op::S;
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int NS = cmax(1, PAIR_STREAM_REGS / (N * VEC * (int)sizeof(A) / 4));  // chunks
+    constexpr int NS = cmax(1, (WIDE ? PAIR_WIDE_REGS : PAIR_STREAM_REGS)
+                                   / (N * VEC * (int)sizeof(A) / 4));              // chunks
     // 16-bit inputs: the next tile's lines are fetched into L2 while this one loads.  H100, the
     // loss alone of 32768 x 8192 arrays, one run: triplet bfloat16 0.550 -> 0.530 ms (94.7% ->
     // 98.2% of the read bandwidth), float16 0.553 -> 0.533, cosine bfloat16 0.408 -> 0.369
@@ -545,7 +565,11 @@ __global__ void __launch_bounds__(PAIR_BLOCK, (GRAD ? 512 : 1024) / PAIR_BLOCK) 
             const A l = Op::row(s, target, g, c, pa);
             if (active && lane == 0) {
                 if (loss != nullptr) loss[r] = from_acc<T>(l);
-                lacc.add(l);
+                if (WIDE) {
+                    if (partials != nullptr) partials[r] = l;
+                } else {
+                    lacc.add(l);
+                }
             }
             if (!GRAD || !want_g) continue;
 
@@ -593,10 +617,59 @@ __global__ void __launch_bounds__(PAIR_BLOCK, (GRAD ? 512 : 1024) / PAIR_BLOCK) 
         run(args);
     }
     if constexpr (GRAD) copies_wait<0>();
-    const double v[1] = {lacc.wide()};
-    T* const outs[1] = {value};
-    const double div[1] = {divisor};
-    grid_sum_out<T, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x);
+    if constexpr (!WIDE) {
+        const double v[1] = {lacc.wide()};
+        T* const outs[1] = {value};
+        const double div[1] = {divisor};
+        grid_sum_out<T, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x);
+    }
+}
+
+// value[0] = (the sum of a WIDE launch's rows' losses) / divisor, in one block of
+// PAIR_FINISH_BLOCK threads.  Thread i adds the 16-byte vectors i, i + blockDim.x, ... of the
+// losses, PAIR_FINISH_LOADS of them in flight at once, then the scalars past the last whole
+// vector, in double (a float32 loss is exact there, and a thread adds at most rows / blockDim.x
+// of them: the sum carries far less than one unit of the result); then block_sum, a fixed order,
+// so the result depends on the rows alone.  The persistent launches add each thread's rows, then
+// blocks' partials, also in double: the two agree to within the rounding of the result.
+// H200, KernelBench 99: the compensated strided loop this replaces took 9.5 us more than the
+// loss alone with reduction 'none' (no finish).
+constexpr int PAIR_FINISH_LOADS = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(PAIR_FINISH_BLOCK) rowpair_finish(
+        const acc_t<T>* __restrict__ partials,  // [rows], 16-byte aligned
+        const long long rows, const double divisor,
+        T* __restrict__ value) {                // [1]
+    using A = acc_t<T>;
+    constexpr int W = 16 / sizeof(A);
+    using V = Vec<A, W>;
+    const V* vecs = reinterpret_cast<const V*>(partials);
+    const long long nvec = rows / W;
+    const long long span = (long long)PAIR_FINISH_LOADS * blockDim.x;
+    double acc = 0.0;
+    for (long long base = threadIdx.x; base < nvec; base += span) {
+        V v[PAIR_FINISH_LOADS];
+        #pragma unroll
+        for (int i = 0; i < PAIR_FINISH_LOADS; ++i) {
+            const long long j = base + (long long)i * blockDim.x;
+            if (j < nvec) {
+                v[i] = vecs[j];
+            } else {
+                #pragma unroll
+                for (int e = 0; e < W; ++e) v[i].v[e] = A(0);
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < PAIR_FINISH_LOADS; ++i) {
+            #pragma unroll
+            for (int e = 0; e < W; ++e) acc += double(v[i].v[e]);
+        }
+    }
+    for (long long r = nvec * W + threadIdx.x; r < rows; r += blockDim.x)
+        acc += double(partials[r]);
+    const double total = block_sum(acc, wide_scratch());
+    if (threadIdx.x == 0) value[0] = from_acc<T>(A(total / divisor));
 }
 
 }  // namespace cupyloss

@@ -832,15 +832,45 @@ def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm, 
         return per_sm
 
     cfg = _launch.pair_launch(rows, cols, itemsize, 3, grad, H100_OPTIN, occupancy)
-    assert asked == [cfg.shared]   # residency is that of the shared memory it launches with
     (grid,) = cfg.grid
     block = _launch.PAIR_BLOCK
     assert cfg.block == (block,)
     assert cfg.tpr == _launch.pair_team(cols, itemsize) and block % cfg.tpr == 0
     assert cfg.hv == _launch.pair_vecs(cols, itemsize, 3, grad, H100_OPTIN)
     assert cfg.shared == _launch.pair_shared(cfg.hv, 3)
+    groups = max(1, _cdiv(rows, block // cfg.tpr))
+    assert cfg.wide == _launch.pair_wide(rows, cols, itemsize, grad, H100_OPTIN)
+    if cfg.wide:   # a block a row group (the grid-stride loop past the grid's limit)
+        assert asked == [] and grid == min(groups, H100_OPTIN.max_grid_x)
+        return
+    assert asked == [cfg.shared]   # residency is that of the shared memory it launches with
     assert 1 <= grid <= H100_OPTIN.sm_count * per_sm
-    assert grid <= max(1, _cdiv(rows, block // cfg.tpr))   # no block without a row
+    assert grid <= groups          # no block without a row
+
+
+def test_pair_wide_is_the_loss_alone_of_many_long_rows_of_measured_element_sizes():
+    sms = H100_OPTIN.sm_count
+    edge = _launch.PAIR_WIDE_GROUPS * sms            # row groups needed
+    size = _launch.PAIR_WIDE_ITEMSIZES[0]
+    cols = _launch.PAIR_WIDE_ROW_BYTES // size       # a block a row at this length
+    assert _launch.pair_team(cols, size) == _launch.PAIR_BLOCK
+    assert _launch.pair_wide(edge, cols, size, False, H100_OPTIN)
+    assert not _launch.pair_wide(edge - 1, cols, size, False, H100_OPTIN)   # too few rows
+    assert not _launch.pair_wide(edge, cols, size, True, H100_OPTIN)        # the gradient
+    assert not _launch.pair_wide(edge, cols - 1, size, False, H100_OPTIN)   # too short
+    for other in (2, 4, 8):
+        if other not in _launch.PAIR_WIDE_ITEMSIZES:
+            assert not _launch.pair_wide(10 * edge, 2 * _launch.PAIR_WIDE_ROW_BYTES // other,
+                                         other, False, H100_OPTIN)
+
+
+def test_pair_launch_takes_the_wide_form_at_kernelbench_99():
+    # 32768 rows of 8192 float32 (the wide form was measured there): a block a row, no shared
+    cfg = _launch.pair_launch(32768, 8192, 4, 3, False, H100_OPTIN, lambda shared: 4)
+    assert cfg.wide and cfg.grid == (32768,) and cfg.tpr == _launch.PAIR_BLOCK
+    assert cfg.shared == 0 and cfg.hv == 0
+    grad = _launch.pair_launch(32768, 8192, 4, 3, True, H100_OPTIN, lambda shared: 1)
+    assert not grad.wide and grad.grid == (H100_OPTIN.sm_count,)
 
 
 def test_pair_launch_rejects_rows_past_32_bit_indices():

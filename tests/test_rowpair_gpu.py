@@ -246,6 +246,51 @@ def test_deterministic_and_one_pass_equals_two(dtype, name):
     assert bool((loss == value).all())
 
 
+@pytest.mark.parametrize("name, cols, layout, opts", [
+    # the fast path (p = 2, no swap) on KernelBench 99's row length, rows 16-byte aligned
+    ("triplet_margin_loss", 8192, "contiguous", dict(margin=1.0, p=2.0, eps=1e-6, swap=False)),
+    # the general path, rows off 16-byte boundaries (head and tail elements), two tiles and a
+    # part of a third
+    ("triplet_margin_loss", 8195, "offset", dict(margin=0.5, p=1.5, eps=1e-6, swap=True)),
+    ("cosine_embedding_loss", 8192, "contiguous", dict(margin=0.1)),
+    ("cosine_embedding_loss", 12289, "offset", dict(margin=-0.2)),
+])
+def test_wide_loss_alone(name, cols, layout, opts):
+    """The loss alone of many long float32 rows (rowpair_rows' wide form and rowpair_finish):
+    every reduction against the float64 reference, its rows bitwise value_and_grad's, its 0-d
+    loss within a rounding of value_and_grad's, and bitwise repeatable."""
+    cp = _cupy()
+    cl = _cl()
+    from cupyloss import _launch
+
+    limits = _launch.device_limits(cp.cuda.Device().id)
+    rows = _launch.PAIR_WIDE_GROUPS * limits.sm_count + 3   # past the threshold, not a multiple
+    assert _launch.pair_wide(rows, cols, 4, False, limits)
+    assert not _launch.pair_wide(rows, cols, 4, True, limits)
+    case = dict(dtype=np.dtype(np.float32), name=name, shape=(rows, cols),
+                layouts=[layout] * 3, target="int64", opts=opts)
+    arrays, vals, terms, _ = _arrays(case, np.random.default_rng(cols))
+    f, _ = _refs(name)
+    loss = getattr(cl, name)
+    for reduction in ("none", "sum", "mean"):
+        want = f(*vals, reduction=reduction, **opts)
+        got = loss(*arrays, reduction=reduction, **opts)
+        scale = terms if reduction == "none" else np.sum(terms) / (
+            rows if reduction == "mean" else 1)
+        assert_close(to_host(got), want, np.float32, scale, f"{reduction} {name} {cols}")
+        assert bool((loss(*arrays, reduction=reduction, **opts) == got).all())
+    both = getattr(cl, name + "_value_and_grad")
+    rows_vg, _ = both(*arrays, reduction="none", **opts)
+    assert bool((loss(*arrays, reduction="none", **opts) == rows_vg).all())
+    for reduction in ("sum", "mean"):
+        alone = float(to_host(loss(*arrays, reduction=reduction, **opts)))
+        value = float(to_host(both(*arrays, reduction=reduction, **opts)[0]))
+        # both add the same float32 rows' losses in double; each rounds once to float32
+        assert abs(alone - value) <= np.spacing(np.float32(abs(value))), (alone, value)
+    del arrays, rows_vg
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 @pytest.mark.parametrize("name", ["triplet_margin_loss", "cosine_embedding_loss"])
 def test_wrt_writes_only_what_it_names(name):
     cl = _cl()
@@ -389,4 +434,32 @@ def test_more_than_2_to_the_31_elements():
         for k, (g, w) in enumerate(zip(grads, want)):
             assert_close(to_host(g[r:r + 1]), w, np.float16, None, f"gradient {k} row {r}")
     del grads, loss, a, p, n
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.slow
+def test_wide_loss_alone_past_2_to_the_31_elements():
+    """The loss alone in the wide form (float32, 3 x 8.6 GB): the last rows, past every 32-bit
+    offset, are right, and the 0-d sum is the rows' sum."""
+    cp = _cupy()
+    cl = _cl()
+    from cupyloss import _launch
+
+    rows, cols = 262_200, 8200
+    assert rows * cols > 2**31
+    assert _launch.pair_wide(rows, cols, 4, False, _launch.device_limits(cp.cuda.Device().id))
+    gen = cp.random.default_rng(1)
+    a = gen.standard_normal((rows, cols), dtype=cp.float32)
+    p = a + gen.standard_normal((rows, cols), dtype=cp.float32)
+    n = a + gen.standard_normal((rows, cols), dtype=cp.float32)
+    loss = cl.triplet_margin_loss(a, p, n, reduction="none", margin=50.0)
+    total = cl.triplet_margin_loss(a, p, n, reduction="sum", margin=50.0)
+    for r in (0, rows // 2, rows - 2, rows - 1):
+        vals = [to_host(x[r:r + 1]) for x in (a, p, n)]
+        assert_close(to_host(loss[r:r + 1]), ref.triplet_margin_loss(*vals, margin=50.0,
+                                                                     reduction="none"),
+                     np.float32, None, f"loss row {r}")
+    rows_sum = float(cp.sum(loss.astype(cp.float64)))
+    assert_close(to_host(total), rows_sum, np.float32, rows_sum, "sum of the rows")
+    del loss, total, a, p, n
     cp.get_default_memory_pool().free_all_blocks()
