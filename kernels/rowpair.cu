@@ -59,10 +59,11 @@ constexpr int PAIR_STREAM_REGS = 32;
 // The same for the wide form of the loss alone (WIDE: a block a row, 2 blocks of 256 threads
 // an SM, 128 registers a thread), whose tiles keep twice as many loads in flight: KernelBench
 // 99's float32 row (8192 elements) is two tiles of 5 and 3 chunks a thread.  H100, KernelBench
-// 99's loss alone / cosine_embedding_loss's of two such arrays, ms, two rounds alike: 64 here
-// 1.014 / 0.677; 96 (the whole row a tile, 24 bytes of spill) 1.042 / 0.679; 48 at 2 blocks
-// 1.015 / 0.769; 36 at 3 blocks an SM 1.020 / 0.679.  H200: 64 0.705 / 0.521, 36 at 3 blocks
-// 0.701 / 0.473 (the persistent form 0.703 / 0.475).
+// 99's loss alone / cosine_embedding_loss's of two such arrays, ms, rounds alike: 64 here
+// 1.014 / 0.677; 96 (the whole row a tile, 24 bytes of spill) 1.042 / 0.679 (1.014 / 0.679 in
+// another build of the same source); 48 at 2 blocks 1.015 / 0.769; 36 at 3 blocks an SM
+// 1.020 / 0.679.  H200, with an earlier finish about 6 us slower: 64 0.705 / 0.521, 36 at 3
+// blocks 0.701 / 0.473 (the persistent form 0.703 / 0.475; torch.compile 0.692 / 0.467).
 constexpr int PAIR_WIDE_REGS = 64;
 constexpr int PAIR_WIDE_BLOCKS = 2;  // blocks an SM the wide form is compiled for
 constexpr int PAIR_WARPS = 32;       // at most 1024 threads a block
