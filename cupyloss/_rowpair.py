@@ -153,8 +153,8 @@ class Plan:
     value: bool             # allocate the 0-d loss
     loss: bool              # allocate the per-row loss (reduction 'none')
     grads: tuple            # per input: allocate its gradient
-    partials: int           # acc-typed partial sums (0: none): a block's, or a wide launch's rows'
-    finish: int             # rowpair_finish, which adds the rows' after a wide launch (0: none)
+    partials: int           # acc-typed partial sums (0: none): a block's each, or (wide) a row's
+    finish: int             # rowpair_finish, which adds a wide launch's rows' losses (0: none)
     finish_words: array.array
 
 
@@ -248,15 +248,13 @@ def _run(plan: Plan, frame, xs, t, go, go_value, stream):
         _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
         if not plan.finish:
             words[slot["ticket"]] = _ticket(xs[0].device, stream)
+    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     if plan.finish:
-        # The wide launch writes the rows' losses; rowpair_finish adds them into the 0-d loss.
+        # The wide launch wrote the rows' losses; rowpair_finish adds them into the 0-d loss.
         done = array.array("Q", plan.finish_words)
         done[FINISH_LAYOUT.slot["partials"]] = words[slot["partials"]]
         done[FINISH_LAYOUT.slot["value"]] = words[slot["value"]]
-        _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
         _args.launch(plan.finish, (1,), (_launch.PAIR_FINISH_BLOCK,), 0, stream, done)
-    else:
-        _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     result = frame.result
     return [None if a is None else result(a) for a in [out, *grads]]
 
