@@ -722,8 +722,11 @@ PAIR_TEAMS = (8, 16, 32, 64, 128, PAIR_BLOCK)
 # each; rowpair_finish then adds the rows' losses.  Measured (H100 and H200, the loss alone):
 # float32 rows of 8192-32768 elements gain 1-2% over the persistent form; rows of 4096 float32
 # elements and fewer, and 16-bit rows of 8192, lose 2-75% (a block's row is too little to cover
-# its start and its sums); float64 rows of 8192 lose 9% (H100: 2.308 against 2.113 ms).
-PAIR_WIDE_GROUPS = 16
+# its start and its sums); float64 rows of 8192 lose 9% (H100: 2.308 against 2.113 ms).  The
+# finish costs about 3 us, so the form wins from about 32 rows an SM: H100, ms, wide / persistent,
+# triplet rows of 8192: 2112 rows 0.0741 / 0.0743, 4224 0.1391 / 0.1406, 8448 0.2686 / 0.2722;
+# cosine 2112 rows 0.0535 / 0.0525; triplet 2112 rows of 16384 0.1429 / 0.1416.
+PAIR_WIDE_GROUPS = 32
 PAIR_WIDE_ROW_BYTES = 32768
 PAIR_WIDE_ITEMSIZES = (4,)
 PAIR_FINISH_BLOCK = 1024   # threads of rowpair_finish (PAIR_FINISH_BLOCK there)
