@@ -56,16 +56,21 @@ constexpr int PAIR_STAGES = 2;       // units in shared memory at once (_launch.
 // take twice their size once converted), so that 4 blocks of 256 threads (64 registers a thread)
 // fit an SM without spilling (double's triplet does spill a little, for its general-p pow).
 constexpr int PAIR_STREAM_REGS = 32;
-// The same for the wide form of the loss alone (WIDE: a block a row, 2 blocks of 256 threads
-// an SM, 128 registers a thread), whose tiles keep twice as many loads in flight: KernelBench
-// 99's float32 row (8192 elements) is two tiles of 5 and 3 chunks a thread.  H100, KernelBench
-// 99's loss alone / cosine_embedding_loss's of two such arrays, ms, rounds alike: 64 here
-// 1.014 / 0.677; 96 (the whole row a tile, 24 bytes of spill) 1.042 / 0.679 (1.014 / 0.679 in
-// another build of the same source); 48 at 2 blocks 1.015 / 0.769; 36 at 3 blocks an SM
-// 1.020 / 0.679.  H200, with an earlier finish about 6 us slower: 64 0.705 / 0.521, 36 at 3
-// blocks 0.701 / 0.473 (the persistent form 0.703 / 0.475; torch.compile 0.692 / 0.467).
-constexpr int PAIR_WIDE_REGS = 64;
-constexpr int PAIR_WIDE_BLOCKS = 2;  // blocks an SM the wide form is compiled for
+// The wide form of the loss alone (WIDE: a block a row) takes its tile's registers and its
+// blocks an SM from the loss (Op::WIDE_REGS, Op::WIDE_BLOCKS), measured on KernelBench 99's rows
+// (ms, rounds alike; the loss alone of three / two 32768 x 8192 float32 arrays):
+//
+//   regs / blocks an SM         triplet H100  H200    cosine H100  H200
+//   64 / 2 (128 registers)      1.014         0.710   0.677        0.518
+//   36 / 3 (80 registers)       1.020         0.707   0.679        0.475
+//   96 / 2 (24 bytes of spill)  1.042                 0.679
+//   48 / 2                      1.015                 0.769
+//   persistent form             1.037         0.718   0.694        0.484
+//   torch.compile               1.021         0.706   0.680        0.474
+//
+// (96 / 2 also ran at 1.014 / 0.679 in another build of the same source.)  So the triplet,
+// three arrays, takes 64 / 2 (tiles of 5 chunks of each array), and cosine, two, 36 / 3
+// (tiles of 4).
 constexpr int PAIR_WARPS = 32;       // at most 1024 threads a block
 constexpr int PAIR_FINISH_BLOCK = 1024;  // threads of rowpair_finish (_launch.PAIR_FINISH_BLOCK)
 
@@ -92,6 +97,8 @@ struct TripletOp {
     // p and swap are options: rowpair_rows has a copy of its loop for p = 2 without swap (torch's
     // defaults, KernelBench 99) where they are constants.
     static constexpr bool NORM = true;
+    static constexpr int WIDE_REGS = 64;    // the wide form's tile and blocks an SM (above)
+    static constexpr int WIDE_BLOCKS = 2;
 
     template <typename A>
     __device__ static __forceinline__ A power(A v, const PairArgs<A>& pa) {  // |v|^p
@@ -161,6 +168,8 @@ struct CosineOp {
     static constexpr int S = 3;
     static constexpr bool TARGET = true;
     static constexpr bool NORM = false;
+    static constexpr int WIDE_REGS = 36;
+    static constexpr int WIDE_BLOCKS = 3;
 
     template <typename A>
     __device__ static __forceinline__ void elem(const A (&x)[N], A (&s)[S],
@@ -379,13 +388,13 @@ __device__ __forceinline__ void copies_wait() {
 // Either way a thread adds its head element, its tail element, then its chunks in increasing
 // order, so the loss's sums are bitwise value_and_grad's.
 // WIDE (the loss alone of long float32 rows, _launch.pair_wide): a block a row group and no
-// grid-stride loop, tiles of PAIR_WIDE_REGS, each row's loss written to partials[r] for
+// grid-stride loop, tiles of Op::WIDE_REGS, each row's loss written to partials[r] for
 // rowpair_finish instead of a block's sum and a last-block ticket.  H100, KernelBench 99's loss
 // alone, one run: 1.014 ms (1.011 with reduction 'none', where nothing is finished) against
 // 1.037 for the persistent form and 1.021 for torch.compile.  The rows' sums are the persistent
 // form's, in the same order: the rows' losses are bitwise the same.
 template <typename T, typename Op, bool GRAD, bool WIDE>
-__global__ void __launch_bounds__(PAIR_BLOCK, GRAD ? 2 : WIDE ? PAIR_WIDE_BLOCKS : 4)
+__global__ void __launch_bounds__(PAIR_BLOCK, GRAD ? 2 : WIDE ? Op::WIDE_BLOCKS : 4)
 rowpair_rows(
         const T* __restrict__ x0,            // [rows, cols]: element (r, c) at r * rs0 + c * cs0
         const T* __restrict__ x1,            // the same with rs1, cs1
@@ -412,7 +421,7 @@ rowpair_rows(
     constexpr int N = Op::N;
     constexpr int S = Op::S;
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int NS = cmax(1, (WIDE ? PAIR_WIDE_REGS : PAIR_STREAM_REGS)
+    constexpr int NS = cmax(1, (WIDE ? Op::WIDE_REGS : PAIR_STREAM_REGS)
                                    / (N * VEC * (int)sizeof(A) / 4));              // chunks
     // 16-bit inputs: the next tile's lines are fetched into L2 while this one loads.  H100, the
     // loss alone of 32768 x 8192 arrays, one run: triplet bfloat16 0.550 -> 0.530 ms (94.7% ->
