@@ -387,12 +387,12 @@ __device__ __forceinline__ void copies_wait() {
 // (0.371): the standalone kernel's float32 speed did not carry over, so none was taken.
 // Either way a thread adds its head element, its tail element, then its chunks in increasing
 // order, so the loss's sums are bitwise value_and_grad's.
-// WIDE (the loss alone of long float32 rows, _launch.pair_wide): a block a row group and no
-// grid-stride loop, tiles of Op::WIDE_REGS, each row's loss written to partials[r] for
-// rowpair_finish instead of a block's sum and a last-block ticket.  H100, KernelBench 99's loss
-// alone, one run: 1.014 ms (1.011 with reduction 'none', where nothing is finished) against
-// 1.037 for the persistent form and 1.021 for torch.compile.  The rows' sums are the persistent
-// form's, in the same order: the rows' losses are bitwise the same.
+// WIDE (the loss alone of long float32 rows, _launch.pair_wide): a block a row group (the
+// grid-stride loop only past the grid's limit), tiles of Op::WIDE_REGS, each row's loss written
+// to partials[r] for rowpair_finish instead of a block's sum and a last-block ticket.  H100,
+// KernelBench 99's loss alone, one run: 1.014 ms (1.011 with reduction 'none', where nothing is
+// finished) against 1.037 for the persistent form and 1.021 for torch.compile.  The rows' sums
+// are the persistent form's, in the same order: the rows' losses are bitwise the same.
 template <typename T, typename Op, bool GRAD, bool WIDE>
 __global__ void __launch_bounds__(PAIR_BLOCK, GRAD ? 2 : WIDE ? Op::WIDE_BLOCKS : 4)
 rowpair_rows(
@@ -416,7 +416,8 @@ rowpair_rows(
         T* __restrict__ g2,
         T* __restrict__ value,               // [1] or null (unused by WIDE)
         acc_t<T>* __restrict__ partials,     // [gridDim.x] when value and gridDim.x > 1; WIDE:
-        unsigned int* __restrict__ ticket) { // [rows], the rows' losses for rowpair_finish
+                                             // [rows], the rows' losses for rowpair_finish
+        unsigned int* __restrict__ ticket) { // (unused by WIDE)
     using A = acc_t<T>;
     constexpr int N = Op::N;
     constexpr int S = Op::S;
@@ -642,8 +643,8 @@ rowpair_rows(
 // of them: the sum carries far less than one unit of the result); then block_sum, a fixed order,
 // so the result depends on the rows alone.  The persistent launches add each thread's rows, then
 // blocks' partials, also in double: the two agree to within the rounding of the result.
-// H200, KernelBench 99: the compensated strided loop this replaces took 9.5 us more than the
-// loss alone with reduction 'none' (no finish).
+// KernelBench 99: 3-4 us more than the loss alone with reduction 'none' (no finish), H100 and
+// H200; a compensated loop of one scalar load at a time a thread took 9.5 us (H200).
 constexpr int PAIR_FINISH_LOADS = 8;
 
 template <typename T>
