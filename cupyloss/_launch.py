@@ -665,25 +665,32 @@ def row_hold(cols: int, itemsize: int, acc_itemsize: int, limits: DeviceLimits) 
 
 def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: bool,
                light: bool, limits: DeviceLimits, occupancy) -> RowLaunch:
-    """Launch for cross_entropy_rows over [rows, cols]; occupancy(shared bytes) gives its
-    resident blocks per SM with that much dynamic shared memory.
+    """Launch for cross_entropy_rows over [rows, cols]; occupancy(shared bytes, cluster size)
+    gives the resident blocks per SM of its kernel (cluster size 1: the plain one) with that much
+    dynamic shared memory.
 
     grad: the gradient is written, so a row is held on chip: the team from `row_team`, and past a
     block's registers the blocks and shared-memory tiles from `row_hold`.  Without a gradient a
     row streams through once: a warp per row when rows are plenty (ROW_FORWARD_TEAM), k > 1 only
     when there are too few rows to give every resident block one.  light: nothing but one element
-    per row is read (nll_loss), so the smallest team.  Grids never exceed the resident blocks:
+    per row is read (nll_loss), so the smallest team, or with a gradient the team row_team gives
+    and never more than a block a row.  Grids never exceed the resident blocks:
     the rows go round in a grid-stride loop.
     """
     if cols > ROW_MAX_COLS:
         raise ValueError(f"rows of {cols} classes exceed the {ROW_MAX_COLS} a row may have")
-    tpr, k = (ROW_TEAMS[0], 1) if light else row_team(cols, itemsize)
+    tpr, k = (ROW_TEAMS[0], 1) if light and not grad else row_team(cols, itemsize)
+    if light:
+        k = 1   # no row state: a team of a block writes a gradient row of any length
     stash = 0
     if grad and k > 1:
         k, stash = row_hold(cols, itemsize, acc_itemsize, limits)
     shared = check_shared(ROW_SCRATCH * acc_itemsize + stash * 16 * BLOCK * ROW_VECS, limits,
                           "cross_entropy_rows", optin=True)
-    resident = max(1, limits.sm_count * occupancy(shared))
+    # A row split over a cluster's blocks runs the cluster kernel: its occupancy is asked, so a
+    # call compiles only the kernel it launches.
+    cluster = grad and k > 1 and limits.clusters and ROW_CLUSTERS and k in ROW_CLUSTER_SIZES
+    resident = max(1, limits.sm_count * occupancy(shared, k if cluster else 1))
     if grad:
         k = min(k, resident)
     else:
@@ -694,7 +701,7 @@ def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: boo
     if k > 1:
         groups = max(1, min(rows, resident // k))
         return RowLaunch((groups * k,), (BLOCK,), shared, BLOCK, k, stash,
-                         grad and limits.clusters and ROW_CLUSTERS and k in ROW_CLUSTER_SIZES)
+                         cluster and k in ROW_CLUSTER_SIZES)
     blocks = _cdiv(max(rows, 1), BLOCK // tpr)
     return RowLaunch((max(1, min(blocks, resident, limits.max_grid_x)),), (BLOCK,), shared, tpr,
                      1, stash)

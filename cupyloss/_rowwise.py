@@ -66,6 +66,9 @@ SPECS = {
     "nll_loss": RowSpec("nll_loss", "nll", options=("weight", "ignore_index", "check_targets")),
 }
 
+# cross_entropy_rows<T, MODE>'s variants, mirrored from kernels/rowwise.cu.
+MODE_FORWARD, MODE_GRAD, MODE_GENERAL, MODE_NLL, MODE_SMOOTH, MODE_PROB = 0, 1, 2, 3, 4, 5
+
 _ROWS_PARAMS = ("x", "t", "w", "go", "denom", "rows", "cols", "x_rs", "t_rs", "go_rs", "g_rs",
                 "flags", "ignore", "eps", "zs", "cap", "go_value", "grad_scale", "tpr", "k",
                 "stash", "loss", "lse", "gx", "gt", "value", "partials", "ticket", "divisor",
@@ -277,19 +280,20 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
 
     counters = 0
     if geo.contiguous_classes:
-        general = (spec.kind == "nll" or not is_index or smoothing != 0.0
-                   or softcap != 0.0)
-        mode = 2 if general else 1 if want_g else 0
+        mode = (MODE_NLL if spec.kind == "nll" else MODE_GENERAL if softcap != 0.0
+                else MODE_PROB if not is_index else MODE_SMOOTH if smoothing != 0.0
+                else MODE_GRAD if want_g else MODE_FORWARD)
         name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode)
-        cfg = _launch.row_launch(rows, cols, dtype.itemsize, acc.itemsize, want_g,
-                                 spec.kind == "nll" and not want_g, limits,
-                                 lambda shared: _source.resident("rowwise.cu", name, shared))
+        cfg = _launch.row_launch(
+            rows, cols, dtype.itemsize, acc.itemsize, want_g, mode == MODE_NLL, limits,
+            lambda shared, kc: _source.resident(
+                "rowwise.cu", _source.rowwise_name("cross_entropy_rows", info.ctype, mode, kc),
+                shared))
         words = ROWS.template({**common, "x_rs": geo.x[0], "t_rs": geo.t[0], "go_rs": go_rs[0],
                                "g_rs": g_strides[0], "tpr": cfg.tpr, "k": cfg.k,
                                "stash": cfg.stash})
         if cfg.cluster:
             name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, cfg.k)
-            _source.resident("rowwise.cu", name, cfg.shared)   # opts in to its shared memory
         main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
                         cfg.shared, words, ROWS.slot, cfg.cooperative)
         if cfg.cooperative:

@@ -16,7 +16,9 @@ from cupyloss import _dtypes, _launch, _registry
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _CANDIDATES = (_HERE / "kernels", _HERE.parent / "kernels")
-OPTIONS = ("--std=c++17", *_launch.kernel_defines())
+# Unannotated functions (the kernels' lambdas) are device functions: NVRTC 13.0 refuses them
+# otherwise, where 13.5 accepts them.
+OPTIONS = ("--std=c++17", "--device-as-default-execution-space", *_launch.kernel_defines())
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -89,11 +91,14 @@ def scale_name(ctype: str, vec: int) -> str:
 
 
 ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum")
+ROWWISE_MODES = (0, 1, 2, 3, 4, 5)     # cross_entropy_rows's MODE (_rowwise.ROW_*)
+ROWWISE_CLUSTER_MODES = (1, 2, 4, 5)   # the ones with a gradient held over a cluster's blocks
 
 
 def rowwise_name(kernel: str, ctype: str, mode: int = 2, cluster: int = 1) -> str:
     """Name expression of a rowwise.cu kernel: cross_entropy_rows<ctype, mode> (0 the class-index
-    loss alone, 1 with its gradient, 2 everything else), or with cluster > 1
+    loss alone, 1 with its gradient, 2 anything with a softcap, 3 nll_loss, 4 class indices with
+    label smoothing, 5 probability targets), or with cluster > 1
     cross_entropy_rows_cluster<ctype, mode, cluster> (a cluster of that many blocks a row); the
     others <ctype>."""
     if kernel == "cross_entropy_rows" and cluster > 1:
@@ -128,62 +133,66 @@ def rowpair_finish_name(ctype: str) -> str:
 
 
 def units() -> list[tuple[str, list[str]]]:
-    """Every compilation unit: (source file, its name expressions).  CI compiles each."""
-    pointwise = [name for functor in _registry.functors() for info in _dtypes.DTYPES.values()
+    """Every instantiation a call can run, by source file: (file, its name expressions)."""
+    infos = list(_dtypes.DTYPES.values())
+    pointwise = [name for functor in _registry.functors() for info in infos
                  for name in pointwise_names(functor, info)]
-    reduce = [reduce_name("sum_chunks", info.ctype) for info in _dtypes.DTYPES.values()]
-    scale = [scale_name(info.ctype, vec) for info in _dtypes.DTYPES.values()
-             for vec in sorted({1, info.vec})]
-    rowwise = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
-               for info in _dtypes.DTYPES.values()
-               for mode in ((0, 1, 2) if kernel == "cross_entropy_rows" else (2,))]
-    rowwise += [rowwise_name("cross_entropy_rows", info.ctype, mode, kc)
-                for info in _dtypes.DTYPES.values() for mode in (1, 2)
-                for kc in _launch.ROW_CLUSTER_SIZES]
-    rowclass = [rowclass_name("rowclass_rows", info.ctype, loss)
-                for info in _dtypes.DTYPES.values() for loss in ROWCLASS_LOSSES]
-    rowclass += [rowclass_name("rowclass_count", info.ctype) for info in _dtypes.DTYPES.values()]
-    wide = [info for dtype, info in _dtypes.DTYPES.items()
-            if dtype.itemsize in _launch.PAIR_WIDE_ITEMSIZES]
-    rowpair = [rowpair_name(info.ctype, op, grad) for op in ROWPAIR_OPS
-               for info in _dtypes.DTYPES.values() for grad in (False, True)]
-    rowpair += [rowpair_name(info.ctype, op, False, True) for op in ROWPAIR_OPS for info in wide]
-    rowpair += [rowpair_finish_name(info.ctype) for info in wide]
+    reduce = [reduce_name("sum_chunks", info.ctype) for info in infos]
+    scale = [scale_name(info.ctype, vec) for info in infos for vec in sorted({1, info.vec})]
+    rowwise = [name for info in infos for name in rowwise_names(info)]
+    rowclass = [name for info in infos for loss in ROWCLASS_LOSSES
+                for name in rowclass_names(info, loss)]
+    rowpair = [name for op in ROWPAIR_OPS for info in infos for name in rowpair_names(info, op)]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
-            ("rowwise.cu", rowwise), ("rowclass.cu", rowclass), ("rowpair.cu", rowpair),
-            ("bench.cu", ["cupyloss::hold_stream"])]
+            ("rowwise.cu", rowwise), ("rowclass.cu", list(dict.fromkeys(rowclass))),
+            ("rowpair.cu", list(dict.fromkeys(rowpair))), ("bench.cu", ["cupyloss::hold_stream"])]
 
 
-@functools.lru_cache(maxsize=None)
-def _groups() -> dict:
-    """(file, name expression) -> its compilation group: (functor, C type) in pointwise.cu for
-    the flat kernels, and (functor, C type, mask) for its rows and reduce kernels and the flat
-    ones with a mask.
-
-    A loss's first call compiles only its own functor's kernels for its dtype (a few seconds),
-    not every loss's, and a broadcast call only the kernels of its mask; other files are one
-    group each."""
-    groups = {}
-    for functor in _registry.functors():
-        for info in _dtypes.DTYPES.values():
-            for name in pointwise_names(functor, info):
-                group = (functor, info.ctype)
-                last = name.rpartition(",")[2].strip(" >")
-                if last not in ("true", "false"):   # a mask: rows, reduce, flat with const
-                    group += (int(last),)
-                groups[("pointwise.cu", name)] = group
-    return groups
+def rowwise_names(info) -> list[str]:
+    """Every rowwise.cu kernel of one dtype (cross_entropy and nll_loss reach them all)."""
+    names = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
+             for mode in (ROWWISE_MODES if kernel == "cross_entropy_rows" else (2,))]
+    return names + [rowwise_name("cross_entropy_rows", info.ctype, mode, kc)
+                    for mode in ROWWISE_CLUSTER_MODES for kc in _launch.ROW_CLUSTER_SIZES]
 
 
-class Module:
-    """A compiled kernels/ file: its functions by name expression (cupy.RawKernel objects)."""
+def rowclass_names(info, loss: int) -> list[str]:
+    """The rowclass.cu kernels of one loss (LOSS_*) and dtype."""
+    return [rowclass_name("rowclass_rows", info.ctype, loss),
+            rowclass_name("rowclass_count", info.ctype)]
 
-    def __init__(self, raw, mangled: dict):
-        self._raw = raw
-        self._mangled = mangled
 
-    def get_function(self, expression: str):
-        return self._raw.get_function(self._mangled[expression])
+def rowpair_names(info, op: str) -> list[str]:
+    """The rowpair.cu kernels of one functor and dtype: with and without gradients, and the
+    wide form with its finish where the element size takes it."""
+    names = [rowpair_name(info.ctype, op, grad) for grad in (False, True)]
+    if info.dtype.itemsize in _launch.PAIR_WIDE_ITEMSIZES:
+        names += [rowpair_name(info.ctype, op, False, True), rowpair_finish_name(info.ctype)]
+    return names
+
+
+def reachable(loss: str, dtype) -> list[tuple[str, str]]:
+    """(file, name expression) of every kernel a call of `loss` on `dtype` can run, the torch
+    adapter's grad_output scaling included: what precompile builds for that loss."""
+    info = _dtypes.lookup(dtype)
+    if info is None:
+        raise TypeError(f"cupyloss has no kernels for dtype {dtype}")
+    losses = _registry.all_losses()
+    if loss not in losses:
+        raise ValueError(f"unknown loss {loss!r}; the losses are {', '.join(losses)}")
+    spec = losses[loss]
+    out = [("scale.cu", scale_name(info.ctype, vec)) for vec in sorted({1, info.vec})]
+    if loss in _registry.SPECS:
+        out.append(("reduce.cu", reduce_name("sum_chunks", info.ctype)))
+        out += [("pointwise.cu", name) for functor in spec.instances()
+                for name in pointwise_names(functor, info)]
+    elif hasattr(spec, "op"):           # row-pair losses (cupyloss._rowpair)
+        out += [("rowpair.cu", name) for name in rowpair_names(info, spec.op)]
+    elif hasattr(spec, "loss"):         # row-class losses (cupyloss._rowclass)
+        out += [("rowclass.cu", name) for name in rowclass_names(info, spec.loss)]
+    else:                               # cross_entropy, nll_loss (cupyloss._rowwise)
+        out += [("rowwise.cu", name) for name in rowwise_names(info)]
+    return out
 
 
 def cache_dir() -> pathlib.Path:
@@ -206,59 +215,75 @@ def _nvrtc_options() -> tuple[str, ...]:
     return core.assemble_cupy_compiler_options(OPTIONS)
 
 
-def compile_module(code: str, names: list[str]) -> Module:
-    """Compile `code` with NVRTC for the current device and load it, through an on-disk cache.
+def _nvrtc(code: str, options: tuple, arch: str, names: list[str]) -> tuple[bytes, dict]:
+    """(cubin, {name expression: lowered name}) of `code` built by NVRTC for sm_`arch`.  Needs
+    libnvrtc alone, no GPU, so kernels can be built ahead of use on any machine."""
+    from cupy.cuda import compiler, nvrtc
 
-    CuPy's RawModule appends -ftz=true to every compilation: float32 subnormal inputs and
-    results would read and come out as zero, where torch keeps them (a bfloat16 loss of 3e-39
-    would be 0).  The kernels are therefore compiled here with the same NVRTC that CuPy uses but
-    with OPTIONS alone (IEEE subnormals, as CUDA and torch default to), and the cubin is loaded
-    through RawModule(path=...), which compiles nothing.  The cache key is the source, the
-    options, the architecture and the NVRTC version; entries are written atomically, so parallel
-    processes (precompile) may race on one.
+    program = nvrtc.createProgram(code, "cupyloss.cu", (), ())
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, (*options, f"-arch=sm_{arch}"))
+        except nvrtc.NVRTCError:
+            raise compiler.CompileException(nvrtc.getProgramLog(program), code, "cupyloss.cu",
+                                            options, "nvrtc") from None
+        mangled = {name: nvrtc.getLoweredName(program, name) for name in names}
+        return nvrtc.getCUBIN(program), mangled
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def cached(file: str, names: list[str], arch: str) -> pathlib.Path:
+    """The cubin of kernels/`file` holding `names` for sm_`arch`, compiled into the on-disk
+    cache (cache_dir) unless it is there already; a .json beside it maps the names to their
+    mangled symbols.
+
+    The kernels are compiled with the NVRTC CuPy uses but with OPTIONS alone: CuPy's RawModule
+    appends -ftz=true, which would read and write float32 subnormals as zero where torch keeps
+    them (a bfloat16 loss of 3e-39 would be 0).  The key is the expanded source, the options, the
+    architecture, the NVRTC version and the names.  Each file is written under a temporary name
+    and renamed into place, the mapping last, so processes sharing one cache folder may race on
+    an entry and each finds it whole.
     """
     import hashlib
     import json
     import os
     import tempfile
 
-    import cupy
-    from cupy.cuda import compiler
+    from cupy.cuda import nvrtc
 
-    arch = cupy.cuda.Device().compute_capability
+    code = expand(file)
     options = _nvrtc_options()
     key = hashlib.sha256("\0".join(
-        [code, *options, arch, str(cupy.cuda.nvrtc.getVersion()), *names]).encode())
+        [code, *options, arch, str(nvrtc.getVersion()), *names]).encode())
     folder = cache_dir()
     cubin = folder / f"{key.hexdigest()}.cubin"
     mapping = cubin.with_suffix(".json")
     if not (cubin.is_file() and mapping.is_file()):
-        binary, mangled = compiler.compile_using_nvrtc(code, options, arch,
-                                                       name_expressions=names)
-        if isinstance(binary, str):  # PTX, where NVRTC cannot build SASS for this device
-            binary = binary.encode()
+        binary, mangled = _nvrtc(code, options, arch, names)
         folder.mkdir(parents=True, exist_ok=True)
-        for path, data in ((mapping, json.dumps(mangled or {}).encode()), (cubin, binary)):
+        for path, data in ((cubin, binary), (mapping, json.dumps(mangled).encode())):
             fd, tmp = tempfile.mkstemp(dir=folder)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, path)
-    mangled = json.loads(mapping.read_text())
-    return Module(cupy.RawModule(path=str(cubin)), mangled)
-
-
-@functools.lru_cache(maxsize=None)
-def module(name: str, group=None) -> Module:
-    """The compiled kernels/`name` with the name expressions of `group` (compiled lazily; the
-    whole file's when the file is not split into groups)."""
-    groups = _groups()
-    names = [e for e in dict(units())[name] if groups.get((name, e)) == group]
-    return compile_module(expand(name), names)
+    return cubin
 
 
 @functools.lru_cache(maxsize=None)
 def _function(name: str, expression: str, device_id: int):
-    return module(name, _groups().get((name, expression))).get_function(expression)
+    """One instantiation on device `device_id`, compiled on demand as its own NVRTC program (a
+    call compiles only the kernels it runs) and loaded from the cache."""
+    import json
+
+    import cupy
+
+    with cupy.cuda.Device(device_id) as device:
+        cubin = cached(name, [expression], device.compute_capability)
+        mangled = json.loads(cubin.with_suffix(".json").read_text())
+        return cupy.RawModule(path=str(cubin)).get_function(mangled[expression])
 
 
 def function(name: str, expression: str):
@@ -287,33 +312,3 @@ def resident(name: str, expression: str, shared: int = 0, block: int = _launch.B
     import cupy
 
     return _resident(name, expression, shared, block, cupy.cuda.runtime.getDevice())
-
-
-def _compile_group(job) -> str:
-    """Worker of precompile: load one group's module (compiling it into the on-disk cache)."""
-    name, group = job
-    expression = next(e for e in dict(units())[name] if _groups().get((name, e)) == group)
-    module(name, group).get_function(expression)
-    return f"{name} {group or ''}"
-
-
-def precompile(processes: int | None = None) -> int:
-    """Compile every kernel for the current GPU ahead of use, in parallel processes.
-
-    compile_module keeps what NVRTC builds on disk (cache_dir), so later processes load the kernels
-    instead of compiling them (about a second per name expression) at their first call: a
-    warm-up for a test suite, a benchmark or a new machine.  Returns the number of modules.
-    """
-    import concurrent.futures
-    import multiprocessing
-    import os
-
-    groups = _groups()
-    jobs = [(name, None) for name, _ in units() if name != "pointwise.cu"]
-    jobs += sorted({("pointwise.cu", group) for group in groups.values()})
-    processes = processes or min(len(jobs), len(os.sched_getaffinity(0)))
-    context = multiprocessing.get_context("spawn")  # each worker makes its own CUDA context
-    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-        list(pool.map(_compile_group, jobs))
-    return len(jobs)
-

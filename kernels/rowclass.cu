@@ -39,7 +39,8 @@
 //                           divisor a 'mean' jsd gradient needs before its launch.
 // Indices within a row are 32-bit (C < 2^31, checked on the host); row offsets are 64-bit.
 // The 0-d loss is finished in the same launch (last-block ticket), deterministically.
-#include "rowwise.cu"
+#include "common.cuh"
+#include "rows.cuh"
 
 namespace cupyloss {
 

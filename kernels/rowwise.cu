@@ -47,6 +47,7 @@
 //                        gradient launch that needs it (the gradient is scaled by it).
 // Indices are 64-bit; the 0-d loss is finished in the same launch (last-block ticket).
 #include "common.cuh"
+#include "rows.cuh"
 
 namespace cupyloss {
 
@@ -65,43 +66,16 @@ constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory
 constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
 constexpr int ROW_EXCHANGE = 8 * ROW_FIELDS;  // scratch slot of a cluster's exchange (after the
                                               // 8 warps' states of team_merge): [2][ROW_FIELDS]
-// cross_entropy_rows variants: the class-index loss alone (no gradient code, half the vectors a
-// tile, so twice the resident blocks), with its gradient, and everything else (probability
-// targets, label smoothing, softcap, nll_loss).
-enum : int { ROW_FORWARD = 0, ROW_GRAD = 1, ROW_GENERAL = 2 };
+// cross_entropy_rows variants (MODE), each holding only its own code, so each but the general one
+// compiles in about a second: the class-index loss alone (no gradient code, half the vectors a
+// tile, so twice the resident blocks), with its gradient, everything with a softcap (its tanh
+// in every element triples the compile time), nll_loss (one element a row read; no softmax),
+// class-index targets with label smoothing, and probability targets.
+enum : int {
+    MODE_FORWARD = 0, MODE_GRAD = 1, MODE_GENERAL = 2, MODE_NLL = 3, MODE_SMOOTH = 4,
+    MODE_PROB = 5
+};
 
-__device__ __forceinline__ float neg_inf(float) { return __int_as_float(0xff800000); }
-__device__ __forceinline__ double neg_inf(double) {
-    return __longlong_as_double((long long)0xfff0000000000000ull);
-}
-__device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fffffff); }
-__device__ __forceinline__ double quiet_nan(double) {
-    return __longlong_as_double(0x7ff8000000000000ll);
-}
-__device__ __forceinline__ float lg(float v) { return logf(v); }
-__device__ __forceinline__ double lg(double v) { return log(v); }
-__device__ __forceinline__ float th(float v) { return tanhf(v); }
-__device__ __forceinline__ double th(double v) { return tanh(v); }
-__device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
-// e^v of the softmax terms: float through exp2f (the ex2 unit: relative error about 2^-22, plus
-// the one rounding of v * log2 e), double exactly.  Once per element on every pass, so it
-// decides how much arithmetic hides under the memory traffic.
-__device__ __forceinline__ float fexp(float v) { return exp2f(v * 1.4426950408889634f); }
-__device__ __forceinline__ double fexp(double v) { return exp(v); }
-// e^v where the result only enters a row's softmax state (the sum s and its rescalings): the ex2
-// unit with subnormal results (and arguments) flushed to 0.  A state's s is at least 1 (its max's
-// own term), so a flushed term, below 2^-126, leaves it unchanged; the flush saves the subnormal
-// handling of exp2f (a compare and two predicated multiplies an element on sm_90, about 7% of the
-// bfloat16 value_and_grad at 8192 x 128256 on an H100).  The gradient's p keeps fexp: flushing it
-// too (8% more) would give 0 where torch gives a subnormal gradient.
-__device__ __forceinline__ float ex2_ftz(float v) {  // 2^v, subnormals flushed
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-    return r;
-}
-__device__ __forceinline__ float fexp_sum(float v) { return ex2_ftz(v * 1.4426950408889634f); }
-__device__ __forceinline__ double fexp_sum(double v) { return exp(v); }
-__device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 
 template <typename A>
 struct RowStat {
@@ -288,12 +262,6 @@ __device__ __forceinline__ RowStat<A> cluster_merge(const RowStat<A>& v, A* exch
     return r;
 }
 
-template <typename T>
-__device__ __forceinline__ long long read_index(const void* p, long long off, bool idx64) {
-    return idx64 ? static_cast<const long long*>(p)[off]
-                 : (long long)static_cast<const int*>(p)[off];
-}
-
 // What every row of a launch shares.
 template <typename A>
 struct RowArgs {
@@ -454,13 +422,6 @@ __device__ __forceinline__ A grad_target(A z, A w, const RowResult<A>& o, const 
     return o.g * ra.one_minus_eps * w * (o.log_s + dist_to(o.m, z));
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> load16(const T* p, bool keep) {
-    const int4 raw = keep ? __ldcg(reinterpret_cast<const int4*>(p))
-                          : __ldcs(reinterpret_cast<const int4*>(p));
-    return *reinterpret_cast<const Vec<T, VEC>*>(&raw);
-}
-
 // Fetch `vectors` 16-byte vectors from p into L2, a 128-byte line a thread of the block at a
 // time (L2::evict_last instead changed nothing measurable).
 __device__ __forceinline__ void prefetch_l2_span(const void* p, int vectors) {
@@ -468,15 +429,6 @@ __device__ __forceinline__ void prefetch_l2_span(const void* p, int vectors) {
     for (long long o = (long long)threadIdx.x * 128; o < (long long)vectors * 16;
          o += (long long)blockDim.x * 128)
         prefetch_l2(b + o);
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> load_any(const T* p, bool vec) {
-    if (vec) return load16<T, VEC>(p, false);
-    Vec<T, VEC> v;
-    #pragma unroll
-    for (int e = 0; e < VEC; ++e) v.v[e] = p[e];
-    return v;
 }
 
 // Add one 16-byte vector of a row (classes c0 .. c0 + VEC - 1) to the state: rebase on the
@@ -511,7 +463,7 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
 
 // Classes contiguous: a team of tpr threads per row, or k blocks per row (see the file comment).
 // Rows go to teams in a grid-stride loop that every thread of a block runs the same number of
-// times (inactive teams take part in the block's merges).  MODE: see ROW_FORWARD.
+// times (inactive teams take part in the block's merges).  MODE: see MODE_FORWARD.
 // Indices within a row are 32-bit (cols < 2^31, checked on the host); row offsets are 64-bit.
 // The parameters of every cross_entropy_rows kernel, one 64-bit word each, in this order:
 //   x          [rows, cols]: row r at x + r * x_rs
@@ -550,20 +502,24 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
 template <typename T, int MODE, int KC>
 __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
     using A = acc_t<T>;
-    constexpr bool GENERAL = MODE == ROW_GENERAL;
+    constexpr bool PLAIN = MODE == MODE_FORWARD || MODE == MODE_GRAD;  // no per-class terms
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int NV = MODE == ROW_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile a thread
+    constexpr int NV = MODE == MODE_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile a thread
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [ROW_SCRATCH]
     // [stash][NV][ROW_BLOCK] vectors: thread-interleaved, conflict-free 16-byte accesses.
     int4* held = reinterpret_cast<int4*>(smem_raw + ROW_SCRATCH * sizeof(A));
 
     RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, cols);
-    if (!GENERAL) {  // constants from here on: the other variants hold none of their code
-        ra.prob = ra.nll = ra.smooth = ra.track = false;
+    // Constants from here on for every variant but the run-time options it exists for.
+    if (MODE != MODE_GENERAL) {
         ra.cap = A(0);
+        ra.prob = MODE == MODE_PROB;
+        if (MODE != MODE_SMOOTH) ra.smooth = false;
+        ra.track = ra.prob || ra.smooth;
     }
-    const bool want_g = MODE != ROW_FORWARD && (gx != nullptr || gt != nullptr);
+    ra.nll = MODE == MODE_NLL;
+    const bool want_g = MODE != MODE_FORWARD && (gx != nullptr || gt != nullptr);
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
     A g_all = A(0);
@@ -606,7 +562,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
         const int ntiles = (v1 - v0 + span - 1) / span;
         // Tiles 0 .. kept - 1 go to shared memory, the last stays in registers, the ones between
         // are read again from global memory for the gradient (kept in L2 meanwhile).
-        const int kept = MODE == ROW_FORWARD ? 0 : min((int)stash, max(ntiles - 1, 0));
+        const int kept = MODE == MODE_FORWARD ? 0 : min((int)stash, max(ntiles - 1, 0));
         const bool has_head = member == 0 && lane < h;
         const bool has_tail = member == kk - 1 && lane < tail;
         const int c_tail = h + nv * VEC + lane;
@@ -635,7 +591,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
             // rather than its first tile made it slower still).
             for (int ti = 0; ti < ntiles; ++ti) {
                 const int vb = v0 + ti * span + lane;
-                const bool again = MODE != ROW_FORWARD && ti >= kept && ti < ntiles - 1;
+                const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
                 const T* src = xr + h + (long long)vb * VEC;  // vector i at src + i * step
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
@@ -659,7 +615,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
         // A team of the whole block (a row of a block or more): the next row's first tile of
         // this block's share is fetched into L2 now, so that DRAM stays busy through this row's
         // merge, barrier and gradient stores, and the next row's loads start from L2.
-        if (MODE != ROW_FORWARD && t == (int)blockDim.x && r + units < rows)
+        if (MODE != MODE_FORWARD && t == (int)blockDim.x && r + units < rows)
             prefetch_l2_span(x + (r + units) * x_rs + h + (long long)v0 * VEC, min(v1 - v0, span));
         // z_y from one thread (the group's first block), read before any block of the row stores.
         if (active && lane == 0 && member == 0 && !ra.prob && !rt.ignored && !rt.oor)
@@ -758,7 +714,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
                 #pragma unroll
                 for (int e = 0; e < VEC; ++e) z[e] = zval_acc(z[e], ra);
                 probs(z, o.lse, p);
-                if (!GENERAL && ye < 0) {
+                if (PLAIN && ye < 0) {
                     // Not the target's vector: k p_c (+ dz p_c), grad_input's value without
                     // its selects (k p - 0 is k p; without a z-loss nothing is added).
                     #pragma unroll
@@ -773,7 +729,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
                     }
                 }
                 if (gr != nullptr) store_any<T, VEC>(gr + c0, gi, g_vec);
-                if (GENERAL && gtr != nullptr) {
+                if ((MODE == MODE_GENERAL || MODE == MODE_PROB) && gtr != nullptr) {
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
@@ -789,10 +745,12 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
     finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
 }
 
-// Resident blocks per SM: four for the forward variant (64 registers), three with a gradient (80:
-// a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an H100), two for
-// the general variant.  Several blocks per SM overlap one row's loads with another's stores.
-#define CUPYLOSS_ROWS_BLOCKS(MODE) (MODE == ROW_FORWARD ? 4 : MODE == ROW_GRAD ? 3 : 2)
+// Resident blocks per SM: four for the forward and nll variants (64 registers), three with a
+// gradient (80: a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an
+// H100), two for the general, smoothing and probability ones.  Several blocks per SM overlap one row's loads
+// with another's stores.
+#define CUPYLOSS_ROWS_BLOCKS(MODE) \
+    (MODE == MODE_FORWARD || MODE == MODE_NLL ? 4 : MODE == MODE_GRAD ? 3 : 2)
 
 // Rows of one block, of a team within a block, or of k blocks of a cooperative launch.
 template <typename T, int MODE>

@@ -2,22 +2,31 @@
 
 CuPy compiles kernels/ at a user's first call, so a template that fails for one dtype or arch
 would otherwise surface only there.  These tests drive libnvrtc through ctypes with what
-`_source.module` gives cupy.RawModule: the expanded source (`_source.expand`), the options
-(`_source.OPTIONS`) and every name expression (`_source.units`), plus -arch and the directory of
+`_source.cached` gives it: the expanded source (`_source.expand`), the options
+(`_source.OPTIONS`) and the name expressions (`_source.units`), plus -arch and the directory of
 cuda_fp16.h / cuda_bf16.h.  libnvrtc and the headers come from the nvidia-cuda-nvrtc and
 nvidia-cuda-runtime wheels (the `test` extra), else from the toolkit under $CUDA_PATH,
 $CUDA_HOME or next to nvcc.  Without them the compile tests skip, saying why, unless
 CUPYLOSS_REQUIRE_NVRTC=1 (set by .ci/run) makes that a failure.
 
-A compile costs about 0.4 s of CPU per name expression, so the name expressions are split into
-small programs compiled in a pool of processes (threads of one process serialise inside
-libnvrtc).
+Two passes keep the guarantee at a tenth of the cost of building every kernel as a call does:
+- every name expression of every file, for each architecture, with NVRTC's fast-compile mode
+  (-Ofc=max): the same front end, so every instantiation is type-checked, instantiated, lowered
+  to PTX (checked for float atomics and for the parameter block the host packs) and assembled
+  to SASS; only the optimiser's effort differs;
+- with the runtime's own options, every instantiation of the row files and, of the others,
+  the most general instantiation of each kernel template and dtype (its last name expression:
+  the largest mask), so the optimised build a call runs is proven for every template, dtype and
+  architecture too.
+
+Compiles run in a pool of processes (threads of one process serialise inside libnvrtc).
 """
 
 import concurrent.futures
 import ctypes
 import functools
 import importlib.util
+import json
 import multiprocessing
 import os
 import pathlib
@@ -26,11 +35,12 @@ import shutil
 
 import pytest
 
-from cupyloss import _source
+from cupyloss import _dtypes, _source
 
 ARCHS = ("sm_80", "sm_90")  # A100 and H100: the GPUs the suite runs on
 UNITS = _source.units()
-NAMES_PER_PROGRAM = 6  # small enough to keep every core busy; ~0.15 s front end per program
+NAMES_PER_PROGRAM = 16  # ~0.1 s front end a program; small enough to keep every core busy
+FAST = ("-Ofc=max",)    # NVRTC's fast-compile mode: the first pass
 
 NVRTC_SUCCESS = 0
 # Types an atom/red instruction adds in floating point (PTX ISA "atom", "red").
@@ -108,9 +118,9 @@ def _param_bytes(ptx: str) -> dict:
     return out
 
 
-def _compile(lib, include, file, source, names, arch):
-    """Compile `names` of `source` for `arch`: (status, log, {name: lowered}, float atomics,
-    {lowered: parameter bytes})."""
+def _compile(lib, include, file, source, names, arch, extra=()):
+    """Compile `names` of `source` for `arch` (options `extra` added): (status, log,
+    {name: lowered}, float atomics, {lowered: parameter bytes})."""
     nvrtc = ctypes.CDLL(lib)
     nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
     program = ctypes.c_void_p()
@@ -121,7 +131,7 @@ def _compile(lib, include, file, source, names, arch):
     try:
         for name in names:
             nvrtc.nvrtcAddNameExpression(program, name.encode())
-        options = [*_source.OPTIONS, f"-arch={arch}", f"-I{include}"]
+        options = [*_source.OPTIONS, *extra, f"-arch={arch}", f"-I{include}"]
         argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
         status = nvrtc.nvrtcCompileProgram(program, len(options), argv)
         log = _read(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, program)
@@ -140,6 +150,32 @@ def _compile(lib, include, file, source, names, arch):
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
 
 
+ROW_FILES = ("rowwise.cu", "rowclass.cu", "rowpair.cu")  # a few dozen names: all optimised
+
+
+def general(file: str, names: list[str]) -> list[str]:
+    """What the second pass compiles with the runtime's own options: every name expression of
+    the row files, and of the others the last of each kernel template and first template
+    argument (dtype), its most general instantiation (largest mask)."""
+    if file in ROW_FILES:
+        return list(names)
+    last = {}
+    for name in names:
+        last[name.partition("<")[0], name.partition("<")[2].split(",")[0]] = name
+    return list(last.values())
+
+
+def _jobs(pool, lib, include, file, arch):
+    """Futures of both passes over `file` for `arch`."""
+    source = _source.expand(file)
+    names = dict(UNITS)[file]
+    fast = [pool.submit(_compile, lib, include, file, source, names[i:i + NAMES_PER_PROGRAM],
+                        arch, FAST) for i in range(0, len(names), NAMES_PER_PROGRAM)]
+    full = [pool.submit(_compile, lib, include, file, source, [name], arch)
+            for name in general(file, names)]
+    return fast + full
+
+
 @pytest.fixture(scope="module")
 def compiled(request):
     """{(file, arch): [futures of _compile]} for the selected tests, all submitted at once."""
@@ -151,16 +187,9 @@ def compiled(request):
     workers = max(1, min(len(os.sched_getaffinity(0)), 16))
     context = multiprocessing.get_context("fork")  # the worker needs no re-import of this file
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        jobs = {}
-        for file, names in UNITS:
-            source = _source.expand(file)
-            for arch in ARCHS:
-                if (file, arch) not in selected:
-                    continue
-                jobs[file, arch] = [
-                    pool.submit(_compile, lib, include, file, source,
-                                names[i:i + NAMES_PER_PROGRAM], arch)
-                    for i in range(0, len(names), NAMES_PER_PROGRAM)]
+        # The slow optimised builds first, so the pool ends on short jobs.
+        jobs = {key: _jobs(pool, lib, include, *key)
+                for key in sorted(selected, key=lambda key: key[0] != "rowwise.cu")}
         yield jobs
         for futures in jobs.values():
             for future in futures:
@@ -187,6 +216,17 @@ def test_kernels_compile(compiled, file, names, arch):
              for words in [_host_words(name)] if words is not None
              and params.get(lowered[name]) != 8 * words]
     assert not wrong, f"{file} for {arch}: (kernel, PTX parameter bytes, host bytes) {wrong}"
+
+
+def test_general_covers_every_template_and_dtype():
+    for file, names in UNITS:
+        picked = general(file, names)
+        templates = {(n.partition("<")[0], n.partition("<")[2].split(",")[0]) for n in names}
+        assert set(picked) <= set(names) and len(picked) >= len(templates)
+        assert {(n.partition("<")[0], n.partition("<")[2].split(",")[0]) for n in picked} == \
+            templates
+    pointwise = general("pointwise.cu", dict(UNITS)["pointwise.cu"])
+    assert len(pointwise) == 3 * len(_dtypes.DTYPES)      # flat, rows, reduce a dtype
 
 
 def _host_words(name: str):
@@ -230,22 +270,63 @@ def test_units_cover_every_source_file():
     assert files == {file for file, _ in UNITS}
 
 
-def test_runtime_compile_path_keeps_subnormals(monkeypatch):
-    """What the runtime compiles with (_source.compile_module): CuPy's NVRTC entry point that adds
-    no -ftz=true (RawModule's does), OPTIONS with CuPy's include folders, and a cubin whose name
-    expressions map to their mangled names."""
+def test_runtime_compile_path_keeps_subnormals(monkeypatch, tmp_path):
+    """What the runtime compiles with (_source.cached): OPTIONS with CuPy's include folders and
+    no -ftz=true (RawModule's own compile adds it), one cubin an instantiation, whose mapping
+    names its mangled symbol; a second request finds the entry and compiles nothing."""
     _need_toolchain()
-    from cupy.cuda import compiler
-
     options = _source._nvrtc_options()
     assert not any(o.startswith(("-ftz", "--ftz", "-use_fast_math", "--use_fast_math"))
                    for o in options)
     assert set(_source.OPTIONS) <= set(options)
-    # No GPU here: name the architecture instead of asking the device for it.
-    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc",
-                        lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
-    names = dict(_source.units())["bench.cu"]
-    cubin, mangled = compiler.compile_using_nvrtc(_source.expand("bench.cu"), options, "90",
-                                                  name_expressions=names)
-    assert cubin[:4] == b"\x7fELF"
-    assert set(mangled) == set(names) and all(mangled.values())
+    monkeypatch.setenv("CUPYLOSS_CACHE_DIR", str(tmp_path))
+    name = "cupyloss::scale_by_grad_output<float, 4>"
+    cubin = _source.cached("scale.cu", [name], "90")   # no GPU here: the arch is named
+    assert cubin.parent == tmp_path and cubin.read_bytes()[:4] == b"\x7fELF"
+    mangled = json.loads(cubin.with_suffix(".json").read_text())
+    assert list(mangled) == [name] and mangled[name].startswith("_Z")
+    calls = []
+    monkeypatch.setattr(_source, "_nvrtc",
+                        lambda *args: calls.append(args[2]) or (b"\x7fELF", {name: "_Z"}))
+    assert _source.cached("scale.cu", [name], "90") == cubin and not calls
+    assert _source.cached("scale.cu", [name], "80") != cubin and calls == ["80"]  # a key an arch
+
+
+def test_every_kernel_is_reachable_from_a_loss():
+    """precompile builds what the losses reach: every instantiation but the benchmark's."""
+    from cupyloss import precompile
+
+    reached = {(file, name) for file, name, _ in precompile.jobs(archs=["90"])}
+    every = {(file, name) for file, names in UNITS for name in names if file != "bench.cu"}
+    assert reached == every
+
+
+def test_precompile_command(monkeypatch, tmp_path, capsys):
+    """python -m cupyloss.precompile for named losses, dtypes and architectures, without a
+    GPU: one cache entry per kernel and architecture; a second run finds them all."""
+    _need_toolchain()
+    from cupyloss import _source, precompile
+
+    monkeypatch.setenv("CUPYLOSS_CACHE_DIR", str(tmp_path))
+    argv = ["--losses", "nll_loss", "--dtypes", "float64", "--arch", "80,sm_90", "-j", "2"]
+    assert precompile.main(argv) == 0
+    expected = {name for _, name in _source.reachable("nll_loss", "float64")}
+    entries = sorted(tmp_path.glob("*.json"))
+    assert len(entries) == 2 * len(expected)
+    assert {name for e in entries for name in json.loads(e.read_text())} == expected
+    stamps = {e: e.stat().st_mtime_ns for e in tmp_path.iterdir()}
+    assert precompile.main(argv) == 0
+    assert {e: e.stat().st_mtime_ns for e in tmp_path.iterdir()} == stamps
+    assert f"{2 * len(expected)} kernels in {tmp_path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--losses", "mse,cross_entropy"], "unknown losses mse"),
+    (["--dtypes", "int8"], "unknown dtypes int8"),
+])
+def test_precompile_refuses_unknown_names(argv, message, capsys):
+    from cupyloss import precompile
+
+    with pytest.raises(SystemExit):
+        precompile.main(argv)
+    assert message in capsys.readouterr().err

@@ -562,15 +562,16 @@ def test_row_hold_takes_the_fewest_blocks_that_hold_the_row(limits, cols, itemsi
 def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per_sm, limits):
     asked = []
 
-    def occupancy(shared):
-        asked.append(shared)
+    def occupancy(shared, cluster):
+        asked.append((shared, cluster))
         return per_sm
 
     cfg = _launch.row_launch(rows, cols, itemsize, 4, grad, False, limits, occupancy)
     resident = H100.sm_count * per_sm
     assert 1 <= cfg.grid[0] <= resident and cfg.block == (BLOCK,)
-    # The occupancy was asked about the launch's own shared memory: scratch plus the stash.
-    assert asked == [cfg.shared]
+    # The occupancy was asked once, of the kernel launched (the cluster one for a cluster
+    # launch, so no other is compiled) with the launch's own shared memory: scratch and stash.
+    assert asked == [(cfg.shared, cfg.k if cfg.cluster else 1)]
     assert cfg.shared == _launch.ROW_SCRATCH * 4 + cfg.stash * 16 * BLOCK * _launch.ROW_VECS
     assert cfg.shared <= _launch.shared_limit(limits, True)
     tpr, k = _launch.row_team(cols, itemsize)
@@ -597,7 +598,7 @@ def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per
 
 def test_row_launch_light_rows_and_limits(monkeypatch):
     def per_sm(n):
-        return lambda shared: n
+        return lambda shared, cluster: n
 
     cfg = _launch.row_launch(1000, 128256, 2, 4, False, True, H100, per_sm(2))
     assert cfg.tpr == _launch.ROW_TEAMS[0] and cfg.k == 1      # nll_loss forward: one read a row
