@@ -296,21 +296,18 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             else:
                 kinds.append(None)
         if (None not in kinds and KIND_ROW in kinds   # every broadcast operand is a row
-                and (go_layout is None or cstrides[k_ops] == (cols, 1))):
-            vec = info.vec if (cols % info.vec == 0 and aligned) else 1
-            # The operands that are not full (rows, scalars, absent): compiled into the kernel.
+                and (go_layout is None or cstrides[k_ops] == (cols, 1))
+                and cols % info.vec == 0 and aligned):   # else the reduce kernel takes it
+            vec = info.vec
+            # The operands that are not full (rows, scalars, absent): compiled into the kernel,
+            # whose one instantiation serves the loss alone too (null gradient pointers).
             const = sum(1 << k for k, kind in enumerate(kinds) if kind != KIND_FULL)
-            name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads),
-                                          const)
+            name = _source.pointwise_name("rows", info.ctype, functor, vec, True, const)
             shared = _launch.rows_shared(vec)
-            # The loss alone, reduced to 0-d, takes the split value_and_grad takes (the gradient
-            # kernel's residency, one wave), so both add the loss up in the same order: the
-            # value-only kernel's own split (more resident blocks, ROWS_WAVES_VALUE waves) gave
-            # kl_div sums one ulp apart from value_and_grad's.
-            sized = (name if any(want_grads) or not reduced else
-                     _source.pointwise_name("rows", info.ctype, functor, vec, True, const))
+            # The loss alone, reduced to 0-d, takes the split value_and_grad takes (one wave),
+            # so both add the loss up in the same order.
             summed = any(want_grads) or reduced
-            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(sized, shared, limits),
+            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits),
                                       1 if summed else _launch.ROWS_WAVES_VALUE,
                                       _launch.ROWS_TX_SUMMED if summed else _launch.BLOCK)
             layout = rows_layout(k_ops, spec.param_words)
@@ -348,7 +345,10 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             and "bcast" not in modes):
         vec = info.vec
     grad = any(want_grads)
-    # Operands of stride 0 on the vector path (one element, absent): compiled in with gradients.
+    # Operands of stride 0 on the vector path (one element, absent): compiled in with gradients
+    # (hoisting their terms pays where a functor has Fixed terms: H100, value_and_grad of a
+    # scalar input against 8192 x 4096 float32 targets, binary_cross_entropy 0.154 -> 0.105 ms,
+    # sigmoid_focal_loss 0.129 -> 0.108).
     const = sum(1 << k for k in range(k_ops) if not any(cstrides[k])) if grad and vec > 1 else 0
     if const not in spec.reduce_masks(functor):
         const = 0
