@@ -299,15 +299,21 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 and (go_layout is None or cstrides[k_ops] == (cols, 1))
                 and cols % info.vec == 0 and aligned):   # else the reduce kernel takes it
             vec = info.vec
-            # The operands that are not full (rows, scalars, absent): compiled into the kernel,
-            # whose one instantiation serves the loss alone too (null gradient pointers).
+            # The operands that are not full (rows, scalars, absent): compiled into the kernel.
+            # The loss alone has its own instantiation (H100, hinge_loss forward at 32768^2,
+            # target (32768,): 1.433 ms, 1.592 with the gradient kernel's).
             const = sum(1 << k for k, kind in enumerate(kinds) if kind != KIND_FULL)
-            name = _source.pointwise_name("rows", info.ctype, functor, vec, True, const)
+            name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads),
+                                          const)
             shared = _launch.rows_shared(vec)
-            # The loss alone, reduced to 0-d, takes the split value_and_grad takes (one wave),
-            # so both add the loss up in the same order.
+            # The loss alone, reduced to 0-d, takes the split value_and_grad takes (the gradient
+            # kernel's residency, one wave), so both add the loss up in the same order: the
+            # value-only kernel's own split (more resident blocks, ROWS_WAVES_VALUE waves) gave
+            # kl_div sums one ulp apart from value_and_grad's.
+            sized = (name if any(want_grads) or not reduced else
+                     _source.pointwise_name("rows", info.ctype, functor, vec, True, const))
             summed = any(want_grads) or reduced
-            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(name, shared, limits),
+            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(sized, shared, limits),
                                       1 if summed else _launch.ROWS_WAVES_VALUE,
                                       _launch.ROWS_TX_SUMMED if summed else _launch.BLOCK)
             layout = rows_layout(k_ops, spec.param_words)

@@ -67,16 +67,16 @@ def pointwise_reduce_name(ctype: str, functor: str, vec: int, const: int) -> str
 def pointwise_names(functor: str, info) -> list[str]:
     """Every pointwise kernel of one functor and dtype: flat, scalar and vector, value-only and
     with gradients; and for each of its masks (the operands read once per unit or row, or of
-    stride 0) the vector flat kernel with gradients, the vector rows kernel (which also serves
-    the loss alone) and reduce, scalar and vector."""
+    stride 0) the vector flat kernel with gradients, the vector rows kernel, value-only and with
+    gradients (rows of whole vectors; the others take reduce), and reduce, scalar and vector."""
     vecs = sorted({1, info.vec})
     masks = _registry.reduce_masks(functor)
     return ([pointwise_name("flat", info.ctype, functor, vec, grad)
              for vec in vecs for grad in (False, True)]
             + ([pointwise_name("flat", info.ctype, functor, info.vec, True, const)
                 for const in masks] if info.vec > 1 else [])
-            + [pointwise_name("rows", info.ctype, functor, info.vec, True, const)
-               for const in masks]
+            + [pointwise_name("rows", info.ctype, functor, info.vec, grad, const)
+               for const in masks for grad in (False, True)]
             + [pointwise_reduce_name(info.ctype, functor, vec, const)
                for const in masks for vec in vecs])
 

@@ -194,10 +194,10 @@ def test_kernel_choice_and_gradient_routes(device):
     g = _words(spec, "rows", words, "g")
     assert g[2] != 0 and g[2] != ws[2]                       # and its own gradient array
 
-    # A call that wants no gradient takes the same instantiation (one compile serves both).
+    # A call that wants no gradient takes the value-only instantiation of the same kernel.
     cupyloss.binary_cross_entropy_with_logits(x, t, weight=arr((96,)), pos_weight=arr(()))
     assert device.kernels[-1] == (
-        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, true, 12>")
+        "cupyloss::pointwise_rows<float, cupyloss::BceLogitsOp<3>, 4, false, 12>")
     # No weight and no pos_weight: the functor without their arithmetic (modes' bits 0).
     cupyloss.binary_cross_entropy_with_logits(x.ravel(), t.ravel())
     assert device.kernels[-1] == (
@@ -465,14 +465,14 @@ def test_the_loss_alone_takes_value_and_grads_split(device, shapes):
 
 @pytest.mark.parametrize("name", ["mse_loss", "kl_div"])
 def test_the_rows_loss_alone_takes_value_and_grads_split(device, name):
-    """A row broadcast down the rows: the loss alone, reduced to 0-d, launches value_and_grad's
-    rows kernel (the one instantiation; no gradient pointers) on its grid and rows per block, so
-    both add the loss up in one order; an elementwise loss takes a larger grid."""
+    """A row broadcast down the rows: the loss alone, reduced to 0-d, launches the value-only
+    rows kernel on value_and_grad's grid and rows per block, so both add the loss up in one
+    order; an elementwise loss keeps the value-only kernel's own (larger) grid."""
     x, t = arr((4096, 1024)), arr((1024,))
     spec = _registry.SPECS[name]
     getattr(cupyloss, name)(x, t)
     alone = device.launches[-1]
-    assert "pointwise_rows<" in device.names[-1] and ", true, " in device.names[-1]
+    assert "pointwise_rows<" in device.names[-1] and ", false, " in device.names[-1]
     getattr(cupyloss, name + "_value_and_grad")(x, t)
     both = next(launch for launch, kernel in zip(device.launches[::-1], device.names[::-1])
                 if "pointwise_rows<" in kernel)
