@@ -94,7 +94,8 @@ def _cosine_options(margin):
 class PairSpec:
     """A registered row-pair loss.
 
-    op: its functor in kernels/rowpair.cu; arrays: the array arguments in torch's order;
+    op: its functor in kernels/rowpair.cu (p2_op: its instance for p = 2 without swap, where
+    those are constants); arrays: the array arguments in torch's order;
     differentiable: those that take a gradient (the others, a per-row target, have none);
     target: the name of the per-row target array, if any; options: the keyword options of the
     public function, in its order.
@@ -109,6 +110,7 @@ class PairSpec:
     parse: object            # options -> (margin, p, eps, swap)
     target: str | None = None
     reductions: tuple = ("none", "mean", "sum")
+    p2_op: str | None = None  # the functor's instance for p = 2 without swap, if it has one
 
     def loss_shape(self, input_shape: tuple, reduction: str) -> tuple:
         """The loss's shape: () when reduced, else the input's without its last dim."""
@@ -121,7 +123,7 @@ SPECS = {
     "triplet_margin_loss": PairSpec(
         "triplet_margin_loss", "TripletOp", ("anchor", "positive", "negative"),
         ("anchor", "positive", "negative"), ("margin", "p", "eps", "swap"), _check_triplet,
-        _triplet_options),
+        _triplet_options, p2_op="TripletP2Op"),
     "cosine_embedding_loss": PairSpec(
         "cosine_embedding_loss", "CosineOp", ("input1", "input2", "target"),
         ("input1", "input2"), ("margin",), _check_cosine, _cosine_options, target="target"),
@@ -177,11 +179,12 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     loss_shape = tuple(x_shape[:-1])
     rows = math.prod(loss_shape)
     grad = any(grads)
+    op = spec.p2_op if spec.p2_op and p == 2.0 and not swap else spec.op
     cfg = _launch.pair_launch(
         rows, cols, dtype.itemsize, len(geos), grad, limits,
         lambda shared: _source.resident("rowpair.cu", _source.rowpair_name(
-            info.ctype, spec.op, grad), shared, _launch.PAIR_BLOCK))
-    name = _source.rowpair_name(info.ctype, spec.op, grad, cfg.wide)
+            info.ctype, op, grad), shared, _launch.PAIR_BLOCK))
+    name = _source.rowpair_name(info.ctype, op, grad, cfg.wide)
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
     flags = FLAG_SWAP if swap else 0

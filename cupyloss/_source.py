@@ -119,7 +119,7 @@ def rowclass_name(kernel: str, ctype: str, loss: int = 0) -> str:
     return f"cupyloss::{kernel}<{ctype}>"
 
 
-ROWPAIR_OPS = ("TripletOp", "CosineOp")
+ROWPAIR_OPS = ("TripletOp", "TripletP2Op", "CosineOp")
 
 
 def rowpair_name(ctype: str, op: str, grad: bool, wide: bool = False) -> str:
@@ -188,7 +188,8 @@ def reachable(loss: str, dtype) -> list[tuple[str, str]]:
         out += [("pointwise.cu", name) for functor in spec.instances()
                 for name in pointwise_names(functor, info)]
     elif hasattr(spec, "op"):           # row-pair losses (cupyloss._rowpair)
-        out += [("rowpair.cu", name) for name in rowpair_names(info, spec.op)]
+        out += [("rowpair.cu", name) for op in filter(None, (spec.op, spec.p2_op))
+                for name in rowpair_names(info, op)]
     elif hasattr(spec, "loss"):         # row-class losses (cupyloss._rowclass)
         out += [("rowclass.cu", name) for name in rowclass_names(info, spec.loss)]
     else:                               # cross_entropy, nll_loss (cupyloss._rowwise)
