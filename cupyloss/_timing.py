@@ -63,3 +63,23 @@ def release(torch=None) -> None:
     cupy.get_default_memory_pool().free_all_blocks()
     cupy.cuda.Device().synchronize()
     time.sleep(SETTLE_S)
+
+
+def need(prog: str, torch: bool = False) -> None:
+    """Exit with one line saying what is missing when a benchmark cannot run here: a CUDA GPU
+    (through CuPy), or torch with CUDA when `torch`."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError("no CUDA device found")
+    except Exception as exc:  # no CuPy, no driver, or no GPU
+        raise SystemExit(f"{prog} needs an NVIDIA GPU with CUDA; none is usable here ({exc})")
+    if torch:
+        try:
+            import torch as torch_module
+        except ImportError:
+            raise SystemExit(f"{prog} needs PyTorch: pip install 'cupyloss[torch]'") from None
+        if not torch_module.cuda.is_available():
+            raise SystemExit(f"{prog} needs a CUDA build of PyTorch; torch "
+                             f"{torch_module.__version__} sees no GPU")

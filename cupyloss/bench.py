@@ -415,17 +415,21 @@ def write_plot(rows: list[dict], path: str) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink every side (0.25 on a "
+                    "small GPU)")
+    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--small-only", action="store_true", help="only the small-call host cost")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="sweep sizes 1K..1G, write a plot here and a markdown table beside it")
-    ap.add_argument("--only", default=None, help="comma-separated workloads to run alone")
+    ap.add_argument("--only", default=None, help="comma-separated workloads to run alone, of "
+                    "mse, kl, hinge, smooth_l1")
     ap.add_argument("--family", action="store_true",
                     help="every registered loss next to mse_loss, and nothing else")
     args = ap.parse_args(argv)
+    _timing.need(ap.prog)
 
     if args.family:
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)

@@ -24,6 +24,7 @@ import cupy
 import numpy
 
 import cupyloss
+from cupyloss import _timing
 
 CHUNK = 2048  # rows per float64 chunk
 
@@ -43,9 +44,11 @@ def _rel(got: float, truth: float) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_accuracy",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
+    _timing.need(ap.prog, torch=True)
     import torch
     import torch.nn.functional as F
 

@@ -223,16 +223,19 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_broadcast",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--family", action="store_true",
                     help="also every pointwise loss on the same patterns (cupyloss alone)")
     ap.add_argument("--family-compile", action="store_true",
                     help="--family with torch.compile's time of each loss beside cupyloss's")
     args = ap.parse_args(argv)
+    from cupyloss import _timing
 
+    _timing.need(ap.prog, torch=True)
     import torch
 
     device = torch.cuda.get_device_name()

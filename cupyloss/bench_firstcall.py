@@ -150,6 +150,9 @@ def main(argv=None) -> list[dict]:
                         help="also every registered loss alone, and label smoothing")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
+    from cupyloss import _timing
+
+    _timing.need(parser.prog)
     cases = dict(CASES)
     if args.cases:
         cases = {name: CASES[name] for name in args.cases.split(",")}

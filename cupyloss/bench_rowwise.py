@@ -160,13 +160,17 @@ def _impls(torch, x, t, compile_: bool):
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_rowwise",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink the rows (0.25 on a "
+                    "small GPU)")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--workloads", default="kb95,llm,jsd,kb99", help="comma-separated subset")
+    ap.add_argument("--workloads", default="kb95,llm,jsd,kb99",
+                    help="comma-separated subset of kb95, llm, jsd, kb99 (default: all)")
     args = ap.parse_args(argv)
+    _timing.need(ap.prog, torch=True)
 
     import torch
 

@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
-import cupyloss.torch as CF
+from cupyloss import _timing
 from cupyloss.bench import _host_us
 from cupyloss.bench_rowwise import _timer
+
+torch = CF = None   # torch and cupyloss.torch, imported by main where they can run
 
 
 def _free() -> None:
@@ -222,13 +222,18 @@ def large(reps: int, scale: float) -> list:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--small-only", action="store_true")
-    ap.add_argument("--json", default=None)
+    global torch, CF
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_torch",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink every side")
+    ap.add_argument("--small-only", action="store_true", help="only the 1K-element host cost")
+    ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--profile", action="store_true", help="cProfile the 1K adapter loop")
     args = ap.parse_args(argv)
+    _timing.need(ap.prog, torch=True)
+    import torch
+    import cupyloss.torch as CF
     device = torch.cuda.get_device_name()
     print(f"device: {device}; torch {torch.__version__}")
     result = {"device": device, "small": small(args.profile)}

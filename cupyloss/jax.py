@@ -37,7 +37,11 @@ import math
 import sys
 import warnings
 
-import jax
+try:
+    import jax
+except ImportError as exc:
+    raise ImportError(f"cupyloss.jax needs JAX, which is not installed "
+                      f"({exc}): pip install 'cupyloss[jax]'") from exc
 import jax.numpy as jnp
 import numpy
 

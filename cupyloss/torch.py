@@ -94,7 +94,11 @@ import sys
 import textwrap
 import warnings
 
-import torch
+try:
+    import torch
+except ImportError as exc:
+    raise ImportError(f"cupyloss.torch needs PyTorch, which is not installed "
+                      f"({exc}): pip install 'cupyloss[torch]'") from exc
 
 import cupyloss
 from cupyloss import _args, _dtypes, _launch, _reduction, _source, _validate

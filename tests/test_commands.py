@@ -1,0 +1,68 @@
+"""The `python -m cupyloss.*` commands and the adapters at their edges: --help anywhere, one
+line when the GPU or the framework is missing, an ImportError that names the extra."""
+
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = ("bench", "bench_accuracy", "bench_broadcast", "bench_firstcall", "bench_rowwise",
+            "bench_torch", "precompile")
+# Runs a module as `python -m` would, with the named top-level packages made unimportable.
+_BLOCKED = ("import runpy, sys\n"
+            "for name in sys.argv[2].split(','):\n"
+            "    sys.modules[name] = None\n"
+            "sys.argv = [sys.argv[1]] + sys.argv[3:]\n"
+            "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+
+
+def _run(module, *args, blocked=""):
+    return subprocess.run([sys.executable, "-c", _BLOCKED, module, blocked or "_none_", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_works_without_torch_or_gpu(command):
+    done = _run(f"cupyloss.{command}", "--help", blocked="torch,jax")
+    assert done.returncode == 0, done.stderr
+    assert f"python -m cupyloss.{command}" in done.stdout
+
+
+def test_help_names_the_workloads():
+    assert all(name in _run("cupyloss.bench", "--help").stdout
+               for name in ("mse", "kl", "hinge", "smooth_l1"))
+    assert all(name in _run("cupyloss.bench_rowwise", "--help").stdout
+               for name in ("kb95", "llm", "jsd", "kb99"))
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "precompile"])
+def test_benchmarks_say_what_is_missing_in_one_line(command):
+    if _gpu():
+        if command in ("bench", "bench_firstcall"):
+            pytest.skip(f"cupyloss.{command} runs without torch where there is a GPU")
+        done = _run(f"cupyloss.{command}", blocked="torch")
+        want = "needs PyTorch: pip install 'cupyloss[torch]'"
+    else:
+        done = _run(f"cupyloss.{command}")
+        want = "needs an NVIDIA GPU with CUDA; none is usable here"
+    assert done.returncode == 1
+    assert want in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("adapter, framework", [("torch", "torch"), ("jax", "jax")])
+def test_adapter_without_its_framework_names_the_extra(adapter, framework):
+    code = (f"import sys; sys.modules[{framework!r}] = None\n"
+            f"try:\n    import cupyloss.{adapter}\n"
+            f"except ImportError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert f"pip install 'cupyloss[{framework}]'" in done.stdout, done.stdout + done.stderr
