@@ -247,7 +247,8 @@ def cached(file: str, names: list[str], arch: str) -> pathlib.Path:
     them (a bfloat16 loss of 3e-39 would be 0).  The key is the expanded source, the options, the
     architecture, the NVRTC version and the names.  Each file is written under a temporary name
     and renamed into place, the mapping last, so processes sharing one cache folder may race on
-    an entry and each finds it whole.
+    an entry and each finds it whole.  A cache folder that cannot be written (a read-only one
+    filled by precompile) is still read; what it lacks goes to _private_dir().
     """
     import hashlib
     import json
@@ -259,19 +260,37 @@ def cached(file: str, names: list[str], arch: str) -> pathlib.Path:
     code = expand(file)
     options = _nvrtc_options()
     key = hashlib.sha256("\0".join(
-        [code, *options, arch, str(nvrtc.getVersion()), *names]).encode())
-    folder = cache_dir()
-    cubin = folder / f"{key.hexdigest()}.cubin"
-    mapping = cubin.with_suffix(".json")
-    if not (cubin.is_file() and mapping.is_file()):
-        binary, mangled = _nvrtc(code, options, arch, names)
-        folder.mkdir(parents=True, exist_ok=True)
-        for path, data in ((cubin, binary), (mapping, json.dumps(mangled).encode())):
-            fd, tmp = tempfile.mkstemp(dir=folder)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
-    return cubin
+        [code, *options, arch, str(nvrtc.getVersion()), *names]).encode()).hexdigest()
+    folders = [cache_dir(), _private_dir()]
+    for folder in folders:
+        cubin = folder / f"{key}.cubin"
+        if cubin.is_file() and cubin.with_suffix(".json").is_file():
+            return cubin
+    binary, mangled = _nvrtc(code, options, arch, names)
+    for folder in folders:   # a shared folder this process cannot write: its own instead
+        cubin = folder / f"{key}.cubin"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for path, data in ((cubin, binary),
+                               (cubin.with_suffix(".json"), json.dumps(mangled).encode())):
+                fd, tmp = tempfile.mkstemp(dir=folder)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                os.replace(tmp, path)
+            return cubin
+        except OSError:
+            if folder is folders[-1]:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _private_dir() -> pathlib.Path:
+    """This user's folder for kernels that cache_dir() cannot take (read-only, say a folder an
+    image was built with): under the temporary directory."""
+    import os
+    import tempfile
+
+    return pathlib.Path(tempfile.gettempdir()) / f"cupyloss-{os.getuid()}"
 
 
 @functools.lru_cache(maxsize=None)

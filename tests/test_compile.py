@@ -292,6 +292,31 @@ def test_runtime_compile_path_keeps_subnormals(monkeypatch, tmp_path):
     assert _source.cached("scale.cu", [name], "80") != cubin and calls == ["80"]  # a key an arch
 
 
+def test_a_cache_folder_that_cannot_be_written_is_read_and_passed_over(monkeypatch, tmp_path):
+    """Kernels found in the cache folder load from it; a kernel it lacks, when it cannot be
+    written (a read-only folder an image was built with), goes to the private folder."""
+    _need_toolchain()
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    monkeypatch.setenv("CUPYLOSS_CACHE_DIR", str(shared))
+    monkeypatch.setattr(_source, "_private_dir", lambda: private)
+    first, second = ("cupyloss::scale_by_grad_output<float, 1>",
+                     "cupyloss::scale_by_grad_output<float, 4>")
+    found = _source.cached("scale.cu", [first], "90")
+    assert found.parent == shared
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if pathlib.Path(dst).parent == shared:
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert _source.cached("scale.cu", [first], "90") == found
+    made = _source.cached("scale.cu", [second], "90")
+    assert made.parent == private and made.with_suffix(".json").is_file()
+    assert _source.cached("scale.cu", [second], "90") == made
+
+
 def test_every_kernel_is_reachable_from_a_loss():
     """precompile builds what the losses reach: every instantiation but the benchmark's."""
     from cupyloss import precompile
