@@ -77,9 +77,13 @@ changed in place), the check for tracers and torch.func (3 us) and the argument 
 Eager calls go through autograd.Function's C++ apply, skipping the Python layer in front of it
 (6 to 10 us a call, measured 2026-11-23).
 
-Arguments must be CUDA tensors of one floating dtype (float16, bfloat16, float32, float64) on one
+CUDA tensors take the kernels: one floating dtype (float16, bfloat16, float32, float64) on one
 device; unlike torch, a mixed-dtype pair is refused, not promoted, and under autocast the loss
-runs in the dtype it is given.  Gradients go only to the tensor arguments that require grad.
+runs in the dtype it is given.  CPU tensors take torch's own operations
+(cupyloss._torch_forms: torch.nn.functional's loss where torch has it, with cupyloss's extra
+options formed around it, else the loss's formula; gradients by torch.autograd), so code written
+with cupyloss.torch runs unchanged on a machine without a GPU, with torch's semantics there
+(dtype promotion, and no target gradient for binary_cross_entropy and soft_margin_loss).  Gradients go only to the tensor arguments that require grad.
 Inputs are never written.  Works under torch.cuda.graph capture once a warm-up call has run on
 the device (kernels load and the engine allocates its per-device state outside the capture).
 This module imports torch; ``import cupyloss`` never imports it.
@@ -149,8 +153,69 @@ class _Kernels:
             _scale(grad_output, grads[k:k + 2])
 
 
+class _TorchForms:
+    """What the ops run on CPU tensors: each loss in torch's own operations
+    (cupyloss._torch_forms), its gradients by torch.autograd."""
+
+    @staticmethod
+    def _run(name, arrays, reduction, options, wrt, grad_output):
+        from cupyloss import _torch_forms
+
+        names = SPECS[name].arrays
+        leaves = [a.detach().requires_grad_(n in wrt) if a.is_floating_point() else a
+                  for a, n in zip(arrays, names)]
+        with torch.enable_grad():
+            value = _torch_forms.loss(name, leaves, reduction, options)
+            picked = [leaves[names.index(w)] for w in wrt]
+            if not picked:
+                return value.detach(), ()
+            upstream = torch.as_tensor(grad_output, dtype=value.dtype).expand_as(value)
+            grads = torch.autograd.grad(value, picked, upstream, allow_unused=True)
+        return value.detach(), tuple(torch.zeros_like(p) if g is None else g
+                                     for g, p in zip(grads, picked))
+
+    def value(self, name, arrays, reduction, options):
+        from cupyloss import _torch_forms
+
+        with torch.no_grad():
+            return _torch_forms.loss(name, arrays, reduction, options)
+
+    def value_and_grad(self, name, arrays, reduction, options, wrt):
+        return self._run(name, arrays, reduction, options, wrt, 1.0)
+
+    def backward(self, name, grad_output, arrays, reduction, options, wrt):
+        return self._run(name, arrays, reduction, options, wrt, grad_output)[1]
+
+    def scale(self, grad_output, grads):
+        for g in grads:
+            g.mul_(grad_output)
+
+
+class _ByDevice:
+    """The ops' engine: the kernels for CUDA tensors, torch's own operations for CPU ones (so
+    code written for cupyloss.torch runs unchanged on a machine without a GPU)."""
+
+    def __init__(self):
+        self.cuda, self.cpu = _Kernels(), _TorchForms()
+
+    def _of(self, arrays):
+        return self.cpu if arrays and arrays[0].device.type == "cpu" else self.cuda
+
+    def value(self, name, arrays, reduction, options):
+        return self._of(arrays).value(name, arrays, reduction, options)
+
+    def value_and_grad(self, name, arrays, reduction, options, wrt):
+        return self._of(arrays).value_and_grad(name, arrays, reduction, options, wrt)
+
+    def backward(self, name, grad_output, arrays, reduction, options, wrt):
+        return self._of(arrays).backward(name, grad_output, arrays, reduction, options, wrt)
+
+    def scale(self, grad_output, grads):
+        self._of(grads).scale(grad_output, grads)
+
+
 # Swapped by the CPU tests for an engine written in torch ops, to exercise the autograd wiring.
-_engine = _Kernels()
+_engine = _ByDevice()
 
 
 _SCALE_PLANS: dict = {}
@@ -611,7 +676,8 @@ def _doc(loss: _Loss, what: str, example: str) -> str:
     fixed = ", ".join(n for n, _ in loss.fixed)
     limits = f" ({fixed} only at its default)" if fixed else ""
     intro = textwrap.fill(
-        f"{what} for torch CUDA tensors, with {where}{limits}. Gradients flow to the tensor "
+        f"{what} for torch CUDA tensors (CPU tensors: torch's own operations), with "
+        f"{where}{limits}. Gradients flow to the tensor "
         f"arguments that require grad. For a reduced loss {_PATHS[True]}; for reduction='none' "
         f"{_PATHS[False]} (cupyloss.torch's docstring has the details).", 96)
     return f"{summary}\n\n{intro}\n{body}\n\nExample (torch):\n{example}\n"

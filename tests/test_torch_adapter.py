@@ -228,16 +228,72 @@ def test_every_public_name_has_a_docstring_with_an_example():
 
 # --- errors, with the real kernels' engine (no GPU needed: refused before any launch) -----------
 
-def test_cpu_tensors_are_refused_with_a_hint():
-    for name in SPECS:
-        args, _ = _arguments(name, dtype=torch.float32)
-        first = SPECS[name].arrays[0]
-        args[0].requires_grad_()
-        hint = rf"{first} is a torch.Tensor on cpu.*{first}.cuda\(\)"
-        with pytest.raises(TypeError, match=hint):
-            CF.LOSSES[name](*args)
-        with pytest.raises(TypeError, match=r"on cpu"):
-            CF.MODULES[name]()(*args)
+# Options off each loss's defaults that its CPU form computes itself (beyond torch's arguments).
+CPU_OPTIONS = [
+    ("cross_entropy", {"label_smoothing": 0.1}),
+    ("cross_entropy", {"lse_square_scale": 1e-2}),
+    ("cross_entropy", {"softcap": 2.0}),
+    ("cross_entropy", {"lse_square_scale": 1e-2, "ignore_index": 1}),
+    ("kl_div", {"log_input": False}),
+    ("jsd", {"beta": 0.0}),
+    ("jsd", {"beta": 1.0}),
+    ("jsd", {"beta": 0.3}),
+    ("sigmoid_focal_loss", {"alpha": -1.0, "gamma": 0.5}),
+    ("hinge_loss", {"margin": 0.5}),
+]
+# torch gives these targets no gradient (it raises when one is asked for).
+NO_TORCH_TARGET_GRAD = ("binary_cross_entropy", "soft_margin_loss")
+
+
+def _cpu_case(name, reduction, options, with_optional):
+    """cupyloss.torch.<name> on CPU float64 tensors (torch's own operations, the real engine)
+    against the float64 references: the loss and the gradient of every argument torch gives
+    one, through loss.backward() with a random upstream gradient."""
+    args, kw = _arguments(name, dtype=torch.float64, with_optional=with_optional)
+    if name == "kl_div" and not options.get("log_input", True):
+        args = (args[0].exp(),) + args[1:]
+    kw.update(options)
+    wanted = [w and not (name in NO_TORCH_TARGET_GRAD and k == 1)
+              for k, w in enumerate(operands.differentiable(name))]
+    leaves = [a.detach().clone().requires_grad_(w) for a, w in zip(args, wanted)]
+    loss = CF.LOSSES[name](*leaves, reduction=reduction, **kw)
+    numpy_kw = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    arrays = [a.numpy() for a in args]
+    want = ref_loss(name, arrays, reduction, **numpy_kw)
+    np.testing.assert_allclose(loss.detach().numpy(), want, rtol=1e-10, atol=1e-12)
+    upstream = torch.rand(loss.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    loss.backward(upstream)
+    refs = ref_grads(name, arrays, reduction, upstream.numpy(), **numpy_kw)
+    for k, (leaf, ref) in enumerate(zip(leaves, refs)):
+        if leaf.requires_grad:
+            np.testing.assert_allclose(leaf.grad.numpy(), ref, rtol=1e-9, atol=1e-12,
+                                       err_msg=f"{name} d/d{SPECS[name].arrays[k]}")
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=_case_id)
+def test_cpu_tensors_compute_with_torchs_own_operations(case):
+    name, reduction, with_optional = case
+    _cpu_case(name, reduction, {}, with_optional)
+
+
+@pytest.mark.parametrize("name, options", CPU_OPTIONS,
+                         ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in CPU_OPTIONS])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_cpu_tensors_take_cupylosss_own_options(name, options, reduction):
+    _cpu_case(name, reduction, options, False)
+
+
+def test_cpu_modules_and_shift_labels():
+    x = torch.randn(6, 9, dtype=torch.float64).log_softmax(-1).requires_grad_()
+    y = torch.randn(6, 9, dtype=torch.float64).log_softmax(-1)
+    labels = torch.tensor([0, -100, 2, -100, 4, 5])
+    loss = CF.jsd(x, y, shift_labels=labels)
+    want = operands.reference_rowwise.jsd(x.detach().numpy(), y.numpy(), shift_labels=labels.numpy())
+    np.testing.assert_allclose(loss.detach().numpy(), want, rtol=1e-12)
+    loss.backward()
+    assert torch.all(x.grad[1] == 0) and torch.all(x.grad[3] == 0)   # ignored rows
+    t = torch.randn(6, 9, dtype=torch.float64)
+    assert torch.equal(CF.MODULES["mse_loss"](reduction="sum")(x, t), F.mse_loss(x, t, reduction="sum"))
 
 
 def test_non_tensors_are_refused():
