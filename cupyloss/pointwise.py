@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import numbers
 
+from cupyloss._types import Any, Array, Sequence
 from cupyloss import _validate
 from cupyloss._pointwise import SPECS, evaluate
 
@@ -93,7 +94,7 @@ def _grads(spec, arrays, reduction, params, grad_output, wrt, want_value):
 
 # --- mse_loss ---------------------------------------------------------------------------------
 
-def mse_loss(input, target, reduction="mean"):
+def mse_loss(input: Array, target: Array, reduction: str = "mean") -> Array:
     """Mean squared error, as torch.nn.functional.mse_loss.
 
     ``l_i = (input_i - target_i)^2``, then reduced.
@@ -115,7 +116,8 @@ def mse_loss(input, target, reduction="mean"):
     return _value(_MSE, (input, target), reduction, ())
 
 
-def mse_loss_backward(grad_output, input, target, reduction="mean", *, wrt=None):
+def mse_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                      reduction: str = "mean", *, wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of mse_loss: ``d/dinput = 2 (input - target) g``, ``d/dtarget = -d/dinput``.
 
     ``g`` is grad_output times 1/n for 'mean' (1 otherwise).
@@ -134,7 +136,9 @@ def mse_loss_backward(grad_output, input, target, reduction="mean", *, wrt=None)
     return _grads(_MSE, (input, target), reduction, (), grad_output, wrt, False)
 
 
-def mse_loss_value_and_grad(input, target, reduction="mean", *, grad_output=1.0, wrt=None):
+def mse_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean", *,
+                            grad_output: Array | float = 1.0,
+                            wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """mse_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -149,7 +153,8 @@ def mse_loss_value_and_grad(input, target, reduction="mean", *, grad_output=1.0,
 
 # --- kl_div -----------------------------------------------------------------------------------
 
-def kl_div(input, target, reduction="mean", log_target=False, log_input=True):
+def kl_div(input: Array, target: Array, reduction: str = "mean", log_target: bool = False,
+           log_input: bool = True) -> Array:
     """Kullback-Leibler divergence, as torch.nn.functional.kl_div.
 
     With x = input (log-probabilities) and t = target:
@@ -183,8 +188,9 @@ def kl_div(input, target, reduction="mean", log_target=False, log_input=True):
     return _value(_KL, (input, target), reduction, (bool(log_target), bool(log_input)))
 
 
-def kl_div_backward(grad_output, input, target, reduction="mean", log_target=False,
-                    log_input=True, *, wrt=None):
+def kl_div_backward(grad_output: Array | float, input: Array, target: Array,
+                    reduction: str = "mean", log_target: bool = False, log_input: bool = True, *,
+                    wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of kl_div, equal to torch autograd's.
 
     log_target=False: ``d/dx = -t g``, ``d/dt = (log t + 1 - x) g``.  At t == 0 torch's xlogy
@@ -203,8 +209,10 @@ def kl_div_backward(grad_output, input, target, reduction="mean", log_target=Fal
                   grad_output, wrt, False)
 
 
-def kl_div_value_and_grad(input, target, reduction="mean", log_target=False, log_input=True, *,
-                          grad_output=1.0, wrt=None):
+def kl_div_value_and_grad(input: Array, target: Array, reduction: str = "mean",
+                          log_target: bool = False, log_input: bool = True, *,
+                          grad_output: Array | float = 1.0, wrt: str | Sequence[str] | None = None
+                          ) -> tuple[Array, Any]:
     """kl_div and its gradients from one pass over input and target.
 
     Returns:
@@ -221,7 +229,7 @@ def kl_div_value_and_grad(input, target, reduction="mean", log_target=False, log
 
 # --- hinge_loss -------------------------------------------------------------------------------
 
-def hinge_loss(input, target, margin=1.0, reduction="mean"):
+def hinge_loss(input: Array, target: Array, margin: float = 1.0, reduction: str = "mean") -> Array:
     """Hinge loss ``l = max(0, margin - input * target)``.
 
     With margin=1 and 'mean' this is ``torch.mean(torch.clamp(1 - input * target, min=0))``.
@@ -245,8 +253,9 @@ def hinge_loss(input, target, margin=1.0, reduction="mean"):
     return _value(_HINGE, (input, target), reduction, (float(margin),))
 
 
-def hinge_loss_backward(grad_output, input, target, margin=1.0, reduction="mean", *,
-                        wrt=None):
+def hinge_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                        margin: float = 1.0, reduction: str = "mean", *,
+                        wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of hinge_loss, as torch autograd gives for clamp(margin - x t, min=0).
 
     ``d/dx = -t g [margin - x t >= 0]``, ``d/dt = -x g [margin - x t >= 0]``: at the tie
@@ -263,8 +272,9 @@ def hinge_loss_backward(grad_output, input, target, margin=1.0, reduction="mean"
                   grad_output, wrt, False)
 
 
-def hinge_loss_value_and_grad(input, target, margin=1.0, reduction="mean", *, grad_output=1.0,
-                              wrt=None):
+def hinge_loss_value_and_grad(input: Array, target: Array, margin: float = 1.0,
+                              reduction: str = "mean", *, grad_output: Array | float = 1.0,
+                              wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """hinge_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -279,7 +289,7 @@ def hinge_loss_value_and_grad(input, target, margin=1.0, reduction="mean", *, gr
 
 # --- l1_loss ----------------------------------------------------------------------------------
 
-def l1_loss(input, target, reduction="mean"):
+def l1_loss(input: Array, target: Array, reduction: str = "mean") -> Array:
     """Mean absolute error, as torch.nn.functional.l1_loss.
 
     ``l_i = |input_i - target_i|``, then reduced.
@@ -300,7 +310,8 @@ def l1_loss(input, target, reduction="mean"):
     return _value(_L1, (input, target), reduction, ())
 
 
-def l1_loss_backward(grad_output, input, target, reduction="mean", *, wrt=None):
+def l1_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                     reduction: str = "mean", *, wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of l1_loss, as torch autograd gives them.
 
     ``d/dx = sign(x - t) g = -d/dt``: 0 at the tie ``x == t`` and, as torch's sgn, where
@@ -315,7 +326,9 @@ def l1_loss_backward(grad_output, input, target, reduction="mean", *, wrt=None):
     return _grads(_L1, (input, target), reduction, (), grad_output, wrt, False)
 
 
-def l1_loss_value_and_grad(input, target, reduction="mean", *, grad_output=1.0, wrt=None):
+def l1_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean", *,
+                           grad_output: Array | float = 1.0, wrt: str | Sequence[str] | None = None
+                           ) -> tuple[Array, Any]:
     """l1_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -336,7 +349,8 @@ def _beta(beta):
     return (beta,)
 
 
-def smooth_l1_loss(input, target, reduction="mean", beta=1.0):
+def smooth_l1_loss(input: Array, target: Array, reduction: str = "mean", beta: float = 1.0
+                   ) -> Array:
     """Smooth L1 loss, as torch.nn.functional.smooth_l1_loss.
 
     With ``d = input - target`` and ``z = |d|``: ``l = z^2 / (2 beta)`` where ``z < beta`` and
@@ -359,8 +373,9 @@ def smooth_l1_loss(input, target, reduction="mean", beta=1.0):
     return _value(_SMOOTH_L1, (input, target), reduction, _beta(beta))
 
 
-def smooth_l1_loss_backward(grad_output, input, target, reduction="mean", beta=1.0, *,
-                            wrt=None):
+def smooth_l1_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                            reduction: str = "mean", beta: float = 1.0, *,
+                            wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of smooth_l1_loss, as torch's smooth_l1_loss_backward.
 
     ``d/dx = -d/dt = g`` times -1 where ``d <= -beta``, 1 where ``d >= beta`` (the ties
@@ -376,8 +391,9 @@ def smooth_l1_loss_backward(grad_output, input, target, reduction="mean", beta=1
     return _grads(_SMOOTH_L1, (input, target), reduction, _beta(beta), grad_output, wrt, False)
 
 
-def smooth_l1_loss_value_and_grad(input, target, reduction="mean", beta=1.0, *,
-                                  grad_output=1.0, wrt=None):
+def smooth_l1_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean",
+                                  beta: float = 1.0, *, grad_output: Array | float = 1.0,
+                                  wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """smooth_l1_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -399,7 +415,7 @@ def _delta(delta):
     return (delta,)
 
 
-def huber_loss(input, target, reduction="mean", delta=1.0):
+def huber_loss(input: Array, target: Array, reduction: str = "mean", delta: float = 1.0) -> Array:
     """Huber loss, as torch.nn.functional.huber_loss.
 
     With ``z = |input - target|``: ``l = z^2 / 2`` where ``z < delta``, ``delta (z - delta / 2)``
@@ -420,7 +436,9 @@ def huber_loss(input, target, reduction="mean", delta=1.0):
     return _value(_HUBER, (input, target), reduction, _delta(delta))
 
 
-def huber_loss_backward(grad_output, input, target, reduction="mean", delta=1.0, *, wrt=None):
+def huber_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                        reduction: str = "mean", delta: float = 1.0, *,
+                        wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of huber_loss, as torch's huber_loss_backward.
 
     ``d/dx = -d/dt = g`` times -delta where ``d <= -delta``, delta where ``d >= delta`` and
@@ -435,8 +453,9 @@ def huber_loss_backward(grad_output, input, target, reduction="mean", delta=1.0,
     return _grads(_HUBER, (input, target), reduction, _delta(delta), grad_output, wrt, False)
 
 
-def huber_loss_value_and_grad(input, target, reduction="mean", delta=1.0, *, grad_output=1.0,
-                              wrt=None):
+def huber_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean",
+                              delta: float = 1.0, *, grad_output: Array | float = 1.0,
+                              wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """huber_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -450,7 +469,8 @@ def huber_loss_value_and_grad(input, target, reduction="mean", delta=1.0, *, gra
 
 # --- binary_cross_entropy ---------------------------------------------------------------------
 
-def binary_cross_entropy(input, target, weight=None, reduction="mean"):
+def binary_cross_entropy(input: Array, target: Array, weight: Array | None = None,
+                         reduction: str = "mean") -> Array:
     """Binary cross entropy of probabilities, as torch.nn.functional.binary_cross_entropy.
 
     ``l = -w (t max(log x, -100) + (1 - t) max(log(1 - x), -100))`` with x = input,
@@ -477,8 +497,9 @@ def binary_cross_entropy(input, target, weight=None, reduction="mean"):
     return _value(_BCE, (input, target, weight), reduction, ())
 
 
-def binary_cross_entropy_backward(grad_output, input, target, weight=None, reduction="mean", *,
-                                  wrt=None):
+def binary_cross_entropy_backward(grad_output: Array | float, input: Array, target: Array,
+                                  weight: Array | None = None, reduction: str = "mean", *,
+                                  wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of binary_cross_entropy, with torch's backward formulas.
 
     ``d/dx = w (x - t) / max(x (1 - x), 1e-12) g`` (torch's binary_cross_entropy_backward),
@@ -496,8 +517,11 @@ def binary_cross_entropy_backward(grad_output, input, target, weight=None, reduc
     return _grads(_BCE, (input, target, weight), reduction, (), grad_output, wrt, False)
 
 
-def binary_cross_entropy_value_and_grad(input, target, weight=None, reduction="mean", *,
-                                        grad_output=1.0, wrt=None):
+def binary_cross_entropy_value_and_grad(input: Array, target: Array, weight: Array | None = None,
+                                        reduction: str = "mean", *,
+                                        grad_output: Array | float = 1.0,
+                                        wrt: str | Sequence[str] | None = None
+                                        ) -> tuple[Array, Any]:
     """binary_cross_entropy and its gradients from one pass over the arrays.
 
     Returns:
@@ -512,8 +536,9 @@ def binary_cross_entropy_value_and_grad(input, target, weight=None, reduction="m
 
 # --- binary_cross_entropy_with_logits ---------------------------------------------------------
 
-def binary_cross_entropy_with_logits(input, target, weight=None, reduction="mean",
-                                     pos_weight=None):
+def binary_cross_entropy_with_logits(input: Array, target: Array, weight: Array | None = None,
+                                     reduction: str = "mean", pos_weight: Array | None = None
+                                     ) -> Array:
     """Binary cross entropy of logits, as torch.nn.functional.binary_cross_entropy_with_logits.
 
     Torch's ``w ((1 - t) x - (1 + (q - 1) t) log_sigmoid(x))`` with x = input, t = target,
@@ -542,8 +567,11 @@ def binary_cross_entropy_with_logits(input, target, weight=None, reduction="mean
     return _value(_BCE_LOGITS, (input, target, weight, pos_weight), reduction, ())
 
 
-def binary_cross_entropy_with_logits_backward(grad_output, input, target, weight=None,
-                                              reduction="mean", pos_weight=None, *, wrt=None):
+def binary_cross_entropy_with_logits_backward(grad_output: Array | float, input: Array,
+                                              target: Array, weight: Array | None = None,
+                                              reduction: str = "mean",
+                                              pos_weight: Array | None = None, *,
+                                              wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of binary_cross_entropy_with_logits, equal to torch's formulas.
 
     ``d/dx = w ((1 - t) sigmoid(x) - q t sigmoid(-x)) g`` (torch's
@@ -563,9 +591,13 @@ def binary_cross_entropy_with_logits_backward(grad_output, input, target, weight
                   wrt, False)
 
 
-def binary_cross_entropy_with_logits_value_and_grad(input, target, weight=None,
-                                                    reduction="mean", pos_weight=None, *,
-                                                    grad_output=1.0, wrt=None):
+def binary_cross_entropy_with_logits_value_and_grad(input: Array, target: Array,
+                                                    weight: Array | None = None,
+                                                    reduction: str = "mean",
+                                                    pos_weight: Array | None = None, *,
+                                                    grad_output: Array | float = 1.0,
+                                                    wrt: str | Sequence[str] | None = None
+                                                    ) -> tuple[Array, Any]:
     """binary_cross_entropy_with_logits and its gradients from one pass over the arrays.
 
     Returns:
@@ -581,7 +613,7 @@ def binary_cross_entropy_with_logits_value_and_grad(input, target, weight=None,
 
 # --- soft_margin_loss -------------------------------------------------------------------------
 
-def soft_margin_loss(input, target, reduction="mean"):
+def soft_margin_loss(input: Array, target: Array, reduction: str = "mean") -> Array:
     """Soft margin loss, as torch.nn.functional.soft_margin_loss.
 
     ``l = log(1 + exp(-input * target))``, evaluated as ``softplus(-x t)``: equal to torch's
@@ -604,7 +636,9 @@ def soft_margin_loss(input, target, reduction="mean"):
     return _value(_SOFT_MARGIN, (input, target), reduction, ())
 
 
-def soft_margin_loss_backward(grad_output, input, target, reduction="mean", *, wrt=None):
+def soft_margin_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                              reduction: str = "mean", *, wrt: str | Sequence[str] | None = None
+                              ) -> Any:
     """Gradients of soft_margin_loss.
 
     ``d/dx = -t sigmoid(-x t) g`` (torch's ``-t z / (1 + z)``, ``z = exp(-x t)``, which turns
@@ -620,8 +654,9 @@ def soft_margin_loss_backward(grad_output, input, target, reduction="mean", *, w
     return _grads(_SOFT_MARGIN, (input, target), reduction, (), grad_output, wrt, False)
 
 
-def soft_margin_loss_value_and_grad(input, target, reduction="mean", *, grad_output=1.0,
-                                    wrt=None):
+def soft_margin_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean", *,
+                                    grad_output: Array | float = 1.0,
+                                    wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """soft_margin_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -636,7 +671,8 @@ def soft_margin_loss_value_and_grad(input, target, reduction="mean", *, grad_out
 
 # --- hinge_embedding_loss ---------------------------------------------------------------------
 
-def hinge_embedding_loss(input, target, margin=1.0, reduction="mean"):
+def hinge_embedding_loss(input: Array, target: Array, margin: float = 1.0, reduction: str = "mean"
+                         ) -> Array:
     """Hinge embedding loss, as torch.nn.functional.hinge_embedding_loss.
 
     ``l = x`` where ``t == 1`` and ``max(0, margin - x)`` where ``t == -1``; like torch (two
@@ -659,8 +695,9 @@ def hinge_embedding_loss(input, target, margin=1.0, reduction="mean"):
     return _value(_HINGE_EMBEDDING, (input, target), reduction, (float(margin),))
 
 
-def hinge_embedding_loss_backward(grad_output, input, target, margin=1.0, reduction="mean", *,
-                                  wrt=None):
+def hinge_embedding_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                                  margin: float = 1.0, reduction: str = "mean", *,
+                                  wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of hinge_embedding_loss, as torch autograd gives them.
 
     ``d/dx = ([t != -1] - [t != 1][margin - x >= 0]) g`` (the clamp passes its tie and blocks
@@ -677,8 +714,11 @@ def hinge_embedding_loss_backward(grad_output, input, target, margin=1.0, reduct
                   wrt, False)
 
 
-def hinge_embedding_loss_value_and_grad(input, target, margin=1.0, reduction="mean", *,
-                                        grad_output=1.0, wrt=None):
+def hinge_embedding_loss_value_and_grad(input: Array, target: Array, margin: float = 1.0,
+                                        reduction: str = "mean", *,
+                                        grad_output: Array | float = 1.0,
+                                        wrt: str | Sequence[str] | None = None
+                                        ) -> tuple[Array, Any]:
     """hinge_embedding_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -694,7 +734,8 @@ def hinge_embedding_loss_value_and_grad(input, target, margin=1.0, reduction="me
 
 # --- margin_ranking_loss ----------------------------------------------------------------------
 
-def margin_ranking_loss(input1, input2, target, margin=0.0, reduction="mean"):
+def margin_ranking_loss(input1: Array, input2: Array, target: Array, margin: float = 0.0,
+                        reduction: str = "mean") -> Array:
     """Margin ranking loss, as torch.nn.functional.margin_ranking_loss.
 
     ``l = max(0, -target * (input1 - input2) + margin)``: target 1 asks input1 to rank above
@@ -718,8 +759,9 @@ def margin_ranking_loss(input1, input2, target, margin=0.0, reduction="mean"):
     return _value(_MARGIN_RANKING, (input1, input2, target), reduction, (float(margin),))
 
 
-def margin_ranking_loss_backward(grad_output, input1, input2, target, margin=0.0,
-                                 reduction="mean", *, wrt=None):
+def margin_ranking_loss_backward(grad_output: Array | float, input1: Array, input2: Array,
+                                 target: Array, margin: float = 0.0, reduction: str = "mean", *,
+                                 wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of margin_ranking_loss, as torch autograd gives them.
 
     With ``pass = [-t (x1 - x2) + margin >= 0]`` (ties pass, NaN blocks):
@@ -737,8 +779,10 @@ def margin_ranking_loss_backward(grad_output, input1, input2, target, margin=0.0
                   grad_output, wrt, False)
 
 
-def margin_ranking_loss_value_and_grad(input1, input2, target, margin=0.0, reduction="mean", *,
-                                       grad_output=1.0, wrt=None):
+def margin_ranking_loss_value_and_grad(input1: Array, input2: Array, target: Array,
+                                       margin: float = 0.0, reduction: str = "mean", *,
+                                       grad_output: Array | float = 1.0,
+                                       wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """margin_ranking_loss and its gradients from one pass over the three arrays.
 
     Returns:
@@ -758,7 +802,8 @@ def _poisson(log_input, full, eps):
     return (bool(log_input), bool(full), float(eps))
 
 
-def poisson_nll_loss(input, target, log_input=True, full=False, eps=1e-8, reduction="mean"):
+def poisson_nll_loss(input: Array, target: Array, log_input: bool = True, full: bool = False,
+                     eps: float = 1e-8, reduction: str = "mean") -> Array:
     """Poisson negative log likelihood, as torch.nn.functional.poisson_nll_loss.
 
     With x = input and t = target: ``l = exp(x) - t x`` when log_input (x is the log rate),
@@ -782,8 +827,10 @@ def poisson_nll_loss(input, target, log_input=True, full=False, eps=1e-8, reduct
     return _value(_POISSON, (input, target), reduction, _poisson(log_input, full, eps))
 
 
-def poisson_nll_loss_backward(grad_output, input, target, log_input=True, full=False, eps=1e-8,
-                              reduction="mean", *, wrt=None):
+def poisson_nll_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                              log_input: bool = True, full: bool = False, eps: float = 1e-8,
+                              reduction: str = "mean", *, wrt: str | Sequence[str] | None = None
+                              ) -> Any:
     """Gradients of poisson_nll_loss, as torch autograd gives them.
 
     log_input: ``d/dx = (exp(x) - t) g``, ``d/dt = -x g``; otherwise
@@ -802,8 +849,10 @@ def poisson_nll_loss_backward(grad_output, input, target, log_input=True, full=F
                   grad_output, wrt, False)
 
 
-def poisson_nll_loss_value_and_grad(input, target, log_input=True, full=False, eps=1e-8,
-                                    reduction="mean", *, grad_output=1.0, wrt=None):
+def poisson_nll_loss_value_and_grad(input: Array, target: Array, log_input: bool = True,
+                                    full: bool = False, eps: float = 1e-8,
+                                    reduction: str = "mean", *, grad_output: Array | float = 1.0,
+                                    wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """poisson_nll_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -845,8 +894,9 @@ def _check_nonnegative(var):
         raise ValueError("var has negative entry/entries")
 
 
-def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean", *,
-                      check_var=False):
+def gaussian_nll_loss(input: Array, target: Array, var: Array | float, full: bool = False,
+                      eps: float = 1e-6, reduction: str = "mean", *, check_var: bool = False
+                      ) -> Array:
     """Gaussian negative log likelihood, as torch.nn.functional.gaussian_nll_loss.
 
     ``l = (log v + (input - target)^2 / v) / 2`` with ``v = max(var, eps)``, plus
@@ -881,8 +931,10 @@ def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"
                   (bool(full), float(eps)))
 
 
-def gaussian_nll_loss_backward(grad_output, input, target, var, full=False, eps=1e-6,
-                               reduction="mean", *, check_var=False, wrt=None):
+def gaussian_nll_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                               var: Array | float, full: bool = False, eps: float = 1e-6,
+                               reduction: str = "mean", *, check_var: bool = False,
+                               wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of gaussian_nll_loss, as torch autograd gives them.
 
     With ``v = max(var, eps)``: ``d/dx = (x - t) / v g = -d/dt`` and
@@ -901,9 +953,11 @@ def gaussian_nll_loss_backward(grad_output, input, target, var, full=False, eps=
                   (bool(full), float(eps)), grad_output, wrt, False)
 
 
-def gaussian_nll_loss_value_and_grad(input, target, var, full=False, eps=1e-6,
-                                     reduction="mean", *, check_var=False, grad_output=1.0,
-                                     wrt=None):
+def gaussian_nll_loss_value_and_grad(input: Array, target: Array, var: Array | float,
+                                     full: bool = False, eps: float = 1e-6,
+                                     reduction: str = "mean", *, check_var: bool = False,
+                                     grad_output: Array | float = 1.0,
+                                     wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """gaussian_nll_loss and its gradients from one pass over the arrays.
 
     Returns:
@@ -920,7 +974,8 @@ def gaussian_nll_loss_value_and_grad(input, target, var, full=False, eps=1e-6,
 
 # --- squared_hinge_loss -----------------------------------------------------------------------
 
-def squared_hinge_loss(input, target, margin=1.0, reduction="mean"):
+def squared_hinge_loss(input: Array, target: Array, margin: float = 1.0, reduction: str = "mean"
+                       ) -> Array:
     """Squared hinge loss ``l = max(0, margin - input * target)^2`` (no torch counterpart).
 
     The square of hinge_loss: smooth at the margin, and it penalises large violations more.
@@ -943,8 +998,9 @@ def squared_hinge_loss(input, target, margin=1.0, reduction="mean"):
     return _value(_SQUARED_HINGE, (input, target), reduction, (float(margin),))
 
 
-def squared_hinge_loss_backward(grad_output, input, target, margin=1.0, reduction="mean", *,
-                                wrt=None):
+def squared_hinge_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                                margin: float = 1.0, reduction: str = "mean", *,
+                                wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of squared_hinge_loss, as torch autograd gives for clamp(m - x t, min=0)^2.
 
     With ``h = margin - x t`` where that is >= 0 and 0 elsewhere (NaN blocked):
@@ -961,8 +1017,9 @@ def squared_hinge_loss_backward(grad_output, input, target, margin=1.0, reductio
                   wrt, False)
 
 
-def squared_hinge_loss_value_and_grad(input, target, margin=1.0, reduction="mean", *,
-                                      grad_output=1.0, wrt=None):
+def squared_hinge_loss_value_and_grad(input: Array, target: Array, margin: float = 1.0,
+                                      reduction: str = "mean", *, grad_output: Array | float = 1.0,
+                                      wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """squared_hinge_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -978,7 +1035,8 @@ def squared_hinge_loss_value_and_grad(input, target, margin=1.0, reduction="mean
 
 # --- sigmoid_focal_loss -----------------------------------------------------------------------
 
-def sigmoid_focal_loss(input, target, alpha=0.25, gamma=2.0, reduction="none"):
+def sigmoid_focal_loss(input: Array, target: Array, alpha: float = 0.25, gamma: float = 2.0,
+                       reduction: str = "none") -> Array:
     """Sigmoid focal loss, as torchvision.ops.sigmoid_focal_loss (no torch.nn.functional one).
 
     With p = sigmoid(input), t = target: ``l = a ce (1 - p_t)^gamma`` where
@@ -1004,8 +1062,9 @@ def sigmoid_focal_loss(input, target, alpha=0.25, gamma=2.0, reduction="none"):
     return _value(_FOCAL, (input, target), reduction, (float(alpha), float(gamma)))
 
 
-def sigmoid_focal_loss_backward(grad_output, input, target, alpha=0.25, gamma=2.0,
-                                reduction="none", *, wrt=None):
+def sigmoid_focal_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                                alpha: float = 0.25, gamma: float = 2.0, reduction: str = "none",
+                                *, wrt: str | Sequence[str] | None = None) -> Any:
     """Gradients of sigmoid_focal_loss, as torch autograd gives them through torchvision's code.
 
     With ``q = 1 - p_t``, ``r = sigmoid(-x)`` and ``dq = gamma q^(gamma - 1)`` (0 when
@@ -1023,8 +1082,10 @@ def sigmoid_focal_loss_backward(grad_output, input, target, alpha=0.25, gamma=2.
                   wrt, False)
 
 
-def sigmoid_focal_loss_value_and_grad(input, target, alpha=0.25, gamma=2.0, reduction="none", *,
-                                      grad_output=1.0, wrt=None):
+def sigmoid_focal_loss_value_and_grad(input: Array, target: Array, alpha: float = 0.25,
+                                      gamma: float = 2.0, reduction: str = "none", *,
+                                      grad_output: Array | float = 1.0,
+                                      wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """sigmoid_focal_loss and its gradients from one pass over input and target.
 
     Returns:
@@ -1041,7 +1102,7 @@ def sigmoid_focal_loss_value_and_grad(input, target, alpha=0.25, gamma=2.0, redu
 
 # --- log_cosh_loss ----------------------------------------------------------------------------
 
-def log_cosh_loss(input, target, reduction="mean"):
+def log_cosh_loss(input: Array, target: Array, reduction: str = "mean") -> Array:
     """Log-cosh loss ``l = log(cosh(input - target))`` (no torch counterpart).
 
     About ``d^2 / 2`` for small ``d = input - target`` and ``|d| - log 2`` for large: evaluated
@@ -1062,7 +1123,9 @@ def log_cosh_loss(input, target, reduction="mean"):
     return _value(_LOG_COSH, (input, target), reduction, ())
 
 
-def log_cosh_loss_backward(grad_output, input, target, reduction="mean", *, wrt=None):
+def log_cosh_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                           reduction: str = "mean", *, wrt: str | Sequence[str] | None = None
+                           ) -> Any:
     """Gradients of log_cosh_loss: ``d/dx = tanh(x - t) g = -d/dt``.
 
     ``g`` is grad_output times 1/n for 'mean', 1 otherwise.
@@ -1076,7 +1139,9 @@ def log_cosh_loss_backward(grad_output, input, target, reduction="mean", *, wrt=
     return _grads(_LOG_COSH, (input, target), reduction, (), grad_output, wrt, False)
 
 
-def log_cosh_loss_value_and_grad(input, target, reduction="mean", *, grad_output=1.0, wrt=None):
+def log_cosh_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean", *,
+                                 grad_output: Array | float = 1.0,
+                                 wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """log_cosh_loss and its gradients from one pass over input and target.
 
     Returns:

@@ -39,7 +39,7 @@ def jobs(losses=None, dtypes=None, archs=()) -> list[tuple[str, str, str]]:
     losses = list(_registry.all_losses()) if losses is None else list(losses)
     if dtypes is None:
         dtypes = list(names.values())
-    kernels = {}
+    kernels: dict[tuple[str, str], None] = {}
     for loss in losses:
         for dtype in dtypes:
             for unit in _source.reachable(loss, names.get(dtype, dtype)):

@@ -23,6 +23,7 @@ Common rules:
 
 from __future__ import annotations
 
+from cupyloss._types import Any, Array, Sequence
 from cupyloss._rowclass import SPECS, evaluate
 from cupyloss.rowwise import _grads, _names
 
@@ -33,8 +34,9 @@ _JSD = SPECS["jsd"]
 
 # --- multi_margin_loss ------------------------------------------------------------------------
 
-def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, reduction="mean", *,
-                      check_targets=False):
+def multi_margin_loss(input: Array, target: Array, p: float = 1, margin: float = 1.0,
+                      weight: Array | None = None, reduction: str = "mean", *,
+                      check_targets: bool = False) -> Array:
     """Multi-class hinge loss, as torch.nn.functional.multi_margin_loss.
 
     Per sample with scores x (C of them), class index y and class weights w (1 without):
@@ -67,8 +69,10 @@ def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, reduction="me
                     check=check_targets)[0]
 
 
-def multi_margin_loss_backward(grad_output, input, target, p=1, margin=1.0, weight=None,
-                               reduction="mean", *, check_targets=False, wrt="input"):
+def multi_margin_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                               p: float = 1, margin: float = 1.0, weight: Array | None = None,
+                               reduction: str = "mean", *, check_targets: bool = False,
+                               wrt: str | Sequence[str] | None = "input") -> Any:
     """Gradient of multi_margin_loss, equal to torch autograd's.
 
     With z_c = margin - x_y + x_c and g the sample's upstream gradient (over N for 'mean'):
@@ -91,9 +95,12 @@ def multi_margin_loss_backward(grad_output, input, target, p=1, margin=1.0, weig
     return _grads(names, single, gx, gt)
 
 
-def multi_margin_loss_value_and_grad(input, target, p=1, margin=1.0, weight=None,
-                                     reduction="mean", *, check_targets=False, grad_output=1.0,
-                                     wrt="input"):
+def multi_margin_loss_value_and_grad(input: Array, target: Array, p: float = 1,
+                                     margin: float = 1.0, weight: Array | None = None,
+                                     reduction: str = "mean", *, check_targets: bool = False,
+                                     grad_output: Array | float = 1.0,
+                                     wrt: str | Sequence[str] | None = "input"
+                                     ) -> tuple[Array, Any]:
     """multi_margin_loss and its gradient from one read of the input (one launch).
 
     Returns:
@@ -111,7 +118,8 @@ def multi_margin_loss_value_and_grad(input, target, p=1, margin=1.0, weight=None
 
 # --- multilabel_soft_margin_loss --------------------------------------------------------------
 
-def multilabel_soft_margin_loss(input, target, weight=None, reduction="mean"):
+def multilabel_soft_margin_loss(input: Array, target: Array, weight: Array | None = None,
+                                reduction: str = "mean") -> Array:
     """Multi-label one-versus-all logistic loss, as torch.nn.functional.multilabel_soft_margin_loss.
 
     Per row of logits x and targets t (C of them, the last axis) and weights w (1 without):
@@ -140,8 +148,9 @@ def multilabel_soft_margin_loss(input, target, weight=None, reduction="mean"):
     return evaluate(_ML, input, target, weight, reduction=reduction)[0]
 
 
-def multilabel_soft_margin_loss_backward(grad_output, input, target, weight=None,
-                                         reduction="mean", *, wrt="input"):
+def multilabel_soft_margin_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                                         weight: Array | None = None, reduction: str = "mean", *,
+                                         wrt: str | Sequence[str] | None = "input") -> Any:
     """Gradients of multilabel_soft_margin_loss, equal to torch autograd's.
 
     With g the row's upstream gradient (over the number of rows for 'mean'):
@@ -163,8 +172,12 @@ def multilabel_soft_margin_loss_backward(grad_output, input, target, weight=None
     return _grads(names, single, gx, gt)
 
 
-def multilabel_soft_margin_loss_value_and_grad(input, target, weight=None, reduction="mean", *,
-                                               grad_output=1.0, wrt="input"):
+def multilabel_soft_margin_loss_value_and_grad(input: Array, target: Array,
+                                               weight: Array | None = None,
+                                               reduction: str = "mean", *,
+                                               grad_output: Array | float = 1.0,
+                                               wrt: str | Sequence[str] | None = "input"
+                                               ) -> tuple[Array, Any]:
     """multilabel_soft_margin_loss and its gradients from one read of input and target.
 
     Returns:
@@ -181,7 +194,8 @@ def multilabel_soft_margin_loss_value_and_grad(input, target, weight=None, reduc
 
 # --- jsd --------------------------------------------------------------------------------------
 
-def jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100, reduction="mean"):
+def jsd(input: Array, target: Array, beta: float = 0.5, shift_labels: Array | None = None,
+        ignore_index: int = -100, reduction: str = "mean") -> Array:
     """Generalised Jensen-Shannon divergence of log-probability rows, as Liger-Kernel's LigerJSD.
 
     A distillation loss torch lacks; its torch adapter module is ``cupyloss.torch.JSDLoss``.
@@ -221,8 +235,9 @@ def jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100, reduction
                     ignore_index=ignore_index)[0]
 
 
-def jsd_backward(grad_output, input, target, beta=0.5, shift_labels=None, ignore_index=-100,
-                 reduction="mean", *, wrt="input"):
+def jsd_backward(grad_output: Array | float, input: Array, target: Array, beta: float = 0.5,
+                 shift_labels: Array | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", *, wrt: str | Sequence[str] | None = "input") -> Any:
     """Gradients of jsd (Liger gives the input's; the target's is here too).
 
     With g the row's upstream gradient (over the counted rows for 'mean'), 0 on ignored rows:
@@ -246,8 +261,10 @@ def jsd_backward(grad_output, input, target, beta=0.5, shift_labels=None, ignore
     return _grads(names, single, gx, gt)
 
 
-def jsd_value_and_grad(input, target, beta=0.5, shift_labels=None, ignore_index=-100,
-                       reduction="mean", *, grad_output=1.0, wrt="input"):
+def jsd_value_and_grad(input: Array, target: Array, beta: float = 0.5,
+                       shift_labels: Array | None = None, ignore_index: int = -100,
+                       reduction: str = "mean", *, grad_output: Array | float = 1.0,
+                       wrt: str | Sequence[str] | None = "input") -> tuple[Array, Any]:
     """jsd and its gradients from one read of input and target (two launches for a 'mean'
     gradient with shift_labels: the counted rows are counted on the device first).
 

@@ -22,6 +22,7 @@ Common rules:
 
 from __future__ import annotations
 
+from cupyloss._types import Any, Array, Sequence
 from cupyloss import _validate
 from cupyloss._rowpair import SPECS, evaluate
 
@@ -36,8 +37,9 @@ def _pick(spec, grads, names, single):
 
 # --- triplet_margin_loss ------------------------------------------------------------------------
 
-def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6, swap=False,
-                        reduction="mean"):
+def triplet_margin_loss(anchor: Array, positive: Array, negative: Array, margin: float = 1.0,
+                        p: float = 2.0, eps: float = 1e-6, swap: bool = False,
+                        reduction: str = "mean") -> Array:
     """Triplet margin loss, as torch.nn.functional.triplet_margin_loss.
 
     Per row, with torch's pairwise distance ``d(x, y) = ||x - y + eps||_p`` along the last axis:
@@ -67,9 +69,11 @@ def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6,
                     reduction=reduction)[0]
 
 
-def triplet_margin_loss_backward(grad_output, anchor, positive, negative, margin=1.0, p=2.0,
-                                 eps=1e-6, swap=False, reduction="mean", *,
-                                 wrt=("anchor", "positive", "negative")):
+def triplet_margin_loss_backward(grad_output: Array | float, anchor: Array, positive: Array,
+                                 negative: Array, margin: float = 1.0, p: float = 2.0,
+                                 eps: float = 1e-6, swap: bool = False, reduction: str = "mean",
+                                 *, wrt: str | Sequence[str] | None = (
+                                     "anchor", "positive", "negative")) -> Any:
     """Gradients of triplet_margin_loss, equal to torch autograd's.
 
     With u = a - p + eps, v = a - n + eps, w = p - n + eps, phi(x) = sign(x) |x|^(p-1) and g the
@@ -85,7 +89,7 @@ def triplet_margin_loss_backward(grad_output, anchor, positive, negative, margin
     Args:
       grad_output: Python number, 0-d array, or for 'none' an array of the loss's shape.
       anchor, positive, negative, margin, p, eps, swap, reduction: as for triplet_margin_loss.
-      wrt: a name of ('anchor', 'positive', 'negative') (returns that gradient alone) or a tuple
+      wrt: a name of ("anchor", "positive", "negative") (returns that gradient alone) or a tuple
         of them (returns a tuple; default all three).  Only the gradients named are written.
 
     Returns:
@@ -100,9 +104,13 @@ def triplet_margin_loss_backward(grad_output, anchor, positive, negative, margin
     return _pick(_TRIPLET, got[1:], names, single)
 
 
-def triplet_margin_loss_value_and_grad(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6,
-                                       swap=False, reduction="mean", *, grad_output=1.0,
-                                       wrt=("anchor", "positive", "negative")):
+def triplet_margin_loss_value_and_grad(anchor: Array, positive: Array, negative: Array,
+                                       margin: float = 1.0, p: float = 2.0, eps: float = 1e-6,
+                                       swap: bool = False, reduction: str = "mean", *,
+                                       grad_output: Array | float = 1.0,
+                                       wrt: str | Sequence[str] | None = (
+                                           "anchor", "positive", "negative"),
+                                       ) -> tuple[Array, Any]:
     """triplet_margin_loss and its gradients from one read of the inputs.
 
     Each row's norms are reduced on chip while the row stays in registers, then its gradients are
@@ -127,7 +135,8 @@ def triplet_margin_loss_value_and_grad(anchor, positive, negative, margin=1.0, p
 
 # --- cosine_embedding_loss ----------------------------------------------------------------------
 
-def cosine_embedding_loss(input1, input2, target, margin=0.0, reduction="mean"):
+def cosine_embedding_loss(input1: Array, input2: Array, target: Array, margin: float = 0.0,
+                          reduction: str = "mean") -> Array:
     """Cosine embedding loss, as torch.nn.functional.cosine_embedding_loss.
 
     Per row, with torch's ``EPSILON = 1e-12`` in the denominator:
@@ -153,8 +162,9 @@ def cosine_embedding_loss(input1, input2, target, margin=0.0, reduction="mean"):
     return evaluate(_COSINE, (input1, input2, target), (margin,), reduction=reduction)[0]
 
 
-def cosine_embedding_loss_backward(grad_output, input1, input2, target, margin=0.0,
-                                   reduction="mean", *, wrt=("input1", "input2")):
+def cosine_embedding_loss_backward(grad_output: Array | float, input1: Array, input2: Array,
+                                   target: Array, margin: float = 0.0, reduction: str = "mean", *,
+                                   wrt: str | Sequence[str] | None = ("input1", "input2")) -> Any:
     """Gradients of cosine_embedding_loss, equal to torch autograd's.
 
     With m1 = sum(x1^2) + 1e-12, m2 = sum(x2^2) + 1e-12, r = sqrt(m1 m2) and g the row's upstream
@@ -181,8 +191,11 @@ def cosine_embedding_loss_backward(grad_output, input1, input2, target, margin=0
     return _pick(_COSINE, got[1:], names, single)
 
 
-def cosine_embedding_loss_value_and_grad(input1, input2, target, margin=0.0, reduction="mean", *,
-                                         grad_output=1.0, wrt=("input1", "input2")):
+def cosine_embedding_loss_value_and_grad(input1: Array, input2: Array, target: Array,
+                                         margin: float = 0.0, reduction: str = "mean", *,
+                                         grad_output: Array | float = 1.0,
+                                         wrt: str | Sequence[str] | None = ("input1", "input2")
+                                         ) -> tuple[Array, Any]:
     """cosine_embedding_loss and its gradients from one read of the inputs (see
     triplet_margin_loss_value_and_grad).
 

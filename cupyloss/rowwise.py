@@ -29,6 +29,7 @@ Common rules:
 
 from __future__ import annotations
 
+from cupyloss._types import Any, Array, Sequence
 from cupyloss._rowwise import SPECS, evaluate
 
 _CE, _NLL = SPECS["cross_entropy"], SPECS["nll_loss"]
@@ -49,9 +50,10 @@ def _grads(names, single, gx, gt):
 
 # --- cross_entropy ----------------------------------------------------------------------------
 
-def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
-                  label_smoothing=0.0, *, lse_square_scale=0.0, softcap=0.0,
-                  check_targets=False):
+def cross_entropy(input: Array, target: Array, weight: Array | None = None,
+                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                  *, lse_square_scale: float = 0.0, softcap: float = 0.0,
+                  check_targets: bool = False) -> Array:
     """Cross entropy of softmax(input) along the class axis, as torch.nn.functional.cross_entropy.
 
     With Liger-Kernel's z-loss and softcap beyond torch.
@@ -94,9 +96,12 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                     softcap=softcap, check=check_targets)[0]
 
 
-def cross_entropy_backward(grad_output, input, target, weight=None, ignore_index=-100,
-                           reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0,
-                           softcap=0.0, check_targets=False, wrt="input"):
+def cross_entropy_backward(grad_output: Array | float, input: Array, target: Array,
+                           weight: Array | None = None, ignore_index: int = -100,
+                           reduction: str = "mean", label_smoothing: float = 0.0, *,
+                           lse_square_scale: float = 0.0, softcap: float = 0.0,
+                           check_targets: bool = False, wrt: str | Sequence[str] | None = "input"
+                           ) -> Any:
     """Gradients of cross_entropy, equal to torch autograd's.
 
     With p = softmax(z) along the class axis and g the upstream gradient of the row (grad_output,
@@ -132,10 +137,13 @@ def cross_entropy_backward(grad_output, input, target, weight=None, ignore_index
     return _grads(names, single, gx, gt)
 
 
-def cross_entropy_value_and_grad(input, target, weight=None, ignore_index=-100, reduction="mean",
-                                 label_smoothing=0.0, *, lse_square_scale=0.0, softcap=0.0,
-                                 check_targets=False, grad_output=1.0, wrt="input",
-                                 inplace=False, return_lse=False):
+def cross_entropy_value_and_grad(input: Array, target: Array, weight: Array | None = None,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
+                                 softcap: float = 0.0, check_targets: bool = False,
+                                 grad_output: Array | float = 1.0,
+                                 wrt: str | Sequence[str] | None = "input", inplace: bool = False,
+                                 return_lse: bool = False) -> tuple[Any, ...]:
     """cross_entropy and its gradient from one read of the logits.
 
     Each row is held on chip while its softmax is reduced, so the logits are read once and the
@@ -177,8 +185,8 @@ def cross_entropy_value_and_grad(input, target, weight=None, ignore_index=-100, 
 
 # --- nll_loss ---------------------------------------------------------------------------------
 
-def nll_loss(input, target, weight=None, ignore_index=-100, reduction="mean", *,
-             check_targets=False):
+def nll_loss(input: Array, target: Array, weight: Array | None = None, ignore_index: int = -100,
+             reduction: str = "mean", *, check_targets: bool = False) -> Array:
     """Negative log likelihood, as torch.nn.functional.nll_loss.
 
     ``l = -w_y input[y]`` per row (input holds log-probabilities), 0 where y == ignore_index;
@@ -202,8 +210,10 @@ def nll_loss(input, target, weight=None, ignore_index=-100, reduction="mean", *,
                     check=check_targets)[0]
 
 
-def nll_loss_backward(grad_output, input, target, weight=None, ignore_index=-100,
-                      reduction="mean", *, check_targets=False, wrt="input"):
+def nll_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                      weight: Array | None = None, ignore_index: int = -100,
+                      reduction: str = "mean", *, check_targets: bool = False,
+                      wrt: str | Sequence[str] | None = "input") -> Any:
     """Gradient of nll_loss: ``dl/dinput[c] = -w_y g [c == y]``, 0 on ignored rows.
 
     g is grad_output over the 'mean' divisor.  The gradient is written whole (zeros included).
@@ -221,8 +231,11 @@ def nll_loss_backward(grad_output, input, target, weight=None, ignore_index=-100
     return _grads(names, single, gx, gt)
 
 
-def nll_loss_value_and_grad(input, target, weight=None, ignore_index=-100, reduction="mean", *,
-                            check_targets=False, grad_output=1.0, wrt="input", inplace=False):
+def nll_loss_value_and_grad(input: Array, target: Array, weight: Array | None = None,
+                            ignore_index: int = -100, reduction: str = "mean", *,
+                            check_targets: bool = False, grad_output: Array | float = 1.0,
+                            wrt: str | Sequence[str] | None = "input", inplace: bool = False
+                            ) -> tuple[Array, Any]:
     """nll_loss and its gradient in one launch.
 
     **inplace=True OVERWRITES THE INPUT with its gradient** (returned as the input array itself);

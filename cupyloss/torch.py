@@ -83,8 +83,8 @@ runs in the dtype it is given.  CPU tensors take torch's own operations
 (cupyloss._torch_forms: torch.nn.functional's loss where torch has it, with cupyloss's extra
 options formed around it, else the loss's formula; gradients by torch.autograd), so code written
 with cupyloss.torch runs unchanged on a machine without a GPU, with torch's semantics there
-(dtype promotion, and no target gradient for binary_cross_entropy and soft_margin_loss).  Gradients go only to the tensor arguments that require grad.
-Inputs are never written.  Works under torch.cuda.graph capture once a warm-up call has run on
+(dtype promotion, and no target gradient for binary_cross_entropy and soft_margin_loss).
+Gradients go only to the tensor arguments that require grad.  Inputs are never written.  Works under torch.cuda.graph capture once a warm-up call has run on
 the device (kernels load and the engine allocates its per-device state outside the capture).
 This module imports torch; ``import cupyloss`` never imports it.
 """
