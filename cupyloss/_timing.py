@@ -83,3 +83,13 @@ def need(prog: str, torch: bool = False) -> None:
         if not torch_module.cuda.is_available():
             raise SystemExit(f"{prog} needs a CUDA build of PyTorch; torch "
                              f"{torch_module.__version__} sees no GPU")
+
+
+def save(path, data):
+    """Write a benchmark's results to `path` as JSON (nothing when path is None); return them."""
+    if path:
+        import json
+
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
+    return data

@@ -28,7 +28,6 @@ and value_and_grad, every array [32768, 32768] float32) next to mse_loss, and sk
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -435,16 +434,12 @@ def main(argv=None) -> list[dict]:
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         bw = copy_bandwidth(int(4 * 2**30 * min(args.scale, 1.0) ** 2), args.reps)
         rows = family(args.scale, args.reps, bw, props["name"].decode())
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"family": rows}, fh, indent=1)
+        _timing.save(args.json, {"family": rows})
         return rows
 
     small = small_calls()
     if args.small_only:
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"small_calls": small}, fh, indent=1)
+        _timing.save(args.json, {"small_calls": small})
         return small
 
     try:
@@ -497,9 +492,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"{r['workload']:8} {r['pass_']:15} {r['impl']:14} {r['ms']:8.3f} "
               f"{r['gbps']:7.0f} {r['pct_copy_bw']:6.1f} {r['ratio_to_cupyloss']:10.2f}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"small_calls": small, "large": rows, "sweep": swept}, fh, indent=1)
+    _timing.save(args.json, {"small_calls": small, "large": rows, "sweep": swept})
     return rows
 
 

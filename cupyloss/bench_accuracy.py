@@ -18,7 +18,6 @@ Never used as a test.
 from __future__ import annotations
 
 import argparse
-import json
 
 import cupy
 import numpy
@@ -119,10 +118,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"{r['workload']:28} {r['quantity']:26} {r['cupyloss_rel_err']:10.2e} "
               f"{r['torch_rel_err']:10.2e} {r['ratio']:7.2f} {r['floor_rel_err']:10.2e}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return rows
+    return _timing.save(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ of its time to cupyloss's.  Never used as a test.
 from __future__ import annotations
 
 import argparse
-import json
 
 from cupyloss import bench_rowwise
 
@@ -262,10 +261,7 @@ def main(argv=None) -> list[dict]:
     if args.family or args.family_compile:
         _free(torch)
         rows += family(args.reps, copy_bw, device, args.family_compile)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return rows
+    return _timing.save(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -172,10 +172,7 @@ def main(argv=None) -> list[dict]:
                      "cold_wall_s": cold_wall, "warm_wall_s": warm_wall})
         print(f"{label:58} {cold:14.2f} {warm:15.2f}   ({cold_wall:.1f}, {warm_wall:.1f})",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return rows
+    return _timing.save(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ as a test.
 from __future__ import annotations
 
 import argparse
-import json
 
 import cupyloss
 from cupyloss import _timing
@@ -216,10 +215,7 @@ def main(argv=None) -> list[dict]:
               f"{r['gbps']:7.0f} {r['pct_limit']:7.1f} {r['x_cupyloss']:10.2f}")
     print("%limit: forward against the read bandwidth, value_and_grad against the copy "
           "bandwidth")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return rows
+    return _timing.save(args.json, rows)
 
 
 if __name__ == "__main__":

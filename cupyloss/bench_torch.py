@@ -28,7 +28,6 @@ large   the KernelBench sizes, float32, gradients of both arguments asked for:
 from __future__ import annotations
 
 import argparse
-import json
 
 from cupyloss import _timing
 from cupyloss.bench import _host_us
@@ -240,10 +239,7 @@ def main(argv=None) -> dict:
     _free()
     if not args.small_only:
         result["large"] = large(args.reps, args.scale)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return _timing.save(args.json, result)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,15 @@ def test_adapter_without_its_framework_names_the_extra(adapter, framework):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert f"pip install 'cupyloss[{framework}]'" in done.stdout, done.stdout + done.stderr
+
+
+def test_benchmarks_save_their_results_as_json(tmp_path):
+    import json
+
+    from cupyloss import _timing
+
+    rows = [{"case": "mse", "ms": 1.5}]
+    assert _timing.save(None, rows) is rows and not list(tmp_path.iterdir())
+    path = tmp_path / "out.json"
+    assert _timing.save(str(path), rows) is rows
+    assert json.loads(path.read_text()) == rows
