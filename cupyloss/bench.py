@@ -243,9 +243,10 @@ def _family_calls(x, y, u):
 
 
 def family(scale: float, reps: int, bw: float, device: str) -> list[dict]:
-    """Forward and value_and_grad (every gradient) of every registered loss on [n, n] float32
-    arrays, n = 32768 * scale, with each time's ratio to mse_loss's and GB/s of compulsory
-    traffic (each array read once; value_and_grad also writes one gradient per array)."""
+    """Forward, value_and_grad and backward (every gradient; grad_output 1) of every registered
+    loss on [n, n] float32 arrays, n = 32768 * scale, with each time's ratio to mse_loss's and
+    GB/s of compulsory traffic (each array read once; the gradient passes also write one
+    gradient per array)."""
     n = int(32768 * scale)
     rng = cupy.random.default_rng(2)
     x = rng.standard_normal((n, n), dtype=cupy.float32)
@@ -255,9 +256,11 @@ def family(scale: float, reps: int, bw: float, device: str) -> list[dict]:
     for name, (arrays, opts) in _family_calls(x, y, u).items():
         fwd = getattr(cupyloss, name)
         vag = getattr(cupyloss, name + "_value_and_grad")
+        bwd = getattr(cupyloss, name + "_backward")
         nbytes = sum(a.nbytes for a in arrays)
         for what, fn, traffic in (("forward", lambda: fwd(*arrays, **opts), nbytes),
-                                  ("value_and_grad", lambda: vag(*arrays, **opts), 2 * nbytes)):
+                                  ("value_and_grad", lambda: vag(*arrays, **opts), 2 * nbytes),
+                                  ("backward", lambda: bwd(1.0, *arrays, **opts), 2 * nbytes)):
             ms = _timer(fn, reps)
             rows.append(dict(loss=name, pass_=what, ms=ms, gbps=traffic / ms / 1e6,
                              pct_copy_bw=100 * traffic / ms / 1e6 / bw, arrays=len(arrays),

@@ -17,7 +17,8 @@ measured in the same run) and cupyloss's percentage of it; and the relative erro
 gradient against float64 (max |error| / max |float64 gradient|) for cupyloss and torch eager.
 Pools are emptied between patterns.  --family adds a table of every registered pointwise
 loss's value_and_grad (every gradient) on the same patterns, its first array broadcast: time and
-percentage of the memory limit (each array read once, each gradient written once);
+percentage of the memory limit (each array read once, each gradient written once), and the time
+of its backward (grad_output 1);
 --family-compile adds torch.compile's forward + backward of the same loss (torch.nn.functional's,
 or the formula of a loss torch lacks: _torch_forms) asking the same gradients, and the ratio
 of its time to cupyloss's.  Never used as a test.
@@ -165,10 +166,10 @@ def _compiled_ms(name, arrays, grads, reps: int):
 
 
 def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> list[dict]:
-    """Every pointwise loss's value_and_grad on the four patterns, its first array broadcast
-    (and with compile_, torch.compile's forward + backward of the same loss); gaussian_nll_loss
-    with its var broadcast instead, on the per-row pattern only (var (N, 1): torch takes no
-    other broadcast var)."""
+    """Every pointwise loss's value_and_grad and backward on the four patterns, its first array
+    broadcast (and with compile_, torch.compile's forward + backward of the same loss);
+    gaussian_nll_loss with its var broadcast instead, on the per-row pattern only (var (N, 1):
+    torch takes no other broadcast var)."""
     import cupy
 
     import cupyloss
@@ -191,10 +192,12 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
                 first = small[1] if arrays[0] is full[2] else small[0]
                 arrays = (first, *arrays[1:])
             vag = getattr(cupyloss, name + "_value_and_grad")
+            bwd = getattr(cupyloss, name + "_backward")
             ms = _timing.gpu_ms(lambda: vag(*arrays, **opts), reps)
             limit = 2 * sum(a.nbytes for a in arrays) / copy_bw / 1e6
             row = dict(pattern=pattern, loss=name, ms=ms, limit_ms=limit,
-                       pct_limit=100 * limit / ms, device=device)
+                       pct_limit=100 * limit / ms, device=device,
+                       backward_ms=_timing.gpu_ms(lambda: bwd(1.0, *arrays, **opts), reps))
             if compile_:
                 _, grads = vag(*arrays, **opts)
                 row["compile_ms"] = _compiled_ms(name, arrays, grads, reps)
@@ -204,16 +207,17 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
             rows.append(row)
         del full, small
         cupy.get_default_memory_pool().free_all_blocks()
-    print(f"every pointwise loss's value_and_grad, first array broadcast, {device}"
+    print(f"every pointwise loss's value_and_grad (and backward), first array broadcast, {device}"
           + (" (x: torch.compile's time over cupyloss's)" if compile_ else "") + ":")
-    width = 27 if compile_ else 18
+    width = 40 if compile_ else 32
     print(f"{'loss':34} " + " ".join(f"{p:>{width}}" for p in PATTERNS))
     for name in dict.fromkeys(r["loss"] for r in rows):
         cells = []
         by_pattern = {r["pattern"]: r for r in rows if r["loss"] == name}
         for pattern in PATTERNS:
             r = by_pattern.get(pattern)
-            cell = "-" if r is None else f"{r['ms']:8.3f} ms {r['pct_limit']:5.1f}%"
+            cell = ("-" if r is None else
+                    f"{r['ms']:8.3f} ms {r['pct_limit']:5.1f}% (bwd {r['backward_ms']:.3f})")
             if r is not None and r.get("compile_ms"):
                 cell += f" {r['compile_ms'] / r['ms']:6.2f}x"
             cells.append(cell)

@@ -46,17 +46,18 @@
 // (the forward of every loss: fewer registers, more resident blocks), and GRAD = true for
 // launches that want any gradient; reduce also takes the loss alone of a layout whose
 // gradients it would sum, so that the 0-d loss adds up in one order either way.  A gradient
-// launch runs one of two loops, chosen once (with_work): gradients alone (backward) or gradients
-// and loss (value_and_grad), so no element branches on what is wanted.  With the choice made per
-// element the functor's work sat in conditional blocks, where the compiler did not share a log
-// between the gradient and the loss computed after it (kl_div took lg_fine twice), and the
-// loop carried every path's code and registers.  (libdevice's logf and log1pf keep branches of
-// their own, which the compiler leaves in the loop: binary_cross_entropy forms them as fixed
-// terms, FixedTerms below.)  H100,
-// float32, value_and_grad with the first array broadcast (bench_broadcast's patterns, per-channel,
-// per-row, row, scalar; with KlDivOp taking its log once): kl_div 0.227, 0.150, 0.152, 0.132 ms
-// -> 0.184, 0.122, 0.121, 0.111; binary_cross_entropy row 0.193 -> 0.145, scalar 0.122 -> 0.114;
-// sigmoid_focal_loss scalar 0.130 -> 0.120; the rest within 2%.
+// launch forms the loss of every element right after its partials, unconditionally, and only its
+// store or sum depends on what is wanted (Work): a backward call pays for the loss's arithmetic
+// beyond what it shares with the partials, and each kernel holds one loop.  With the loss formed
+// in a conditional block the compiler did not share a log between the gradient and the loss
+// (kl_div took lg_fine twice), and the loop carried every path's code and registers.
+// (libdevice's logf and log1pf keep branches of their own, which the compiler leaves in the
+// loop: binary_cross_entropy forms them as fixed terms, FixedTerms below.)  H100, float32,
+// value_and_grad with the first array broadcast (bench_broadcast's patterns, per-channel,
+// per-row, row, scalar; with KlDivOp taking its log once), per-element choice -> the loss
+// formed unconditionally: kl_div 0.227, 0.150, 0.152, 0.132 ms -> 0.184, 0.122, 0.121, 0.111;
+// binary_cross_entropy row 0.193 -> 0.145, scalar 0.122 -> 0.114; sigmoid_focal_loss scalar
+// 0.130 -> 0.120; the rest within 2%.
 // All loop over 64-bit indices (grid-stride, except that value-only flat gives each block one
 // contiguous chunk, and flat's grid grows past one wave for large inputs: _launch.FLAT_STEPS_*);
 // every sum has an order fixed by the shapes
@@ -355,23 +356,19 @@ __device__ __forceinline__ acc_t<T> upstream_scalar(const T* __restrict__ go, do
     return g * A(grad_scale);
 }
 
-// What a launch computes per element, fixed for the launch: the loss alone (value-only
-// instantiations), the gradients alone, or both (the gradient ones, which the host launches only
-// when a gradient is wanted).  The kernels pick it once, outside their loops (with_work), so a
-// loop body holds one kind of work and no per-element branch on it.
-template <bool GRADS, bool VALUE>
+// What a launch computes per element: the loss alone (the value-only instantiations), or the
+// gradients and the loss (the gradient ones, which the host launches only when a gradient is
+// wanted).  A gradient launch that wants no loss (backward) still forms it, right after the
+// partials, whose logs and exps it shares, and drops it at the store: one loop per kernel.  Two
+// loops, one per kind of work, compiled each kernel's body twice (NVRTC's time on a gradient
+// kernel, 2-core CPU, sm_90: mse_loss's reduce kernel 0.88 -> 0.52 s with one, bce_with_logits'
+// 1.28 -> 0.79), and the extra arithmetic cost backward calls nothing measurable (H100, float32,
+// every pointwise loss: backward at 32768^2, bench --family, and at bench_broadcast's four
+// patterns, --family: one loop / two loops 0.994-1.001, as for forward and value_and_grad).
+template <bool GRADS>
 struct Work {
-    static constexpr bool grads = GRADS, value = VALUE;
+    static constexpr bool grads = GRADS;
 };
-template <bool GRAD, typename F>
-__device__ __forceinline__ void with_work(bool want_value, F&& loop) {
-    if constexpr (GRAD) {
-        if (want_value) loop(Work<true, true>{});
-        else loop(Work<true, false>{});
-    } else {
-        loop(Work<false, true>{});
-    }
-}
 
 // A functor's terms of the operands in CONST alone (the ones that stay the same across a
 // thread's loop), formed once before the loop rather than per element.  The compiler moves
@@ -426,10 +423,10 @@ __device__ __forceinline__ void loss_of(const A (&val)[Op::K][VEC], const typena
 }
 
 // Upstream times every partial: d[k][j] = g[j] * dl/dv_k at element j, the product rounded on its
-// own (mul_rn).  backward and value_and_grad run different loops (with_work), which the compiler
-// contracts differently; a product left free was fused into the sum of a broadcast operand's
-// gradient in one and not the other (kl_div, float32, a [1, 2, 2] input broadcast to
-// [100000, 2, 2]: the two summed gradients differed in their last bits).
+// own (mul_rn): a product left free was fused into the sum of a broadcast operand's gradient in
+// one loop and not in another the compiler contracted differently (kl_div, float32, a [1, 2, 2]
+// input broadcast to [100000, 2, 2]: backward's and value_and_grad's summed gradients, then
+// separate loops, differed in their last bits).
 template <typename Op, typename A, int VEC, typename FX, int NF>
 __device__ __forceinline__ void grads_of(const A (&val)[Op::K][VEC], const A (&g)[VEC],
                                          const typename Op::Params& p, const FX (&fx)[NF],
@@ -476,7 +473,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
     Sums<A, K> s;
 
     auto flat_loop = [&](auto work) {
-        constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
+        constexpr bool WANT_GRAD = decltype(work)::grads;
         // Delivers the results of W consecutive elements (W = VEC, or 1 on the strided path) at
         // flat index i to their outputs; val[k][j] is operand k of element j, gv[j] its upstream,
         // fx[0] the functor's fixed terms of the path's compiled-in operands.
@@ -485,7 +482,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             auto deliver_loss = [&](const A (&r)[W]) {
                 if (loss != nullptr) {
                     store_vec<T, W>(loss, i, r);
-                } else {
+                } else if (want_value) {
                     add_loss<A, W>(s.loss, r);
                 }
             };
@@ -496,7 +493,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             } else {
                 A d[K][W];
                 grads_of<Op, A, W>(val, gv, p, fx, d);
-                if constexpr (WANT_VALUE) {  // after the partials: it reuses what they computed
+                {  // after the partials: it reuses what they computed
                     A r[W];
                     loss_of<Op, A, W>(val, p, fx, r);
                     deliver_loss(r);
@@ -622,7 +619,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             visit(val, gv, fx, i);
         }
     };
-    with_work<GRAD>(want_value, flat_loop);
+    flat_loop(Work<GRAD>{});
     finish<T, K>(s, o, blockIdx.x, gridDim.x);
 }
 
@@ -720,7 +717,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
         }
     };
     auto rows_loop = [&](auto work) {
-        constexpr bool WANT_GRAD = decltype(work)::grads, WANT_VALUE = decltype(work)::value;
+        constexpr bool WANT_GRAD = decltype(work)::grads;
         // The UNROLL steps from row r on, their loads in fv and gv.
         auto visit = [&](long long r, A (&fv)[UNROLL][K][VEC], A (&gv)[UNROLL][VEC]) {
             #pragma unroll
@@ -740,7 +737,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
                 auto deliver_loss = [&](const A (&lv)[VEC]) {
                     if (loss != nullptr) {
                         store_vec<T, VEC>(loss, i, lv);
-                    } else {
+                    } else if (want_value) {
                         add_loss<A, VEC>(s.loss, lv);
                     }
                 };
@@ -751,7 +748,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
                 } else {
                     A d[K][VEC];
                     grads_of<Op, A, VEC>(val, gv[u], p, fx, d);
-                    if constexpr (WANT_VALUE) {  // after the partials: it reuses them
+                    {  // after the partials: it reuses them
                         A lv[VEC];
                         loss_of<Op, A, VEC>(val, p, fx, lv);
                         deliver_loss(lv);
@@ -788,7 +785,7 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
             }
         }
     };
-    with_work<GRAD>(want_value, rows_loop);
+    rows_loop(Work<GRAD>{});
 
     const long long block = (long long)blockIdx.y * gridDim.x + blockIdx.x;
     finish<T, K>(s, o, block, (long long)gridDim.x * gridDim.y);
@@ -919,8 +916,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
     // order, so the loads in flight take F, not K, vectors a step.
     Sums<A, K> s;
 
-    auto reduce_loop = [&](auto work) {
-        constexpr bool WANT_VALUE = decltype(work)::value;
+    auto reduce_loop = [&]() {
         for (long long u = warp; u < units; u += nwarps) {  // uniform across the warp
             const long long c = u / units_o;
             const long long oi = (u - c * units_o) * lanes_o + lane / lanes_m;
@@ -1010,11 +1006,11 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                         }
                         A d[K][VEC];
                         grads_of<Op, A, VEC>(val, gv, p, fx, d);
-                        if constexpr (WANT_VALUE) {  // after the partials: it reuses them
+                        {  // after the partials: it reuses them
                             A lv[VEC];
                             loss_of<Op, A, VEC>(val, p, fx, lv);
                             if (loss != nullptr) store_vec<T, VEC>(loss, at, lv);
-                            else add_loss<A, VEC>(s.loss, lv);
+                            else if (want_value) add_loss<A, VEC>(s.loss, lv);
                         }
                         // An operand in CONST is summed (G_k, or a 0-d gradient); one that
                         // streams has the broadcast shape, its gradient stored elementwise.
@@ -1118,7 +1114,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
             }
         }
     };
-    with_work<true>(want_value, reduce_loop);
+    reduce_loop();
     finish<T, K>(s, o, blockIdx.x, gridDim.x);
 }
 
