@@ -36,3 +36,52 @@ def test_relative_links_resolve(page):
     broken = [link for link in links if "://" not in link
               and not (path.parent / link).exists()]
     assert not broken, f"{page} links to missing files: {broken}"
+
+
+def _env_finding_cupyloss() -> dict:
+    """The environment with the folder this process imports cupyloss from on PYTHONPATH, so a
+    child process finds the same copy (a checkout run with PYTHONPATH=., or the installed one)."""
+    import os
+
+    import cupyloss
+
+    here = str(pathlib.Path(cupyloss.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=here + (os.pathsep + path if path else ""))
+
+
+def _readme_blocks() -> list[str]:
+    path = ROOT / "README.md"
+    if not path.is_file():
+        return []
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+def test_readme_code_runs(index, tmp_path):
+    """Each Python block of the README runs as it stands in a new process: the torch one on any
+    machine with torch (CPU tensors without a GPU), the CuPy one where there is a GPU."""
+    from conftest import GPU_UNAVAILABLE
+
+    code = _readme_blocks()[index]
+    if "import torch" in code:
+        pytest.importorskip("torch")
+    elif GPU_UNAVAILABLE is not None:
+        pytest.skip(f"needs a GPU: {GPU_UNAVAILABLE}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=_env_finding_cupyloss())
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("example", ["quickstart.py", "torch_training.py", "jax_roundtrip.py"])
+def test_example_runs(example):
+    """examples/ run to a zero exit status on a GPU (each checks its own results)."""
+    path = ROOT / "examples" / example
+    if not path.is_file():
+        pytest.skip(f"examples/{example} is not in this copy (an installed package)")
+    pytest.importorskip({"quickstart.py": "cupy", "torch_training.py": "torch",
+                         "jax_roundtrip.py": "jax"}[example])
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=900, cwd=ROOT, env=_env_finding_cupyloss())
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
