@@ -74,6 +74,11 @@ from cupyloss.rowpair import (
     triplet_margin_loss_backward,
     triplet_margin_loss_value_and_grad,
 )
+from cupyloss.linear import (
+    linear_cross_entropy,
+    linear_cross_entropy_backward,
+    linear_cross_entropy_value_and_grad,
+)
 from cupyloss.rowwise import (
     cross_entropy,
     cross_entropy_backward,
@@ -119,6 +124,9 @@ __all__ = [
     "l1_loss",
     "l1_loss_backward",
     "l1_loss_value_and_grad",
+    "linear_cross_entropy",
+    "linear_cross_entropy_backward",
+    "linear_cross_entropy_value_and_grad",
     "log_cosh_loss",
     "log_cosh_loss_backward",
     "log_cosh_loss_value_and_grad",

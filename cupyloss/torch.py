@@ -828,5 +828,116 @@ def _generate(specs: dict) -> None:
 
 _generate(SPECS)
 
+
+# --- the fused linear cross entropy (cupyloss.linear) ---------------------------------------------
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward of a reduced loss with a gradient wanted: value_and_grad, every gradient formed
+    in the forward pass and scaled by grad_output in backward (in place, on the device: nothing
+    when it is 1); otherwise the loss alone, and backward forms the logits again (the 'none'
+    reduction, whose upstream gradient is a tensor, and a backward after the saved gradients
+    were used)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, options):
+        from cupyloss import linear
+
+        names = tuple(n for n, need in zip(("hidden", "weight", "bias"),
+                                           ctx.needs_input_grad[:3]) if need)
+        ctx.names, ctx.options, ctx.grads = names, options, None
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight)
+        if names and options["reduction"] != "none" and gradients_in_forward:
+            loss, grads = linear.linear_cross_entropy_value_and_grad(
+                hidden, weight, target, bias, class_weight, wrt=names, **options)
+            ctx.grads = grads
+            return loss
+        return linear.linear_cross_entropy(hidden, weight, target, bias, class_weight, **options)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        from cupyloss import linear
+
+        hidden, weight, bias, target, class_weight = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None
+        if grads is not None:
+            for k in range(0, len(grads), 2):
+                pair = grads[k:k + 2]
+                scale_by_grad_output(grad_loss.to(pair[0].dtype).contiguous(), *pair)
+        else:
+            grads = linear.linear_cross_entropy_backward(
+                grad_loss.contiguous(), hidden, weight, target, bias, class_weight,
+                wrt=ctx.names, **ctx.options)
+        by_name = dict(zip(ctx.names, grads))
+        return (by_name.get("hidden"), by_name.get("weight"), by_name.get("bias"), None, None,
+                None)
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
+                         ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                         lse_square_scale=0.0, softcap=0.0, max_workspace_bytes=None):
+    """``F.cross_entropy(hidden @ weight.T + bias, target)`` with autograd, the logits never whole.
+
+    cupyloss.linear_cross_entropy (its docstring has the formula) on CUDA tensors: the logits are
+    formed chunk by chunk in float32 and never rounded to 16 bits; the loss is float32 (float64
+    for float64 inputs).  With 'mean' or 'sum' and a gradient wanted, the forward pass forms the
+    gradients of hidden, weight and bias (those that require grad) and backward scales them by
+    the upstream gradient (rounded to their dtype); with 'none' backward forms the logits again.
+    On CPU tensors: torch's own operations on the float32 logits.
+
+    Args:
+      hidden: (..., H); weight: (V, H) (an nn.Linear's); target: class indices shaped like
+        hidden without its last dim; bias: None or (V,); class_weight: None or (V,).
+      ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as for cross_entropy.
+      max_workspace_bytes: bytes of chunk logits a call may hold (cupyloss.linear.chunk_rows).
+
+    Returns:
+      The loss, 0-d for 'mean'/'sum', else target's shape.
+
+    Example:
+      >>> loss = cupyloss.torch.linear_cross_entropy(h, model.lm_head.weight, labels)
+      >>> loss.backward()
+    """
+    options = dict(ignore_index=ignore_index, reduction=reduction,
+                   label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+                   softcap=softcap)
+    if hidden.device.type == "cpu":
+        from cupyloss import _torch_forms
+
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()
+        loss = _torch_forms.loss("cross_entropy",
+                                 [logits.reshape(-1, weight.shape[0]), target.reshape(-1),
+                                  class_weight], reduction,
+                                 {k: v for k, v in options.items() if k != "reduction"})
+        return loss.reshape(target.shape) if reduction == "none" else loss
+    return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight,
+                                     dict(options, max_workspace_bytes=max_workspace_bytes))
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """An LLM head's loss as a module: ``forward(hidden, weight, target, bias=None)`` is
+    linear_cross_entropy with the options given here (class_weight kept as a buffer).
+
+    Example:
+      >>> head = cupyloss.torch.LinearCrossEntropyLoss(ignore_index=-100)
+      >>> loss = head(hidden, model.lm_head.weight, labels)
+    """
+
+    def __init__(self, class_weight=None, ignore_index=-100, reduction="mean",
+                 label_smoothing=0.0, *, lse_square_scale=0.0, softcap=0.0,
+                 max_workspace_bytes=None):
+        super().__init__()
+        self.register_buffer("class_weight", class_weight)
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.lse_square_scale = label_smoothing, lse_square_scale
+        self.softcap, self.max_workspace_bytes = softcap, max_workspace_bytes
+
+    def forward(self, hidden, weight, target, bias=None):
+        return linear_cross_entropy(hidden, weight, target, bias, self.class_weight,
+                                    self.ignore_index, self.reduction, self.label_smoothing,
+                                    lse_square_scale=self.lse_square_scale, softcap=self.softcap,
+                                    max_workspace_bytes=self.max_workspace_bytes)
+
+
 __all__ = sorted([*LOSSES, *(cls.__name__ for cls in MODULES.values()), "LOSSES", "MODULES",
-                  "SKIPPED", "gradients_in_forward", "scale_by_grad_output"])
+                  "SKIPPED", "gradients_in_forward", "scale_by_grad_output",
+                  "linear_cross_entropy", "LinearCrossEntropyLoss"])

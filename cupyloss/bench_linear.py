@@ -1,0 +1,182 @@
+"""Benchmark the LLM head's loss: fused linear cross entropy against what users pick instead.
+
+    python -m cupyloss.bench_linear [--rows 8192,16384] [--budgets 256,512,1024,2048,4096]
+                                    [--reps 10] [--json out.json] [--plot linear.png]
+
+Hidden (BT, 4096) bfloat16, weight (128256, 4096) bfloat16 (an nn.Linear's), int64 targets with
+10% ignore_index; forward + backward of the loss with the gradients of hidden and weight:
+
+  torch eager      F.cross_entropy((h @ W.T).float(), t)
+  torch.compile    the same function compiled
+  Liger-Kernel     liger_fused_linear_cross_entropy (when installed)
+  Cut CE           cut_cross_entropy.linear_cross_entropy (when installed)
+  cupyloss         cupyloss.torch.linear_cross_entropy at each workspace budget (MiB)
+
+Each row: median milliseconds of --reps runs (CUDA events on torch's stream), the peak memory
+above the inputs (torch.cuda.max_memory_allocated during a run less what was allocated before
+it), the achieved TFLOP/s of the three matrix products (6 BT H V flops in all), and the loss's
+relative error against float64 logits from the same bfloat16 operands.  --plot draws
+cupyloss's time against its peak memory, with the others as points.  Never used as a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+H, V = 4096, 128256
+
+
+def _inputs(torch, rows: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(rows, H, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    t = torch.randint(0, V, (rows,), device="cuda", generator=gen)
+    t[torch.rand(rows, device="cuda", generator=gen) < 0.1] = -100
+    return h, w, t
+
+
+def _reference_loss(torch, h, w, t) -> float:
+    """Mean cross entropy of float64 logits h W^T, formed in row chunks."""
+    total, count = 0.0, int((t != -100).sum())
+    wd = w.double()
+    for r in range(0, h.shape[0], 1024):
+        z = h[r:r + 1024].double() @ wd.T
+        total += float(torch.nn.functional.cross_entropy(z, t[r:r + 1024], reduction="sum"))
+        del z
+    del wd
+    return total / count
+
+
+def _measure(torch, fn, h, w, t, reps: int) -> tuple[float, float, float]:
+    """(median ms, peak GiB above what was allocated before, loss) of forward + backward."""
+    hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def step():
+        hl.grad = wl.grad = None
+        loss = fn(hl, wl, t)
+        loss.backward()
+        return loss
+
+    loss = float(step())
+    step()
+    torch.cuda.synchronize()
+    hl.grad = wl.grad = None
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    hl.grad = wl.grad = None
+    return statistics.median(times), peak, loss
+
+
+def _candidates(torch, budgets):
+    F = torch.nn.functional
+
+    def eager(h, w, t):
+        return F.cross_entropy((h @ w.T).float(), t)
+
+    out = {"torch eager": eager, "torch.compile": torch.compile(eager)}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        out["Liger-Kernel"] = lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t)
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        out["Cut CE"] = lambda h, w, t: cce(h, w, t)
+    except ImportError:
+        pass
+    import cupyloss.torch as CF
+
+    for mib in budgets:
+        out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t: CF.linear_cross_entropy(
+            h, w, t, max_workspace_bytes=b))(mib << 20)
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_linear",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="8192,16384", help="BT values, comma-separated")
+    ap.add_argument("--budgets", default="256,512,1024,2048,4096",
+                    help="cupyloss workspace budgets in MiB, comma-separated")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated names of the candidates to run (default: all)")
+    ap.add_argument("--reps", type=int, default=10, help="timed runs a median is taken of")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--plot", default=None, help="draw time against peak memory to this file")
+    args = ap.parse_args(argv)
+    from cupyloss import _timing
+
+    _timing.need(ap.prog, torch=True)
+    import torch
+
+    device = torch.cuda.get_device_name()
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    rows_out = []
+    for bt in (int(r) for r in args.rows.split(",")):
+        h, w, t = _inputs(torch, bt)
+        ref = _reference_loss(torch, h, w, t)
+        torch.cuda.empty_cache()
+        flops = 6.0 * bt * H * V
+        print(f"{device}: hidden ({bt}, {H}) bf16, weight ({V}, {H}) bf16, float64 loss {ref:.6f}")
+        print(f"{'implementation':24} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'loss rel err':>13}")
+        for name, fn in _candidates(torch, budgets).items():
+            if args.only and not any(name.startswith(o) for o in args.only.split(",")):
+                continue
+            try:
+                ms, peak, loss = _measure(torch, fn, h, w, t, args.reps)
+            except Exception as exc:  # a candidate out of memory or failing: say so, go on
+                print(f"{name:24} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                torch.cuda.empty_cache()
+                continue
+            err = abs(loss - ref) / abs(ref)
+            rows_out.append(dict(device=device, rows=bt, name=name, ms=ms, peak_gib=peak,
+                                 tflops=flops / ms / 1e9, loss_rel_err=err))
+            print(f"{name:24} {ms:9.2f} {peak:9.3f} {flops / ms / 1e9:8.0f} {err:13.2e}",
+                  flush=True)
+            torch.cuda.empty_cache()
+        del h, w, t
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    if args.plot and rows_out:
+        _plot(rows_out, args.plot, device)
+    return _timing.save(args.json, rows_out)
+
+
+def _plot(rows, path, device) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["rows"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    for ax, bt in zip(axes[0], sizes):
+        mine = [r for r in rows if r["rows"] == bt and r["name"].startswith("cupyloss")]
+        ax.plot([r["peak_gib"] for r in mine], [r["ms"] for r in mine], "o-",
+                label="cupyloss (workspace budgets)")
+        for r in rows:
+            if r["rows"] == bt and not r["name"].startswith("cupyloss"):
+                ax.plot(r["peak_gib"], r["ms"], "s", label=r["name"])
+        ax.set_xlabel("peak memory above the inputs (GiB)")
+        ax.set_ylabel("forward + backward (ms)")
+        ax.set_title(f"BT = {bt}, V = {V}, H = {H}, bf16 ({device})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

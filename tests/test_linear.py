@@ -1,0 +1,91 @@
+"""CPU tests of the fused linear cross entropy: validation (before any launch), the chunk
+arithmetic, and cupyloss.torch's CPU path against the float64 reference."""
+
+import numpy as np
+import pytest
+
+import reference_rowwise as ref
+from cupyloss import linear
+from cupyloss._dispatch import Operand
+
+
+def _op(shape, dtype):
+    return Operand(0, tuple(shape), (), np.dtype(dtype), 0, None)
+
+
+def _check(hidden=((8, 16), "float32"), weight=((10, 16), "float32"), target=((8,), "int64"),
+           bias=None, class_weight=None, reduction="mean", label_smoothing=0.0, softcap=0.0,
+           names=("hidden",)):
+    return linear._check(_op(*hidden), _op(*weight), _op(*target),
+                         None if bias is None else _op(*bias),
+                         None if class_weight is None else _op(*class_weight), reduction,
+                         label_smoothing, 0.0, softcap, names)
+
+
+def test_check_accepts_and_returns_sizes():
+    assert _check() == (8, 16, 10)
+    assert _check(hidden=((2, 4, 16), "float32"), target=((2, 4), "int32")) == (8, 16, 10)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"weight": ((0, 16), "float32")}, ValueError, "ZeRO-3"),
+    ({"weight": ((160,), "float32")}, ValueError, "ZeRO-3"),
+    ({"weight": ((10, 15), "float32")}, ValueError, "ZeRO-3"),
+    ({"weight": ((10, 16), "float16")}, TypeError, "must match"),
+    ({"hidden": ((8, 16), "int32"), "weight": ((10, 16), "int32")}, TypeError, "takes float16"),
+    ({"target": ((8,), "float32")}, TypeError, "class indices"),
+    ({"target": ((7,), "int64")}, ValueError, "target's shape"),
+    ({"bias": ((9,), "float32")}, ValueError, "bias must be"),
+    ({"class_weight": ((10,), "float16")}, ValueError, "class_weight must be"),
+    ({"reduction": "batchmean"}, ValueError, "not a valid value for reduction"),
+    ({"label_smoothing": 1.5}, ValueError, "label_smoothing"),
+    ({"softcap": -1.0}, ValueError, "softcap"),
+    ({"names": ("bias",)}, ValueError, "no bias"),
+])
+def test_check_refuses(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _check(**kwargs)
+
+
+def test_wrt_names():
+    assert linear._names(None) == (("hidden", "weight"), False)
+    assert linear._names("bias") == (("bias",), True)
+    with pytest.raises(ValueError, match="wrt names"):
+        linear._names(("input",))
+
+
+@pytest.mark.parametrize("n, classes, itemsize, budget, rows", [
+    (8192, 128256, 2, 1 << 30, 1280),       # 1 GiB / (128256 x 6 bytes) = 1395 -> 1280
+    (8192, 128256, 4, 1 << 30, 2048),       # float32: no 16-bit copy, 4 bytes a logit
+    (8192, 128256, 8, 1 << 30, 1024 - 1024 % 128),
+    (100, 128256, 2, 1 << 30, 100),         # at most n
+    (8192, 128256, 2, 1, 1),                # at least one row
+    (8192, 1000, 2, 127 * 6000, 127),       # under 128: not rounded
+])
+def test_chunk_rows(n, classes, itemsize, budget, rows):
+    assert linear.chunk_rows(n, classes, itemsize, budget) == rows
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "softcap": 4.0,
+                                       "lse_square_scale": 1e-3}])
+def test_torch_cpu_path_matches_float64(reduction, opts):
+    torch = pytest.importorskip("torch")
+    import cupyloss.torch as CF
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(30, 16, generator=gen, dtype=torch.float64).float().requires_grad_()
+    b = torch.randn(30, generator=gen, dtype=torch.float64).float().requires_grad_()
+    t = torch.randint(0, 30, (2, 5), generator=gen)
+    t[0, 1] = -100
+    loss = CF.linear_cross_entropy(h, w, t, b, reduction=reduction, **opts)
+    z = h.detach().double().reshape(10, 16).numpy() @ w.detach().double().numpy().T \
+        + b.detach().double().numpy()
+    want = ref.cross_entropy(z, t.reshape(10).numpy(), reduction=reduction, **opts)
+    np.testing.assert_allclose(loss.detach().double().numpy().reshape(np.shape(want)), want,
+                               rtol=1e-5, atol=1e-6)
+    loss.sum().backward()
+    dz, _ = ref.cross_entropy_grads(z, t.reshape(10).numpy(), reduction=reduction, **opts)
+    np.testing.assert_allclose(w.grad.double().numpy(), dz.T @ h.detach().double().reshape(
+        10, 16).numpy(), rtol=1e-4, atol=1e-6)
