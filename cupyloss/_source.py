@@ -115,6 +115,11 @@ def scale_name(ctype: str, vec: int) -> str:
     return f"cupyloss::scale_by_grad_output<{ctype}, {vec}>"
 
 
+def narrow_name(ctype: str) -> str:
+    """Name expression of scale.cu's narrow<ctype> (float32 rounded to a 16-bit ctype)."""
+    return f"cupyloss::narrow<{ctype}>"
+
+
 ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum")
 ROWWISE_MODES = (0, 1, 2, 3, 4, 5)     # cross_entropy_rows's MODE (_rowwise.ROW_*)
 ROWWISE_CLUSTER_MODES = (1, 2, 4, 5)   # the ones with a gradient held over a cluster's blocks
@@ -164,6 +169,7 @@ def units() -> list[tuple[str, list[str]]]:
                  for name in pointwise_names(functor, info)]
     reduce = [reduce_name("sum_chunks", info.ctype) for info in infos]
     scale = [scale_name(info.ctype, vec) for info in infos for vec in sorted({1, info.vec})]
+    scale += [narrow_name(info.ctype) for info in infos if info.dtype.itemsize == 2]
     rowwise = [name for info in infos for name in rowwise_names(info)]
     rowclass = [name for info in infos for loss in ROWCLASS_LOSSES
                 for name in rowclass_names(info, loss)]
@@ -196,12 +202,23 @@ def rowpair_names(info, op: str) -> list[str]:
     return names
 
 
+# Losses outside the registry's families, built from their kernels: the fused linear cross
+# entropy (cupyloss.linear).
+FUSED_LOSSES = ("linear_cross_entropy",)
+
+
 def reachable(loss: str, dtype) -> list[tuple[str, str]]:
     """(file, name expression) of every kernel a call of `loss` on `dtype` can run, the torch
     adapter's grad_output scaling included: what precompile builds for that loss."""
     info = _dtypes.lookup(dtype)
     if info is None:
         raise TypeError(f"cupyloss has no kernels for dtype {dtype}")
+    if loss in FUSED_LOSSES:            # cupyloss.linear: rowwise.cu on float32 logits
+        logits = _dtypes.lookup("float64" if info.dtype.itemsize == 8 else "float32")
+        out = [("rowwise.cu", name) for name in rowwise_names(logits)]
+        if info.dtype.itemsize == 2:
+            out.append(("scale.cu", narrow_name(info.ctype)))
+        return out
     losses = _registry.all_losses()
     if loss not in losses:
         raise ValueError(f"unknown loss {loss!r}; the losses are {', '.join(losses)}")

@@ -30,6 +30,7 @@ follow from ``max_workspace_bytes``.
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -149,6 +150,21 @@ class _Blas:
                    self._compute, _GEMM_DEFAULT)
 
 
+def _narrow(src, out, stream, device) -> None:
+    """out[...] = src rounded to out's 16-bit dtype (scale.cu's narrow; contiguous arrays)."""
+    from cupyloss import _args, _launch, _source
+
+    n = src.size
+    if (src.data.ptr | out.data.ptr) & 15:
+        out[...] = src
+        return
+    info = _dtypes.lookup(out.dtype)
+    function = _source.function("scale.cu", _source.narrow_name(info.ctype))
+    cfg = _launch.flat_launch(n, 8, _launch.device_limits(device))
+    _args.launch(function.kernel.ptr, cfg.grid, cfg.block, 0, stream,
+                 array.array("Q", (src.data.ptr, out.data.ptr, n)))
+
+
 def _contiguous(cp, a):
     return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
 
@@ -182,7 +198,8 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
     grad_go = None
     if not isinstance(grad_output, (int, float)):
         grad_go = frame.cupy_view(frame.operand(grad_output, "grad_output"))
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device), \
+    with cupy.cuda.Device(device), \
+            cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
             frame.scratch_allocator():
         views = {name: frame.cupy_view(op) for name, op in ops.items()}
         x = _contiguous(cupy, views["hidden"].reshape(n, h))
@@ -192,6 +209,8 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         cw = views.get("class_weight")
         dtype = x.dtype
         logit_dtype = numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
+        if cw is not None and cw.dtype != logit_dtype:   # the row kernel's, like the logits
+            cw = cw.astype(logit_dtype)
         rows = chunk_rows(n, v, dtype.itemsize, max_workspace_bytes)
         blas = _Blas(dtype)
         logits = cupy.empty((min(rows, max(n, 1)), v), logit_dtype)
@@ -249,7 +268,7 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
             dz = z
             if dz16 is not None:
                 dz = dz16[:m]
-                dz[...] = z
+                _narrow(z, dz, stream, device)
             if want["bias"]:
                 gb_sum += dz.sum(axis=0, dtype=logit_dtype)
             if want["hidden"]:

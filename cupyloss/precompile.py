@@ -36,7 +36,8 @@ def jobs(losses=None, dtypes=None, archs=()) -> list[tuple[str, str, str]]:
     from cupyloss import _registry, _source
 
     names = _dtype_names()
-    losses = list(_registry.all_losses()) if losses is None else list(losses)
+    losses = ([*_registry.all_losses(), *_source.FUSED_LOSSES] if losses is None
+              else list(losses))
     if dtypes is None:
         dtypes = list(names.values())
     kernels: dict[tuple[str, str], None] = {}
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("-j", "--jobs", type=int, help="worker processes (default: one a core)")
     parser.add_argument("--list", action="store_true", help="print the losses and exit")
     args = parser.parse_args(argv)
-    losses = list(_registry.all_losses())
+    losses = [*_registry.all_losses(), *_source.FUSED_LOSSES]
     if args.list:
         print("\n".join(losses))
         return 0

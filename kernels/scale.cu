@@ -48,4 +48,27 @@ __global__ void __launch_bounds__(256) scale_by_grad_output(
     scale_span<T, VEC>(b, nb, g, start, stride);
 }
 
+// out[i] = src[i] rounded to T (float16 or bfloat16) for i < n, the float32 gradient of a chunk of
+// logits rounded to the inputs' dtype before its matrix products (cupyloss/linear.py).  Eight
+// elements a step: two 16-byte loads, one 16-byte store (both pointers 16-byte aligned, which
+// the host checks); the last n % 8 one at a time.  Grid-stride, 64-bit indices.
+template <typename T>
+__global__ void __launch_bounds__(256) narrow(const float* __restrict__ src,
+                                              T* __restrict__ out, const long long n) {
+    static_assert(sizeof(Vec<T, 8>) == sizeof(int4), "8 narrow elements are 16 bytes");
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long vectors = n / 8;
+    for (long long v = start; v < vectors; v += stride) {
+        const float4 lo = __ldcs(reinterpret_cast<const float4*>(src) + 2 * v);
+        const float4 hi = __ldcs(reinterpret_cast<const float4*>(src) + 2 * v + 1);
+        const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        Vec<T, 8> w;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) w.v[j] = from_acc<T>(f[j]);
+        reinterpret_cast<Vec<T, 8>*>(out)[v] = w;
+    }
+    for (long long i = vectors * 8 + start; i < n; i += stride) out[i] = from_acc<T>(src[i]);
+}
+
 }  // namespace cupyloss
