@@ -23,9 +23,14 @@ never held for more than one chunk.
   * Results are deterministic: cuBLAS's default algorithms have no atomics, and the chunks are
     added in order.
 
-Peak memory beyond the inputs and the results: the chunk's logits (rows x V float32) and its
-16-bit copy, and the float32 gradient sum of a 16-bit weight (V x H x 4 bytes).  The chunk rows
-follow from ``max_workspace_bytes``.
+Peak memory beyond the inputs and the results follows from ``max_workspace_bytes``:
+
+  * a budget that holds every row's 16-bit dZ (N x V of the inputs' dtype) and 128 rows of
+    float32 logits besides keeps dZ whole, and the weight's gradient is one product at the end
+    (k = N, float32 accumulation inside cuBLAS, rounded once): the fastest plan (plan_keeps_dz);
+  * a smaller one takes chunks of rows x V float32 logits and their 16-bit copy within it, and
+    sums the weight's gradient over the chunks in a float32 V x H array (reads and writes it
+    once a chunk), rounded at the end.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from cupyloss import _dispatch, _dtypes
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
-           "linear_cross_entropy_value_and_grad", "chunk_rows", "DEFAULT_WORKSPACE_BYTES"]
+           "linear_cross_entropy_value_and_grad", "chunk_rows", "plan_keeps_dz",
+           "DEFAULT_WORKSPACE_BYTES"]
 
 # The chunk workspace a call may use by default (logits and their 16-bit copy).  H100, 8192 x
 # 4096 bfloat16 hidden, 128256 classes: see docs/performance.md (bench_linear) for the time
@@ -70,6 +76,14 @@ def chunk_rows(n: int, classes: int, itemsize: int, budget: int | None = None) -
     if rows >= 128:
         rows -= rows % 128
     return max(1, min(rows, n))
+
+
+def plan_keeps_dz(n: int, classes: int, itemsize: int, budget: int | None = None) -> bool:
+    """Whether a call on 16-bit inputs keeps every row's dZ (n x classes of the inputs' dtype)
+    and forms the weight's gradient in one product: when `budget` (default
+    DEFAULT_WORKSPACE_BYTES) holds them and 128 rows of float32 logits besides."""
+    budget = DEFAULT_WORKSPACE_BYTES if budget is None else int(budget)
+    return itemsize == 2 and budget >= n * classes * itemsize + 128 * classes * 4
 
 
 def _names(wrt) -> tuple[tuple[str, ...], bool]:
@@ -211,15 +225,24 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         logit_dtype = numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
         if cw is not None and cw.dtype != logit_dtype:   # the row kernel's, like the logits
             cw = cw.astype(logit_dtype)
-        rows = chunk_rows(n, v, dtype.itemsize, max_workspace_bytes)
+        want = {name: name in names for name in _GRAD_NAMES}
+        narrow = dtype.itemsize < logit_dtype.itemsize
+        # Where the budget holds every row's 16-bit dZ besides a chunk of logits, dZ is kept
+        # whole and the weight's gradient is one product at the end (k = N, rounded once by
+        # cuBLAS): no float32 sum of V x H read and written per chunk.
+        keep = narrow and want["weight"] and plan_keeps_dz(n, v, dtype.itemsize,
+                                                           max_workspace_bytes)
+        budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
+        rows = (chunk_rows(n, v, 4, budget - n * v * dtype.itemsize) if keep
+                else chunk_rows(n, v, dtype.itemsize, budget))
         blas = _Blas(dtype)
         logits = cupy.empty((min(rows, max(n, 1)), v), logit_dtype)
-        narrow = dtype.itemsize < logit_dtype.itemsize
-        dz16 = cupy.empty(logits.shape, dtype) if narrow and names else None
-        want = {name: name in names for name in _GRAD_NAMES}
+        dz16 = (cupy.empty((n, v) if keep else logits.shape, dtype) if narrow and names
+                else None)
         gx = cupy.empty((n, h), dtype) if want["hidden"] else None
         # The weight's and bias's gradients, summed over chunks in the logits' precision.
-        gw_sum = cupy.empty((v, h), logit_dtype) if want["weight"] else None
+        gw_sum = (cupy.empty((v, h), dtype if keep else logit_dtype) if want["weight"]
+                  else None)
         gb_sum = cupy.zeros((v,), logit_dtype) if want["bias"] else None
         # The upstream gradient of each row's loss: grad_output over the 'mean' divisor.
         if reduction == "mean":
@@ -267,23 +290,29 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
                 continue
             dz = z
             if dz16 is not None:
-                dz = dz16[:m]
+                dz = dz16[r0:r1] if keep else dz16[:m]
                 _narrow(z, dz, stream, device)
             if want["bias"]:
                 gb_sum += dz.sum(axis=0, dtype=logit_dtype)
             if want["hidden"]:
                 # dX_c^T (H x m) = W (H x V col-major) dZ^T (V x m col-major)
                 blas.gemm(_OP_N, _OP_N, h, m, v, w, h, dz, v, gx[r0:r1], h)
-            if want["weight"]:
+            if want["weight"] and not keep:
                 # dW^T (H x V) += X_c (H x m col-major) (dZ^T (V x m col-major))^T
                 blas.gemm(_OP_N, _OP_T, h, v, m, xc, h, dz, v, gw_sum, h, accumulate=i > 0)
+        if keep and n:
+            blas.gemm(_OP_N, _OP_T, h, v, n, x, h, dz16, v, gw_sum, h)
         grads = {}
         if want["hidden"]:
             grads["hidden"] = gx.reshape(tuple(ops["hidden"].shape))
         if want["weight"]:
             if n == 0:
                 gw_sum[...] = 0
-            grads["weight"] = gw_sum if gw_sum.dtype == dtype else gw_sum.astype(dtype)
+            if gw_sum.dtype != dtype:
+                gw = cupy.empty((v, h), dtype)
+                _narrow(gw_sum, gw, stream, device)
+                gw_sum = gw
+            grads["weight"] = gw_sum
         if want["bias"]:
             grads["bias"] = gb_sum if gb_sum.dtype == dtype else gb_sum.astype(dtype)
         loss = None
