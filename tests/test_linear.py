@@ -47,6 +47,13 @@ def test_check_refuses(kwargs, error, match):
         _check(**kwargs)
 
 
+def test_plan_keeps_dz():
+    assert linear.plan_keeps_dz(8192, 128256, 2)                 # 2 GiB of dZ in 2.5 GiB
+    assert not linear.plan_keeps_dz(16384, 128256, 2)            # 4 GiB of dZ
+    assert not linear.plan_keeps_dz(8192, 128256, 4, 1 << 40)    # float32: dZ is the logits
+    assert not linear.plan_keeps_dz(100, 1000, 2, 100 * 1000 * 2 + 127 * 1000 * 4)
+
+
 def test_wrt_names():
     assert linear._names(None) == (("hidden", "weight"), False)
     assert linear._names("bias") == (("bias",), True)
@@ -56,6 +63,7 @@ def test_wrt_names():
 
 @pytest.mark.parametrize("n, classes, itemsize, budget, rows", [
     (8192, 128256, 2, 1 << 30, 1280),       # 1 GiB / (128256 x 6 bytes) = 1395 -> 1280
+    (8192, 128256, 2, None, 3456),          # the default 2.5 GiB: 3488 -> 3456
     (8192, 128256, 4, 1 << 30, 2048),       # float32: no 16-bit copy, 4 bytes a logit
     (8192, 128256, 8, 1 << 30, 1024 - 1024 % 128),
     (100, 128256, 2, 1 << 30, 100),         # at most n
