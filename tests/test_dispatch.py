@@ -34,6 +34,13 @@ def _calls(x, t):
         yield loss + "_backward", getattr(cupyloss, loss + "_backward"), (1.0, *arrays), first
         yield (loss + "_value_and_grad", getattr(cupyloss, loss + "_value_and_grad"), arrays,
                first)
+    # The fused linear cross entropy: hidden, weight, target.
+    arrays = (x, t, t)
+    yield "linear_cross_entropy", cupyloss.linear_cross_entropy, arrays, "hidden"
+    yield ("linear_cross_entropy_backward", cupyloss.linear_cross_entropy_backward,
+           (1.0, *arrays), "hidden")
+    yield ("linear_cross_entropy_value_and_grad", cupyloss.linear_cross_entropy_value_and_grad,
+           arrays, "hidden")
 
 
 def test_every_public_function_is_covered():
