@@ -105,6 +105,40 @@ def _cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mea
     return _reduce(per, reduction)
 
 
+def cross_entropy_logits_grad(input, target, weight=None, ignore_index=-100, reduction="mean",
+                              label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0,
+                              grad_output=1.0):
+    """d/dinput of _cross_entropy for class indices, input (N, C), times grad_output, in torch's
+    operations without autograd (for code that runs below it, as a custom op's CPU kernel):
+
+      ``dz = -c + p sum(c) + 2 lse_square_scale lse p``, ``c = (1 - eps) w_y onehot(y) +
+      (eps / C) w`` on counted rows (0 on ignored ones), times ``1 - (z / softcap)^2`` with a
+      softcap, times the row's upstream gradient (over the summed w_y of counted rows for
+      'mean')."""
+    classes = input.shape[1]
+    z = softcap * torch.tanh(input / softcap) if softcap else input
+    lse = torch.logsumexp(z, dim=1, keepdim=True)
+    p = torch.exp(z - lse)
+    counted = target != ignore_index
+    y = torch.where(counted, target, 0)
+    w = torch.ones(classes, dtype=z.dtype) if weight is None else weight.to(z.dtype)
+    wy = w[y]
+    c = (label_smoothing / classes) * w.expand_as(z).clone()
+    c.scatter_add_(1, y[:, None], ((1 - label_smoothing) * wy)[:, None])
+    dz = p * c.sum(dim=1, keepdim=True) - c
+    if lse_square_scale:
+        dz = dz + 2 * lse_square_scale * lse * p
+    if softcap:
+        dz = dz * (1 - (z / softcap) ** 2)
+    dz = torch.where(counted[:, None], dz, torch.zeros((), dtype=z.dtype))
+    g = torch.as_tensor(grad_output, dtype=z.dtype)
+    if reduction == "none":
+        return dz * g.reshape(-1, 1)
+    if reduction == "mean":
+        g = g / torch.where(counted, wy, torch.zeros((), dtype=z.dtype)).sum()
+    return dz * g
+
+
 _FORMS = {"hinge_loss": _hinge, "squared_hinge_loss": _squared_hinge,
           "sigmoid_focal_loss": _focal, "log_cosh_loss": _log_cosh, "jsd": _jsd,
           "kl_div": _kl_div, "cross_entropy": _cross_entropy}

@@ -831,45 +831,177 @@ _generate(SPECS)
 
 # --- the fused linear cross entropy (cupyloss.linear) ---------------------------------------------
 
+_LINEAR_GRADS = ("hidden", "weight", "bias")
+
+
+def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad_output,
+                want_value):
+    """(loss or None, {name: gradient}) of the fused loss: the kernels on CUDA tensors, torch's
+    operations on CPU ones (float32 logits, cross_entropy, and its gradient written out:
+    autograd does not run inside an op's kernel)."""
+    if hidden.device.type != "cpu":
+        from cupyloss import linear
+
+        if want_value and names:
+            loss, grads = linear.linear_cross_entropy_value_and_grad(
+                hidden, weight, target, bias, class_weight, grad_output=grad_output,
+                wrt=names, **options)
+            return loss, dict(zip(names, grads))
+        if want_value:
+            return linear.linear_cross_entropy(hidden, weight, target, bias, class_weight,
+                                               **options), {}
+        grads = linear.linear_cross_entropy_backward(grad_output, hidden, weight, target, bias,
+                                                     class_weight, wrt=names, **options)
+        return None, dict(zip(names, grads))
+    from cupyloss import _torch_forms
+
+    reduction = options["reduction"]
+    kwargs = {k: v for k, v in options.items() if k not in ("reduction", "max_workspace_bytes")}
+    x = hidden.reshape(-1, hidden.shape[-1]).float()
+    logits = torch.nn.functional.linear(x, weight.float(), None if bias is None else bias.float())
+    t = target.reshape(-1)
+    loss = None
+    if want_value:
+        loss = _torch_forms.loss("cross_entropy", [logits, t, class_weight], reduction, kwargs)
+        if reduction == "none":
+            loss = loss.reshape(target.shape)
+    grads = {}
+    if names:
+        dz = _torch_forms.cross_entropy_logits_grad(logits, t, class_weight, reduction=reduction,
+                                                    grad_output=grad_output, **kwargs)
+        if "hidden" in names:
+            grads["hidden"] = (dz @ weight.float()).reshape(hidden.shape).to(hidden.dtype)
+        if "weight" in names:
+            grads["weight"] = (dz.T @ x).to(weight.dtype)
+        if "bias" in names:
+            grads["bias"] = dz.sum(dim=0).to(bias.dtype)
+    return loss, grads
+
+
+def _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                    max_workspace_bytes):
+    return dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                lse_square_scale=lse_square_scale, softcap=softcap,
+                max_workspace_bytes=None if max_workspace_bytes < 0 else max_workspace_bytes)
+
+
+_LINEAR_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
+                "int ignore_index, str reduction, float label_smoothing, float lse_square_scale, "
+                "float softcap, int max_workspace_bytes, bool wrt_hidden, bool wrt_weight, "
+                "bool wrt_bias")
+
+
+def _linear_names(bias, flags):
+    return tuple(n for n, f in zip(_LINEAR_GRADS, flags) if f and (n != "bias" or bias is not None))
+
+
+def _linear_forward_impl(hidden, weight, target, bias, class_weight, ignore_index, reduction,
+                         label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
+                         wrt_hidden, wrt_weight, wrt_bias):
+    options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                              max_workspace_bytes)
+    names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
+    if reduction == "none":
+        names = ()    # backward forms the logits again with the elementwise upstream gradient
+    loss, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names, 1.0,
+                              True)
+    return (loss, *[grads[n] if n in grads else hidden.new_empty((0,)) for n in _LINEAR_GRADS])
+
+
+def _linear_forward_fake(hidden, weight, target, bias, class_weight, ignore_index, reduction,
+                         label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
+                         wrt_hidden, wrt_weight, wrt_bias):
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    loss = hidden.new_empty(tuple(target.shape) if reduction == "none" else (), dtype=dtype)
+    names = () if reduction == "none" else _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
+    like = {"hidden": hidden, "weight": weight, "bias": bias}
+    return (loss, *[torch.empty_like(like[n]) if n in names else hidden.new_empty((0,))
+                    for n in _LINEAR_GRADS])
+
+
+def _linear_backward_impl(grad_output, hidden, weight, target, bias, class_weight, ignore_index,
+                          reduction, label_smoothing, lse_square_scale, softcap,
+                          max_workspace_bytes, wrt_hidden, wrt_weight, wrt_bias):
+    options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                              max_workspace_bytes)
+    names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
+    _, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names,
+                           grad_output.contiguous(), False)
+    return tuple(grads[n] if n in grads else hidden.new_empty((0,)) for n in _LINEAR_GRADS)
+
+
+def _linear_backward_fake(grad_output, hidden, weight, target, bias, class_weight, *rest):
+    names = _linear_names(bias, rest[-3:])
+    like = {"hidden": hidden, "weight": weight, "bias": bias}
+    return tuple(torch.empty_like(like[n]) if n in names else hidden.new_empty((0,))
+                 for n in _LINEAR_GRADS)
+
+
+def _linear_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
+    hidden, weight, target, bias, class_weight = inputs[:5]
+    ctx.save_for_backward(hidden, weight, target, bias, class_weight, *output[1:])
+    ctx.args = inputs[5:]
+
+
+def _linear_formula(ctx, grad_loss, *unused):
+    hidden, weight, target, bias, class_weight, *grads = ctx.saved_tensors
+    reduction = ctx.args[1]
+    need = ctx.needs_input_grad
+    flags = (need[0], need[1], need[3] and bias is not None)
+    if reduction != "none" and all(g.numel() or not f for g, f in zip(grads, flags)):
+        # The forward pass formed them with upstream 1: scaled out of place (they are outputs of
+        # the op, which its caller holds), which Inductor fuses with what follows.
+        out = [g * grad_loss.to(g.dtype) if f else None for g, f in zip(grads, flags)]
+    else:
+        got = torch.ops.cupyloss.linear_cross_entropy_backward(
+            grad_loss, hidden, weight, target, bias, class_weight, *ctx.args[:-3], *flags)
+        out = [g if f else None for g, f in zip(got, flags)]
+    return out[0], out[1], None, out[2], *(None,) * (1 + len(ctx.args))
+
+
+_linear_op = torch.library.custom_op(
+    f"{_NAMESPACE}::linear_cross_entropy", _linear_forward_impl, mutates_args=(),
+    schema=f"({_LINEAR_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+_linear_op.register_fake(_linear_forward_fake)
+_linear_op.register_autograd(_linear_formula, setup_context=_linear_setup_context)
+_linear_backward_op = torch.library.custom_op(
+    f"{_NAMESPACE}::linear_cross_entropy_backward", _linear_backward_impl, mutates_args=(),
+    schema=f"(Tensor grad_output, {_LINEAR_ARGS}) -> (Tensor, Tensor, Tensor)")
+_linear_backward_op.register_fake(_linear_backward_fake)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward of a reduced loss with a gradient wanted: value_and_grad, every gradient formed
-    in the forward pass and scaled by grad_output in backward (in place, on the device: nothing
-    when it is 1); otherwise the loss alone, and backward forms the logits again (the 'none'
-    reduction, whose upstream gradient is a tensor, and a backward after the saved gradients
-    were used)."""
+    """Eager calls on CUDA tensors: the op's forward and formula without the dispatcher's Python
+    layers (as _Eager for the other losses); the gradients of a reduced loss, held by nothing but
+    ctx, are scaled in place in backward (nothing when the upstream gradient is 1)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, options):
-        from cupyloss import linear
-
-        names = tuple(n for n, need in zip(("hidden", "weight", "bias"),
-                                           ctx.needs_input_grad[:3]) if need)
+        names = tuple(n for n, need in zip(_LINEAR_GRADS, ctx.needs_input_grad[:3]) if need)
         ctx.names, ctx.options, ctx.grads = names, options, None
         ctx.save_for_backward(hidden, weight, bias, target, class_weight)
         if names and options["reduction"] != "none" and gradients_in_forward:
-            loss, grads = linear.linear_cross_entropy_value_and_grad(
-                hidden, weight, target, bias, class_weight, wrt=names, **options)
-            ctx.grads = grads
+            loss, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names,
+                                      1.0, True)
+            ctx.grads = tuple(grads[n] for n in names)
             return loss
-        return linear.linear_cross_entropy(hidden, weight, target, bias, class_weight, **options)
+        return _linear_run(hidden, weight, target, bias, class_weight, options, (), 1.0,
+                           True)[0]
 
     @staticmethod
     def backward(ctx, grad_loss):
-        from cupyloss import linear
-
         hidden, weight, bias, target, class_weight = ctx.saved_tensors
         grads, ctx.grads = ctx.grads, None
         if grads is not None:
             for k in range(0, len(grads), 2):
                 pair = grads[k:k + 2]
                 scale_by_grad_output(grad_loss.to(pair[0].dtype).contiguous(), *pair)
+            grads = dict(zip(ctx.names, grads))
         else:
-            grads = linear.linear_cross_entropy_backward(
-                grad_loss.contiguous(), hidden, weight, target, bias, class_weight,
-                wrt=ctx.names, **ctx.options)
-        by_name = dict(zip(ctx.names, grads))
-        return (by_name.get("hidden"), by_name.get("weight"), by_name.get("bias"), None, None,
-                None)
+            grads = _linear_run(hidden, weight, target, bias, class_weight, ctx.options,
+                                ctx.names, grad_loss.contiguous(), False)[1]
+        return (grads.get("hidden"), grads.get("weight"), grads.get("bias"), None, None, None)
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
@@ -882,7 +1014,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
     for float64 inputs).  With 'mean' or 'sum' and a gradient wanted, the forward pass forms the
     gradients of hidden, weight and bias (those that require grad) and backward scales them by
     the upstream gradient (rounded to their dtype); with 'none' backward forms the logits again.
-    On CPU tensors: torch's own operations on the float32 logits.
+    On CPU tensors: torch's own operations on the float32 logits.  Under torch.compile (and any
+    other tracer) the call is the op ``torch.ops.cupyloss.linear_cross_entropy``, traced without
+    a graph break.
 
     Args:
       hidden: (..., H); weight: (V, H) (an nn.Linear's); target: class indices shaped like
@@ -899,18 +1033,34 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
     """
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-                   softcap=softcap)
+                   softcap=softcap, max_workspace_bytes=max_workspace_bytes)
+    tensors = (hidden, weight, target, bias, class_weight)
+    traced = _compiling() or _dispatch_modes() or any(
+        t is not None and (type(t) is not _Tensor or _is_functional(t)) for t in tensors)
+    if traced:
+        flags = (hidden.requires_grad, weight.requires_grad,
+                 bias is not None and bias.requires_grad)
+        return _linear_op(hidden, weight, target, bias, class_weight, ignore_index, reduction,
+                          float(label_smoothing), float(lse_square_scale), float(softcap),
+                          -1 if max_workspace_bytes is None else int(max_workspace_bytes),
+                          *flags)[0]
     if hidden.device.type == "cpu":
-        from cupyloss import _torch_forms
+        return _linear_cpu(hidden, weight, target, bias, class_weight, options)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)
 
-        logits = torch.nn.functional.linear(hidden, weight, bias).float()
-        loss = _torch_forms.loss("cross_entropy",
-                                 [logits.reshape(-1, weight.shape[0]), target.reshape(-1),
-                                  class_weight], reduction,
-                                 {k: v for k, v in options.items() if k != "reduction"})
-        return loss.reshape(target.shape) if reduction == "none" else loss
-    return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight,
-                                     dict(options, max_workspace_bytes=max_workspace_bytes))
+
+def _linear_cpu(hidden, weight, target, bias, class_weight, options):
+    """The CPU path with torch's autograd: float32 logits, then cross_entropy."""
+    from cupyloss import _torch_forms
+
+    reduction = options["reduction"]
+    logits = torch.nn.functional.linear(hidden.float(), weight.float(),
+                                        None if bias is None else bias.float())
+    kwargs = {k: v for k, v in options.items() if k not in ("reduction", "max_workspace_bytes")}
+    loss = _torch_forms.loss("cross_entropy", [logits.reshape(-1, weight.shape[0]),
+                                               target.reshape(-1), class_weight],
+                             reduction, kwargs)
+    return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):

@@ -97,3 +97,57 @@ def test_torch_cpu_path_matches_float64(reduction, opts):
     dz, _ = ref.cross_entropy_grads(z, t.reshape(10).numpy(), reduction=reduction, **opts)
     np.testing.assert_allclose(w.grad.double().numpy(), dz.T @ h.detach().double().reshape(
         10, 16).numpy(), rtol=1e-4, atol=1e-6)
+
+
+def _cpu_case(torch, reduction, bias=True):
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 6, 16, generator=gen).requires_grad_()
+    w = torch.randn(40, 16, generator=gen).requires_grad_()
+    b = torch.randn(40, generator=gen).requires_grad_() if bias else None
+    t = torch.randint(0, 40, (2, 6), generator=gen)
+    t[1, 2] = -100
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_op_passes_opcheck(reduction, bias):
+    torch = pytest.importorskip("torch")
+    import cupyloss.torch  # noqa: F401  (registers the ops)
+
+    h, w, b, t = _cpu_case(torch, reduction, bias)
+    args = (h, w, t, b, None, -100, reduction, 0.1, 1e-3, 0.0, -1, True, True, bias)
+    torch.library.opcheck(torch.ops.cupyloss.linear_cross_entropy.default, args)
+    go = torch.randn(t.shape) if reduction == "none" else torch.tensor(0.5)
+    torch.library.opcheck(torch.ops.cupyloss.linear_cross_entropy_backward.default,
+                          (go, *[a.detach() if isinstance(a, torch.Tensor) else a
+                                 for a in args]))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [{"label_smoothing": 0.1},
+                                  {"softcap": 3.0, "lse_square_scale": 1e-2,
+                                   "class_weight": "w"}], ids=["smoothing", "cap+z+weight"])
+def test_traced_by_torch_compile_fullgraph(reduction, opts):
+    """torch.compile(fullgraph=True) traces the loss as the registered op (no graph break), and
+    its loss and gradients (the op's CPU kernel writes them out) are eager's (autograd's)."""
+    torch = pytest.importorskip("torch")
+    import cupyloss.torch as CF
+
+    if opts.get("class_weight"):
+        opts = dict(opts, class_weight=torch.rand(40, generator=torch.Generator().manual_seed(5))
+                    + 0.5)
+
+    def step(h, w, b, t):
+        return CF.linear_cross_entropy(h * 1.0, w, t, b, reduction=reduction, **opts).sum()
+
+    h, w, b, t = _cpu_case(torch, reduction)
+    eager = step(h, w, b, t)
+    want = torch.autograd.grad(eager, (h, w, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(h, w, b, t)
+    grads = torch.autograd.grad(got, (h, w, b))
+    torch.testing.assert_close(got, eager)
+    for g, e in zip(grads, want):
+        torch.testing.assert_close(g, e)
