@@ -651,6 +651,13 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
             raise ValueError(f"cupyloss.torch.{loss.name} does not support {name}={value!r}; "
                              f"only the default {default!r}")
     traced = _traced(loss, arrays)
+    if traced and arrays[0].device.type == "cpu" and type(_engine) is _ByDevice:
+        # Traced on CPU tensors: torch's own operations, which the tracer differentiates (the
+        # op's CPU kernel runs below autograd, where they could not be differentiated).
+        from cupyloss import _torch_forms
+
+        return _torch_forms.loss(loss.name, list(arrays), reduction,
+                                 dict(zip(loss.option_names, options)) if options else {})
     if gradients_in_forward and reduction != "none" and _grad_enabled():
         flags = tuple(a.requires_grad and d for a, d in zip(arrays, loss.differentiable))
     else:

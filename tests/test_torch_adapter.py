@@ -546,6 +546,30 @@ def test_op_with_gradient_flags_at_none_reruns_backward(engine, name, target_sha
     np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_compile_fullgraph_on_cpu_tensors_without_an_engine(fresh_dynamo, name):
+    """With the default engine, torch.compile(fullgraph=True) of a model and the loss on CPU
+    tensors traces torch's own operations (no op: its CPU kernel would run below autograd) and
+    gives eager's loss and gradients."""
+    if name == "gaussian_nll_loss":
+        pytest.skip("torch's own F.gaussian_nll_loss checks var < 0 on the data, which "
+                    "fullgraph cannot trace")
+    (x, *rest), kw = _arguments(name)
+    model = _tiny_model()
+    head = HEADS.get(name, lambda y: y)
+
+    def step(a, *others):
+        return CF.LOSSES[name](head(model(a)), *others, reduction=_reductions(name)[-1], **kw)
+
+    eager = step(x, *rest)
+    want = torch.autograd.grad(eager, list(model.parameters()))
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(x, *rest)
+    torch.testing.assert_close(loss, eager, rtol=1e-12, atol=0)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
+
+
 def _tiny_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(),
