@@ -174,7 +174,7 @@ def _narrow(src, out, stream, device) -> None:
     if (src.data.ptr | out.data.ptr) & 15:
         out[...] = src
         return
-    info = _dtypes.lookup(out.dtype)
+    info = _dtypes.DTYPES[out.dtype]
     function = _source.function("scale.cu", _source.narrow_name(info.ctype))
     cfg = _launch.flat_launch(n, 8, _launch.device_limits(device))
     _args.launch(function.kernel.ptr, cfg.grid, cfg.block, 0, stream,

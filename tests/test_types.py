@@ -10,7 +10,7 @@ import pytest
 import cupyloss
 
 PUBLIC = ["cupyloss", "cupyloss.pointwise", "cupyloss.rowwise", "cupyloss.rowclass",
-          "cupyloss.rowpair", "cupyloss.precompile", "cupyloss._types"]
+          "cupyloss.rowpair", "cupyloss.linear", "cupyloss.precompile", "cupyloss._types"]
 
 
 def test_every_public_function_is_annotated():
