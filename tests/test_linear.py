@@ -151,3 +151,25 @@ def test_traced_by_torch_compile_fullgraph(reduction, opts):
     torch.testing.assert_close(got, eager)
     for g, e in zip(grads, want):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.2, "lse_square_scale": 1e-2,
+                                       "softcap": 2.5}], ids=["plain", "options"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cross_entropy_logits_grad_matches_float64(reduction, opts, weighted):
+    """The gradient the op's CPU kernel writes out (no autograd) against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    from cupyloss import _torch_forms
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, 7)) * 2
+    t = rng.integers(0, 7, 9)
+    t[3] = -100
+    w = rng.random(7) + 0.5 if weighted else None
+    go = rng.standard_normal(9) if reduction == "none" else 0.7
+    got = _torch_forms.cross_entropy_logits_grad(
+        torch.tensor(x), torch.tensor(t), None if w is None else torch.tensor(w),
+        reduction=reduction, grad_output=torch.tensor(go, dtype=torch.float64), **opts)
+    want, _ = ref.cross_entropy_grads(x, t, w, reduction=reduction, grad_output=go, **opts)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-15)
