@@ -13,7 +13,7 @@ Cases: torch eager, torch.compile and (when installed) Liger-Kernel cross entrop
 cupyloss's on torch tensors and on CuPy arrays (bfloat16 logits 512 x 4096), mse_loss through
 the torch adapter, three row losses through it, and a script of five losses on CuPy arrays.
 --losses adds every registered loss alone (its first value_and_grad on small float32 CuPy
-arrays) and cross_entropy with label smoothing.  Needs a GPU; never used as a test.
+arrays), linear_cross_entropy, and cross_entropy with label smoothing.  Needs a GPU; never used as a test.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ _ARGS = {
 
 
 def loss_cases() -> dict:
-    """One case per registered loss, and cross_entropy with label smoothing."""
+    """One case per registered loss, linear_cross_entropy, and cross_entropy with label
+    smoothing."""
     from cupyloss import _registry
 
     cases = {}
@@ -109,6 +110,10 @@ def loss_cases() -> dict:
         args = _ARGS.get(name, "randn(4096), randn(4096)")
         cases[f"loss_{name}"] = (f"{name}_value_and_grad alone",
                                  _CUPY + f"cupyloss.{name}_value_and_grad({args})\n")
+    cases["loss_linear_cross_entropy"] = (
+        "linear_cross_entropy_value_and_grad alone",
+        _CUPY + "cupyloss.linear_cross_entropy_value_and_grad(randn(64, 256), randn(1000, 256), "
+                "labels(64, 1000))\n")
     cases["loss_cross_entropy_smoothing"] = (
         "cross_entropy_value_and_grad, label_smoothing=0.1",
         _CUPY + f"cupyloss.cross_entropy_value_and_grad({_ARGS['cross_entropy']}, "
