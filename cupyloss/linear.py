@@ -35,14 +35,13 @@ Peak memory beyond the inputs and the results follows from ``max_workspace_bytes
 
 from __future__ import annotations
 
-import array
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy
 
-from cupyloss import _dispatch, _dtypes
+from cupyloss import _args, _dispatch, _dtypes
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
@@ -57,6 +56,8 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
 DEFAULT_WORKSPACE_BYTES = 2560 << 20
 
 _REDUCTIONS = ("none", "mean", "sum")
+# scale.cu's narrow<T>(src, out, n).
+NARROW = _args.Layout([("src", 1), ("out", 1), ("n", 1)])
 _GRAD_NAMES = ("hidden", "weight", "bias")
 
 # cuBLAS / CUDA library enums (cublas_api.h, library_types.h).
@@ -168,7 +169,7 @@ class _Blas:
 
 def _narrow(src, out, stream, device) -> None:
     """out[...] = src rounded to out's 16-bit dtype (scale.cu's narrow; contiguous arrays)."""
-    from cupyloss import _args, _launch, _source
+    from cupyloss import _launch, _source
 
     n = src.size
     if (src.data.ptr | out.data.ptr) & 15:
@@ -178,7 +179,7 @@ def _narrow(src, out, stream, device) -> None:
     function = _source.function("scale.cu", _source.narrow_name(info.ctype))
     cfg = _launch.flat_launch(n, 8, _launch.device_limits(device))
     _args.launch(function.kernel.ptr, cfg.grid, cfg.block, 0, stream,
-                 array.array("Q", (src.data.ptr, out.data.ptr, n)))
+                 NARROW.template({"src": src.data.ptr, "out": out.data.ptr, "n": n}))
 
 
 def _contiguous(cp, a):

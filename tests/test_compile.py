@@ -231,14 +231,16 @@ def test_general_covers_every_template_and_dtype():
 
 def _host_words(name: str):
     """Words of the host Layout that launches kernel `name` (None: not launched from a Layout)."""
-    from cupyloss import _pointwise, _registry, _rowclass, _rowpair, _rowwise
+    from cupyloss import _pointwise, _registry, _rowclass, _rowpair, _rowwise, linear
 
     kernel, _, args = name.partition("<")
     kernel = kernel.removeprefix("cupyloss::")
     layouts = {"sum_chunks": _pointwise.SUM_CHUNKS, "cross_entropy_rows": _rowwise.ROWS,
                "cross_entropy_cols": _rowwise.COLS, "class_weight_sum": _rowwise.WSUM,
                "rowclass_rows": _rowclass.ROWS, "rowclass_count": _rowclass.COUNT,
-               "rowpair_rows": _rowpair.LAYOUT}
+               "cross_entropy_rows_cluster": _rowwise.ROWS,
+               "rowpair_rows": _rowpair.LAYOUT, "rowpair_finish": _rowpair.FINISH_LAYOUT,
+               "narrow": linear.NARROW}
     if kernel in layouts:
         return layouts[kernel].size
     if kernel.startswith("pointwise_"):
