@@ -82,6 +82,12 @@ _WSUM_PARAMS = ("t", "w", "rows", "cols", "inner", "tn", "td", "flags", "ignore"
 ROWS = _args.Layout([(name, 1) for name in _ROWS_PARAMS])
 COLS = _args.Layout([(name, 1) for name in _COLS_PARAMS])
 WSUM = _args.Layout([(name, 1) for name in _WSUM_PARAMS])
+_SLICE_PARAMS = ("x", "t", "w", "wsum", "lse", "go", "rows", "cols", "c0", "classes", "x_rs",
+                 "g_rs", "flags", "ignore", "eps", "zs", "cap", "go_value", "grad_scale", "gx")
+SLICE = _args.Layout([(name, 1) for name in _SLICE_PARAMS])
+# The modes whose gradient may be stored as another (16-bit) type than float32 logits
+# (_source.ROWWISE_NARROW_MODES).
+_NARROW_MODES = (MODE_GRAD, MODE_GENERAL, MODE_SMOOTH)
 _ONE = _args.f64_word(1.0)
 
 
@@ -115,6 +121,7 @@ class Plan:
     gx: bool                    # allocate the input gradient (unless in place)
     gt: bool                    # allocate the target gradient (probability targets)
     inplace: bool
+    into: bool                  # the input gradient goes to a given array (grad_into)
     scratch: dict               # acc-typed scratch regions: name -> (offset, size)
     scratch_size: int
     counters: int               # zeroed uint32 counters (cooperative groups)
@@ -249,7 +256,8 @@ def _flags(spec, is_index, t_dtype, go_kind, mean_w) -> int:
 
 def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, want_lse, inplace,
            go_kind, go_strides, x_shape, x_strides, t_shape, t_strides, t_dtype, has_weight,
-           dtype, device) -> Plan:
+           dtype, device, into=None) -> Plan:
+    """into: None, or (dtype, strides) of the array the input gradient is written to."""
     ignore_index, smoothing, zscale, softcap = options
     info = _dtypes.DTYPES[dtype]
     acc = info.acc
@@ -270,6 +278,10 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
               "divisor": _args.f64_word(divisor)}
     go_rs = go_strides or (0, 0)
     g_strides = geo.x if inplace else _dense_class_strides(geo)
+    gtype = None
+    if into is not None:
+        g_strides = (into[1][0] if len(into[1]) > 1 else 0, 1, 0)
+        gtype = _dtypes.DTYPES[into[0]].ctype
     scratch: dict = {}
     size = 0
 
@@ -283,17 +295,20 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         mode = (MODE_NLL if spec.kind == "nll" else MODE_GENERAL if softcap != 0.0
                 else MODE_PROB if not is_index else MODE_SMOOTH if smoothing != 0.0
                 else MODE_GRAD if want_g else MODE_FORWARD)
-        name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode)
+        if gtype is not None and mode not in _NARROW_MODES:
+            raise ValueError(f"a {gtype} gradient of {info.ctype} logits has no kernel for "
+                             f"mode {mode}")
+        name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, 1, gtype)
         cfg = _launch.row_launch(
             rows, cols, dtype.itemsize, acc.itemsize, want_g, mode == MODE_NLL, limits,
             lambda shared, kc: _source.resident(
-                "rowwise.cu", _source.rowwise_name("cross_entropy_rows", info.ctype, mode, kc),
-                shared))
+                "rowwise.cu", _source.rowwise_name("cross_entropy_rows", info.ctype, mode, kc,
+                                                   gtype), shared))
         words = ROWS.template({**common, "x_rs": geo.x[0], "t_rs": geo.t[0], "go_rs": go_rs[0],
                                "g_rs": g_strides[0], "tpr": cfg.tpr, "k": cfg.k,
                                "stash": cfg.stash})
         if cfg.cluster:
-            name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, cfg.k)
+            name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, cfg.k, gtype)
         main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
                         cfg.shared, words, ROWS.slot, cfg.cooperative)
         if cfg.cooperative:
@@ -301,6 +316,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
             counters = groups
             region("exchange", groups * 2 * cfg.k * _FIELDS)
     else:
+        if gtype is not None:
+            raise ValueError("grad_into needs logits whose classes are contiguous")
         name = _source.rowwise_name("cross_entropy_cols", info.ctype)
         shared = _launch.ROW_SCRATCH * acc.itemsize
         cfg = _launch.thread_per_row_launch(rows, acc.itemsize, limits,
@@ -331,8 +348,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
     ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
     return Plan(main, wsum, geo.batch_shape, tuple(x_shape), tuple(t_shape), dtype, acc,
                 want_value and reduction != "none", want_value and reduction == "none",
-                want_lse, want_gx and not inplace, want_gt, inplace, scratch, size, counters,
-                ticket)
+                want_lse, want_gx and not inplace and into is None, want_gt, inplace,
+                into is not None, scratch, size, counters, ticket)
 
 
 def _make_plan(*args) -> Plan:
@@ -356,7 +373,7 @@ def _launch_cooperative(launched: Launched, words: array.array, stream: int) -> 
                                    1, 1, launched.shared, stream, params.buffer_info()[0])
 
 
-def _run(plan: Plan, frame, x, t, w, go, go_value, stream):
+def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
     """Allocate the outputs, fill the pointer words, launch.  Returns (value or loss, gx, gt, lse)."""
     main = plan.main
     words = array.array("Q", main.words)
@@ -378,7 +395,9 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream):
         out, words[slot["loss"]] = frame.empty(plan.batch_shape, dtype, like)
     if plan.lse:
         lse, words[slot["lse"]] = frame.empty(plan.batch_shape, plan.acc, like)
-    if plan.inplace:
+    if plan.into:
+        gx, words[slot["gx"]] = into.array, into.ptr
+    elif plan.inplace:
         gx, words[slot["gx"]] = x.array, x.ptr
     elif plan.gx:
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
@@ -421,11 +440,15 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream):
 
 def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ignore_index=-100,
              label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0, check=False,
-             want_value=True, wrt=(), grad_output=1.0, inplace=False, want_lse=False):
+             want_value=True, wrt=(), grad_output=1.0, inplace=False, want_lse=False,
+             grad_into=None):
     """[loss or None, input gradient or None, target gradient or None, lse or None] of one call.
 
     wrt: the names ("input", "target") whose gradients are written.  Arrays come from and go
-    back to the caller's framework (see _dispatch).
+    back to the caller's framework (see _dispatch).  grad_into (the fused linear loss's): a
+    CuPy array of the input's 2-D shape, rows contiguous, that the input's gradient is written
+    to, of the input's dtype or, for float32 logits of class indices, a 16-bit one (rounded in
+    the same pass).
     """
     frame = _dispatch.frame_of(input, "input")
     other = _dispatch.frame_of(target, "target")
@@ -471,6 +494,19 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
         if any(s == 0 and n > 1 for n, s in zip(x.shape, x.strides)):
             raise ValueError(f"inplace=True needs an input whose elements are distinct in memory, "
                              f"got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
+    into = into_key = None
+    if grad_into is not None:
+        into = _dispatch.Operand(grad_into.data.ptr, grad_into.shape,
+                                 tuple(s // grad_into.itemsize for s in grad_into.strides),
+                                 grad_into.dtype, grad_into.data.device_id, grad_into)
+        if (not want_gx or inplace or len(x.shape) != 2 or tuple(into.shape) != tuple(x.shape)
+                or into.strides[1] != 1 or into.device != x.device
+                or (into.dtype != dtype and (dtype != numpy.float32 or into.dtype.itemsize != 2
+                                             or not is_index))):
+            raise ValueError(f"grad_into must be a (rows, classes) array of the input's shape "
+                             f"{tuple(x.shape)} with contiguous rows, for the input's gradient, "
+                             f"got {tuple(into.shape)} {into.dtype} strides {into.strides}")
+        into_key = (into.dtype, into.strides)
     go_kind, go_value, go = "host", 1.0, None
     go_strides = None
     if wrt:
@@ -485,16 +521,17 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
                zscale if spec.kind != "nll" else 0.0, softcap if spec.kind != "nll" else 0.0)
     key = (spec.name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse,
            inplace, go_kind, go_strides, x.shape, x.strides, t.shape, t.strides, t.dtype,
-           w is not None and w.strides, dtype, device)
+           w is not None and w.strides, dtype, device, into_key)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx,
                              want_gt, want_lse, inplace, go_kind, go_strides, x, t, w, dtype,
-                             device)
+                             device, into_key)
     if plan is None or _current_device() != device:
         return _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index,
-                         options, want_value, want_gx, want_gt, want_lse, inplace, go_kind)
-    return _run(plan, frame, x, t, w, go, go_value, stream)
+                         options, want_value, want_gx, want_gt, want_lse, inplace, go_kind,
+                         into)
+    return _run(plan, frame, x, t, w, go, go_value, stream, into)
 
 
 def _go_strides(go):
@@ -506,7 +543,7 @@ def _go_strides(go):
 
 
 def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, want_gt,
-                  want_lse, inplace, go_kind, go_strides, x, t, w, dtype, device):
+                  want_lse, inplace, go_kind, go_strides, x, t, w, dtype, device, into=None):
     """The cached plan for `key`, or None when an operand needs a contiguous copy first."""
     if (_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None
             or (w is not None and w.strides != (1,) and w.shape[0] > 1)
@@ -515,7 +552,7 @@ def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, 
     plan = _PLANS[key] = _make_plan(spec, reduction, is_index, options, want_value, want_gx,
                                     want_gt, want_lse, inplace, go_kind, go_strides, x.shape,
                                     x.strides, t.shape, t.strides, t.dtype, w is not None, dtype,
-                                    device)
+                                    device, into)
     return plan
 
 
@@ -528,7 +565,7 @@ def _current_device():
 
 
 def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, options,
-              want_value, want_gx, want_gt, want_lse, inplace, go_kind):
+              want_value, want_gx, want_gt, want_lse, inplace, go_kind, into=None):
     """Calls off the hot path: another current device, or operands that need contiguous copies
     (made by CuPy on the caller's stream, with the caller's allocator)."""
     import cupy
@@ -537,7 +574,7 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
     with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
             frame.scratch_allocator():
         if _launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None:
-            if inplace:
+            if inplace or into is not None:
                 raise ValueError(f"inplace=True needs an input whose dims after the class axis "
                                  f"merge into one stride, got strides {tuple(x.strides)} for "
                                  f"shape {tuple(x.shape)}")
@@ -557,7 +594,43 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
                 go_strides = _go_strides(go)
         plan = _make_plan(spec, reduction, is_index, options, want_value, want_gx, want_gt,
                           want_lse, inplace, go_kind, go_strides, x.shape, x.strides, t.shape,
-                          t.strides, t.dtype, w is not None, x.dtype, device)
-        result = _run(plan, frame, x, t, w, go, go_value, stream)
+                          t.strides, t.dtype, w is not None, x.dtype, device,
+                          None if into is None else (into.dtype, into.strides))
+        result = _run(plan, frame, x, t, w, go, go_value, stream, into)
         del x_copy
         return result
+
+
+def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, ignore_index,
+               label_smoothing, lse_square_scale, softcap, stream, device) -> None:
+    """rowwise.cu's cross_entropy_slice_grad on CuPy arrays (the fused linear loss's second
+    pass): out[r, j] = dloss_r/dz[r, c0 + j] times grad_output, from the logits x (rows, cols)
+    of classes c0 .. c0 + cols - 1 of `classes`, each row's lse over all of them and its class
+    index.  weight: (classes,) of x's dtype or None; wsum: its 0-d sum (label smoothing with
+    class weights) or None; grad_output: a Python number, a 0-d array, or (rows,).  Rows of x
+    and out contiguous; target and lse contiguous."""
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        return
+    flags = FLAG_INDEX64 if target.dtype == _INDEX_DTYPES[1] else 0
+    go_ptr, go_value = 0, 1.0
+    if isinstance(grad_output, (int, float)):
+        go_value = float(grad_output)
+    else:
+        flags |= FLAG_GO_ROWS if grad_output.ndim else FLAG_GO_DEVICE
+        go_ptr = grad_output.data.ptr
+    info = _dtypes.DTYPES[x.dtype]
+    name = _source.rowwise_name("cross_entropy_slice_grad", info.ctype,
+                                gtype=_dtypes.DTYPES[out.dtype].ctype)
+    cfg = _launch.slice_launch(rows, cols, 16 // x.dtype.itemsize, _launch.device_limits(device))
+    words = SLICE.template({
+        "x": x.data.ptr, "t": target.data.ptr, "w": 0 if weight is None else weight.data.ptr,
+        "wsum": 0 if wsum is None else wsum.data.ptr, "lse": lse.data.ptr, "go": go_ptr,
+        "rows": rows, "cols": cols, "c0": c0, "classes": classes,
+        "x_rs": x.strides[0] // x.itemsize, "g_rs": out.strides[0] // out.itemsize,
+        "flags": flags, "ignore": _args.i64_word(ignore_index),
+        "eps": _args.f64_word(label_smoothing), "zs": _args.f64_word(lse_square_scale),
+        "cap": _args.f64_word(softcap), "go_value": _args.f64_word(go_value),
+        "grad_scale": _ONE, "gx": out.data.ptr})
+    _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
+                 words)

@@ -123,18 +123,24 @@ def narrow_name(ctype: str) -> str:
 ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum")
 ROWWISE_MODES = (0, 1, 2, 3, 4, 5)     # cross_entropy_rows's MODE (_rowwise.ROW_*)
 ROWWISE_CLUSTER_MODES = (1, 2, 4, 5)   # the ones with a gradient held over a cluster's blocks
+ROWWISE_NARROW_MODES = (1, 2, 4)       # the class-index gradients, stored rounded to 16 bits
 
 
-def rowwise_name(kernel: str, ctype: str, mode: int = 2, cluster: int = 1) -> str:
+def rowwise_name(kernel: str, ctype: str, mode: int = 2, cluster: int = 1,
+                 gtype: str | None = None) -> str:
     """Name expression of a rowwise.cu kernel: cross_entropy_rows<ctype, mode> (0 the class-index
     loss alone, 1 with its gradient, 2 anything with a softcap, 3 nll_loss, 4 class indices with
     label smoothing, 5 probability targets), or with cluster > 1
-    cross_entropy_rows_cluster<ctype, mode, cluster> (a cluster of that many blocks a row); the
-    others <ctype>."""
+    cross_entropy_rows_cluster<ctype, mode, cluster> (a cluster of that many blocks a row), either
+    with a last argument gtype when the gradient is stored as another type (float32 logits, a
+    16-bit gradient); cross_entropy_slice_grad<ctype, gtype>; the others <ctype>."""
+    g = f", {gtype}" if gtype is not None and gtype != ctype else ""
     if kernel == "cross_entropy_rows" and cluster > 1:
-        return f"cupyloss::cross_entropy_rows_cluster<{ctype}, {mode}, {cluster}>"
+        return f"cupyloss::cross_entropy_rows_cluster<{ctype}, {mode}, {cluster}{g}>"
     if kernel == "cross_entropy_rows":
-        return f"cupyloss::{kernel}<{ctype}, {mode}>"
+        return f"cupyloss::{kernel}<{ctype}, {mode}{g}>"
+    if kernel == "cross_entropy_slice_grad":
+        return f"cupyloss::{kernel}<{ctype}, {gtype or ctype}>"
     return f"cupyloss::{kernel}<{ctype}>"
 
 
@@ -171,6 +177,8 @@ def units() -> list[tuple[str, list[str]]]:
     scale = [scale_name(info.ctype, vec) for info in infos for vec in sorted({1, info.vec})]
     scale += [narrow_name(info.ctype) for info in infos if info.dtype.itemsize == 2]
     rowwise = [name for info in infos for name in rowwise_names(info)]
+    rowwise += [name for info in infos for name in linear_names(info)
+                if name not in rowwise]
     rowclass = [name for info in infos for loss in ROWCLASS_LOSSES
                 for name in rowclass_names(info, loss)]
     rowpair = [name for op in ROWPAIR_OPS for info in infos for name in rowpair_names(info, op)]
@@ -185,6 +193,19 @@ def rowwise_names(info) -> list[str]:
              for mode in (ROWWISE_MODES if kernel == "cross_entropy_rows" else (2,))]
     return names + [rowwise_name("cross_entropy_rows", info.ctype, mode, kc)
                     for mode in ROWWISE_CLUSTER_MODES for kc in _launch.ROW_CLUSTER_SIZES]
+
+
+def linear_names(info) -> list[str]:
+    """The rowwise.cu kernels the fused linear cross entropy runs on inputs of `info`'s dtype:
+    every kernel of its logits' dtype (float32; float64 for float64), the class-index gradients
+    stored rounded to a 16-bit input's dtype, and the slice gradient of its low-memory plan."""
+    logits = _dtypes.lookup("float64" if info.dtype.itemsize == 8 else "float32")
+    names = rowwise_names(logits)
+    if info.dtype.itemsize == 2:
+        names += [rowwise_name("cross_entropy_rows", logits.ctype, mode, kc, info.ctype)
+                  for mode in ROWWISE_NARROW_MODES
+                  for kc in (1, *(() if mode == 0 else _launch.ROW_CLUSTER_SIZES))]
+    return names + [rowwise_name("cross_entropy_slice_grad", logits.ctype, gtype=info.ctype)]
 
 
 def rowclass_names(info, loss: int) -> list[str]:
@@ -214,8 +235,7 @@ def reachable(loss: str, dtype) -> list[tuple[str, str]]:
     if info is None:
         raise TypeError(f"cupyloss has no kernels for dtype {dtype}")
     if loss in FUSED_LOSSES:            # cupyloss.linear: rowwise.cu on float32 logits
-        logits = _dtypes.lookup("float64" if info.dtype.itemsize == 8 else "float32")
-        out = [("rowwise.cu", name) for name in rowwise_names(logits)]
+        out = [("rowwise.cu", name) for name in linear_names(info)]
         if info.dtype.itemsize == 2:
             out.append(("scale.cu", narrow_name(info.ctype)))
         return out

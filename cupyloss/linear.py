@@ -7,34 +7,33 @@ For hidden states X (N, H), a weight W (V, H) as torch.nn.Linear stores it, an o
     loss    cross_entropy(Z, t, ...)   exactly as cupyloss.cross_entropy on those logits
 
 The rows are taken in chunks whose float32 logits fit a workspace budget: per chunk one cuBLAS
-product forms the logits, the row-wise cross-entropy kernel turns them into their gradient dZ in
-place (value and gradient from one read), and two more products give dX = dZ W for the chunk's
-rows and add dZ^T X into the weight's gradient.  So a 'mean' or 'sum' call does three matrix
-products in all and forms every gradient in the forward pass; the logits and their gradient are
-never held for more than one chunk.
+product forms the logits, the row-wise cross-entropy kernel turns them into the loss and their
+gradient dZ in one read (stored in the inputs' dtype by the same pass: rounded once, as torch's
+autograd rounds it through ``(X @ W.T).float()``), and a second product gives dX = dZ W for the
+chunk's rows.  Every product accumulates in float32 (cuBLAS's CUBLAS_COMPUTE_32F; float64
+inputs: 64F).  The weight's gradient dW = dZ^T X needs every row's dZ, and `plan` picks how to
+pay for that from the budget, which bounds every byte a call holds besides its results:
 
-  * dZ is rounded to the inputs' dtype before the two gradient products (as torch's autograd does
-    through ``(X @ W.T).float()``); every product accumulates in float32 (cuBLAS's
-    CUBLAS_COMPUTE_32F; float64 inputs: 64F).
-  * The weight's and bias's gradients are summed over the chunks in float32 and rounded to the
-    weight's dtype once at the end (never per chunk); for float32 weights the sum is the result.
-  * 'mean' divides by the summed class weights of the counted rows (their number without class
-    weights), computed on the device: no host synchronisation anywhere.
-  * Results are deterministic: cuBLAS's default algorithms have no atomics, and the chunks are
-    added in order.
+  * keep    the budget holds every row's 16-bit dZ (N x V) and a chunk of float32 logits: dW is
+            one product at the end (k = N, float32 accumulation inside cuBLAS, rounded once).
+            Three products, the fastest plan.
+  * sum     it holds a float32 V x H sum and a chunk: dW is summed over the chunks in float32
+            (read and written once a chunk) and rounded once.  Three products.  float32 and
+            float64 weights always take it, summing into the result itself (no workspace).
+  * slices  neither fits (the low-memory plan): the first pass keeps each row's logsumexp; a
+            second forms the logits again a slice of the classes at a time (all rows, or tiles
+            of rows), the slice's dZ from the stored lse (rowwise.cu's
+            cross_entropy_slice_grad), and that slice of dW as one product, rounded once.  Four
+            products; the workspace is a chunk or a slice, whichever is larger.
 
-Peak memory beyond the inputs and the results follows from ``max_workspace_bytes``:
-
-  * a budget that holds every row's 16-bit dZ (N x V of the inputs' dtype) and 128 rows of
-    float32 logits besides keeps dZ whole, and the weight's gradient is one product at the end
-    (k = N, float32 accumulation inside cuBLAS, rounded once): the fastest plan (plan_keeps_dz);
-  * a smaller one takes chunks of rows x V float32 logits and their 16-bit copy within it, and
-    sums the weight's gradient over the chunks in a float32 V x H array (reads and writes it
-    once a chunk), rounded at the end.
+'mean' divides by the summed class weights of the counted rows (their number without class
+weights), computed on the device: no host synchronisation anywhere.  Results are deterministic:
+cuBLAS's default algorithms have no atomics, and chunks and slices are added in order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -45,8 +44,7 @@ from cupyloss import _args, _dispatch, _dtypes
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
-           "linear_cross_entropy_value_and_grad", "chunk_rows", "plan_keeps_dz",
-           "DEFAULT_WORKSPACE_BYTES"]
+           "linear_cross_entropy_value_and_grad", "plan", "Plan", "DEFAULT_WORKSPACE_BYTES"]
 
 # The workspace a call may use by default: at 8192 x 4096 bfloat16 hidden states and 128256
 # classes it keeps every row's dZ (2 GiB) with 1024-row chunks of logits, the fastest budget
@@ -67,26 +65,70 @@ _COMPUTE_32F, _COMPUTE_64F = 68, 70
 _GEMM_DEFAULT = -1
 
 
-def chunk_rows(n: int, classes: int, itemsize: int, budget: int | None = None) -> int:
-    """Rows per chunk for n rows of `classes` logits: as many as fit `budget` bytes (default
-    DEFAULT_WORKSPACE_BYTES) of float32 logits plus their copy in the inputs' dtype (none for
-    float32; float64 logits for float64 inputs), a multiple of 128 where that leaves at least
-    128 (the products' tile), at least 1 and at most n."""
-    budget = DEFAULT_WORKSPACE_BYTES if budget is None else int(budget)
-    logit = 8 if itemsize == 8 else 4
-    per_row = classes * (logit + (itemsize if itemsize < 4 else 0))
+# Rows of a chunk of logits at most: larger chunks measured no faster (bench_linear, H100,
+# 8192 rows bf16: 1024-row chunks 41.0 ms, 4096-row 42.1) and only hold more memory.
+CHUNK_ROWS_MAX = 1024
+# A cuBLAS tile: chunks and slices are multiples of it where they can be.
+TILE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a call spends its workspace (module docstring): `kind` ("keep", "sum" or "slices"),
+    `rows` of logits a chunk of the first pass, for "slices" `cols` classes a slice of the
+    second pass and `tile` rows a tile of a slice, and the workspace's `bytes` besides the
+    results (the larger of the two passes' for "slices")."""
+
+    kind: str
+    rows: int
+    cols: int = 0
+    tile: int = 0
+    bytes: int = 0
+
+
+def _fit(budget: int, per_row: int, n: int, most: int = CHUNK_ROWS_MAX) -> int:
+    """As many rows of `per_row` bytes as `budget` holds, a multiple of TILE where that leaves at
+    least TILE, at least 1, at most min(n, most)."""
     rows = max(1, budget // max(per_row, 1))
-    if rows >= 128:
-        rows -= rows % 128
-    return max(1, min(rows, n))
+    if rows >= TILE:
+        rows -= rows % TILE
+    return max(1, min(rows, n, most))
 
 
-def plan_keeps_dz(n: int, classes: int, itemsize: int, budget: int | None = None) -> bool:
-    """Whether a call on 16-bit inputs keeps every row's dZ (n x classes of the inputs' dtype)
-    and forms the weight's gradient in one product: when `budget` (default
-    DEFAULT_WORKSPACE_BYTES) holds them and 128 rows of float32 logits besides."""
-    budget = DEFAULT_WORKSPACE_BYTES if budget is None else int(budget)
-    return itemsize == 2 and budget >= n * classes * itemsize + 128 * classes * 4
+def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = None,
+         weight_grad: bool = True) -> Plan:
+    """The plan of a call on n rows, `classes` logits a row and `hidden` features, inputs of
+    `itemsize` bytes, within `budget` bytes (default DEFAULT_WORKSPACE_BYTES): keep every row's
+    16-bit dZ where it fits, else a float32 weight-gradient sum, else class slices (see the
+    module docstring).  A chunk holds float32 logits (float64 for float64 inputs) and, for
+    16-bit inputs, their gradient in the inputs' dtype."""
+    budget = DEFAULT_WORKSPACE_BYTES if budget is None else max(0, int(budget))
+    logit = 8 if itemsize == 8 else 4
+    narrow = itemsize if itemsize < 4 else 0
+    chunk = classes * (logit + narrow)
+    if not narrow or not weight_grad:
+        rows = _fit(budget, chunk, n)
+        return Plan("sum", rows, bytes=rows * chunk)
+    keep = n * classes * narrow
+    if budget >= keep + TILE * classes * logit:
+        rows = _fit(budget - keep, classes * logit, n)
+        return Plan("keep", rows, bytes=keep + rows * classes * logit)
+    total = classes * hidden * 4
+    if budget >= total + TILE * chunk:
+        rows = _fit(budget - total, chunk, n)
+        return Plan("sum", rows, bytes=total + rows * chunk)
+    rows = _fit(budget, chunk, n)
+    # A slice of all n rows where `budget` holds TILE classes of them, else tiles of rows with
+    # a float32 sum of the slice's dW.
+    element = logit + narrow
+    cols = min(classes, max(TILE, budget // max(n * element, 1) // TILE * TILE))
+    if n * cols * element <= budget:
+        tile, second = n, n * cols * element
+    else:
+        acc = cols * hidden * 4
+        tile = _fit(budget - acc, cols * element, n, n)
+        second = acc + tile * cols * element
+    return Plan("slices", rows, cols, tile, max(rows * chunk, second))
 
 
 def _names(wrt) -> tuple[tuple[str, ...], bool]:
@@ -186,14 +228,20 @@ def _contiguous(cp, a):
     return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
 
 
+def _carve(buffer, offset, shape, dtype):
+    """A C-contiguous view of `shape` and `dtype` at byte `offset` of a uint8 buffer; returns
+    (view, the offset after it, rounded up to 256 bytes)."""
+    size = math.prod(shape) * numpy.dtype(dtype).itemsize
+    view = buffer[offset:offset + size].view(dtype).reshape(shape)
+    return view, offset + -(-size // 256) * 256
+
+
 def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing,
          lse_square_scale, softcap, max_workspace_bytes, want_value, names, grad_output,
          return_lse):
-    """The chunked loop (module docstring); returns (loss, {name: grad}, lse) in the caller's
+    """The chunked passes (module docstring); returns (loss, {name: grad}, lse) in the caller's
     framework (loss None unless want_value, lse None unless return_lse)."""
     import cupy
-
-    import cupyloss
 
     frame = _dispatch.frame_of(hidden, "hidden")
     ops = {}
@@ -219,120 +267,215 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
             cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
             frame.scratch_allocator():
         views = {name: frame.cupy_view(op) for name, op in ops.items()}
-        x = _contiguous(cupy, views["hidden"].reshape(n, h))
-        w = _contiguous(cupy, views["weight"])
-        t = views["target"].reshape(n)
-        b = views.get("bias")
-        cw = views.get("class_weight")
-        dtype = x.dtype
-        logit_dtype = numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
-        if cw is not None and cw.dtype != logit_dtype:   # the row kernel's, like the logits
-            cw = cw.astype(logit_dtype)
-        want = {name: name in names for name in _GRAD_NAMES}
-        narrow = dtype.itemsize < logit_dtype.itemsize
-        # Where the budget holds every row's 16-bit dZ besides a chunk of logits, dZ is kept
-        # whole and the weight's gradient is one product at the end (k = N, rounded once by
-        # cuBLAS): no float32 sum of V x H read and written per chunk.
-        keep = narrow and want["weight"] and plan_keeps_dz(n, v, dtype.itemsize,
-                                                           max_workspace_bytes)
-        budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
-        rows = (chunk_rows(n, v, 4, budget - n * v * dtype.itemsize) if keep
-                else chunk_rows(n, v, dtype.itemsize, budget))
-        blas = _Blas(dtype)
-        logits = cupy.empty((min(rows, max(n, 1)), v), logit_dtype)
-        dz16 = (cupy.empty((n, v) if keep else logits.shape, dtype) if narrow and names
-                else None)
-        gx = cupy.empty((n, h), dtype) if want["hidden"] else None
-        # The weight's and bias's gradients, summed over chunks in the logits' precision.
-        gw_sum = (cupy.empty((v, h), dtype if keep else logit_dtype) if want["weight"]
-                  else None)
-        gb_sum = cupy.zeros((v,), logit_dtype) if want["bias"] else None
-        # The upstream gradient of each row's loss: grad_output over the 'mean' divisor.
-        if reduction == "mean":
-            valid = t != ignore_index
-            if cw is None:
-                divisor = valid.sum(dtype=logit_dtype)
-            else:
-                divisor = (cw[cupy.where(valid, t, 0)].astype(logit_dtype) * valid).sum()
-        else:
-            divisor = None
-        if reduction == "none":
-            scale = grad_go.reshape(n) if grad_go is not None else float(grad_output)
-        else:
-            g = grad_go.astype(logit_dtype) if grad_go is not None else logit_dtype.type(
-                grad_output)
-            scale = (g / divisor if divisor is not None else cupy.asarray(g, logit_dtype))
-        nchunks = -(-n // rows) if n else 0
-        losses = (cupy.empty((nchunks,), logit_dtype) if want_value and reduction != "none"
-                  else None)
-        loss_rows = cupy.empty((n,), logit_dtype) if want_value and reduction == "none" else None
-        lse = cupy.empty((n,), logit_dtype) if return_lse else None
-        for i in range(nchunks):
-            r0, r1 = i * rows, min(n, (i + 1) * rows)
-            m = r1 - r0
-            z = logits[:m]
-            xc = x[r0:r1]
-            if b is not None:
-                z[...] = b
-            # Z^T (V x m, column-major) = W (H x V col-major)^T X_c (H x m col-major)
-            blas.gemm(_OP_T, _OP_N, v, m, h, w, h, xc, h, z, v, accumulate=b is not None)
-            go = scale[r0:r1] if reduction == "none" and not isinstance(scale, float) else scale
-            out = cupyloss.cross_entropy_value_and_grad(
-                z, t[r0:r1], cw, ignore_index, "none" if reduction == "none" else "sum",
-                label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
-                grad_output=go, wrt="input" if names else (), inplace=bool(names),
-                return_lse=return_lse)
-            if want_value:
-                if reduction == "none":
-                    loss_rows[r0:r1] = out[0]
-                else:
-                    losses[i] = out[0]
-            if return_lse:
-                lse[r0:r1] = out[2]
-            if not names:
-                continue
-            dz = z
-            if dz16 is not None:
-                dz = dz16[r0:r1] if keep else dz16[:m]
-                _narrow(z, dz, stream, device)
-            if want["bias"]:
-                gb_sum += dz.sum(axis=0, dtype=logit_dtype)
-            if want["hidden"]:
-                # dX_c^T (H x m) = W (H x V col-major) dZ^T (V x m col-major)
-                blas.gemm(_OP_N, _OP_N, h, m, v, w, h, dz, v, gx[r0:r1], h)
-            if want["weight"] and not keep:
-                # dW^T (H x V) += X_c (H x m col-major) (dZ^T (V x m col-major))^T
-                blas.gemm(_OP_N, _OP_T, h, v, m, xc, h, dz, v, gw_sum, h, accumulate=i > 0)
-        if keep and n:
-            blas.gemm(_OP_N, _OP_T, h, v, n, x, h, dz16, v, gw_sum, h)
-        grads = {}
-        if want["hidden"]:
-            grads["hidden"] = gx.reshape(tuple(ops["hidden"].shape))
-        if want["weight"]:
-            if n == 0:
-                gw_sum[...] = 0
-            if gw_sum.dtype != dtype:
-                gw = cupy.empty((v, h), dtype)
-                _narrow(gw_sum, gw, stream, device)
-                gw_sum = gw
-            grads["weight"] = gw_sum
-        if want["bias"]:
-            grads["bias"] = gb_sum if gb_sum.dtype == dtype else gb_sum.astype(dtype)
-        loss = None
-        if want_value:
-            if reduction == "none":
-                loss = loss_rows.reshape(tuple(ops["hidden"].shape[:-1]))
-            else:
-                total = losses.sum(dtype=numpy.float64) if nchunks else cupy.zeros((), "f8")
-                if divisor is not None:
-                    total = total / divisor
-                loss = total.astype(logit_dtype)
-        if lse is not None:
-            lse = lse.reshape(tuple(ops["hidden"].shape[:-1]))
+        run = _Call(views, n, h, v, ignore_index, reduction, label_smoothing, lse_square_scale,
+                    softcap, want_value, names, grad_go, grad_output, return_lse, stream, device)
+        pl = plan(n, v, h, run.dtype.itemsize, max_workspace_bytes, run.want["weight"])
+        run.first_pass(pl)
+        if pl.kind == "slices" and run.want["weight"]:
+            run.second_pass(pl)
+        loss, grads, lse = run.results(tuple(ops["hidden"].shape))
     back = _back(frame)
     return (back(loss) if loss is not None else None,
             {k: back(a) for k, a in grads.items()},
             back(lse) if lse is not None else None)
+
+
+class _Call:
+    """One call's arrays (CuPy views on the caller's stream and allocator) and its passes."""
+
+    def __init__(self, views, n, h, v, ignore_index, reduction, label_smoothing,
+                 lse_square_scale, softcap, want_value, names, grad_go, grad_output, return_lse,
+                 stream, device):
+        import cupy
+
+        self.n, self.h, self.v = n, h, v
+        self.x = _contiguous(cupy, views["hidden"].reshape(n, h))
+        self.w = _contiguous(cupy, views["weight"])
+        self.t = _contiguous(cupy, views["target"].reshape(n))
+        self.b = views.get("bias")
+        self.dtype = dtype = self.x.dtype
+        self.logit = numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
+        cw = views.get("class_weight")
+        if cw is not None and cw.dtype != self.logit:   # the row kernel's, like the logits
+            cw = cw.astype(self.logit)
+        self.cw = cw
+        self.options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                            lse_square_scale=lse_square_scale, softcap=softcap)
+        self.reduction, self.want_value, self.names = reduction, want_value, names
+        self.want = {name: name in names for name in _GRAD_NAMES}
+        self.narrow = dtype.itemsize < self.logit.itemsize
+        self.stream, self.device = stream, device
+        self.blas = _Blas(dtype)
+        # The upstream gradient of each row's loss: grad_output over the 'mean' divisor.
+        t, logit = self.t, self.logit
+        divisor = None
+        if reduction == "mean":
+            valid = t != ignore_index
+            if cw is None:
+                divisor = valid.sum(dtype=logit)
+            else:
+                divisor = (cw[cupy.where(valid, t, 0)].astype(logit) * valid).sum()
+        self.divisor = divisor
+        if reduction == "none":
+            self.scale = (cupy.ascontiguousarray(grad_go.reshape(n)) if grad_go is not None
+                          else float(grad_output))
+        else:
+            g = grad_go.astype(logit) if grad_go is not None else logit.type(grad_output)
+            self.scale = g / divisor if divisor is not None else cupy.asarray(g, logit)
+        self.gx = cupy.empty((n, h), dtype) if self.want["hidden"] else None
+        self.gw = cupy.empty((v, h), dtype) if self.want["weight"] else None
+        self.gb = cupy.zeros((v,), logit) if self.want["bias"] else None
+        self.lse = None
+        self.losses = self.loss_rows = None
+        self.return_lse = return_lse
+
+    def _scale_rows(self, r0, r1):
+        s = self.scale
+        return s[r0:r1] if self.reduction == "none" and not isinstance(s, float) else s
+
+    def first_pass(self, pl: Plan) -> None:
+        """Row chunks: logits, the loss (and lse), dZ in the inputs' dtype, dX = dZ W, and dW
+        per the plan: kept dZ for one product at the end ("keep"), a float32 sum ("sum"), or
+        nothing here ("slices")."""
+        import cupy
+
+        from cupyloss import _rowwise
+
+        n, h, v, x, w = self.n, self.h, self.v, self.x, self.w
+        rows = pl.rows
+        nchunks = -(-n // rows) if n else 0
+        logit, dtype = self.logit, self.dtype
+        want, names = self.want, self.names
+        ws = cupy.empty((pl.bytes + 1024,), numpy.uint8)
+        z_all, at = _carve(ws, 0, (min(rows, max(n, 1)), v), logit)
+        keep = pl.kind == "keep" and bool(names)
+        dz_all = None
+        if self.narrow and names:
+            dz_all, at = _carve(ws, at, (n, v) if keep else z_all.shape, dtype)
+        # The weight's gradient summed over chunks in float32 (the result itself for float32
+        # and float64 weights).
+        gw_sum = None
+        if want["weight"] and pl.kind == "sum":
+            gw_sum = self.gw if not self.narrow else _carve(ws, at, (v, h), numpy.float32)[0]
+        reduction = self.reduction
+        if self.want_value:
+            if reduction == "none":
+                self.loss_rows = cupy.empty((n,), logit)
+            else:
+                self.losses = cupy.empty((nchunks,), logit)
+        if self.return_lse or pl.kind == "slices":
+            self.lse = cupy.empty((n,), logit)
+        spec = _rowwise.SPECS["cross_entropy"]
+        for i in range(nchunks):
+            r0, r1 = i * rows, min(n, (i + 1) * rows)
+            m = r1 - r0
+            z = z_all[:m]
+            xc = x[r0:r1]
+            if self.b is not None:
+                z[...] = self.b
+            # Z^T (V x m, column-major) = W (H x V col-major)^T X_c (H x m col-major)
+            self.blas.gemm(_OP_T, _OP_N, v, m, h, w, h, xc, h, z, v,
+                           accumulate=self.b is not None)
+            dz = None
+            if names:
+                dz = z if dz_all is None else (dz_all[r0:r1] if keep else dz_all[:m])
+            out = _rowwise.evaluate(
+                spec, z, self.t[r0:r1], self.cw,
+                reduction="none" if reduction == "none" else "sum", **self.options,
+                want_value=self.want_value, wrt=("input",) if names else (),
+                grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
+                want_lse=self.lse is not None,
+                grad_into=dz if dz is not None and dz is not z else None)
+            if self.want_value:
+                if reduction == "none":
+                    self.loss_rows[r0:r1] = out[0]
+                else:
+                    self.losses[i] = out[0]
+            if self.lse is not None:
+                self.lse[r0:r1] = out[3]
+            if not names:
+                continue
+            if want["bias"]:
+                self.gb += dz.sum(axis=0, dtype=logit)
+            if want["hidden"]:
+                # dX_c^T (H x m) = W (H x V col-major) dZ^T (V x m col-major)
+                self.blas.gemm(_OP_N, _OP_N, h, m, v, w, h, dz, v, self.gx[r0:r1], h)
+            if gw_sum is not None:
+                # dW^T (H x V) += X_c (H x m col-major) (dZ^T (V x m col-major))^T
+                self.blas.gemm(_OP_N, _OP_T, h, v, m, xc, h, dz, v, gw_sum, h,
+                               accumulate=i > 0)
+        if want["weight"]:
+            if n == 0:
+                self.gw[...] = 0
+            elif keep:
+                self.blas.gemm(_OP_N, _OP_T, h, v, n, x, h, dz_all, v, self.gw, h)
+            elif gw_sum is not None and gw_sum is not self.gw:
+                _narrow(gw_sum, self.gw, self.stream, self.device)
+
+    def second_pass(self, pl: Plan) -> None:
+        """Class slices (the "slices" plan): each slice's logits again, all rows or tiles of
+        them, its dZ from the first pass's lse, and that slice of dW."""
+        import cupy
+
+        from cupyloss import _rowwise
+
+        n, h, v, x, w = self.n, self.h, self.v, self.x, self.w
+        logit, dtype = self.logit, self.dtype
+        ws = cupy.empty((pl.bytes + 1024,), numpy.uint8)
+        z_all, at = _carve(ws, 0, (pl.tile, pl.cols), logit)
+        dz_all, at = _carve(ws, at, (pl.tile, pl.cols), dtype)
+        acc = _carve(ws, at, (pl.cols, h), numpy.float32)[0] if pl.tile < n else None
+        wsum = None
+        if self.cw is not None and self.options["label_smoothing"]:
+            wsum = self.cw.sum()
+        for c0 in range(0, v, pl.cols):
+            c1 = min(v, c0 + pl.cols)
+            k = c1 - c0
+            for r0 in range(0, n, pl.tile):
+                r1 = min(n, r0 + pl.tile)
+                m = r1 - r0
+                z = z_all.reshape(-1)[:m * k].reshape(m, k)
+                dz = dz_all.reshape(-1)[:m * k].reshape(m, k)
+                if self.b is not None:
+                    z[...] = self.b[c0:c1]
+                self.blas.gemm(_OP_T, _OP_N, k, m, h, w[c0:c1], h, x[r0:r1], h, z, k,
+                               accumulate=self.b is not None)
+                _rowwise.slice_grad(z, self.t[r0:r1], self.lse[r0:r1], dz, c0, v, self.cw, wsum,
+                                    self._scale_rows(r0, r1), **self.options,
+                                    stream=self.stream, device=self.device)
+                if acc is None:
+                    # dW[c0:c1]^T (H x k) = X (H x n col-major) dZ_s (k x n col-major)^T
+                    self.blas.gemm(_OP_N, _OP_T, h, k, m, x[r0:r1], h, dz, k, self.gw[c0:c1], h)
+                else:
+                    self.blas.gemm(_OP_N, _OP_T, h, k, m, x[r0:r1], h, dz, k, acc[:k], h,
+                                   accumulate=r0 > 0)
+            if acc is not None:
+                _narrow(acc[:k], self.gw[c0:c1], self.stream, self.device)
+
+    def results(self, hidden_shape):
+        import cupy
+
+        n, dtype = self.n, self.dtype
+        grads = {}
+        if self.want["hidden"]:
+            grads["hidden"] = self.gx.reshape(hidden_shape)
+        if self.want["weight"]:
+            grads["weight"] = self.gw
+        if self.want["bias"]:
+            gb = self.gb
+            grads["bias"] = gb if gb.dtype == dtype else gb.astype(dtype)
+        loss = None
+        if self.want_value:
+            if self.reduction == "none":
+                loss = self.loss_rows.reshape(hidden_shape[:-1])
+            else:
+                total = (self.losses.sum(dtype=numpy.float64) if n
+                         else cupy.zeros((), "f8"))
+                if self.divisor is not None:
+                    total = total / self.divisor
+                loss = total.astype(self.logit)
+        lse = self.lse.reshape(hidden_shape[:-1]) if self.return_lse else None
+        return loss, grads, lse
 
 
 def _target_operand(frame, target):

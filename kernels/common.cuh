@@ -4,7 +4,7 @@
 //   load_acc / store  conversions between storage and accumulator types
 //   Vec<T, N>         an N-element, N*sizeof(T)-aligned register vector for 16-byte accesses
 //   widen             a vector's values in the accumulator type
-//   store_any         VEC rounded values stored as one 16-byte vector or element by element
+//   store_any         VEC rounded values stored as one 16- or 8-byte vector or element by element
 //   prefetch_l2       a 128-byte line fetched into L2 ahead of its loads (a hint)
 //   IntDiv            division of 64-bit indices by a run-time constant via multiply-high
 //   Geometry<N>       the coalesced broadcast shape and N operands' strides, passed by value
@@ -95,8 +95,9 @@ __device__ __forceinline__ void widen(const Vec<T, VEC>& v, acc_t<T> (&out)[VEC]
     }
 }
 
-// VEC values rounded to T and stored at p: one streaming 16-byte store when `vec` (p 16-byte
-// aligned, VEC * sizeof(T) == 16), else element by element.  16-bit values are rounded in pairs.
+// VEC values rounded to T and stored at p: one streaming store of VEC * sizeof(T) bytes (16, or 8
+// for a float32 vector's values rounded to 16 bits) when `vec` (p aligned to that size), else
+// element by element.  16-bit values are rounded in pairs.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_any(T* p, const acc_t<T> (&g)[VEC], bool vec) {
     Vec<T, VEC> v;
@@ -107,8 +108,13 @@ __device__ __forceinline__ void store_any(T* p, const acc_t<T> (&g)[VEC], bool v
         #pragma unroll
         for (int e = 0; e < VEC; ++e) v.v[e] = from_acc<T>(g[e]);
     }
-    if (vec) {
-        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+    if (vec) {  // p aligned to the vector's size: 16 bytes, or 8 (four 16-bit values)
+        if constexpr (sizeof(v) == 16) {
+            __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+        } else {
+            static_assert(sizeof(v) == 8, "store_any stores 16- or 8-byte vectors");
+            __stcs(reinterpret_cast<int2*>(p), *reinterpret_cast<const int2*>(&v));
+        }
     } else {
         #pragma unroll
         for (int e = 0; e < VEC; ++e) p[e] = v.v[e];

@@ -45,6 +45,9 @@
 //                        row; adjacent threads read adjacent positions, so loads coalesce.
 //   class_weight_sum     the 'mean' divisor sum_r w_{y_r} over counted rows, a launch before a
 //                        gradient launch that needs it (the gradient is scaled by it).
+//   cross_entropy_slice_grad
+//                        the gradient over a slice of the classes from each row's lse found
+//                        before (the fused linear loss's low-memory plan).
 // Indices are 64-bit; the 0-d loss is finished in the same launch (last-block ticket).
 #include "common.cuh"
 #include "rows.cuh"
@@ -476,19 +479,19 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
 //   stash      tiles a block keeps in shared memory after the scratch; > 0 only with
 //              tpr == blockDim.x
 //   loss, lse  [rows] or null
-//   gx         [rows, cols] at r * g_rs (may be x), or null
+//   gx         [rows, cols] of G at r * g_rs (may be x when G is T), or null
 //   gt         [rows, cols] contiguous, or null
 //   value      [1] or null;  partials: [2, gridDim.x] when value and gridDim.x > 1
 //   sync       [gridDim.x / k] zeroed counters when k > 1 (cooperative launches only)
 //   exchange   [gridDim.x / k, 2, k, ROW_FIELDS] when k > 1 (cooperative launches only)
-#define CUPYLOSS_ROWS_PARAMS(T)                                                                \
+#define CUPYLOSS_ROWS_PARAMS(T, G)                                                             \
     const T* x, const void* tgt, const T* __restrict__ weight, const T* __restrict__ go,       \
     const acc_t<T>* __restrict__ denom, const long long rows, const long long cols,            \
     const long long x_rs, const long long t_rs, const long long go_rs, const long long g_rs,   \
     const long long flags, const long long ignore_index, const double smoothing,               \
     const double zscale, const double softcap, const double go_value, const double grad_scale, \
     const long long tpr, const long long k, const long long stash, T* __restrict__ loss,       \
-    acc_t<T>* __restrict__ lse, T* gx, T* __restrict__ gt, T* __restrict__ value,              \
+    acc_t<T>* __restrict__ lse, G* gx, T* __restrict__ gt, T* __restrict__ value,              \
     acc_t<T>* __restrict__ partials, unsigned int* __restrict__ ticket, const double divisor,  \
     unsigned int* __restrict__ sync, acc_t<T>* __restrict__ exchange
 #define CUPYLOSS_ROWS_ARGS                                                                     \
@@ -498,9 +501,11 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
 
 // The body of every cross_entropy_rows kernel.  KC > 1: a thread block cluster of KC blocks
 // takes each row (sm_90 and later), exchanging the row states through distributed shared memory
-// instead of global memory and a counter.
-template <typename T, int MODE, int KC>
-__device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
+// instead of global memory and a counter.  G: the gradient's type, T's, or a 16-bit type for
+// float32 logits whose gradient is wanted rounded (the fused linear loss: one pass writes what
+// a second would otherwise read back and round).
+template <typename T, int MODE, int KC, typename G>
+__device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     using A = acc_t<T>;
     constexpr bool PLAIN = MODE == MODE_FORWARD || MODE == MODE_GRAD;  // no per-class terms
     constexpr int VEC = 16 / sizeof(T);
@@ -638,21 +643,22 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
         if (!want_g || !active) continue;
 
         o.g = go_rows ? to_acc(go[r * go_rs]) * A(grad_scale) : g_all;
-        T* gr = gx != nullptr ? gx + r * g_rs : nullptr;
+        G* gr = gx != nullptr ? gx + r * g_rs : nullptr;
         T* gtr = gt != nullptr ? gt + r * cols : nullptr;
-        const bool g_vec = gr != nullptr && aligned16(gr + h);
+        const bool g_vec = gr != nullptr &&
+            (reinterpret_cast<unsigned long long>(gr + h) & (sizeof(Vec<G, VEC>) - 1)) == 0;
         if (ra.nll || rt.ignored) {
             // No softmax: 0 everywhere (NaN for an out-of-range nll target), -w_y g at y.
             const A fill = rt.oor ? quiet_nan(A(0)) : A(0);
             const A at_y = rt.ignored ? A(0) : -rt.wy * o.g;
-            if (has_head) gr[lane] = from_acc<T>(lane == rt.y ? at_y : fill);
-            if (has_tail) gr[c_tail] = from_acc<T>(c_tail == rt.y ? at_y : fill);
+            if (has_head) gr[lane] = from_acc<G>(lane == rt.y ? at_y : fill);
+            if (has_tail) gr[c_tail] = from_acc<G>(c_tail == rt.y ? at_y : fill);
             for (int j = v0 + lane; j < v1; j += t) {
                 const int c0 = h + j * VEC;
                 A gi[VEC];
                 #pragma unroll
                 for (int e = 0; e < VEC; ++e) gi[e] = c0 + e == rt.y ? at_y : fill;
-                store_any<T, VEC>(gr + c0, gi, g_vec);
+                store_any<G, VEC>(gr + c0, gi, g_vec);
             }
             continue;
         }
@@ -665,7 +671,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
             const A w = weight != nullptr && ra.track ? to_acc(weight[c]) : A(1);
             const A tv = ra.prob ? to_acc(tr[c]) : A(0);
             if (gr != nullptr)
-                gr[c] = from_acc<T>(grad_input(fexp(z - o.lse), z, c == rt.y, tv, w, o, rt, ra));
+                gr[c] = from_acc<G>(grad_input(fexp(z - o.lse), z, c == rt.y, tv, w, o, rt, ra));
             if (gtr != nullptr) gtr[c] = from_acc<T>(grad_target(z, w, o, ra));
         }
         // The gradient's loop holds most of the kernel's instructions, which bound it with 16-bit
@@ -728,7 +734,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
                                            w, o, rt, ra);
                     }
                 }
-                if (gr != nullptr) store_any<T, VEC>(gr + c0, gi, g_vec);
+                if (gr != nullptr) store_any<G, VEC>(gr + c0, gi, g_vec);
                 if ((MODE == MODE_GENERAL || MODE == MODE_PROB) && gtr != nullptr) {
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
@@ -753,18 +759,18 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T)) {
     (MODE == MODE_FORWARD || MODE == MODE_NLL ? 4 : MODE == MODE_GRAD ? 3 : 2)
 
 // Rows of one block, of a team within a block, or of k blocks of a cooperative launch.
-template <typename T, int MODE>
+template <typename T, int MODE, typename G = T>
 __global__ void __launch_bounds__(256, CUPYLOSS_ROWS_BLOCKS(MODE))
-cross_entropy_rows(CUPYLOSS_ROWS_PARAMS(T)) {
-    rows_body<T, MODE, 1>(CUPYLOSS_ROWS_ARGS);
+cross_entropy_rows(CUPYLOSS_ROWS_PARAMS(T, G)) {
+    rows_body<T, MODE, 1, G>(CUPYLOSS_ROWS_ARGS);
 }
 
 // Rows of KC blocks of one thread block cluster (KC == k; compiled on every architecture, run
 // only where clusters exist: the host asks for it on sm_90 and later).
-template <typename T, int MODE, int KC>
+template <typename T, int MODE, int KC, typename G = T>
 __global__ void __launch_bounds__(256, CUPYLOSS_ROWS_BLOCKS(MODE)) CUPYLOSS_CLUSTER_DIMS(KC)
-cross_entropy_rows_cluster(CUPYLOSS_ROWS_PARAMS(T)) {
-    rows_body<T, MODE, KC>(CUPYLOSS_ROWS_ARGS);
+cross_entropy_rows_cluster(CUPYLOSS_ROWS_PARAMS(T, G)) {
+    rows_body<T, MODE, KC, G>(CUPYLOSS_ROWS_ARGS);
 }
 
 // Any strides: row r = (n, d) of an input viewed as [N, C, inner]; a thread per row, classes
@@ -893,6 +899,83 @@ __global__ void __launch_bounds__(256) class_weight_sum(
     A* const outs[1] = {out};
     const double div[1] = {1.0};
     grid_sum_out<A, 1>(v, outs, div, partials, ticket, blockIdx.x, gridDim.x);
+}
+
+// The gradient of cross entropy over a slice of each row's classes, from the row's logsumexp found
+// before (the fused linear loss's low-memory plan forms each vocabulary slice of the logits again,
+// after a first pass has found every row's lse).  The row's factors come without its other
+// classes: for class-index targets
+//   k = (1 - eps) w_y + (eps / C) sum_c w_c,   dz = 2 zs lse,   p_c = exp(z_c - lse)
+// (finalize's, with sum_c w_c given: C without class weights), and grad_input gives each class
+// what cross_entropy_rows writes for it.  An ignored row's slice is 0; a target outside [0, C)
+// makes its row NaN, as there.  A thread takes VEC consecutive classes of one row at a time, the
+// rows in a grid-stride loop over blockIdx.y.
+// The parameters, one 64-bit word each, in this order:
+//   x          [rows, cols] logits of the slice's classes c0 .. c0 + cols - 1, row r at r * x_rs
+//   tgt        int32/int64 [rows]
+//   weight     [classes] class weights, or null
+//   wsum       [1] sum_c w_c (label smoothing with class weights), or null
+//   lse        [rows] each row's logsumexp over all its classes
+//   go         [rows] (ROW_GO_ROWS) or [1] (ROW_GO_DEVICE) upstream gradients, or unused
+//   rows, cols, c0, classes, x_rs, g_rs, flags, ignore_index, smoothing, zscale, softcap,
+//   go_value, grad_scale
+//   gx         [rows, cols] of G, row r at r * g_rs
+template <typename T, typename G>
+__global__ void __launch_bounds__(256) cross_entropy_slice_grad(
+        const T* __restrict__ x, const void* tgt, const T* __restrict__ weight,
+        const acc_t<T>* __restrict__ wsum, const acc_t<T>* __restrict__ lse,
+        const T* __restrict__ go, const long long rows, const long long cols, const long long c0,
+        const long long classes, const long long x_rs, const long long g_rs,
+        const long long flags, const long long ignore_index, const double smoothing,
+        const double zscale, const double softcap, const double go_value,
+        const double grad_scale, G* __restrict__ gx) {
+    using A = acc_t<T>;
+    constexpr int VEC = 16 / sizeof(T);
+    const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, classes);
+    const bool go_rows = (flags & ROW_GO_ROWS) != 0;
+    const A g_all = go_rows ? A(0)
+        : ((flags & ROW_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+    const A w_sum = ra.smooth ? (wsum != nullptr ? wsum[0] : A(classes)) : A(0);
+    const long long c = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (c >= cols) return;  // no barriers below
+    const int n = (int)min((long long)VEC, cols - c);
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        const RowTarget<A> rt = row_target<T, A>(tgt, r, weight, ra);
+        const T* xr = x + r * x_rs + c;
+        G* gr = gx + r * g_rs + c;
+        A gi[VEC];
+        if (rt.ignored) {
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) gi[e] = A(0);
+        } else {
+            RowResult<A> o;
+            o.lse = lse[r];
+            o.g = go_rows ? to_acc(go[r]) * A(grad_scale) : g_all;
+            o.dz = ra.zloss ? A(2) * ra.zs * o.lse : A(0);
+            o.k = ra.one_minus_eps * rt.wy;
+            if (ra.smooth) o.k += ra.eps_c * w_sum;
+            Vec<T, VEC> xv;
+            if (n == VEC && aligned16(xr)) {
+                xv = load16<T, VEC>(xr, false);
+            } else {
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) xv.v[e] = e < n ? xr[e] : T(0);
+            }
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const long long cls = c0 + c + e;
+                const A z = zval(xv.v[e], ra);
+                const A w = weight != nullptr && ra.smooth ? to_acc(weight[cls]) : A(1);
+                gi[e] = grad_input(fexp(z - o.lse), z, cls == rt.y, A(0), w, o, rt, ra);
+            }
+        }
+        if (n == VEC &&
+            (reinterpret_cast<unsigned long long>(gr) & (sizeof(Vec<G, VEC>) - 1)) == 0) {
+            store_any<G, VEC>(gr, gi, true);
+        } else {
+            for (int e = 0; e < n; ++e) gr[e] = from_acc<G>(gi[e]);
+        }
+    }
 }
 
 }  // namespace cupyloss

@@ -240,7 +240,7 @@ def _host_words(name: str):
                "rowclass_rows": _rowclass.ROWS, "rowclass_count": _rowclass.COUNT,
                "cross_entropy_rows_cluster": _rowwise.ROWS,
                "rowpair_rows": _rowpair.LAYOUT, "rowpair_finish": _rowpair.FINISH_LAYOUT,
-               "narrow": linear.NARROW}
+               "narrow": linear.NARROW, "cross_entropy_slice_grad": _rowwise.SLICE}
     if kernel in layouts:
         return layouts[kernel].size
     if kernel.startswith("pointwise_"):

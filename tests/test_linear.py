@@ -47,11 +47,45 @@ def test_check_refuses(kwargs, error, match):
         _check(**kwargs)
 
 
-def test_plan_keeps_dz():
-    assert linear.plan_keeps_dz(8192, 128256, 2)                 # 2 GiB of dZ in 2.5 GiB
-    assert not linear.plan_keeps_dz(16384, 128256, 2)            # 4 GiB of dZ
-    assert not linear.plan_keeps_dz(8192, 128256, 4, 1 << 40)    # float32: dZ is the logits
-    assert not linear.plan_keeps_dz(100, 1000, 2, 100 * 1000 * 2 + 127 * 1000 * 4)
+V, H = 128256, 4096
+GIB = 1 << 30
+KEEP_8K = 8192 * V * 2                  # every row's bfloat16 dZ at 8192 rows
+SUM = V * H * 4                         # a float32 V x H weight-gradient sum
+
+
+@pytest.mark.parametrize("args, want", [
+    # 2.5 GiB: dZ (1.96 GiB) kept, the rest holds 1136 rows of float32 logits -> 1024
+    ((8192, V, H, 2, 2560 << 20), linear.Plan("keep", 1024, bytes=KEEP_8K + 1024 * V * 4)),
+    # 16384 rows: dZ (3.9 GiB) does not fit, the float32 sum and 757 rows of (4 + 2)-byte
+    # logits do -> 640
+    ((16384, V, H, 2, 2560 << 20), linear.Plan("sum", 640, bytes=SUM + 640 * V * 6)),
+    # 256 MiB: neither; 348 rows -> 256, slices of 268435456 // (8192 x 6) = 5461 -> 5376
+    # classes over all rows
+    ((8192, V, H, 2, 256 << 20), linear.Plan("slices", 256, 5376, 8192, 8192 * 5376 * 6)),
+    # 10^6 bytes over 100000 rows of 1000 classes (a float32 sum and 128 rows: 1024000 bytes):
+    # 166 rows -> 128, 128-class slices in tiles of rows beside a float32 sum of a slice's dW
+    # (128 x 64 x 4 bytes): (10^6 - 32768) // (128 x 6) = 1259 -> 1152
+    ((100000, 1000, 64, 2, 10**6), linear.Plan("slices", 128, 128, 1152,
+                                                 32768 + 1152 * 128 * 6)),
+    # float32: the weight's gradient sums into the result; 1 GiB holds 2093 rows -> the 1024 cap
+    ((8192, V, H, 4, GIB), linear.Plan("sum", 1024, bytes=1024 * V * 4)),
+    ((8192, V, H, 8, GIB), linear.Plan("sum", 1024, bytes=1024 * V * 8)),
+    # no weight gradient: chunks alone, 1 GiB / (V x 6) = 1395 -> the cap
+    ((8192, V, H, 2, GIB, False), linear.Plan("sum", 1024, bytes=1024 * V * 6)),
+    ((100, V, H, 2, None), linear.Plan("keep", 100, bytes=100 * V * 2 + 100 * V * 4)),
+    ((8192, 1000, 64, 4, 127 * 4000), linear.Plan("sum", 127, bytes=127 * 4000)),  # < 128 rows
+    ((8192, 1000, 64, 4, 1), linear.Plan("sum", 1, bytes=4000)),                    # at least 1
+])
+def test_plan(args, want):
+    assert linear.plan(*args) == want
+
+
+def test_plan_stays_within_its_budget():
+    for n, v, h in ((8192, V, H), (16384, V, H), (300, 1000, 64), (100000, 1000, 64)):
+        for budget in (1 << 20, 64 << 20, 256 << 20, GIB, 2 * GIB, 3 * GIB, 6 * GIB):
+            p = linear.plan(n, v, h, 2, budget)
+            if p.rows >= 128 and (p.kind != "slices" or p.tile >= 128):
+                assert p.bytes <= budget, (n, v, h, budget, p)
 
 
 def test_wrt_names():
@@ -59,19 +93,6 @@ def test_wrt_names():
     assert linear._names("bias") == (("bias",), True)
     with pytest.raises(ValueError, match="wrt names"):
         linear._names(("input",))
-
-
-@pytest.mark.parametrize("n, classes, itemsize, budget, rows", [
-    (8192, 128256, 2, 1 << 30, 1280),       # 1 GiB / (128256 x 6 bytes) = 1395 -> 1280
-    (8192, 128256, 2, None, 3456),          # the default 2.5 GiB: 3488 -> 3456
-    (8192, 128256, 4, 1 << 30, 2048),       # float32: no 16-bit copy, 4 bytes a logit
-    (8192, 128256, 8, 1 << 30, 1024 - 1024 % 128),
-    (100, 128256, 2, 1 << 30, 100),         # at most n
-    (8192, 128256, 2, 1, 1),                # at least one row
-    (8192, 1000, 2, 127 * 6000, 127),       # under 128: not rounded
-])
-def test_chunk_rows(n, classes, itemsize, budget, rows):
-    assert linear.chunk_rows(n, classes, itemsize, budget) == rows
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -13,9 +13,16 @@ from gpu_util import BFLOAT16
 pytestmark = pytest.mark.gpu
 
 N, H, V = 300, 64, 1000
-# Small budgets so that a call runs several chunks (chunk_rows: 1, 13 and 128-row chunks).
-# The largest keeps every row's 16-bit dZ (plan_keeps_dz) with 13-row chunks of logits.
-BUDGETS = (None, 13 * V * 6, 1, N * V * 2 + 13 * V * 4 + 128 * V * 4)
+# Budgets that give every plan (cupyloss.linear.plan) with several chunks, slices and tiles;
+# 16-bit inputs take the named plan, float32 ones sum in place in chunks of the rows it names.
+BUDGETS = {
+    "default": None,                                   # keep, one chunk
+    "keep-128rows": N * V * 2 + 128 * V * 4,           # keep, 128-row chunks
+    "sum-128rows": V * H * 4 + 128 * V * 6,            # a float32 dW sum, 128-row chunks
+    "slices": 240_000,                                 # 40-row chunks; 128-class slices of all rows
+    "slices-tiles": 13 * V * 6,                        # 13-row chunks; slices in 58-row tiles
+    "1byte": 1,                                        # 1-row chunks; slices in 1-row tiles
+}
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BFLOAT16] if BFLOAT16 else [])
 # Largest |error| / largest |reference|: the logits and loss are float32 sums of exact products;
 # a 16-bit gradient rounds dZ to the dtype (as torch's autograd does) and then itself.
@@ -63,7 +70,7 @@ OPTIONS = [
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
 @pytest.mark.parametrize("extras", [(False, False), (True, True)], ids=["-", "bias+weight"])
-@pytest.mark.parametrize("budget", BUDGETS, ids=["default", "13rows", "1row", "keep-dz"])
+@pytest.mark.parametrize("budget", BUDGETS.values(), ids=BUDGETS.keys())
 def test_value_and_grad_against_float64(dtype, reduction, opts, extras, budget):
     import cupy
 
@@ -93,6 +100,85 @@ def test_value_and_grad_against_float64(dtype, reduction, opts, extras, budget):
                                                   max_workspace_bytes=budget, wrt=wrt, **opts)
     for g, h in zip(grads, back):
         assert cupy.array_equal(g, h)
+
+
+def test_budgets_give_the_plans_they_name():
+    from cupyloss import linear
+
+    for name, budget in BUDGETS.items():
+        p = linear.plan(N, V, H, 2, budget)
+        assert p.kind == name.split("-")[0] if name not in ("default", "1byte") else True
+    assert linear.plan(N, V, H, 2, BUDGETS["slices"]).tile == N
+    assert linear.plan(N, V, H, 2, BUDGETS["slices-tiles"]).tile == 58
+    assert linear.plan(N, V, H, 2, 1) == linear.Plan("slices", 1, 128, 1, 128 * H * 4 + 128 * 6)
+
+
+@pytest.mark.parametrize("gtype", [t for t in DTYPES if t.itemsize == 2], ids=str)
+@pytest.mark.parametrize("opts", OPTIONS + [{"label_smoothing": 0.2, "weight": True}],
+                         ids=lambda o: ",".join(o) or "plain")
+def test_row_kernel_rounds_its_gradient_as_a_second_pass_would(gtype, opts):
+    """cross_entropy_rows<float, mode, G> stores what the float32 gradient rounded to G is."""
+    import cupy
+
+    import cupyloss
+    from cupyloss import _rowwise
+
+    rng = np.random.default_rng(5)
+    rows, cols = 37, 70_000          # a row over a cluster of blocks, an odd class count
+    z = cupy.asarray(rng.standard_normal((rows, cols)) * 3, np.float32)
+    t = cupy.asarray(rng.integers(0, cols, rows))
+    t[::6] = -100
+    opts = dict(opts)
+    weight = cupy.asarray(rng.random(cols) + 0.5, np.float32) if opts.pop("weight", 0) else None
+    g = cupy.asarray(0.37, np.float32)
+    want = cupyloss.cross_entropy_backward(g, z, t, weight, reduction="sum", **opts)
+    got = cupy.empty((rows, cols), gtype)
+    _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], z, t, weight, reduction="sum",
+                      want_value=False, wrt=("input",), grad_output=g, grad_into=got, **opts)
+    assert cupy.array_equal(got.view(np.uint16), want.astype(gtype).view(np.uint16))
+
+
+@pytest.mark.parametrize("opts", OPTIONS + [{"label_smoothing": 0.2, "weight": True}],
+                         ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("go", ["host", "device", "rows"])
+def test_slice_gradient_matches_the_row_kernel(opts, go):
+    """cross_entropy_slice_grad over slices of the classes, from the rows kernel's lse, gives
+    the rows kernel's gradient (up to the order of a z-loss term's fused multiply-add)."""
+    import cupy
+
+    import cupyloss
+    from cupyloss import _rowwise
+
+    rng = np.random.default_rng(6)
+    rows, cols = 45, 3001
+    z = cupy.asarray(rng.standard_normal((rows, cols)) * 3, np.float32)
+    t = cupy.asarray(rng.integers(0, cols, rows), np.int32)
+    t[::6] = -100
+    t[7] = cols + 3                                    # out of range: a NaN row
+    opts = dict(opts)
+    weight = cupy.asarray(rng.random(cols) + 0.5, np.float32) if opts.pop("weight", 0) else None
+    reduction = "none" if go == "rows" else "sum"
+    g = {"host": 0.37, "device": cupy.asarray(0.37, np.float32),
+         "rows": cupy.asarray(rng.standard_normal(rows), np.float32)}[go]
+    _, want, lse = cupyloss.cross_entropy_value_and_grad(z, t, weight, reduction=reduction,
+                                                         grad_output=g, return_lse=True, **opts)
+    got = cupy.full((rows, cols), np.nan, np.float32)
+    wsum = weight.sum() if weight is not None else None
+    for c0 in range(0, cols, 1024):
+        c1 = min(cols, c0 + 1024)
+        sl = cupy.ascontiguousarray(z[:, c0:c1])
+        out = cupy.empty_like(sl)
+        _rowwise.slice_grad(sl, t, lse, out, c0, cols, weight, wsum, g,
+                            ignore_index=-100, label_smoothing=opts.get("label_smoothing", 0.0),
+                            lse_square_scale=opts.get("lse_square_scale", 0.0),
+                            softcap=opts.get("softcap", 0.0),
+                            stream=cupy.cuda.get_current_stream().ptr, device=0)
+        got[:, c0:c1] = out
+    got, want = cupy.asnumpy(got), cupy.asnumpy(want)
+    assert np.isnan(got[7]).all() and np.isnan(want[7]).all()
+    assert not got[6].any()                            # an ignored row
+    keep = np.arange(rows) != 7
+    np.testing.assert_allclose(got[keep], want[keep], rtol=4e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
