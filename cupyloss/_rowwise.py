@@ -352,12 +352,13 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
                 into is not None, scratch, size, counters, ticket)
 
 
-def _make_plan(*args) -> Plan:
-    """Build the plan of a call on its device (kernels are loaded per device)."""
+def _make_plan(*args, into=None) -> Plan:
+    """Build the plan of a call on its device (the last argument: kernels are loaded per
+    device)."""
     import cupy
 
     with cupy.cuda.Device(args[-1]):
-        return _build(*args)
+        return _build(*args, into=into)
 
 
 # --- running -----------------------------------------------------------------------------------------
@@ -552,7 +553,7 @@ def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, 
     plan = _PLANS[key] = _make_plan(spec, reduction, is_index, options, want_value, want_gx,
                                     want_gt, want_lse, inplace, go_kind, go_strides, x.shape,
                                     x.strides, t.shape, t.strides, t.dtype, w is not None, dtype,
-                                    device, into)
+                                    device, into=into)
     return plan
 
 
@@ -595,7 +596,7 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
         plan = _make_plan(spec, reduction, is_index, options, want_value, want_gx, want_gt,
                           want_lse, inplace, go_kind, go_strides, x.shape, x.strides, t.shape,
                           t.strides, t.dtype, w is not None, x.dtype, device,
-                          None if into is None else (into.dtype, into.strides))
+                          into=None if into is None else (into.dtype, into.strides))
         result = _run(plan, frame, x, t, w, go, go_value, stream, into)
         del x_copy
         return result
