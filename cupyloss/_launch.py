@@ -221,12 +221,10 @@ def flat_launch(n: int, vec: int, limits: DeviceLimits,
     return Launch((grid,), (BLOCK,), 0)
 
 
-def slice_launch(rows: int, cols: int, vec: int, limits: DeviceLimits) -> Launch:
-    """Launch of rowwise.cu's cross_entropy_slice_grad over [rows, cols]: a thread a vector of
-    one row, blockIdx.x across a row's vectors, blockIdx.y down the rows (a grid-stride loop
-    past the device's grid height)."""
-    return Launch((max(1, _cdiv(_cdiv(cols, vec), BLOCK)), max(1, min(rows, limits.max_grid_y))),
-                  (BLOCK,), 0)
+def slice_launch(rows: int, limits: DeviceLimits) -> Launch:
+    """Launch of rowwise.cu's cross_entropy_slice_grad over `rows` rows: a block a row at a time,
+    one wave of BLOCKS_PER_SM blocks an SM at most (the rows in a grid-stride loop)."""
+    return Launch((max(1, min(rows, limits.sm_count * BLOCKS_PER_SM)),), (BLOCK,), 0)
 
 
 ROW_SUM_BYTES = 8   # pointwise_rows sums a row gradient across its lanes in double

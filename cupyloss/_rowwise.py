@@ -623,7 +623,7 @@ def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, i
     info = _dtypes.DTYPES[x.dtype]
     name = _source.rowwise_name("cross_entropy_slice_grad", info.ctype,
                                 gtype=_dtypes.DTYPES[out.dtype].ctype)
-    cfg = _launch.slice_launch(rows, cols, 16 // x.dtype.itemsize, _launch.device_limits(device))
+    cfg = _launch.slice_launch(rows, _launch.device_limits(device))
     words = SLICE.template({
         "x": x.data.ptr, "t": target.data.ptr, "w": 0 if weight is None else weight.data.ptr,
         "wsum": 0 if wsum is None else wsum.data.ptr, "lse": lse.data.ptr, "go": go_ptr,

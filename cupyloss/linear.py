@@ -86,9 +86,10 @@ class Plan:
     bytes: int = 0
 
 
-def _fit(budget: int, per_row: int, n: int, most: int = CHUNK_ROWS_MAX) -> int:
+def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
     """As many rows of `per_row` bytes as `budget` holds, a multiple of TILE where that leaves at
-    least TILE, at least 1, at most min(n, most)."""
+    least TILE, at least 1, at most min(n, most) (most: CHUNK_ROWS_MAX unless given)."""
+    most = CHUNK_ROWS_MAX if most is None else most
     rows = max(1, budget // max(per_row, 1))
     if rows >= TILE:
         rows -= rows % TILE

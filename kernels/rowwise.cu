@@ -908,8 +908,8 @@ __global__ void __launch_bounds__(256) class_weight_sum(
 //   k = (1 - eps) w_y + (eps / C) sum_c w_c,   dz = 2 zs lse,   p_c = exp(z_c - lse)
 // (finalize's, with sum_c w_c given: C without class weights), and grad_input gives each class
 // what cross_entropy_rows writes for it.  An ignored row's slice is 0; a target outside [0, C)
-// makes its row NaN, as there.  A thread takes VEC consecutive classes of one row at a time, the
-// rows in a grid-stride loop over blockIdx.y.
+// makes its row NaN, as there.  A block takes a row at a time (rows in a grid-stride loop), its
+// threads VEC consecutive classes at a time across the row.
 // The parameters, one 64-bit word each, in this order:
 //   x          [rows, cols] logits of the slice's classes c0 .. c0 + cols - 1, row r at r * x_rs
 //   tgt        int32/int64 [rows]
@@ -936,44 +936,48 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
     const A g_all = go_rows ? A(0)
         : ((flags & ROW_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
     const A w_sum = ra.smooth ? (wsum != nullptr ? wsum[0] : A(classes)) : A(0);
-    const long long c = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (c >= cols) return;  // no barriers below
-    const int n = (int)min((long long)VEC, cols - c);
-    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const RowTarget<A> rt = row_target<T, A>(tgt, r, weight, ra);
-        const T* xr = x + r * x_rs + c;
-        G* gr = gx + r * g_rs + c;
-        A gi[VEC];
-        if (rt.ignored) {
-            #pragma unroll
-            for (int e = 0; e < VEC; ++e) gi[e] = A(0);
-        } else {
-            RowResult<A> o;
-            o.lse = lse[r];
-            o.g = go_rows ? to_acc(go[r]) * A(grad_scale) : g_all;
-            o.dz = ra.zloss ? A(2) * ra.zs * o.lse : A(0);
-            o.k = ra.one_minus_eps * rt.wy;
-            if (ra.smooth) o.k += ra.eps_c * w_sum;
-            Vec<T, VEC> xv;
-            if (n == VEC && aligned16(xr)) {
-                xv = load16<T, VEC>(xr, false);
-            } else {
+        RowResult<A> o;
+        o.lse = lse[r];
+        o.g = go_rows ? to_acc(go[r]) * A(grad_scale) : g_all;
+        o.dz = ra.zloss ? A(2) * ra.zs * o.lse : A(0);
+        o.k = ra.one_minus_eps * rt.wy;
+        if (ra.smooth) o.k += ra.eps_c * w_sum;
+        const T* xr = x + r * x_rs;
+        G* gr = gx + r * g_rs;
+        const bool x_vec = aligned16(xr);
+        const bool g_vec =
+            (reinterpret_cast<unsigned long long>(gr) & (sizeof(Vec<G, VEC>) - 1)) == 0;
+        const long long step = (long long)blockDim.x * VEC;
+        for (long long c = (long long)threadIdx.x * VEC; c < cols; c += step) {
+            const int n = (int)min((long long)VEC, cols - c);
+            A gi[VEC];
+            if (rt.ignored) {
                 #pragma unroll
-                for (int e = 0; e < VEC; ++e) xv.v[e] = e < n ? xr[e] : T(0);
+                for (int e = 0; e < VEC; ++e) gi[e] = A(0);
+            } else {
+                Vec<T, VEC> xv;
+                if (n == VEC && x_vec) {
+                    xv = load16<T, VEC>(xr + c, false);
+                } else {
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) xv.v[e] = e < n ? xr[c + e] : T(0);
+                }
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const long long cls = c0 + c + e;
+                    const A z = zval(xv.v[e], ra);
+                    const A w = weight != nullptr && ra.smooth && e < n ? to_acc(weight[cls])
+                                                                        : A(1);
+                    gi[e] = grad_input(fexp(z - o.lse), z, cls == rt.y, A(0), w, o, rt, ra);
+                }
             }
-            #pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const long long cls = c0 + c + e;
-                const A z = zval(xv.v[e], ra);
-                const A w = weight != nullptr && ra.smooth ? to_acc(weight[cls]) : A(1);
-                gi[e] = grad_input(fexp(z - o.lse), z, cls == rt.y, A(0), w, o, rt, ra);
+            if (n == VEC && g_vec) {
+                store_any<G, VEC>(gr + c, gi, true);
+            } else {
+                for (int e = 0; e < n; ++e) gr[c + e] = from_acc<G>(gi[e]);
             }
-        }
-        if (n == VEC &&
-            (reinterpret_cast<unsigned long long>(gr) & (sizeof(Vec<G, VEC>) - 1)) == 0) {
-            store_any<G, VEC>(gr, gi, true);
-        } else {
-            for (int e = 0; e < n; ++e) gr[e] = from_acc<G>(gi[e]);
         }
     }
 }

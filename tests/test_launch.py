@@ -974,3 +974,9 @@ def test_kernel_constants_match_the_launcher():
     for file, const, value, name in pairs:
         assert getattr(_launch, name) == value, (
             f"{file}: {const} = {value}, but _launch.{name} = {getattr(_launch, name)}")
+
+
+@pytest.mark.parametrize("rows, grid", [(1, 1), (45, 45), (8192, 132 * 8), (0, 1)])
+def test_slice_launch_is_a_block_a_row_within_one_wave(rows, grid):
+    cfg = _launch.slice_launch(rows, H100)
+    assert cfg.grid == (grid,) and cfg.block == (_launch.BLOCK,) and cfg.shared == 0
