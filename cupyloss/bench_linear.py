@@ -1,6 +1,6 @@
 """Benchmark the LLM head's loss: fused linear cross entropy against what users pick instead.
 
-    python -m cupyloss.bench_linear [--rows 8192,16384] [--budgets 256,512,1024,2048,4096]
+    python -m cupyloss.bench_linear [--rows 8192,16384] [--budgets 256,1024,2560,4608]
                                     [--reps 10] [--json out.json] [--plot linear.png]
 
 Hidden (BT, 4096) bfloat16, weight (128256, 4096) bfloat16 (an nn.Linear's), int64 targets with
@@ -109,7 +109,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_linear",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="8192,16384", help="BT values, comma-separated")
-    ap.add_argument("--budgets", default="256,512,1024,2048,4096",
+    ap.add_argument("--budgets", default="256,1024,2560,4608",
                     help="cupyloss workspace budgets in MiB, comma-separated")
     ap.add_argument("--only", default=None,
                     help="comma-separated names of the candidates to run (default: all)")

@@ -46,12 +46,10 @@ from cupyloss._types import Array
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
            "linear_cross_entropy_value_and_grad", "plan", "Plan", "DEFAULT_WORKSPACE_BYTES"]
 
-# The workspace a call may use by default: at 8192 x 4096 bfloat16 hidden states and 128256
-# classes it keeps every row's dZ (2 GiB) with 1024-row chunks of logits, the fastest budget
-# measured there (bench_linear, H100, forward + backward, ms / peak GiB above the inputs: 1 GiB
-# 48.1 / 3.9, 2.5 GiB 41.0 / 3.5, 4 GiB 42.1 / 5.0, 6 GiB 41.1 / 6.9); larger batches take
-# chunks within it.
-DEFAULT_WORKSPACE_BYTES = 2560 << 20
+# The workspace a call may use by default: enough to keep every row's bfloat16 dZ at 16384 x
+# 128256 (3.9 GiB) beside 1024-row chunks, the fastest plan there (bench_linear, H100, the rows
+# in benchmarks/results/linear-h100.json: 16384 rows 81.2 ms kept, 110.3 ms with a float32 sum).
+DEFAULT_WORKSPACE_BYTES = 4608 << 20
 
 _REDUCTIONS = ("none", "mean", "sum")
 # scale.cu's narrow<T>(src, out, n).
@@ -525,8 +523,8 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
       class_weight: None or (V,) of hidden's dtype (cross_entropy's `weight`).
       ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as for
         cupyloss.cross_entropy (class-index targets only).
-      max_workspace_bytes: bytes of chunk logits a call may hold (default
-        DEFAULT_WORKSPACE_BYTES); the chunk rows follow from it (chunk_rows).
+      max_workspace_bytes: bytes a call may hold besides its results (default
+        DEFAULT_WORKSPACE_BYTES); the plan, chunk rows and class slices follow from it (plan).
 
     Returns:
       The loss: 0-d for 'mean'/'sum', else hidden's shape without its last dim; float32
@@ -554,7 +552,8 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
 
       ``d/dhidden = dZ W``,   ``d/dweight = dZ^T X``,   ``d/dbias = sum_rows dZ``
 
-    the last two summed over the chunks in float32 and rounded once.
+    the last two accumulated in float32 over every row and rounded once (the plans in the
+    module docstring).
 
     Args:
       grad_output: Python number, 0-d array, or for 'none' an array of the loss's shape.

@@ -1029,7 +1029,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
       hidden: (..., H); weight: (V, H) (an nn.Linear's); target: class indices shaped like
         hidden without its last dim; bias: None or (V,); class_weight: None or (V,).
       ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as for cross_entropy.
-      max_workspace_bytes: bytes of chunk logits a call may hold (cupyloss.linear.chunk_rows).
+      max_workspace_bytes: bytes a call may hold besides its results (cupyloss.linear.plan).
 
     Returns:
       The loss, 0-d for 'mean'/'sum', else target's shape.
