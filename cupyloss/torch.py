@@ -21,10 +21,11 @@ RuntimeWarning and its reason in ``cupyloss.torch.SKIPPED``.  For each loss ``f`
   a module class            named as torch names it (``MSELoss``, ``KLDivLoss``); for a loss
                             torch lacks, the CamelCase of its name with "Loss" appended
                             (hinge_loss -> ``HingeLoss``).
-  ``torch.ops.cupyloss.f``  the forward op and ``torch.ops.cupyloss.f_backward`` the backward op,
-                            made with torch.library.custom_op, with register_autograd and
-                            register_fake: torch.compile(fullgraph=True) traces through the loss
-                            without a graph break and torch.library.opcheck passes.
+  ``torch.ops.cupyloss.f``  the forward op (-> loss, token) and ``torch.ops.cupyloss.f_backward``
+                            the backward op (grad_output, token, the forward's arguments ->
+                            gradients), made with torch.library.custom_op, with register_autograd
+                            and register_fake: torch.compile(fullgraph=True) traces through the
+                            loss without a graph break and torch.library.opcheck passes.
 
 Which path the gradients take (the upstream gradient g is what backward receives):
 
@@ -53,11 +54,12 @@ Eager calls run through a torch.autograd.Function that calls the same kernels an
 backward formula as the ops: custom_op's Python layers (an autograd.Function of its own, a
 redispatch, argument normalisation) cost more host time than a small loss's kernels.  Anything
 that traces (torch.compile, torch.export, opcheck, fake or functional tensors) goes through the
-ops.  Under torch.compile the first backward multiplies the saved gradients by g out of place
-instead of in place (AOTAutograd does not let a backward mutate a forward output, and a compiled
-graph may run its backward more than once); torch.compile fuses that product with its
-neighbours.  A direct call of ``torch.ops.cupyloss.f`` gets the product out of place too: the
-gradients are then outputs of the op, which its caller holds.  create_graph=True gives
+ops, with the same paths: the forward op returns the loss and a one-byte token, and holds the
+gradients it formed for that token (not as outputs: a compiled backward could only scale a
+forward output into a second buffer); the backward op takes them and scales them in place (or
+forms them, when the token holds none or a retained graph's first backward took them), so a
+compiled training step holds one gradient buffer and touches it only when g != 1, as eager
+does.  Held gradients are dropped with their token.  create_graph=True gives
 first-order gradients through the rerun path, but differentiating them again raises: the
 backward ops have no derivatives of their own.  torch.func transforms (grad, vmap) are refused
 with NotImplementedError.
@@ -97,6 +99,7 @@ import inspect
 import sys
 import textwrap
 import warnings
+import weakref
 
 try:
     import torch
@@ -403,28 +406,71 @@ def _split_inputs(loss: _Loss, inputs):
     return inputs[:n], inputs[n], options, inputs[n + 1 + k:]
 
 
+# Gradients a forward op formed for its backward op, held here instead of returned.  A returned
+# gradient is an output of the forward graph that the compiled backward may not change, so it
+# could only be scaled by the upstream gradient into a second buffer (AOTAutograd clones a
+# saved tensor that a backward op mutates; Inductor re-inplaces only graph inputs that are
+# copied back).  Held, they are scaled in place by the backward op as in eager: one buffer, and
+# nothing to do when the upstream gradient is 1.  The forward op returns a one-byte token whose
+# address keys them; they are dropped when the token dies (the graph that saved it is freed),
+# or taken by the first backward op; a later one (retain_graph) forms them again.
+_HELD: dict = {}
+
+
+def _hold(grads, like) -> torch.Tensor:
+    """A token for `grads` (a list, None where not formed), kept in _HELD while it lives."""
+    token = torch.zeros((1,), dtype=torch.uint8, device=like.device)
+    key = (token.device, token.data_ptr())
+    _HELD[key] = grads
+    weakref.finalize(token, _HELD.pop, key, None)
+    return token
+
+
+def _take(token):
+    """The gradients held for `token` (once), or None."""
+    if token.numel() == 0:
+        return None
+    return _HELD.pop((token.device, token.data_ptr()), None)
+
+
+def _no_token(like) -> torch.Tensor:
+    return like.new_empty((0,), dtype=torch.uint8)
+
+
 def _forward_impl(loss: _Loss):
     def impl(*inputs):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
         wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
-        if wrt:
+        if wrt and reduction != "none":
             value, grads = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
             grads = iter(grads)
-        else:
-            value = _engine.value(loss.name, arrays, reduction, options)
-        return (value, *[next(grads) if f else a.new_empty((0,)) for a, f in zip(arrays, flags)])
+            return value, _hold([next(grads) if f else None for f in flags], arrays[0])
+        # 'none': backward applies the elementwise upstream gradient through the Jacobian
+        return _engine.value(loss.name, arrays, reduction, options), _no_token(arrays[0])
 
     impl.__name__ = loss.name
     return impl
 
 
 def _backward_impl(loss: _Loss):
-    def impl(grad_output, *inputs):
+    def impl(grad_output, token, *inputs):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
         wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
-        grads = iter(_engine.backward(loss.name, grad_output, arrays, reduction, options, wrt)
-                     if wrt else ())
-        return tuple(next(grads) if f else a.new_empty((0,)) for a, f in zip(arrays, flags))
+        held = _take(token)
+        if not wrt:
+            got = ()
+        elif held is not None and all(h is not None for h, f in zip(held, flags) if f):
+            got = [h for h, f in zip(held, flags) if f]
+            _engine.scale(grad_output, got)
+        elif token.numel():
+            # A later backward through a retained graph: formed again with upstream 1 and
+            # scaled as the first was, so that every backward gives the same bits.
+            got = list(_engine.backward(loss.name, 1.0, arrays, reduction, options, wrt))
+            _engine.scale(grad_output, got)
+        else:
+            got = _engine.backward(loss.name, grad_output, arrays, reduction, options, wrt)
+        got = iter(got)
+        return tuple(next(got) if f else a.new_empty((0,)) for a, f in zip(arrays, flags))
 
     impl.__name__ = loss.name + "_backward"
     return impl
@@ -453,14 +499,15 @@ def _forward_fake(loss: _Loss):
     def fake(*inputs):
         arrays, reduction, _, flags = _split_inputs(loss, inputs)
         shape = _loss_shape(loss, arrays, reduction)
+        held = True in flags and reduction != "none"
         return (arrays[0].new_empty(shape),
-                *[a.new_empty(a.shape if f else (0,)) for a, f in zip(arrays, flags)])
+                arrays[0].new_empty((1 if held else 0,), dtype=torch.uint8))
 
     return fake
 
 
 def _backward_fake(loss: _Loss):
-    def fake(grad_output, *inputs):
+    def fake(grad_output, token, *inputs):
         arrays, reduction, _, flags = _split_inputs(loss, inputs)
         _loss_shape(loss, arrays, reduction)
         return tuple(a.new_empty(a.shape if f else (0,)) for a, f in zip(arrays, flags))
@@ -504,15 +551,14 @@ def _traced(loss: _Loss, arrays) -> bool:
     return False
 
 
-def _save(ctx, arrays, reduction, options, flags, grads, private) -> None:
+def _save(ctx, arrays, reduction, options, flags, grads, private, token=None) -> None:
     """What backward needs, on ctx (the op's autograd context or _Eager's).
 
-    private: whether the gradients of the forward pass are held by nothing but ctx (_Eager's),
-    so that the first backward may scale them in place; the op's are also its outputs, which
-    its caller holds and which must not change when backward runs.
+    private: whether the gradients of the forward pass are on ctx (_Eager's), so that the first
+    backward scales them there; the op's are held for its token (_HELD), which is saved last.
     """
     tensors = {o: v for o, v in options.items() if isinstance(v, torch.Tensor)}
-    ctx.save_for_backward(*arrays, *tensors.values())
+    ctx.save_for_backward(*arrays, *tensors.values(), *(() if token is None else (token,)))
     ctx.reduction = reduction
     ctx.options = options
     ctx.tensor_options = tuple(tensors)
@@ -535,11 +581,20 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
         need = tuple(w and d for w, d in zip(need, loss.differentiable))
     if True not in need:
         return [None] * n
+    if not ctx.private:
+        # The op: its backward op scales the gradients the forward op held (in place, as
+        # below), or forms them.
+        saved = ctx.saved_tensors
+        options = dict(ctx.options)
+        options.update(zip(ctx.tensor_options, saved[n:-1]))
+        out = loss.backward(grad_loss, saved[-1], *saved[:n], ctx.reduction, *options.values(),
+                            *need)
+        return [g if w else None for g, w in zip(out, need)]
     mode = _backward_mode(grad_loss)
     if (grads is not None and mode != "graph"
             and (same or all(c or not w for c, w in zip(ctx.computed, need)))):
         picked = grads if same else [g if w else None for g, w in zip(grads, need)]
-        if mode == "eager" and ctx.private:
+        if mode == "eager":
             _engine.scale(grad_loss, [g for g in picked if g is not None])
             return picked
         return [grad_loss * g if g is not None else None for g in picked]
@@ -558,7 +613,8 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
             got = _engine.backward(loss.name, grad_loss, saved[:n], ctx.reduction, options, wrt)
         got = iter(got)
         return [next(got) if w else None for w in need]
-    out = loss.backward(grad_loss, *saved[:n], ctx.reduction, *options.values(), *need)
+    out = loss.backward(grad_loss, _no_token(saved[0]), *saved[:n], ctx.reduction,
+                        *options.values(), *need)
     return [g if w else None for g, w in zip(out, need)]
 
 
@@ -569,8 +625,9 @@ def _autograd(loss: _Loss):
 
     def setup_context(ctx, inputs, output):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
-        ctx.mark_non_differentiable(*output[1:])
-        _save(ctx, arrays, reduction, options, tuple(flags), output[1:], private=False)
+        ctx.mark_non_differentiable(output[1])
+        _save(ctx, arrays, reduction, options, tuple(flags), None, private=False,
+              token=output[1])
 
     def backward(ctx, grad_loss, *unused):
         return (*_gradients(loss, ctx, grad_loss, ctx.needs_input_grad[:n]), *tail)
@@ -625,11 +682,11 @@ def _register(loss: _Loss) -> None:
     grads = ", ".join("Tensor" for _ in loss.arrays)
     forward = torch.library.custom_op(
         f"{_NAMESPACE}::{loss.name}", _forward_impl(loss), mutates_args=(),
-        schema=f"({args}, {flags}) -> (Tensor, {grads})")
+        schema=f"({args}, {flags}) -> (Tensor, Tensor)")
     forward.register_fake(_forward_fake(loss))
     backward = torch.library.custom_op(
         f"{_NAMESPACE}::{loss.name}_backward", _backward_impl(loss), mutates_args=(),
-        schema=f"(Tensor grad_output, {args}, {flags}) -> ({grads})")
+        schema=f"(Tensor grad_output, Tensor held, {args}, {flags}) -> ({grads})")
     backward.register_fake(_backward_fake(loss))
     setup_context, formula = _autograd(loss)
     forward.register_autograd(formula, setup_context=setup_context)
@@ -912,7 +969,9 @@ def _linear_forward_impl(hidden, weight, target, bias, class_weight, ignore_inde
         names = ()    # backward forms the logits again with the elementwise upstream gradient
     loss, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names, 1.0,
                               True)
-    return (loss, *[grads[n] if n in grads else hidden.new_empty((0,)) for n in _LINEAR_GRADS])
+    if not names:
+        return loss, _no_token(hidden)
+    return loss, _hold([grads.get(n) for n in _LINEAR_GRADS], hidden)
 
 
 def _linear_forward_fake(hidden, weight, target, bias, class_weight, ignore_index, reduction,
@@ -921,23 +980,38 @@ def _linear_forward_fake(hidden, weight, target, bias, class_weight, ignore_inde
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty(tuple(target.shape) if reduction == "none" else (), dtype=dtype)
     names = () if reduction == "none" else _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
-    like = {"hidden": hidden, "weight": weight, "bias": bias}
-    return (loss, *[torch.empty_like(like[n]) if n in names else hidden.new_empty((0,))
-                    for n in _LINEAR_GRADS])
+    return loss, hidden.new_empty((1 if names else 0,), dtype=torch.uint8)
 
 
-def _linear_backward_impl(grad_output, hidden, weight, target, bias, class_weight, ignore_index,
-                          reduction, label_smoothing, lse_square_scale, softcap,
+def _linear_scale(grad_output, grads) -> None:
+    """grads *= grad_output in place (scale_by_grad_output on the device, after rounding it to
+    their dtype, as the eager path does)."""
+    if grads and grads[0].device.type == "cpu":
+        for g in grads:
+            g.mul_(grad_output.to(g.dtype))
+        return
+    for k in range(0, len(grads), 2):
+        pair = grads[k:k + 2]
+        scale_by_grad_output(grad_output.to(pair[0].dtype).contiguous(), *pair)
+
+
+def _linear_backward_impl(grad_output, held, hidden, weight, target, bias, class_weight,
+                          ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
                           max_workspace_bytes, wrt_hidden, wrt_weight, wrt_bias):
     options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
                               max_workspace_bytes)
     names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
-    _, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names,
-                           grad_output.contiguous(), False)
+    kept = _take(held)
+    if kept is not None and all(kept[_LINEAR_GRADS.index(n)] is not None for n in names):
+        grads = {n: kept[_LINEAR_GRADS.index(n)] for n in names}
+        _linear_scale(grad_output, list(grads.values()))
+    else:
+        _, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names,
+                               grad_output.contiguous(), False)
     return tuple(grads[n] if n in grads else hidden.new_empty((0,)) for n in _LINEAR_GRADS)
 
 
-def _linear_backward_fake(grad_output, hidden, weight, target, bias, class_weight, *rest):
+def _linear_backward_fake(grad_output, held, hidden, weight, target, bias, class_weight, *rest):
     names = _linear_names(bias, rest[-3:])
     like = {"hidden": hidden, "weight": weight, "bias": bias}
     return tuple(torch.empty_like(like[n]) if n in names else hidden.new_empty((0,))
@@ -945,36 +1019,31 @@ def _linear_backward_fake(grad_output, hidden, weight, target, bias, class_weigh
 
 
 def _linear_setup_context(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output[1:])
+    ctx.mark_non_differentiable(output[1])
     hidden, weight, target, bias, class_weight = inputs[:5]
-    ctx.save_for_backward(hidden, weight, target, bias, class_weight, *output[1:])
+    ctx.save_for_backward(hidden, weight, target, bias, class_weight, output[1])
     ctx.args = inputs[5:]
 
 
 def _linear_formula(ctx, grad_loss, *unused):
-    hidden, weight, target, bias, class_weight, *grads = ctx.saved_tensors
-    reduction = ctx.args[1]
+    # The backward op scales in place what the forward op held (_HELD), or forms the gradients.
+    hidden, weight, target, bias, class_weight, held = ctx.saved_tensors
     need = ctx.needs_input_grad
     flags = (need[0], need[1], need[3] and bias is not None)
-    if reduction != "none" and all(g.numel() or not f for g, f in zip(grads, flags)):
-        # The forward pass formed them with upstream 1: scaled out of place (they are outputs of
-        # the op, which its caller holds), which Inductor fuses with what follows.
-        out = [g * grad_loss.to(g.dtype) if f else None for g, f in zip(grads, flags)]
-    else:
-        got = torch.ops.cupyloss.linear_cross_entropy_backward(
-            grad_loss, hidden, weight, target, bias, class_weight, *ctx.args[:-3], *flags)
-        out = [g if f else None for g, f in zip(got, flags)]
+    got = torch.ops.cupyloss.linear_cross_entropy_backward(
+        grad_loss, held, hidden, weight, target, bias, class_weight, *ctx.args[:-3], *flags)
+    out = [g if f else None for g, f in zip(got, flags)]
     return out[0], out[1], None, out[2], *(None,) * (1 + len(ctx.args))
 
 
 _linear_op = torch.library.custom_op(
     f"{_NAMESPACE}::linear_cross_entropy", _linear_forward_impl, mutates_args=(),
-    schema=f"({_LINEAR_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+    schema=f"({_LINEAR_ARGS}) -> (Tensor, Tensor)")
 _linear_op.register_fake(_linear_forward_fake)
 _linear_op.register_autograd(_linear_formula, setup_context=_linear_setup_context)
 _linear_backward_op = torch.library.custom_op(
     f"{_NAMESPACE}::linear_cross_entropy_backward", _linear_backward_impl, mutates_args=(),
-    schema=f"(Tensor grad_output, {_LINEAR_ARGS}) -> (Tensor, Tensor, Tensor)")
+    schema=f"(Tensor grad_output, Tensor held, {_LINEAR_ARGS}) -> (Tensor, Tensor, Tensor)")
 _linear_backward_op.register_fake(_linear_backward_fake)
 
 

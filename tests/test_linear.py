@@ -140,9 +140,11 @@ def test_op_passes_opcheck(reduction, bias):
     args = (h, w, t, b, None, -100, reduction, 0.1, 1e-3, 0.0, -1, True, True, bias)
     torch.library.opcheck(torch.ops.cupyloss.linear_cross_entropy.default, args)
     go = torch.randn(t.shape) if reduction == "none" else torch.tensor(0.5)
-    torch.library.opcheck(torch.ops.cupyloss.linear_cross_entropy_backward.default,
-                          (go, *[a.detach() if isinstance(a, torch.Tensor) else a
-                                 for a in args]))
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    held = torch.ops.cupyloss.linear_cross_entropy.default(*plain)[1]
+    for token in (torch.empty((0,), dtype=torch.uint8), held):
+        torch.library.opcheck(torch.ops.cupyloss.linear_cross_entropy_backward.default,
+                              (go, token, *plain))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -515,19 +515,31 @@ def test_opcheck(engine, name, with_optional):
             torch.library.opcheck(forward, (*given, reduction, *options, *flags))
             shape = ref_loss(name, [a.numpy() for a in args], reduction).shape
             go = torch.randn(shape, dtype=args[0].dtype)
-            torch.library.opcheck(backward, (go, *args, reduction, *options, *flags))
+            none = torch.empty((0,), dtype=torch.uint8)
+            torch.library.opcheck(backward, (go, none, *args, reduction, *options, *flags))
+            held = forward(*args, reduction, *options, *flags)[1]
+            torch.library.opcheck(backward, (go, held, *args, reduction, *options, *flags))
 
 
-def test_op_outputs_stay_as_returned_when_backward_runs(engine):
-    """The op's gradient outputs are its caller's: backward (here with a negative upstream, as a
-    negative focal loss under opcheck's |sum| gets) multiplies out of place."""
+def test_forward_op_holds_its_gradients_for_the_backward_op(engine):
+    """The forward op returns the loss and a token; the gradients it formed wait in _HELD until
+    the backward op scales them in place (one buffer, as eager), or the token dies."""
+    import gc
+
     (x, t), _ = _arguments("mse_loss")
     x.requires_grad_()
-    out = torch.ops.cupyloss.mse_loss.default(x, t, "sum", True, False)
-    kept = out[1].clone()
-    (g,) = torch.autograd.grad(out[0], x, torch.tensor(-2.0, dtype=x.dtype))
-    assert torch.equal(out[1], kept)
-    torch.testing.assert_close(g, -2.0 * kept, rtol=0, atol=0)
+    before = len(CF._HELD)
+    loss, token = torch.ops.cupyloss.mse_loss.default(x, t, "sum", True, False)
+    assert token.shape == (1,) and len(CF._HELD) == before + 1
+    want = ref_grads("mse_loss", [x.detach().numpy(), t.numpy()], "sum", -2.0)[0]
+    (g,) = torch.autograd.grad(loss, x, torch.tensor(-2.0, dtype=x.dtype))
+    np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
+    assert len(CF._HELD) == before and engine.kinds() == ["value_and_grad", "scale"]
+    loss, token = torch.ops.cupyloss.mse_loss.default(x, t, "sum", True, False)
+    assert len(CF._HELD) == before + 1
+    del loss, token
+    gc.collect()
+    assert len(CF._HELD) == before                     # no backward: dropped with its token
 
 
 @pytest.mark.parametrize("name, target_shape", [("hinge_loss", (5,)), ("cross_entropy", None)])
@@ -602,4 +614,6 @@ def test_compile_fullgraph_matches_eager(engine, fresh_dynamo, name):
         got = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
-    assert "scale" not in engine.kinds()[2:]  # compiled: saved grads times g, out of place
+    # compiled as eager: the forward's gradients scaled in place, formed again for the second
+    # backward through the retained graph and scaled alike
+    assert engine.kinds()[2:] == ["value_and_grad", "scale", "backward", "scale"]
