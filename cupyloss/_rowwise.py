@@ -30,6 +30,7 @@ FLAG_NLL = 4
 FLAG_GO_DEVICE = 8
 FLAG_GO_ROWS = 16
 FLAG_MEAN_W = 32
+FLAG_ACC_IO = 64
 _FIELDS = 5                   # ROW_FIELDS: a row state's accumulators in the group exchange
 _INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
 
@@ -115,6 +116,7 @@ class Plan:
     t_shape: tuple
     dtype: numpy.dtype
     acc: numpy.dtype
+    value_dtype: numpy.dtype    # the loss's: dtype, or acc with acc_io (autocast)
     value: bool                 # allocate the 0-d loss
     loss: bool                  # allocate the per-row loss (reduction 'none')
     lse: bool                   # allocate the per-row logsumexp
@@ -237,8 +239,8 @@ def check_targets(frame, t, cols, ignore_index, stream):
 
 # --- plans -------------------------------------------------------------------------------------------
 
-def _flags(spec, is_index, t_dtype, go_kind, mean_w) -> int:
-    flags = 0
+def _flags(spec, is_index, t_dtype, go_kind, mean_w, acc_io=False) -> int:
+    flags = FLAG_ACC_IO if acc_io else 0
     if is_index and t_dtype == _INDEX_DTYPES[1]:
         flags |= FLAG_INDEX64
     if not is_index:
@@ -256,8 +258,9 @@ def _flags(spec, is_index, t_dtype, go_kind, mean_w) -> int:
 
 def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, want_lse, inplace,
            go_kind, go_strides, x_shape, x_strides, t_shape, t_strides, t_dtype, has_weight,
-           dtype, device, into=None) -> Plan:
-    """into: None, or (dtype, strides) of the array the input gradient is written to."""
+           dtype, device, into=None, acc_io=False) -> Plan:
+    """into: None, or (dtype, strides) of the array the input gradient is written to; acc_io:
+    the loss and grad_output in the accumulator type (FLAG_ACC_IO)."""
     ignore_index, smoothing, zscale, softcap = options
     info = _dtypes.DTYPES[dtype]
     acc = info.acc
@@ -270,7 +273,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
     mean_w = reduction == "mean" and is_index
     divisor = float(rows) if reduction == "mean" and not is_index else 1.0
     grad_scale = 1.0 / divisor if divisor else math.nan
-    flags = _flags(spec, is_index, t_dtype, go_kind, mean_w and want_value)
+    flags = _flags(spec, is_index, t_dtype, go_kind, mean_w and want_value, acc_io)
     common = {"rows": rows, "cols": cols, "flags": flags,
               "ignore": _args.i64_word(ignore_index), "eps": _args.f64_word(smoothing),
               "zs": _args.f64_word(zscale), "cap": _args.f64_word(softcap),
@@ -347,18 +350,18 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
             region("wsum_partials", wcfg.grid[0])
     ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
     return Plan(main, wsum, geo.batch_shape, tuple(x_shape), tuple(t_shape), dtype, acc,
-                want_value and reduction != "none", want_value and reduction == "none",
+                acc if acc_io else dtype, want_value and reduction != "none", want_value and reduction == "none",
                 want_lse, want_gx and not inplace and into is None, want_gt, inplace,
                 into is not None, scratch, size, counters, ticket)
 
 
-def _make_plan(*args, into=None) -> Plan:
+def _make_plan(*args, into=None, acc_io=False) -> Plan:
     """Build the plan of a call on its device (the last argument: kernels are loaded per
     device)."""
     import cupy
 
     with cupy.cuda.Device(args[-1]):
-        return _build(*args, into=into)
+        return _build(*args, into=into, acc_io=acc_io)
 
 
 # --- running -----------------------------------------------------------------------------------------
@@ -391,9 +394,9 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
     dtype = plan.dtype
     out = gx = gt = lse = None
     if plan.value:
-        out, words[slot["value"]] = frame.empty((), dtype, like)
+        out, words[slot["value"]] = frame.empty((), plan.value_dtype, like)
     elif plan.loss:
-        out, words[slot["loss"]] = frame.empty(plan.batch_shape, dtype, like)
+        out, words[slot["loss"]] = frame.empty(plan.batch_shape, plan.value_dtype, like)
     if plan.lse:
         lse, words[slot["lse"]] = frame.empty(plan.batch_shape, plan.acc, like)
     if plan.into:
@@ -442,14 +445,15 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
 def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ignore_index=-100,
              label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0, check=False,
              want_value=True, wrt=(), grad_output=1.0, inplace=False, want_lse=False,
-             grad_into=None):
+             grad_into=None, acc_io=False):
     """[loss or None, input gradient or None, target gradient or None, lse or None] of one call.
 
     wrt: the names ("input", "target") whose gradients are written.  Arrays come from and go
     back to the caller's framework (see _dispatch).  grad_into (the fused linear loss's): a
     CuPy array of the input's 2-D shape, rows contiguous, that the input's gradient is written
     to, of the input's dtype or, for float32 logits of class indices, a 16-bit one (rounded in
-    the same pass).
+    the same pass).  acc_io: the loss returned, and grad_output taken, in the accumulator type
+    (float32 for 16-bit logits: torch's autocast semantics without a float32 copy).
     """
     frame = _dispatch.frame_of(input, "input")
     other = _dispatch.frame_of(target, "target")
@@ -512,7 +516,8 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     go_strides = None
     if wrt:
         go_kind, go_value, go = _validate.classify_grad_output(
-            frame, grad_output, dtype, device, spec.loss_shape(x.shape, "none"), reduction)
+            frame, grad_output, _dtypes.DTYPES[dtype].acc if acc_io else dtype, device,
+            spec.loss_shape(x.shape, "none"), reduction)
         if go_kind == "array":
             go_strides = _go_strides(go)
     stream = frame.stream(device)
@@ -522,16 +527,16 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
                zscale if spec.kind != "nll" else 0.0, softcap if spec.kind != "nll" else 0.0)
     key = (spec.name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse,
            inplace, go_kind, go_strides, x.shape, x.strides, t.shape, t.strides, t.dtype,
-           w is not None and w.strides, dtype, device, into_key)
+           w is not None and w.strides, dtype, device, into_key, acc_io)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx,
                              want_gt, want_lse, inplace, go_kind, go_strides, x, t, w, dtype,
-                             device, into_key)
+                             device, into_key, acc_io)
     if plan is None or _current_device() != device:
         return _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index,
                          options, want_value, want_gx, want_gt, want_lse, inplace, go_kind,
-                         into)
+                         into, acc_io)
     return _run(plan, frame, x, t, w, go, go_value, stream, into)
 
 
@@ -544,7 +549,8 @@ def _go_strides(go):
 
 
 def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, want_gt,
-                  want_lse, inplace, go_kind, go_strides, x, t, w, dtype, device, into=None):
+                  want_lse, inplace, go_kind, go_strides, x, t, w, dtype, device, into=None,
+                  acc_io=False):
     """The cached plan for `key`, or None when an operand needs a contiguous copy first."""
     if (_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None
             or (w is not None and w.strides != (1,) and w.shape[0] > 1)
@@ -553,7 +559,7 @@ def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, 
     plan = _PLANS[key] = _make_plan(spec, reduction, is_index, options, want_value, want_gx,
                                     want_gt, want_lse, inplace, go_kind, go_strides, x.shape,
                                     x.strides, t.shape, t.strides, t.dtype, w is not None, dtype,
-                                    device, into=into)
+                                    device, into=into, acc_io=acc_io)
     return plan
 
 
@@ -566,7 +572,7 @@ def _current_device():
 
 
 def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, options,
-              want_value, want_gx, want_gt, want_lse, inplace, go_kind, into=None):
+              want_value, want_gx, want_gt, want_lse, inplace, go_kind, into=None, acc_io=False):
     """Calls off the hot path: another current device, or operands that need contiguous copies
     (made by CuPy on the caller's stream, with the caller's allocator)."""
     import cupy
@@ -596,7 +602,8 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
         plan = _make_plan(spec, reduction, is_index, options, want_value, want_gx, want_gt,
                           want_lse, inplace, go_kind, go_strides, x.shape, x.strides, t.shape,
                           t.strides, t.dtype, w is not None, x.dtype, device,
-                          into=None if into is None else (into.dtype, into.strides))
+                          into=None if into is None else (into.dtype, into.strides),
+                          acc_io=acc_io)
         result = _run(plan, frame, x, t, w, go, go_value, stream, into)
         del x_copy
         return result

@@ -1,7 +1,7 @@
 """Benchmark cupyloss.torch's forward + loss.backward() against torch eager and torch.compile.
 
-    python -m cupyloss.bench_torch [--reps 20] [--scale 1.0] [--small-only] [--profile]
-                                   [--json out.json]
+    python -m cupyloss.bench_torch [--reps 20] [--scale 1.0] [--small-only]
+                                   [--only small,large,compiled] [--profile] [--json out.json]
 
 small   1K float32 elements, mse_loss: host microseconds per `loss = f(x, y); loss.backward()`
         (the time the Python thread spends per call, the GPU never being the bottleneck), for
@@ -22,6 +22,15 @@ large   the KernelBench sizes, float32, gradients of both arguments asked for:
         for: cupyloss.torch with gradients from the forward pass, the same with an upstream
         gradient of 0.5 (the scaling kernel then reads and writes the gradients), the rerun
         backward, torch eager and torch.compile; and each one's ratio to cupyloss.torch's.
+compiled  inside torch.compile(fullgraph=True), the training step's loss on an intermediate
+        (``f(x * 1.0, ...)``, so that the loss's input is made in the graph as a model's output
+        is), forward + backward, GPU ms and peak GiB beyond the inputs, for:
+          mse    mse_loss [32768, 32768] float32
+          ce     cross_entropy [8192, 128256] bfloat16 with int64 targets (an LLM's logits)
+          kb95   cross_entropy [32768, 4096] float32 (KernelBench 95)
+          triplet  triplet_margin_loss of three [32768, 8192] float32 (KernelBench 99)
+        cupyloss.torch eager (on the leaf), cupyloss.torch compiled, torch eager, torch.compile,
+        and Liger-Kernel's cross entropy where it is installed.
 --scale shrinks every side of the large workloads.  Never used as a test.
 """
 
@@ -220,6 +229,78 @@ def large(reps: int, scale: float) -> list:
     return rows
 
 
+def _compiled_workloads(scale: float):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    F = torch.nn.functional
+
+    def side(n):
+        return max(1, int(n * scale))
+
+    x = torch.randn(side(32768), side(32768), device="cuda", generator=g, requires_grad=True)
+    y = torch.randn(x.shape, device="cuda", generator=g)
+    yield "mse", (x, y), CF.mse_loss, F.mse_loss, None
+    del x, y
+    _free()
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+    except ImportError:
+        liger_cross_entropy = None
+    for name, rows, cols, dtype in (("ce", 8192, 128256, torch.bfloat16),
+                                    ("kb95", 32768, 4096, torch.float32)):
+        x = torch.randn(side(rows), cols, device="cuda", generator=g).to(dtype).requires_grad_()
+        t = torch.randint(0, cols, (side(rows),), device="cuda", generator=g)
+        yield name, (x, t), CF.cross_entropy, F.cross_entropy, liger_cross_entropy
+        del x, t
+        _free()
+    a, p, n = (torch.randn(side(32768), side(8192), device="cuda", generator=g,
+                           requires_grad=True) for _ in range(3))
+    yield "triplet", (a, p, n), CF.triplet_margin_loss, F.triplet_margin_loss, None
+
+
+def compiled(reps: int, scale: float) -> list:
+    """The compiled training step's loss (module docstring): ms and peak GiB of each way."""
+    import torch._dynamo
+
+    rows = []
+    for name, args, ours, theirs, liger in _compiled_workloads(scale):
+        times, peaks = {}, {}
+        inputs = torch.cuda.memory_allocated()
+
+        def measure(who, fn):
+            _free()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times[who] = _timer(torch, fn, reps)
+            peaks[who] = (torch.cuda.max_memory_allocated() - inputs) / 2**30
+
+        def step(f):
+            return lambda a, *rest: f(a * 1.0, *rest)
+
+        measure("cupyloss.torch eager", _fwd_bwd(ours, args))
+        torch._dynamo.reset()
+        measure("cupyloss.torch compiled", _fwd_bwd(torch.compile(step(ours), fullgraph=True),
+                                                    args))
+        measure("torch eager", _fwd_bwd(theirs, args))
+        torch._dynamo.reset()
+        measure("torch.compile", _fwd_bwd(torch.compile(step(theirs), fullgraph=True), args))
+        if liger is not None:
+            measure("Liger-Kernel (logits gradient in place)", _fwd_bwd(step(liger), args))
+        torch._dynamo.reset()
+        base = times["cupyloss.torch eager"]
+        shape = "x".join(map(str, args[0].shape))
+        print(f"{name} [{shape}] {str(args[0].dtype).removeprefix('torch.')}, forward + backward "
+              f"of the step's loss, GPU ms (median of {reps}) and peak memory beyond the inputs:")
+        for who, ms in times.items():
+            print(f"  {who:40s} {ms:9.3f} ms   ({ms / base:.2f}x the eager adapter's)  "
+                  f"{peaks[who]:6.3f} GiB")
+        rows.append({"workload": name, "shape": list(args[0].shape), "ms": times,
+                     "peak_gib": peaks})
+        del args
+        _free()
+    return rows
+
+
 def main(argv=None) -> dict:
     global torch, CF
     ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_torch",
@@ -227,6 +308,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink every side")
     ap.add_argument("--small-only", action="store_true", help="only the 1K-element host cost")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections of small, large, compiled (default: all)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--profile", action="store_true", help="cProfile the 1K adapter loop")
     args = ap.parse_args(argv)
@@ -235,10 +318,16 @@ def main(argv=None) -> dict:
     import cupyloss.torch as CF
     device = torch.cuda.get_device_name()
     print(f"device: {device}; torch {torch.__version__}")
-    result = {"device": device, "small": small(args.profile)}
-    _free()
-    if not args.small_only:
+    sections = (["small"] if args.small_only
+                else args.only.split(",") if args.only else ["small", "large", "compiled"])
+    result = {"device": device}
+    if "small" in sections:
+        result["small"] = small(args.profile)
+        _free()
+    if "large" in sections:
         result["large"] = large(args.reps, args.scale)
+    if "compiled" in sections:
+        result["compiled"] = compiled(args.reps, args.scale)
     return _timing.save(args.json, result)
 
 

@@ -140,18 +140,44 @@ class _Kernels:
 
     def value(self, name, arrays, reduction, options):
         """The loss alone."""
+        if "_wide" in options:
+            return self._wide(name, arrays, reduction, options, (), 1.0)[0]
         return self._core(name)[0](*arrays, reduction=reduction, **options)
 
     def value_and_grad(self, name, arrays, reduction, options, wrt):
         """(loss, gradients of the names in wrt, in wrt's order), from one pass."""
+        if "_wide" in options:
+            value, gx, gt, _ = self._wide(name, arrays, reduction, options, wrt, 1.0)
+            return value, tuple(gx if w == "input" else gt for w in wrt)
         return self._core(name)[1](*arrays, reduction=reduction, wrt=wrt, **options)
 
     def backward(self, name, grad_output, arrays, reduction, options, wrt):
         """Gradients of the names in wrt with upstream grad_output."""
+        if "_wide" in options:
+            _, gx, gt, _ = self._wide(name, arrays, reduction, options, wrt, grad_output,
+                                      want_value=False)
+            return tuple(gx if w == "input" else gt for w in wrt)
         return self._core(name)[2](grad_output, *arrays, reduction=reduction, wrt=wrt, **options)
 
+    @staticmethod
+    def _wide(name, arrays, reduction, options, wrt, grad_output, want_value=True):
+        """A row-wise loss on 16-bit logits with its value (and grad_output) in float32: what
+        torch's autocast returns, without its float32 copy of the logits (_autocast)."""
+        from cupyloss import _rowwise
+
+        kwargs = {k: v for k, v in options.items()
+                  if k not in ("_wide", "weight", "check_targets")}
+        return _rowwise.evaluate(_rowwise.SPECS[name], arrays[0], arrays[1],
+                                 options.get("weight"), reduction=reduction,
+                                 check=options.get("check_targets", False),
+                                 want_value=want_value, wrt=wrt, grad_output=grad_output,
+                                 acc_io=True, **kwargs)
+
     def scale(self, grad_output, grads):
-        """grads[k] *= grad_output[()] in place, on the device; nothing is touched if it is 1."""
+        """grads[k] *= grad_output[()] in place, on the device; nothing is touched if it is 1
+        (a float32 grad_output of 16-bit gradients, under autocast, rounded to theirs first)."""
+        if grads and grads[0].dtype != grad_output.dtype:
+            grad_output = grad_output.to(grads[0].dtype)
         for k in range(0, len(grads), 2):
             _scale(grad_output, grads[k:k + 2])
 
@@ -647,8 +673,10 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, *arrays):
-        loss, reduction, options, flags = call
+        loss, reduction, options, flags, wide = call
         options = dict(zip(loss.option_names, options)) if options else {}
+        if wide:
+            options["_wide"] = True
         if True in flags:
             wrt = loss.wrt_of.get(flags)
             if wrt is None:
@@ -708,6 +736,9 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
             raise ValueError(f"cupyloss.torch.{loss.name} does not support {name}={value!r}; "
                              f"only the default {default!r}")
     traced = _traced(loss, arrays)
+    wide = False
+    if _autocast_on("cuda") and arrays[0].device.type == "cuda":
+        arrays, options, wide = _autocast(loss, arrays, options, traced)
     if traced and arrays[0].device.type == "cpu" and type(_engine) is _ByDevice:
         # Traced on CPU tensors: torch's own operations, which the tracer differentiates (the
         # op's CPU kernel runs below autograd, where they could not be differentiated).
@@ -721,7 +752,47 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
         flags = loss.no_flags
     if traced:
         return loss.forward(*arrays, reduction, *options, *flags)[0]
-    return _apply_eager((loss, reduction, options, flags), *arrays)
+    return _apply_eager((loss, reduction, options, flags, wide), *arrays)
+
+
+# The losses torch's CUDA autocast runs in float32 (torch.amp's op reference, "CUDA Ops that can
+# autocast to float32"): under autocast their 16-bit floating arguments are taken as float32,
+# the loss is float32, and the gradients come back in the arguments' own dtypes.
+# binary_cross_entropy is refused there, as torch refuses it.
+_AUTOCAST_FP32 = frozenset((
+    "binary_cross_entropy_with_logits", "cosine_embedding_loss", "cross_entropy",
+    "hinge_embedding_loss", "huber_loss", "kl_div", "l1_loss", "margin_ranking_loss", "mse_loss",
+    "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "poisson_nll_loss",
+    "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss"))
+# Of those, the ones whose kernels read 16-bit logits as they are and return the float32 loss
+# (rowwise.cu's ROW_ACC_IO) in eager calls: the float32 copy torch makes of the logits (4 GiB
+# at 8192 x 128256) is never made.  The others, and traced calls, take float32 copies as torch.
+_AUTOCAST_DIRECT = frozenset(("cross_entropy", "nll_loss"))
+_LOWER = (torch.float16, torch.bfloat16)
+_autocast_on = torch.is_autocast_enabled
+
+
+def _autocast(loss: _Loss, arrays, options, traced):
+    """(arrays, options, wide) of a call on CUDA tensors under CUDA autocast (see above)."""
+    if loss.name == "binary_cross_entropy":
+        raise RuntimeError(
+            "cupyloss.torch.binary_cross_entropy, like torch's, is unsafe to autocast: a "
+            "sigmoid before it loses its 16-bit range; use binary_cross_entropy_with_logits "
+            "(safe under autocast), or run the loss outside the autocast region")
+    if loss.name not in _AUTOCAST_FP32:
+        return arrays, options, False
+    floats = [a for a in (*arrays, *options) if isinstance(a, torch.Tensor)
+              and a.is_floating_point()]
+    if not any(a.dtype in _LOWER for a in floats):
+        return arrays, options, False
+    if (not traced and loss.name in _AUTOCAST_DIRECT and arrays[0].dtype in _LOWER
+            and all(a.dtype == arrays[0].dtype for a in floats)):
+        return arrays, options, True
+
+    def cast(a):
+        return a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOWER else a
+
+    return tuple(map(cast, arrays)), tuple(map(cast, options)), False
 
 
 _PATHS = {

@@ -306,13 +306,14 @@ __device__ __forceinline__ void grid_sum_out(const double (&v)[NQ], T* const (&o
 // `den_is_sum`, else `divisor`; with `zero_empty` a D of 0 gives 0 (else 0 / 0 = NaN).  The sums
 // across threads and blocks are carried in double (as grid_sum_out).  Several blocks leave
 // partials [2, nblocks]; the block that draws the last ticket adds them in block order.  Every
-// thread of the block calls it.
+// thread of the block calls it.  acc_value: value holds the accumulator type, not T.
 template <typename T>
 __device__ __forceinline__ void finish_ratio(acc_t<T> num, acc_t<T> den, T* __restrict__ value,
                                              const acc_t<T>* __restrict__ denom,
                                              bool den_is_sum, bool zero_empty, double divisor,
                                              acc_t<T>* __restrict__ partials,
-                                             unsigned int* __restrict__ ticket) {
+                                             unsigned int* __restrict__ ticket,
+                                             bool acc_value = false) {
     using A = acc_t<T>;
     if (value == nullptr) return;
     double* wide = wide_scratch();
@@ -341,7 +342,12 @@ __device__ __forceinline__ void finish_ratio(acc_t<T> num, acc_t<T> den, T* __re
     }
     if (threadIdx.x == 0) {
         const double d = denom != nullptr ? double(denom[0]) : den_is_sum ? w : divisor;
-        value[0] = from_acc<T>(zero_empty && d == 0.0 ? A(0) : A(l / d));
+        const A v = zero_empty && d == 0.0 ? A(0) : A(l / d);
+        if (acc_value) {
+            reinterpret_cast<A*>(value)[0] = v;
+        } else {
+            value[0] = from_acc<T>(v);
+        }
     }
 }
 

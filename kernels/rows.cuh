@@ -38,6 +38,21 @@ __device__ __forceinline__ float fexp_sum(float v) { return ex2_ftz(v * 1.442695
 __device__ __forceinline__ double fexp_sum(double v) { return exp(v); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 
+// Element i of a loss-shaped array (per-row losses, grad_output) held as T, or as the
+// accumulator type when `acc` (a float32 loss of 16-bit logits, as torch's autocast returns).
+template <typename T>
+__device__ __forceinline__ acc_t<T> read_io(const T* p, long long i, bool acc) {
+    return acc ? reinterpret_cast<const acc_t<T>*>(p)[i] : to_acc(p[i]);
+}
+template <typename T>
+__device__ __forceinline__ void write_io(T* p, long long i, acc_t<T> v, bool acc) {
+    if (acc) {
+        reinterpret_cast<acc_t<T>*>(p)[i] = v;
+    } else {
+        p[i] = from_acc<T>(v);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ long long read_index(const void* p, long long off, bool idx64) {
     return idx64 ? static_cast<const long long*>(p)[off]

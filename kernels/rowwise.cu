@@ -61,6 +61,8 @@ enum : long long {
     ROW_GO_DEVICE = 8,    // grad_output is read from go[0]
     ROW_GO_ROWS = 16,     // grad_output is read per row (reduction 'none')
     ROW_MEAN_W = 32,      // the 0-d loss is divided by the summed weights of the counted rows
+    ROW_ACC_IO = 64,      // loss, value and grad_output are of the accumulator type, not T
+                          // (16-bit logits under torch's autocast: a float32 loss)
 };
 
 constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_launch.ROW_VECS)
@@ -527,9 +529,10 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     const bool want_g = MODE != MODE_FORWARD && (gx != nullptr || gt != nullptr);
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
+    const bool acc_io = (flags & ROW_ACC_IO) != 0;
     A g_all = A(0);
     if (want_g && !go_rows) {
-        g_all = ((flags & ROW_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+        g_all = ((flags & ROW_GO_DEVICE) ? read_io(go, 0, acc_io) : A(go_value)) * A(grad_scale);
         if (denom != nullptr) g_all /= denom[0];
     }
     const int ncols = (int)cols;
@@ -635,14 +638,14 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         RowResult<A> o = finalize(st, rt, ra);
 
         if (active && lane == 0 && member == 0) {
-            if (loss != nullptr) loss[r] = from_acc<T>(o.loss);
+            if (loss != nullptr) write_io(loss, r, o.loss, acc_io);
             if (lse != nullptr) lse[r] = o.lse;
             lacc += o.loss;
             if (mean_w && !rt.ignored) wacc += rt.wy;
         }
         if (!want_g || !active) continue;
 
-        o.g = go_rows ? to_acc(go[r * go_rs]) * A(grad_scale) : g_all;
+        o.g = go_rows ? read_io(go, r * go_rs, acc_io) * A(grad_scale) : g_all;
         G* gr = gx != nullptr ? gx + r * g_rs : nullptr;
         T* gtr = gt != nullptr ? gt + r * cols : nullptr;
         const bool g_vec = gr != nullptr &&
@@ -748,7 +751,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     }
     // A block's shared memory must outlive its cluster's last reads of it.
     if constexpr (KC > 1) cluster_sync();
-    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
+    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket, acc_io);
 }
 
 // Resident blocks per SM: four for the forward and nll variants (64 registers), three with a
@@ -804,9 +807,10 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
     const bool want_g = gx != nullptr || gt != nullptr;
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
+    const bool acc_io = (flags & ROW_ACC_IO) != 0;
     A g_all = A(0);
     if (want_g && !go_rows) {
-        g_all = ((flags & ROW_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+        g_all = ((flags & ROW_GO_DEVICE) ? read_io(go, 0, acc_io) : A(go_value)) * A(grad_scale);
         if (denom != nullptr) g_all /= denom[0];
     }
     const T* tp = static_cast<const T*>(tgt);
@@ -846,12 +850,12 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
         if (!ra.prob && !rt.ignored && !rt.oor)
             st.t = ra.nll ? to_acc(xr[rt.y * xc]) : zval(xr[rt.y * xc], ra);
         RowResult<A> o = finalize(st, rt, ra);
-        if (loss != nullptr) loss[r] = from_acc<T>(o.loss);
+        if (loss != nullptr) write_io(loss, r, o.loss, acc_io);
         if (lse != nullptr) lse[r] = o.lse;
         lacc += o.loss;
         if (mean_w && !rt.ignored) wacc += rt.wy;
         if (!want_g) continue;
-        o.g = go_rows ? to_acc(go[n * gon + d * god]) * A(grad_scale) : g_all;
+        o.g = go_rows ? read_io(go, n * gon + d * god, acc_io) * A(grad_scale) : g_all;
         T* gr = gx != nullptr ? gx + n * gn + d * gd : nullptr;
         T* gtr = gt != nullptr ? gt + (n * cols) * inner + d : nullptr;
         if (ra.nll || rt.ignored) {
@@ -870,7 +874,7 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
             if (gtr != nullptr) gtr[c * inner] = from_acc<T>(grad_target(z, w, o, ra));
         }
     }
-    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket);
+    finish_ratio<T>(lacc, wacc, value, denom, mean_w, false, divisor, partials, ticket, acc_io);
 }
 
 // out[0] = sum over rows (n, d) of the counted rows' weights: 0 for ignore_index, w_y (1 without
