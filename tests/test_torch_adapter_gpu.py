@@ -1,5 +1,8 @@
 """cupyloss.torch on a GPU: the kernels' numbers through autograd, gradcheck and opcheck on CUDA,
-torch.compile with inductor, CUDA-graph capture, the scaling kernel, streams and inputs."""
+torch.compile with inductor, CUDA-graph capture, the scaling kernel, streams and inputs,
+autocast."""
+
+import inspect
 
 import numpy as np
 import pytest
@@ -135,7 +138,10 @@ def test_opcheck_on_cuda(name):
             torch.library.opcheck(forward, (*given, reduction, *options, *flags))
             shape = CF.LOSSES[name](*args, reduction=reduction, **kw).shape
             go = torch.randn(shape, dtype=args[0].dtype, device="cuda")
-            torch.library.opcheck(backward, (go, *args, reduction, *options, *flags))
+            none = torch.empty((0,), dtype=torch.uint8, device="cuda")
+            torch.library.opcheck(backward, (go, none, *args, reduction, *options, *flags))
+            held = forward(*args, reduction, *options, *flags)[1]
+            torch.library.opcheck(backward, (go, held, *args, reduction, *options, *flags))
 
 
 # --- compile, graphs, streams ------------------------------------------------------------------
@@ -283,3 +289,143 @@ def test_scale_by_one_touches_no_gradient_memory():
     assert torch.equal(bits, torch.full_like(bits, _PAYLOAD_NAN))
     CF.scale_by_grad_output(torch.tensor(2.0, device="cuda"), grad)
     assert not torch.any(bits == _PAYLOAD_NAN)
+
+
+# --- compiled as eager; autocast ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name, dtype", [("cross_entropy", torch.bfloat16),
+                                         ("mse_loss", torch.float32),
+                                         ("triplet_margin_loss", torch.float32)])
+def test_compiled_step_holds_one_gradient_and_gives_eagers_bits(name, dtype):
+    """Inside torch.compile(fullgraph=True) the loss's gradient is formed in the forward pass and
+    scaled in place by backward, as in eager: the same bits, and no second gradient buffer (the
+    peak above the inputs stays below two gradients' bytes)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    (x, *rest), kw = _on_gpu(name, dtype, shape=(1024, 4096))
+    leaf = x.clone().requires_grad_()
+
+    def step(a, *others):
+        return CF.LOSSES[name](a * 1.0, *others, **kw)
+
+    eager = step(leaf, *rest)
+    eager.backward()
+    want, leaf.grad = leaf.grad, None
+    compiled = torch.compile(step, fullgraph=True)
+    for upstream in (None, torch.tensor(0.5, device="cuda", dtype=eager.dtype)):
+        compiled(leaf, *rest).backward(upstream)          # warm up (compiles)
+        leaf.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = compiled(leaf, *rest)
+        loss.backward(upstream)
+        peak = torch.cuda.max_memory_allocated() - base
+        assert torch.equal(loss, eager)
+        expect = want if upstream is None else want * 0.5
+        assert torch.equal(leaf.grad, expect) if upstream is None else \
+            torch.allclose(leaf.grad, expect, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+        # x * 1.0, the held gradient (which becomes .grad), and small change: not two gradients
+        assert peak < 2.5 * x.numel() * x.element_size(), (peak, x.numel() * x.element_size())
+        leaf.grad = None
+
+
+def test_cuda_graph_capture_of_a_compiled_training_step():
+    """A compiled step (forward op holding its gradient, backward op scaling it) captured in a
+    CUDA graph replays as eager training."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    (x, t), kw = _on_gpu("cross_entropy", torch.float32, shape=(300, 129))
+
+    def trainer():
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        loss_of = torch.compile(lambda a, b: CF.cross_entropy(model(a), b, **kw), fullgraph=True)
+
+        def step(a, b):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(a, b)
+            loss.backward()
+            opt.step()
+            return loss
+        return model, step
+
+    model_e, step_e = trainer()
+    eager = [step_e(x, t).item() for _ in range(5)]
+    model_g, step_g = trainer()
+    static_x, static_t = x.clone(), t.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm = [step_g(static_x, static_t).item() for _ in range(2)]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step_g(static_x, static_t)
+    replayed = []
+    for _ in range(3):
+        graph.replay()
+        replayed.append(static_loss.item())
+    np.testing.assert_allclose(warm + replayed, eager, rtol=1e-5)
+    for p, q in zip(model_g.parameters(), model_e.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+AUTOCAST = sorted(n for n in CF._AUTOCAST_FP32 if n in SPECS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", AUTOCAST)
+def test_autocast_returns_what_torch_returns(name, dtype):
+    """Under torch.autocast each loss of torch's float32 list gives torch's loss dtype (checked
+    against the torch under test, so the list is too), its value, and gradients in the
+    arguments' dtypes with torch's values."""
+    F = torch.nn.functional
+    args, kw = _on_gpu(name, dtype)
+    flags = _floating(args, name)
+    ours = [a.clone().requires_grad_(f) for a, f in zip(args, flags)]
+    theirs = [a.clone().requires_grad_(f) for a, f in zip(args, flags)]
+    with torch.autocast("cuda", dtype=dtype):
+        got = CF.LOSSES[name](*ours, **kw)
+        want = getattr(F, name)(*theirs, **{k: v for k, v in kw.items()
+                                            if k in inspect.signature(getattr(F, name)).parameters})
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    got.backward()
+    want.backward()
+    for a, b in zip(ours, theirs):
+        if a.requires_grad and b.grad is not None:
+            assert a.grad is not None and a.grad.dtype == b.grad.dtype == dtype
+            torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2e-2, atol=1e-5)
+
+
+def test_autocast_cross_entropy_reads_the_16_bit_logits_without_a_float32_copy():
+    rows, cols = 2048, 32768
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    t = torch.randint(0, cols, (rows,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        CF.cross_entropy(x, t).backward()                     # warm up
+    x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = CF.cross_entropy(x, t, label_smoothing=0.1)
+    loss.backward(torch.tensor(2.0, device="cuda"))
+    peak = torch.cuda.max_memory_allocated() - base
+    assert loss.dtype == torch.float32
+    assert peak < 1.1 * x.numel() * 2          # the bfloat16 gradient; no float32 copy (2x that)
+    want = torch.nn.functional.cross_entropy(x.detach().float().requires_grad_(), t,
+                                             label_smoothing=0.1)
+    torch.testing.assert_close(loss, want, rtol=2e-6, atol=1e-6)
+
+
+def test_autocast_binary_cross_entropy_is_refused_like_torchs():
+    p = torch.rand(8, 3, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            torch.nn.functional.binary_cross_entropy(p, p)
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            CF.binary_cross_entropy(p, p)
