@@ -22,15 +22,18 @@ large   the KernelBench sizes, float32, gradients of both arguments asked for:
         for: cupyloss.torch with gradients from the forward pass, the same with an upstream
         gradient of 0.5 (the scaling kernel then reads and writes the gradients), the rerun
         backward, torch eager and torch.compile; and each one's ratio to cupyloss.torch's.
-compiled  inside torch.compile(fullgraph=True), the training step's loss on an intermediate
-        (``f(x * 1.0, ...)``, so that the loss's input is made in the graph as a model's output
-        is), forward + backward, GPU ms and peak GiB beyond the inputs, for:
+compiled  inside torch.compile(fullgraph=True), forward + backward of a training step, GPU ms
+        and peak GiB beyond the inputs, for:
           mse    mse_loss [32768, 32768] float32
           ce     cross_entropy [8192, 128256] bfloat16 with int64 targets (an LLM's logits)
           kb95   cross_entropy [32768, 4096] float32 (KernelBench 95)
           triplet  triplet_margin_loss of three [32768, 8192] float32 (KernelBench 99)
-        cupyloss.torch eager (on the leaf), cupyloss.torch compiled, torch eager, torch.compile,
-        and Liger-Kernel's cross entropy where it is installed.
+        each step the loss of ``x * 1.0`` (an intermediate made in the graph; the eager adapter
+        is called on the leaf), and
+          ce-head  cross_entropy(h @ W.T, t), h [8192, 512], W [128256, 512] bfloat16 (the
+                 logits from a product in every case)
+        for cupyloss.torch eager, cupyloss.torch compiled, torch eager, torch.compile, and
+        Liger-Kernel's cross entropy where it is installed.
 --scale shrinks every side of the large workloads.  Never used as a test.
 """
 
@@ -230,15 +233,20 @@ def large(reps: int, scale: float) -> list:
 
 
 def _compiled_workloads(scale: float):
+    """(name, arguments, step with cupyloss.torch, step with torch, the eager adapter's call,
+    Liger-Kernel's step or None) of each compiled case."""
     g = torch.Generator(device="cuda").manual_seed(0)
     F = torch.nn.functional
 
     def side(n):
         return max(1, int(n * scale))
 
+    def on_copy(f):         # the loss of an intermediate, as a model's output is
+        return lambda a, *rest: f(a * 1.0, *rest)
+
     x = torch.randn(side(32768), side(32768), device="cuda", generator=g, requires_grad=True)
     y = torch.randn(x.shape, device="cuda", generator=g)
-    yield "mse", (x, y), CF.mse_loss, F.mse_loss, None
+    yield "mse", (x, y), on_copy(CF.mse_loss), on_copy(F.mse_loss), CF.mse_loss, None
     del x, y
     _free()
     try:
@@ -249,12 +257,29 @@ def _compiled_workloads(scale: float):
                                     ("kb95", 32768, 4096, torch.float32)):
         x = torch.randn(side(rows), cols, device="cuda", generator=g).to(dtype).requires_grad_()
         t = torch.randint(0, cols, (side(rows),), device="cuda", generator=g)
-        yield name, (x, t), CF.cross_entropy, F.cross_entropy, liger_cross_entropy
+        yield (name, (x, t), on_copy(CF.cross_entropy), on_copy(F.cross_entropy),
+               CF.cross_entropy, liger_cross_entropy and on_copy(liger_cross_entropy))
         del x, t
         _free()
+    # An output layer's logits (8192 tokens, hidden 512, 128256 classes, bfloat16): the loss's
+    # input comes from a product, as in a model, in every case alike.
+    h = (torch.randn(side(8192), 512, device="cuda", generator=g) * 0.5).to(
+        torch.bfloat16).requires_grad_()
+    w = (torch.randn(128256, 512, device="cuda", generator=g) * 0.05).to(
+        torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 128256, (side(8192),), device="cuda", generator=g)
+
+    def head(f):
+        return lambda a, b, c: f(a @ b.T, c)
+
+    yield ("ce-head", (h, w, t), head(CF.cross_entropy), head(F.cross_entropy),
+           head(CF.cross_entropy), liger_cross_entropy and head(liger_cross_entropy))
+    del h, w, t
+    _free()
     a, p, n = (torch.randn(side(32768), side(8192), device="cuda", generator=g,
                            requires_grad=True) for _ in range(3))
-    yield "triplet", (a, p, n), CF.triplet_margin_loss, F.triplet_margin_loss, None
+    yield ("triplet", (a, p, n), on_copy(CF.triplet_margin_loss),
+           on_copy(F.triplet_margin_loss), CF.triplet_margin_loss, None)
 
 
 def compiled(reps: int, scale: float) -> list:
@@ -262,7 +287,7 @@ def compiled(reps: int, scale: float) -> list:
     import torch._dynamo
 
     rows = []
-    for name, args, ours, theirs, liger in _compiled_workloads(scale):
+    for name, args, ours, theirs, eager_call, liger in _compiled_workloads(scale):
         times, peaks = {}, {}
         inputs = torch.cuda.memory_allocated()
 
@@ -274,23 +299,19 @@ def compiled(reps: int, scale: float) -> list:
             times[who] = _timer(torch, fn, reps)
             peaks[who] = (torch.cuda.max_memory_allocated() - inputs) / 2**30
 
-        def step(f):
-            return lambda a, *rest: f(a * 1.0, *rest)
-
-        measure("cupyloss.torch eager", _fwd_bwd(ours, args))
+        measure("cupyloss.torch eager", _fwd_bwd(eager_call, args))
         torch._dynamo.reset()
-        measure("cupyloss.torch compiled", _fwd_bwd(torch.compile(step(ours), fullgraph=True),
-                                                    args))
+        measure("cupyloss.torch compiled", _fwd_bwd(torch.compile(ours, fullgraph=True), args))
         measure("torch eager", _fwd_bwd(theirs, args))
         torch._dynamo.reset()
-        measure("torch.compile", _fwd_bwd(torch.compile(step(theirs), fullgraph=True), args))
+        measure("torch.compile", _fwd_bwd(torch.compile(theirs, fullgraph=True), args))
         if liger is not None:
-            measure("Liger-Kernel (logits gradient in place)", _fwd_bwd(step(liger), args))
+            measure("Liger-Kernel (logits gradient in place)", _fwd_bwd(liger, args))
         torch._dynamo.reset()
         base = times["cupyloss.torch eager"]
         shape = "x".join(map(str, args[0].shape))
         print(f"{name} [{shape}] {str(args[0].dtype).removeprefix('torch.')}, forward + backward "
-              f"of the step's loss, GPU ms (median of {reps}) and peak memory beyond the inputs:")
+              f"of the step, GPU ms (median of {reps}) and peak memory beyond the inputs:")
         for who, ms in times.items():
             print(f"  {who:40s} {ms:9.3f} ms   ({ms / base:.2f}x the eager adapter's)  "
                   f"{peaks[who]:6.3f} GiB")

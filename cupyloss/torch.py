@@ -463,6 +463,32 @@ def _no_token(like) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.uint8)
 
 
+def _held_gradients(grad_output: torch.Tensor, held: torch.Tensor, sizes: list[int],
+                    ranks: list[int], dtype: torch.dtype, wanted: list[bool]) -> list[torch.Tensor]:
+    """The gradients a forward op held for `held` (a position per array argument, of `ranks`
+    dims each, their sizes in a row), those `wanted`, scaled by grad_output in place.  The op
+    takes no argument of the loss, so a compiled graph keeps none of them for backward."""
+    grads = _take(held)
+    if grads is None:
+        raise RuntimeError(
+            "cupyloss.torch: the gradients this compiled loss formed in its forward pass were "
+            "used up by the graph's first backward; for several backward passes through one "
+            "graph (retain_graph=True) set cupyloss.torch.gradients_in_forward = False before "
+            "compiling, so that each backward forms them again")
+    picked = [g for g, w in zip(grads, wanted) if w]
+    _engine.scale(grad_output, picked)
+    return picked
+
+
+def _held_gradients_fake(grad_output, held, sizes, ranks, dtype, wanted):
+    out, at = [], 0
+    for rank, w in zip(ranks, wanted):
+        if w:
+            out.append(grad_output.new_empty(tuple(sizes[at:at + rank]), dtype=dtype))
+        at += rank
+    return out
+
+
 def _forward_impl(loss: _Loss):
     def impl(*inputs):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
@@ -608,9 +634,14 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
     if True not in need:
         return [None] * n
     if not ctx.private:
-        # The op: its backward op scales the gradients the forward op held (in place, as
-        # below), or forms them.
+        # The op.  Gradients the forward op held: scaled in place by an op that takes none of
+        # the loss's arguments (so a compiled graph frees them after the forward pass); else
+        # the backward op forms them.
         saved = ctx.saved_tensors
+        if True in ctx.computed and all(c or not w for c, w in zip(ctx.computed, need)):
+            got = iter(_held_op(grad_loss, saved[-1], [s for shape in ctx.shapes for s in shape],
+                                [len(shape) for shape in ctx.shapes], ctx.dtype, list(need)))
+            return [next(got) if w else None for w in need]
         options = dict(ctx.options)
         options.update(zip(ctx.tensor_options, saved[n:-1]))
         out = loss.backward(grad_loss, saved[-1], *saved[:n], ctx.reduction, *options.values(),
@@ -652,6 +683,7 @@ def _autograd(loss: _Loss):
     def setup_context(ctx, inputs, output):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
         ctx.mark_non_differentiable(output[1])
+        ctx.shapes, ctx.dtype = [tuple(a.shape) for a in arrays], arrays[0].dtype
         _save(ctx, arrays, reduction, options, tuple(flags), None, private=False,
               token=output[1])
 
@@ -721,6 +753,13 @@ def _register(loss: _Loss) -> None:
     namespace = getattr(torch.ops, _NAMESPACE)
     loss.forward = getattr(namespace, loss.name).default
     loss.backward = getattr(namespace, loss.name + "_backward").default
+
+
+_held_op = torch.library.custom_op(
+    f"{_NAMESPACE}::held_gradients", _held_gradients, mutates_args=(),
+    schema="(Tensor grad_output, Tensor held, SymInt[] sizes, int[] ranks, ScalarType dtype, "
+           "bool[] wanted) -> Tensor[]")
+_held_op.register_fake(_held_gradients_fake)
 
 
 # --- the public functions and modules ---------------------------------------------------------

@@ -595,8 +595,9 @@ HEADS = {"kl_div": lambda y: y.log_softmax(-1), "nll_loss": lambda y: y.log_soft
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_compile_fullgraph_matches_eager(engine, fresh_dynamo, name):
-    """A model's forward and the loss compile as one graph; the compiled backward (run twice
-    through a retained graph) gives eager's gradients."""
+    """A model's forward and the loss compile as one graph; the compiled backward gives eager's
+    gradients, from the forward pass's, scaled in place (as eager); a second backward through
+    the retained graph is refused by name, and runs with gradients_in_forward off."""
     (x, *rest), kw = _arguments(name)
     model = _tiny_model()
     head = HEADS.get(name, lambda y: y)
@@ -610,10 +611,19 @@ def test_compile_fullgraph_matches_eager(engine, fresh_dynamo, name):
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     loss = compiled(x, *rest)
     torch.testing.assert_close(loss, eager, rtol=1e-12, atol=0)
-    for _ in range(2):
-        got = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
-    # compiled as eager: the forward's gradients scaled in place, formed again for the second
-    # backward through the retained graph and scaled alike
-    assert engine.kinds()[2:] == ["value_and_grad", "scale", "backward", "scale"]
+    got = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
+    assert engine.kinds()[2:] == ["value_and_grad", "scale"]
+    with pytest.raises(RuntimeError, match="gradients_in_forward = False"):
+        torch.autograd.grad(loss, list(model.parameters()))
+    torch._dynamo.reset()
+    CF.gradients_in_forward = False
+    try:
+        loss = torch.compile(step, backend="aot_eager", fullgraph=True)(x, *rest)
+        for _ in range(2):
+            got = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
+    finally:
+        CF.gradients_in_forward = True
