@@ -375,16 +375,15 @@ class _Call:
             # Z^T (V x m, column-major) = W (H x V col-major)^T X_c (H x m col-major)
             self.blas.gemm(_OP_T, _OP_N, v, m, h, w, h, xc, h, z, v,
                            accumulate=self.b is not None)
-            dz = None
-            if names:
-                dz = z if dz_all is None else (dz_all[r0:r1] if keep else dz_all[:m])
+            # dZ: the logits themselves (float32 inputs), else 16-bit rows of dz_all
+            dz = z if dz_all is None else (dz_all[r0:r1] if keep else dz_all[:m])
             out = _rowwise.evaluate(
                 spec, z, self.t[r0:r1], self.cw,
                 reduction="none" if reduction == "none" else "sum", **self.options,
                 want_value=self.want_value, wrt=("input",) if names else (),
                 grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
                 want_lse=self.lse is not None,
-                grad_into=dz if dz is not None and dz is not z else None)
+                grad_into=dz if names and dz is not z else None)
             if self.want_value:
                 if reduction == "none":
                     self.loss_rows[r0:r1] = out[0]
