@@ -827,17 +827,17 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
         if (read) {
             // One thread adds the row's cols terms in sequence: the sum of exponentials is
             // compensated (Kahan), its compensation rescaled with it when the max moves, and so
-            // is a, whose shifts b (M - m) when the max moves go through the same compensation
-            // (uncompensated, 8191 smoothed probability terms in float32 came 2.5e-5 off).
+            // are a (its shifts b (M - m) included) and b (uncompensated, b = 1 from 8191
+            // smoothed probability terms in float32 left the loss b log S + a 2.5e-5 off).
             A cs = A(0);
-            Compensated<A> a;
+            Compensated<A> a, b;
             for (long long c = 0; c < cols; ++c) {
                 const A u = ra.track ? elem_u<T, A>(weight, c, ra.prob ? to_acc(tr[c * tc]) : A(0),
                                                     ra) : A(0);
                 const A z = zval(xr[c * xc], ra);
                 if (z > st.m) {
                     cs = rescaled(cs, st.m, z);
-                    if (ra.track) a.add(shifted(st.b, st.m, z));
+                    if (ra.track) a.add(shifted(b.value(), st.m, z));
                     st.s = rescaled(st.s, st.m, z);
                     st.m = z;
                 }
@@ -847,11 +847,12 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
                 st.s = sum;
                 if (ra.track) {
                     a.add(u * dist_to(st.m, z));
-                    st.b += u;
+                    b.add(u);
                 }
             }
             st.s -= cs;
             st.a = a.value();
+            st.b = b.value();
         }
         if (!ra.prob && !rt.ignored && !rt.oor)
             st.t = ra.nll ? to_acc(xr[rt.y * xc]) : zval(xr[rt.y * xc], ra);
