@@ -59,7 +59,11 @@ gradients it formed for that token (not as outputs: a compiled backward could on
 forward output into a second buffer); the backward op takes them and scales them in place (or
 forms them, when the token holds none or a retained graph's first backward took them), so a
 compiled training step holds one gradient buffer and touches it only when g != 1, as eager
-does.  Held gradients are dropped with their token.  create_graph=True gives
+does.  The backward takes them through ``torch.ops.cupyloss.held_gradients``, which needs none
+of the loss's arguments, so a compiled graph frees those after its forward pass (as eager
+frees nothing it does not need); a second backward through a retained compiled graph is refused
+by name (gradients_in_forward = False makes each backward form them again).  Held gradients are
+dropped with their token.  create_graph=True gives
 first-order gradients through the rerun path, but differentiating them again raises: the
 backward ops have no derivatives of their own.  torch.func transforms (grad, vmap) are refused
 with NotImplementedError.
@@ -80,8 +84,14 @@ Eager calls go through autograd.Function's C++ apply, skipping the Python layer 
 (6 to 10 us a call, measured 2026-11-23).
 
 CUDA tensors take the kernels: one floating dtype (float16, bfloat16, float32, float64) on one
-device; unlike torch, a mixed-dtype pair is refused, not promoted, and under autocast the loss
-runs in the dtype it is given.  CPU tensors take torch's own operations
+device; unlike torch, a mixed-dtype pair is refused, not promoted.  Under CUDA autocast the
+losses torch's autocast runs in float32 (_AUTOCAST_FP32) return what torch returns: a float32
+loss, gradients in the arguments' dtypes.  cross_entropy and nll_loss read 16-bit logits as they
+are (float32 accumulation, the loss and grad_output in float32: no float32 copy of the logits;
+H100, 8192 x 128256 bfloat16, forward + backward 1.85 ms and 1.96 GiB against torch eager's
+12.17 ms and 9.79 GiB); the others, and traced calls, take float32 copies as torch does;
+binary_cross_entropy is refused as torch refuses it; losses torch lacks run in the dtype they
+are given.  CPU tensors take torch's own operations
 (cupyloss._torch_forms: torch.nn.functional's loss where torch has it, with cupyloss's extra
 options formed around it, else the loss's formula; gradients by torch.autograd), so code written
 with cupyloss.torch runs unchanged on a machine without a GPU, with torch's semantics there
