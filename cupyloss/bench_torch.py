@@ -193,21 +193,39 @@ def _workloads(scale: float):
     yield "hinge", (s, t), CF.hinge_loss, hinge_ref
 
 
+class _Table:
+    """Each way's GPU ms (median of reps) and peak GiB beyond the inputs of one workload."""
+
+    def __init__(self, reps: int, warm: bool = False):
+        self.reps, self.warm = reps, warm   # warm: one call before the peak is reset
+        self.times, self.peaks = {}, {}
+        self.inputs = torch.cuda.memory_allocated()
+
+    def measure(self, who, fn) -> None:
+        _free()
+        if self.warm:
+            fn()
+            torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.times[who] = _timer(torch, fn, self.reps)
+        self.peaks[who] = (torch.cuda.max_memory_allocated() - self.inputs) / 2**30
+
+    def report(self, title: str, base: str, relative: str, width: int, digits: int) -> dict:
+        print(title)
+        for who, ms in self.times.items():
+            print(f"  {who:{width}s} {ms:9.3f} ms   ({ms / self.times[base]:.2f}x {relative})  "
+                  f"{self.peaks[who]:6.{digits}f} GiB")
+        return {"ms": self.times, "peak_gib": self.peaks}
+
+
 def large(reps: int, scale: float) -> list:
     import torch._dynamo
 
     rows = []
     half = torch.tensor(0.5, device="cuda")
     for name, args, ours, theirs in _workloads(scale):
-        times, peaks = {}, {}
-        inputs = torch.cuda.memory_allocated()
-
-        def measure(who, fn):
-            _free()
-            torch.cuda.reset_peak_memory_stats()
-            times[who] = _timer(torch, fn, reps)
-            peaks[who] = (torch.cuda.max_memory_allocated() - inputs) / 2**30
-
+        table = _Table(reps)
+        measure = table.measure
         measure("cupyloss.torch", _fwd_bwd(ours, args))
         measure("cupyloss.torch, upstream 0.5", _fwd_bwd(ours, args, half))
         CF.gradients_in_forward = False
@@ -218,15 +236,10 @@ def large(reps: int, scale: float) -> list:
         measure("torch eager", _fwd_bwd(theirs, args))
         torch._dynamo.reset()
         measure("torch.compile", _fwd_bwd(torch.compile(theirs), args))
-        base = times["cupyloss.torch"]
         shape = "x".join(map(str, args[0].shape))
-        print(f"{name} [{shape}] float32, forward + backward, GPU ms (median of {reps}) and peak "
-              f"memory beyond the inputs:")
-        for who, ms in times.items():
-            print(f"  {who:34s} {ms:9.3f} ms   ({ms / base:.2f}x cupyloss.torch's time)  "
-                  f"{peaks[who]:6.2f} GiB")
-        rows.append({"workload": name, "shape": list(args[0].shape), "ms": times,
-                     "peak_gib": peaks})
+        rows.append({"workload": name, "shape": list(args[0].shape), **table.report(
+            f"{name} [{shape}] float32, forward + backward, GPU ms (median of {reps}) and peak "
+            f"memory beyond the inputs:", "cupyloss.torch", "cupyloss.torch's time", 34, 2)})
         del args
         _free()
     return rows
@@ -288,17 +301,8 @@ def compiled(reps: int, scale: float) -> list:
 
     rows = []
     for name, args, ours, theirs, eager_call, liger in _compiled_workloads(scale):
-        times, peaks = {}, {}
-        inputs = torch.cuda.memory_allocated()
-
-        def measure(who, fn):
-            _free()
-            fn()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            times[who] = _timer(torch, fn, reps)
-            peaks[who] = (torch.cuda.max_memory_allocated() - inputs) / 2**30
-
+        table = _Table(reps, warm=True)     # the warm call compiles
+        measure = table.measure
         measure("cupyloss.torch eager", _fwd_bwd(eager_call, args))
         torch._dynamo.reset()
         measure("cupyloss.torch compiled", _fwd_bwd(torch.compile(ours, fullgraph=True), args))
@@ -308,15 +312,12 @@ def compiled(reps: int, scale: float) -> list:
         if liger is not None:
             measure("Liger-Kernel (logits gradient in place)", _fwd_bwd(liger, args))
         torch._dynamo.reset()
-        base = times["cupyloss.torch eager"]
         shape = "x".join(map(str, args[0].shape))
-        print(f"{name} [{shape}] {str(args[0].dtype).removeprefix('torch.')}, forward + backward "
-              f"of the step, GPU ms (median of {reps}) and peak memory beyond the inputs:")
-        for who, ms in times.items():
-            print(f"  {who:40s} {ms:9.3f} ms   ({ms / base:.2f}x the eager adapter's)  "
-                  f"{peaks[who]:6.3f} GiB")
-        rows.append({"workload": name, "shape": list(args[0].shape), "ms": times,
-                     "peak_gib": peaks})
+        dtype = str(args[0].dtype).removeprefix("torch.")
+        rows.append({"workload": name, "shape": list(args[0].shape), **table.report(
+            f"{name} [{shape}] {dtype}, forward + backward of the step, GPU ms (median of "
+            f"{reps}) and peak memory beyond the inputs:", "cupyloss.torch eager",
+            "the eager adapter's", 40, 3)})
         del args
         _free()
     return rows
