@@ -381,6 +381,8 @@ class _Loss:
     differentiable: tuple = ()  # a bool per array: whether it has a gradient (a registry
                                 # entry's `differentiable` names them; every array without one)
     wrt_of: dict = dataclasses.field(default_factory=dict)  # flags -> names they pick
+    inplace: bool = False    # the core value_and_grad takes inplace: the public function
+                             # takes inplace_backward
     forward: object = None   # torch.ops.cupyloss.<name>.default
     backward: object = None  # torch.ops.cupyloss.<name>_backward.default
 
@@ -665,6 +667,10 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
             _engine.scale(grad_loss, [g for g in picked if g is not None])
             return picked
         return [grad_loss * g if g is not None else None for g in picked]
+    if getattr(ctx, "inplace", False):
+        raise RuntimeError(f"cupyloss.torch.{loss.name}(inplace_backward=True): the input holds "
+                           f"its gradient since the forward pass, so the loss has one plain "
+                           f"backward (no retain_graph reuse, no create_graph)")
     saved = ctx.saved_tensors
     options = dict(ctx.options)
     options.update(zip(ctx.tensor_options, saved[n:]))
@@ -715,15 +721,24 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, *arrays):
-        loss, reduction, options, flags, wide = call
+        loss, reduction, options, flags, wide, inplace = call
         options = dict(zip(loss.option_names, options)) if options else {}
         if wide:
             options["_wide"] = True
+        ctx.inplace = inplace
         if True in flags:
             wrt = loss.wrt_of.get(flags)
             if wrt is None:
                 wrt = loss.wrt_of[flags] = tuple(a for a, f in zip(loss.arrays, flags) if f)
-            value, got = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
+            if inplace:
+                value, got = _engine.value_and_grad(loss.name, arrays, reduction,
+                                                    dict(options, inplace=True), wrt)
+                # The input now holds its gradient: a node that saved it for its own backward
+                # raises there ("modified by an inplace operation") instead of reading it.
+                torch.autograd.graph.increment_version(arrays[0])
+                arrays = (arrays[0].new_empty((0,)), *arrays[1:])  # not saved: it is gone
+            else:
+                value, got = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
             if len(wrt) == len(flags):
                 grads = list(got)
             else:
@@ -774,8 +789,9 @@ _held_op.register_fake(_held_gradients_fake)
 
 # --- the public functions and modules ---------------------------------------------------------
 
-def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
-    """What every generated public function does: check, pick the path, run the forward."""
+def _call(loss: _Loss, arrays, reduction, options, legacy, fixed, inplace=False):
+    """What every generated public function does: check, pick the path, run the forward.
+    inplace: the public function's inplace_backward."""
     if legacy and (legacy[0] is not None or legacy[1] is not None):
         reduction = torch.nn._reduction.legacy_get_string(legacy[0], legacy[1])
     if reduction not in loss.reductions:
@@ -799,9 +815,26 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed):
         flags = tuple(a.requires_grad and d for a, d in zip(arrays, loss.differentiable))
     else:
         flags = loss.no_flags
+    if inplace:
+        inplace = _inplace(loss, arrays[0], reduction, flags, traced)
     if traced:
         return loss.forward(*arrays, reduction, *options, *flags)[0]
-    return _apply_eager((loss, reduction, options, flags, wide), *arrays)
+    return _apply_eager((loss, reduction, options, flags, wide, inplace), *arrays)
+
+
+def _inplace(loss: _Loss, x, reduction, flags, traced) -> bool:
+    """Whether a call with inplace_backward=True writes the input's gradient into the input:
+    refused (ValueError) where that would lose something autograd or the caller still needs;
+    not done where no gradient is formed in the forward pass, on CPU tensors, or under a
+    tracer (torch.compile keeps the out-of-place path, which gives the same numbers)."""
+    if x.is_leaf and x.requires_grad:
+        raise ValueError(f"cupyloss.torch.{loss.name}(inplace_backward=True) would overwrite a "
+                         f"leaf tensor that requires grad with its own gradient; pass a tensor "
+                         f"computed from it (a model's logits)")
+    if reduction == "none":
+        raise ValueError(f"cupyloss.torch.{loss.name}(inplace_backward=True) needs a reduced "
+                         f"loss: with reduction='none' backward reads the input again")
+    return bool(flags[0]) and not traced and x.device.type == "cuda" and x.is_contiguous()
 
 
 # The losses torch's CUDA autocast runs in float32 (torch.amp's op reference, "CUDA Ops that can
@@ -880,9 +913,10 @@ def _make_function(loss: _Loss):
     options = "".join(f"{o}, " for o, _ in loss.options)
     legacy = "(size_average, reduce)" if loss.legacy else "()"
     fixed = "".join(f"{n}, " for n, _ in loss.fixed)
+    inplace = ", inplace_backward" if loss.inplace else ""
     source = (f"def {loss.name}({', '.join(text)}):\n"
               f"    return _call(_loss, ({', '.join(loss.arrays)},), reduction, ({options}), "
-              f"{legacy}, ({fixed}))\n")
+              f"{legacy}, ({fixed}){inplace})\n")
     namespace = {"_call": _call, "_loss": loss, **defaults}
     exec(compile(source, f"<cupyloss.torch.{loss.name}>", "exec"), namespace)
     function = namespace[loss.name]
@@ -975,10 +1009,15 @@ def _describe(name: str, spec) -> _Loss:
             raise TypeError(f"cupyloss has no function {name + suffix}")
     arrays, options, reduction = _core_parameters(name)
     params, fixed, legacy = _public_parameters(name, arrays, options, reduction)
+    inplace = "inplace" in inspect.signature(
+        getattr(cupyloss, name + "_value_and_grad")).parameters
+    if inplace:
+        params = [*params, inspect.Parameter("inplace_backward", inspect.Parameter.KEYWORD_ONLY,
+                                             default=False)]
     differentiable = getattr(spec, "differentiable", arrays)
     return _Loss(name, arrays, options, reduction, spec.reductions, params, fixed, legacy,
                  tuple(o for o, _ in options), (False,) * len(arrays),
-                 tuple(a in differentiable for a in arrays))
+                 tuple(a in differentiable for a in arrays), inplace=inplace)
 
 
 def _build(loss: _Loss) -> tuple:

@@ -205,9 +205,13 @@ def test_signature_is_torch_functional_then_cupyloss_options(name):
         assert _plain(ours)[:len(theirs)] == theirs
         extra = _plain(ours)[len(theirs):]
         assert all(kind is inspect.Parameter.KEYWORD_ONLY for _, kind, _ in extra)
+        # the core's options torch lacks, then the adapter's own (inplace_backward where the
+        # core's value_and_grad can write the input's gradient in place)
+        adapter = ([("inplace_backward", False)] if "inplace" in inspect.signature(
+            getattr(cupyloss, name + "_value_and_grad")).parameters else [])
         assert [(n, d) for n, _, d in extra] == [
             (p.name, p.default) for p in core.parameters.values()
-            if p.name not in {n for n, _, _ in theirs}]
+            if p.name not in {n for n, _, _ in theirs}] + adapter
     else:
         assert _plain(ours) == _plain(core)
 
@@ -627,3 +631,18 @@ def test_compile_fullgraph_matches_eager(engine, fresh_dynamo, name):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
     finally:
         CF.gradients_in_forward = True
+
+
+def test_inplace_backward_is_refused_where_it_would_lose_something():
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 5, (4,))
+    with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+        CF.cross_entropy(x, t, inplace_backward=True)
+    with pytest.raises(ValueError, match="needs a reduced loss"):
+        CF.nll_loss(x * 1.0, t, reduction="none", inplace_backward=True)
+    assert "inplace_backward" not in inspect.signature(CF.mse_loss).parameters
+    # CPU tensors: torch's operations, the input left as it was
+    z = x * 1.0
+    kept = z.detach().clone()
+    CF.cross_entropy(z, t, inplace_backward=True).backward()
+    assert torch.equal(z.detach(), kept) and x.grad is not None

@@ -419,3 +419,37 @@ def test_autocast_binary_cross_entropy_is_refused_like_torchs():
             torch.nn.functional.binary_cross_entropy(p, p)
         with pytest.raises(RuntimeError, match="unsafe to autocast"):
             CF.binary_cross_entropy(p, p)
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nll_loss"])
+def test_inplace_backward_writes_the_gradient_into_the_logits(name):
+    """inplace_backward=True: the logits' buffer receives their gradient in the forward pass (the
+    same bits as without it), backward hands that buffer on; a node that saved the logits, a
+    second backward, and a leaf are refused."""
+    rows, cols = 1024, 8192
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    t = torch.randint(0, cols, (rows,), device="cuda")
+    f = CF.LOSSES[name]
+    plain = f(x * 1.0, t, label_smoothing=0.1) if name == "cross_entropy" else f(x * 1.0, t)
+    plain.backward(torch.tensor(0.5, device="cuda", dtype=plain.dtype))
+    want, x.grad = x.grad, None
+    z = x * 1.0
+    opts = {"label_smoothing": 0.1} if name == "cross_entropy" else {}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = f(z, t, inplace_backward=True, **opts)
+    grew = torch.cuda.max_memory_allocated() - base
+    assert torch.equal(loss, plain.detach())
+    assert grew < 1024 * 1024                       # no gradient buffer: z holds it
+    loss.backward(torch.tensor(0.5, device="cuda", dtype=loss.dtype))
+    assert torch.equal(x.grad, want)
+    z = x * 1.0
+    loss = f(z, t, inplace_backward=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one plain backward"):
+        loss.backward()
+    y = torch.tanh(x)                               # tanh saves its output for backward
+    loss = f(y, t, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
