@@ -91,7 +91,13 @@ are (float32 accumulation, the loss and grad_output in float32: no float32 copy 
 H100, 8192 x 128256 bfloat16, forward + backward 1.85 ms and 1.96 GiB against torch eager's
 12.17 ms and 9.79 GiB); the others, and traced calls, take float32 copies as torch does;
 binary_cross_entropy is refused as torch refuses it; losses torch lacks run in the dtype they
-are given.  CPU tensors take torch's own operations
+are given.  ``inplace_backward=True`` (the losses whose value_and_grad writes in place:
+cross_entropy, nll_loss) writes the input's gradient into the input's buffer in the forward
+pass, as Liger-Kernel does: no gradient buffer at all.  The input's version counter is bumped,
+so a node that saved the input raises at its backward instead of reading the gradient; a leaf
+that requires grad and reduction='none' are refused; the loss has one plain backward.  Under a
+tracer and on CPU tensors the out-of-place path runs (the same numbers).  CPU tensors take
+torch's own operations
 (cupyloss._torch_forms: torch.nn.functional's loss where torch has it, with cupyloss's extra
 options formed around it, else the loss's formula; gradients by torch.autograd), so code written
 with cupyloss.torch runs unchanged on a machine without a GPU, with torch's semantics there
