@@ -48,7 +48,7 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
 
 # The workspace a call may use by default: enough to keep every row's bfloat16 dZ at 16384 x
 # 128256 (3.9 GiB) beside 1024-row chunks, the fastest plan there (bench_linear, H100, the rows
-# in benchmarks/results/linear-h100.json: 16384 rows 81.2 ms kept, 110.3 ms with a float32 sum).
+# in benchmarks/results/linear-h100.json: 16384 rows 80.6 ms kept, 111.0 ms with a float32 sum).
 DEFAULT_WORKSPACE_BYTES = 4608 << 20
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -63,8 +63,9 @@ _COMPUTE_32F, _COMPUTE_64F = 68, 70
 _GEMM_DEFAULT = -1
 
 
-# Rows of a chunk of logits at most: larger chunks measured no faster (bench_linear, H100,
-# 8192 rows bf16: 1024-row chunks 41.0 ms, 4096-row 42.1) and only hold more memory.
+# Rows of a chunk of logits at most: larger chunks measured no faster and only hold more
+# memory (H100, 8192 rows bf16, dZ kept, taking turns with torch.compile: 512-row chunks 42.21
+# ms, 1024 40.65, 2048 40.52; docs/performance.md).
 CHUNK_ROWS_MAX = 1024
 # A cuBLAS tile: chunks and slices are multiples of it where they can be.
 TILE = 128
