@@ -1,7 +1,8 @@
 """Benchmark cupyloss.torch's forward + loss.backward() against torch eager and torch.compile.
 
     python -m cupyloss.bench_torch [--reps 20] [--scale 1.0] [--small-only]
-                                   [--only small,large,compiled] [--profile] [--json out.json]
+                                   [--only small,large,compiled,autocast] [--profile]
+                                   [--json out.json]
 
 small   1K float32 elements, mse_loss: host microseconds per `loss = f(x, y); loss.backward()`
         (the time the Python thread spends per call, the GPU never being the bottleneck), for
@@ -34,6 +35,11 @@ compiled  inside torch.compile(fullgraph=True), forward + backward of a training
                  logits from a product in every case)
         for cupyloss.torch eager, cupyloss.torch compiled, torch eager, torch.compile, and
         Liger-Kernel's cross entropy where it is installed.
+autocast  under torch.autocast("cuda", dtype=torch.bfloat16), forward + backward of cross_entropy
+        of bfloat16 logits [8192, 128256] and [32768, 4096] (a float32 loss, a bfloat16
+        gradient), GPU ms and peak GiB beyond the inputs, for cupyloss.torch (which reads the
+        bfloat16 logits as they are), torch eager (which takes a float32 copy) and
+        torch.compile.
 --scale shrinks every side of the large workloads.  Never used as a test.
 """
 
@@ -323,6 +329,41 @@ def compiled(reps: int, scale: float) -> list:
     return rows
 
 
+def autocast(reps: int, scale: float) -> list:
+    """cross_entropy under bfloat16 autocast (module docstring): ms and peak GiB of each way."""
+    import torch._dynamo
+
+    F = torch.nn.functional
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, n, cols in (("ce", 8192, 128256), ("kb95", 32768, 4096)):
+        n = max(1, int(n * scale))
+        x = torch.randn(n, cols, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        t = torch.randint(0, cols, (n,), device="cuda", generator=g)
+
+        def under_autocast(f, x=x, t=t):
+            def run():
+                x.grad = None
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = f(x, t)
+                loss.backward()
+            return run
+
+        table = _Table(reps, warm=True)
+        table.measure("cupyloss.torch", under_autocast(CF.cross_entropy))
+        table.measure("torch eager", under_autocast(F.cross_entropy))
+        torch._dynamo.reset()
+        table.measure("torch.compile", under_autocast(torch.compile(F.cross_entropy)))
+        torch._dynamo.reset()
+        rows.append({"workload": name, "shape": [n, cols], **table.report(
+            f"{name} cross_entropy [{n}x{cols}] bfloat16 under autocast, forward + backward, "
+            f"GPU ms (median of {reps}) and peak memory beyond the inputs:", "cupyloss.torch",
+            "cupyloss.torch's time", 20, 3)})
+        del x, t, table
+        _free()
+    return rows
+
+
 def main(argv=None) -> dict:
     global torch, CF
     ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_torch",
@@ -331,7 +372,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--scale", type=float, default=1.0, help="shrink every side")
     ap.add_argument("--small-only", action="store_true", help="only the 1K-element host cost")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections of small, large, compiled (default: all)")
+                    help="comma-separated sections of small, large, compiled, autocast "
+                         "(default: all)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--profile", action="store_true", help="cProfile the 1K adapter loop")
     args = ap.parse_args(argv)
@@ -341,7 +383,8 @@ def main(argv=None) -> dict:
     device = torch.cuda.get_device_name()
     print(f"device: {device}; torch {torch.__version__}")
     sections = (["small"] if args.small_only
-                else args.only.split(",") if args.only else ["small", "large", "compiled"])
+                else args.only.split(",") if args.only
+                else ["small", "large", "compiled", "autocast"])
     result = {"device": device}
     if "small" in sections:
         result["small"] = small(args.profile)
@@ -350,6 +393,8 @@ def main(argv=None) -> dict:
         result["large"] = large(args.reps, args.scale)
     if "compiled" in sections:
         result["compiled"] = compiled(args.reps, args.scale)
+    if "autocast" in sections:
+        result["autocast"] = autocast(args.reps, args.scale)
     return _timing.save(args.json, result)
 
 
