@@ -32,7 +32,7 @@ import math
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
 from cupyloss._registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
 
 # Flag bits and operand kinds, mirrored from the enums in kernels/pointwise.cu.
@@ -141,7 +141,7 @@ class Plan:
                       if where == "fused"]
 
 
-_PLANS: dict = {}
+_PLANS = _plans.Plans()
 _TICKETS: dict = {}          # device -> (base pointer, {stream: slot})
 _TICKET_SLOTS = 1024
 _COL_TICKETS = 256           # column blocks of pointwise_rows, or groups of o of pointwise_reduce,

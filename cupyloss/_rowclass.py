@@ -18,7 +18,7 @@ import math
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
 from cupyloss._pointwise import _ticket
 from cupyloss._rowwise import Launched, _contiguous, _target_operand
 
@@ -97,7 +97,7 @@ class Plan:
     ticket: bool
 
 
-_PLANS: dict = {}
+_PLANS = _plans.Plans()
 
 
 # --- layout -------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import array
 import dataclasses
 import math
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
 from cupyloss._pointwise import _ticket
 from cupyloss._rowwise import _INDEX_DTYPES, _contiguous, _target_operand
 
@@ -136,7 +136,7 @@ LAYOUT = _args.Layout([(name, 1) for name in _PARAMS])
 FINISH_LAYOUT = _args.Layout([(name, 1) for name in ("partials", "rows", "divisor", "value")])
 _ONE = _args.f64_word(1.0)
 
-_PLANS: dict = {}
+_PLANS = _plans.Plans()
 
 
 @dataclasses.dataclass

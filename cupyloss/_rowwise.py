@@ -20,7 +20,7 @@ import math
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
 from cupyloss._pointwise import _ticket
 
 # Flag bits, mirrored from the enum in kernels/rowwise.cu.
@@ -130,7 +130,7 @@ class Plan:
     ticket: bool
 
 
-_PLANS: dict = {}
+_PLANS = _plans.Plans()
 
 
 # --- operands ------------------------------------------------------------------------------------
@@ -350,8 +350,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
             region("wsum_partials", wcfg.grid[0])
     ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
     return Plan(main, wsum, geo.batch_shape, tuple(x_shape), tuple(t_shape), dtype, acc,
-                acc if acc_io else dtype, want_value and reduction != "none", want_value and reduction == "none",
-                want_lse, want_gx and not inplace and into is None, want_gt, inplace,
+                acc if acc_io else dtype, want_value and reduction != "none",
+                want_value and reduction == "none", want_lse, want_gx and not inplace and into is None, want_gt, inplace,
                 into is not None, scratch, size, counters, ticket)
 
 

@@ -124,7 +124,7 @@ except ImportError as exc:
                       f"({exc}): pip install 'cupyloss[torch]'") from exc
 
 import cupyloss
-from cupyloss import _args, _dtypes, _launch, _reduction, _source, _validate
+from cupyloss import _args, _dtypes, _launch, _plans, _reduction, _source, _validate
 from cupyloss._registry import all_losses
 
 # Compute the gradients of a reduced loss in the forward pass (see the module docstring).
@@ -263,7 +263,7 @@ class _ByDevice:
 _engine = _ByDevice()
 
 
-_SCALE_PLANS: dict = {}
+_SCALE_PLANS = _plans.Plans()
 _TORCH_DTYPES: dict = {}
 
 

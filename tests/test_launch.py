@@ -980,3 +980,17 @@ def test_kernel_constants_match_the_launcher():
 def test_slice_launch_is_a_block_a_row_within_one_wave(rows, grid):
     cfg = _launch.slice_launch(rows, H100)
     assert cfg.grid == (grid,) and cfg.block == (_launch.BLOCK,) and cfg.shared == 0
+
+
+def test_plan_caches_are_bounded_and_drop_the_oldest():
+    from cupyloss import _plans, _pointwise, _rowclass, _rowpair, _rowwise
+
+    plans = _plans.Plans(3)
+    for k in range(5):
+        plans[k] = str(k)
+    assert list(plans) == [2, 3, 4] and plans.get(0) is None
+    plans[3] = "again"                       # a key it holds: replaced, nothing dropped
+    assert list(plans) == [2, 3, 4] and plans[3] == "again"
+    for engine in (_pointwise, _rowclass, _rowpair, _rowwise):
+        assert isinstance(engine._PLANS, _plans.Plans)
+        assert engine._PLANS.size == _plans.PLANS_KEPT
