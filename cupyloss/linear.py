@@ -306,22 +306,8 @@ class _Call:
         self.narrow = dtype.itemsize < self.logit.itemsize
         self.stream, self.device = stream, device
         self.blas = _Blas(dtype)
-        # The upstream gradient of each row's loss: grad_output over the 'mean' divisor.
-        t, logit = self.t, self.logit
-        divisor = None
-        if reduction == "mean":
-            valid = t != ignore_index
-            if cw is None:
-                divisor = valid.sum(dtype=logit)
-            else:
-                divisor = (cw[cupy.where(valid, t, 0)].astype(logit) * valid).sum()
-        self.divisor = divisor
-        if reduction == "none":
-            self.scale = (cupy.ascontiguousarray(grad_go.reshape(n)) if grad_go is not None
-                          else float(grad_output))
-        else:
-            g = grad_go.astype(logit) if grad_go is not None else logit.type(grad_output)
-            self.scale = g / divisor if divisor is not None else cupy.asarray(g, logit)
+        self._upstream = (grad_go, grad_output)
+        self._scale = self.divisor = None
         self.gx = cupy.empty((n, h), dtype) if self.want["hidden"] else None
         self.gw = cupy.empty((v, h), dtype) if self.want["weight"] else None
         self.gb = cupy.zeros((v,), logit) if self.want["bias"] else None
@@ -329,8 +315,33 @@ class _Call:
         self.losses = self.loss_rows = None
         self.return_lse = return_lse
 
+    def _upstream_scale(self):
+        """The upstream gradient of each row's loss: grad_output over the 'mean' divisor.
+        Formed on first use, after the first chunk's product is queued, so that the device
+        starts on it while the host forms these small arrays."""
+        import cupy
+
+        if self._scale is not None:
+            return self._scale
+        (grad_go, grad_output), t, logit = self._upstream, self.t, self.logit
+        cw, n, ignore_index = self.cw, self.n, self.options["ignore_index"]
+        if self.reduction == "mean":
+            valid = t != ignore_index
+            if cw is None:
+                self.divisor = valid.sum(dtype=logit)
+            else:
+                self.divisor = (cw[cupy.where(valid, t, 0)].astype(logit) * valid).sum()
+        if self.reduction == "none":
+            self._scale = (cupy.ascontiguousarray(grad_go.reshape(n)) if grad_go is not None
+                           else float(grad_output))
+        else:
+            g = grad_go.astype(logit) if grad_go is not None else logit.type(grad_output)
+            self._scale = (g / self.divisor if self.divisor is not None
+                           else cupy.asarray(g, logit))
+        return self._scale
+
     def _scale_rows(self, r0, r1):
-        s = self.scale
+        s = self._upstream_scale()
         return s[r0:r1] if self.reduction == "none" and not isinstance(s, float) else s
 
     def first_pass(self, pl: Plan) -> None:
@@ -464,6 +475,7 @@ class _Call:
             gb = self.gb
             grads["bias"] = gb if gb.dtype == dtype else gb.astype(dtype)
         loss = None
+        self._upstream_scale()    # the divisor, where no chunk asked for it (no rows)
         if self.want_value:
             if self.reduction == "none":
                 loss = self.loss_rows.reshape(hidden_shape[:-1])
