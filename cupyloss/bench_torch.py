@@ -33,13 +33,14 @@ compiled  inside torch.compile(fullgraph=True), forward + backward of a training
         is called on the leaf), and
           ce-head  cross_entropy(h @ W.T, t), h [8192, 512], W [128256, 512] bfloat16 (the
                  logits from a product in every case)
-        for cupyloss.torch eager, cupyloss.torch compiled, torch eager, torch.compile, and
-        Liger-Kernel's cross entropy where it is installed.
+        for cupyloss.torch eager and compiled (the cross entropy steps also with
+        inplace_backward=True, the eager one then on ``x * 1.0`` too), torch eager,
+        torch.compile, and Liger-Kernel's cross entropy where it is installed.
 autocast  under torch.autocast("cuda", dtype=torch.bfloat16), forward + backward of cross_entropy
         of bfloat16 logits [8192, 128256] and [32768, 4096] (a float32 loss, a bfloat16
-        gradient), GPU ms and peak GiB beyond the inputs, for cupyloss.torch (which reads the
-        bfloat16 logits as they are), torch eager (which takes a float32 copy) and
-        torch.compile.
+        gradient), GPU ms and peak GiB beyond the inputs, for cupyloss.torch eager and compiled
+        (both read the bfloat16 logits as they are), torch eager (which takes a float32 copy)
+        and torch.compile.
 --scale shrinks every side of the large workloads.  Never used as a test.
 """
 
@@ -253,7 +254,8 @@ def large(reps: int, scale: float) -> list:
 
 def _compiled_workloads(scale: float):
     """(name, arguments, step with cupyloss.torch, step with torch, the eager adapter's call,
-    Liger-Kernel's step or None) of each compiled case."""
+    Liger-Kernel's step or None, the cupyloss step with inplace_backward=True or None) of each
+    compiled case."""
     g = torch.Generator(device="cuda").manual_seed(0)
     F = torch.nn.functional
 
@@ -265,19 +267,23 @@ def _compiled_workloads(scale: float):
 
     x = torch.randn(side(32768), side(32768), device="cuda", generator=g, requires_grad=True)
     y = torch.randn(x.shape, device="cuda", generator=g)
-    yield "mse", (x, y), on_copy(CF.mse_loss), on_copy(F.mse_loss), CF.mse_loss, None
+    yield "mse", (x, y), on_copy(CF.mse_loss), on_copy(F.mse_loss), CF.mse_loss, None, None
     del x, y
     _free()
     try:
         from liger_kernel.transformers.functional import liger_cross_entropy
     except ImportError:
         liger_cross_entropy = None
+    def inplace(a, b):
+        return CF.cross_entropy(a, b, inplace_backward=True)
+
     for name, rows, cols, dtype in (("ce", 8192, 128256, torch.bfloat16),
                                     ("kb95", 32768, 4096, torch.float32)):
         x = torch.randn(side(rows), cols, device="cuda", generator=g).to(dtype).requires_grad_()
         t = torch.randint(0, cols, (side(rows),), device="cuda", generator=g)
         yield (name, (x, t), on_copy(CF.cross_entropy), on_copy(F.cross_entropy),
-               CF.cross_entropy, liger_cross_entropy and on_copy(liger_cross_entropy))
+               CF.cross_entropy, liger_cross_entropy and on_copy(liger_cross_entropy),
+               on_copy(inplace))
         del x, t
         _free()
     # An output layer's logits (8192 tokens, hidden 512, 128256 classes, bfloat16): the loss's
@@ -292,13 +298,14 @@ def _compiled_workloads(scale: float):
         return lambda a, b, c: f(a @ b.T, c)
 
     yield ("ce-head", (h, w, t), head(CF.cross_entropy), head(F.cross_entropy),
-           head(CF.cross_entropy), liger_cross_entropy and head(liger_cross_entropy))
+           head(CF.cross_entropy), liger_cross_entropy and head(liger_cross_entropy),
+           head(inplace))
     del h, w, t
     _free()
     a, p, n = (torch.randn(side(32768), side(8192), device="cuda", generator=g,
                            requires_grad=True) for _ in range(3))
     yield ("triplet", (a, p, n), on_copy(CF.triplet_margin_loss),
-           on_copy(F.triplet_margin_loss), CF.triplet_margin_loss, None)
+           on_copy(F.triplet_margin_loss), CF.triplet_margin_loss, None, None)
 
 
 def compiled(reps: int, scale: float) -> list:
@@ -306,12 +313,17 @@ def compiled(reps: int, scale: float) -> list:
     import torch._dynamo
 
     rows = []
-    for name, args, ours, theirs, eager_call, liger in _compiled_workloads(scale):
+    for name, args, ours, theirs, eager_call, liger, inplace in _compiled_workloads(scale):
         table = _Table(reps, warm=True)     # the warm call compiles
         measure = table.measure
         measure("cupyloss.torch eager", _fwd_bwd(eager_call, args))
         torch._dynamo.reset()
         measure("cupyloss.torch compiled", _fwd_bwd(torch.compile(ours, fullgraph=True), args))
+        if inplace is not None:
+            measure("cupyloss.torch eager, inplace_backward", _fwd_bwd(inplace, args))
+            torch._dynamo.reset()
+            measure("cupyloss.torch compiled, inplace_backward",
+                    _fwd_bwd(torch.compile(inplace, fullgraph=True), args))
         measure("torch eager", _fwd_bwd(theirs, args))
         torch._dynamo.reset()
         measure("torch.compile", _fwd_bwd(torch.compile(theirs, fullgraph=True), args))
@@ -323,7 +335,7 @@ def compiled(reps: int, scale: float) -> list:
         rows.append({"workload": name, "shape": list(args[0].shape), **table.report(
             f"{name} [{shape}] {dtype}, forward + backward of the step, GPU ms (median of "
             f"{reps}) and peak memory beyond the inputs:", "cupyloss.torch eager",
-            "the eager adapter's", 40, 3)})
+            "the eager adapter's", 42, 3)})
         del args
         _free()
     return rows
@@ -351,6 +363,9 @@ def autocast(reps: int, scale: float) -> list:
 
         table = _Table(reps, warm=True)
         table.measure("cupyloss.torch", under_autocast(CF.cross_entropy))
+        torch._dynamo.reset()
+        table.measure("cupyloss.torch compiled",
+                      under_autocast(torch.compile(CF.cross_entropy, fullgraph=True)))
         table.measure("torch eager", under_autocast(F.cross_entropy))
         torch._dynamo.reset()
         table.measure("torch.compile", under_autocast(torch.compile(F.cross_entropy)))

@@ -89,14 +89,17 @@ losses torch's autocast runs in float32 (_AUTOCAST_FP32) return what torch retur
 loss, gradients in the arguments' dtypes.  cross_entropy and nll_loss read 16-bit logits as they
 are (float32 accumulation, the loss and grad_output in float32: no float32 copy of the logits;
 H100, 8192 x 128256 bfloat16, forward + backward 1.85 ms and 1.96 GiB against torch eager's
-12.17 ms and 9.79 GiB); the others, and traced calls, take float32 copies as torch does;
+12.17 ms and 9.79 GiB), eager and compiled; the others take float32 copies as torch does;
 binary_cross_entropy is refused as torch refuses it; losses torch lacks run in the dtype they
 are given.  ``inplace_backward=True`` (the losses whose value_and_grad writes in place:
 cross_entropy, nll_loss) writes the input's gradient into the input's buffer in the forward
 pass, as Liger-Kernel does: no gradient buffer at all.  The input's version counter is bumped,
 so a node that saved the input raises at its backward instead of reading the gradient; a leaf
-that requires grad and reduction='none' are refused; the loss has one plain backward.  Under a
-tracer and on CPU tensors the out-of-place path runs (the same numbers).  CPU tensors take
+that requires grad and reduction='none' are refused; the loss has one plain backward.  Under
+torch.compile it is an op declared as mutating the input, so Inductor writes into the input's
+own buffer where nothing later reads it, and refuses (as eager does) where a node saved it; its
+backward is grad_output times the saved input.  On CPU tensors the out-of-place path runs (the
+same numbers).  CPU tensors take
 torch's own operations
 (cupyloss._torch_forms: torch.nn.functional's loss where torch has it, with cupyloss's extra
 options formed around it, else the loss's formula; gradients by torch.autograd), so code written
@@ -391,6 +394,7 @@ class _Loss:
                              # takes inplace_backward
     forward: object = None   # torch.ops.cupyloss.<name>.default
     backward: object = None  # torch.ops.cupyloss.<name>_backward.default
+    inplace_op: object = None  # torch.ops.cupyloss.<name>_inplace.default (inplace losses)
 
 
 def _core_parameters(name):
@@ -444,10 +448,15 @@ def _flags_schema(loss: _Loss) -> str:
 
 
 def _split_inputs(loss: _Loss, inputs):
-    """Op inputs -> (arrays, reduction, options dict, flags)."""
+    """Op inputs -> (arrays, reduction, options dict, flags).  The ops' last argument, `wide`
+    (16-bit logits read as they are under autocast, a float32 loss: _autocast), is passed on
+    as the option "_wide" where it is set."""
     n, k = len(loss.arrays), len(loss.options)
     options = {o: v for (o, _), v in zip(loss.options, inputs[n + 1:n + 1 + k])}
-    return inputs[:n], inputs[n], options, inputs[n + 1 + k:]
+    flags = inputs[n + 1 + k:n + 1 + k + n]
+    if len(inputs) > n + 1 + k + n and inputs[n + 1 + k + n]:
+        options["_wide"] = True
+    return inputs[:n], inputs[n], options, flags
 
 
 # Gradients a forward op formed for its backward op, held here instead of returned.  A returned
@@ -567,10 +576,11 @@ def _loss_shape(loss: _Loss, arrays, reduction):
 
 def _forward_fake(loss: _Loss):
     def fake(*inputs):
-        arrays, reduction, _, flags = _split_inputs(loss, inputs)
+        arrays, reduction, options, flags = _split_inputs(loss, inputs)
         shape = _loss_shape(loss, arrays, reduction)
         held = True in flags and reduction != "none"
-        return (arrays[0].new_empty(shape),
+        dtype = torch.float32 if "_wide" in options else arrays[0].dtype
+        return (arrays[0].new_empty(shape, dtype=dtype),
                 arrays[0].new_empty((1 if held else 0,), dtype=torch.uint8))
 
     return fake
@@ -662,8 +672,9 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
             return [next(got) if w else None for w in need]
         options = dict(ctx.options)
         options.update(zip(ctx.tensor_options, saved[n:-1]))
+        wide = options.pop("_wide", False)
         out = loss.backward(grad_loss, saved[-1], *saved[:n], ctx.reduction, *options.values(),
-                            *need)
+                            *need, wide)
         return [g if w else None for g, w in zip(out, need)]
     mode = _backward_mode(grad_loss)
     if (grads is not None and mode != "graph"
@@ -692,8 +703,9 @@ def _gradients(loss: _Loss, ctx, grad_loss, need) -> list:
             got = _engine.backward(loss.name, grad_loss, saved[:n], ctx.reduction, options, wrt)
         got = iter(got)
         return [next(got) if w else None for w in need]
+    wide = options.pop("_wide", False)
     out = loss.backward(grad_loss, _no_token(saved[0]), *saved[:n], ctx.reduction,
-                        *options.values(), *need)
+                        *options.values(), *need, wide)
     return [g if w else None for g, w in zip(out, need)]
 
 
@@ -773,17 +785,73 @@ def _register(loss: _Loss) -> None:
     grads = ", ".join("Tensor" for _ in loss.arrays)
     forward = torch.library.custom_op(
         f"{_NAMESPACE}::{loss.name}", _forward_impl(loss), mutates_args=(),
-        schema=f"({args}, {flags}) -> (Tensor, Tensor)")
+        schema=f"({args}, {flags}, bool wide=False) -> (Tensor, Tensor)")
     forward.register_fake(_forward_fake(loss))
     backward = torch.library.custom_op(
         f"{_NAMESPACE}::{loss.name}_backward", _backward_impl(loss), mutates_args=(),
-        schema=f"(Tensor grad_output, Tensor held, {args}, {flags}) -> ({grads})")
+        schema=f"(Tensor grad_output, Tensor held, {args}, {flags}, bool wide=False) -> "
+               f"({grads})")
     backward.register_fake(_backward_fake(loss))
     setup_context, formula = _autograd(loss)
     forward.register_autograd(formula, setup_context=setup_context)
     namespace = getattr(torch.ops, _NAMESPACE)
     loss.forward = getattr(namespace, loss.name).default
     loss.backward = getattr(namespace, loss.name + "_backward").default
+    if loss.inplace:
+        _register_inplace(loss, args)
+        loss.inplace_op = getattr(namespace, loss.name + "_inplace").default
+
+
+# The traced form of inplace_backward=True: an op that writes the input's gradient (upstream 1)
+# into the input and returns the loss, declared as mutating it, under _InplaceTraced's autograd
+# formula (torch has none for a mutating op).  torch.compile then writes into the input's own
+# buffer where nothing later reads the input (Inductor's re-inplacing; else into a copy, which
+# is still correct), and the backward, grad_output times the saved input, is an ordinary
+# pointwise product the compiled backward fuses with what follows.
+def _register_inplace(loss: _Loss, args: str) -> None:
+    first = loss.arrays[0]
+    flags = (True,) + (False,) * (len(loss.arrays) - 1)
+
+    def impl(*inputs):
+        arrays, reduction, options, _ = _split_inputs(loss, (*inputs[:-1], *flags, inputs[-1]))
+        x = arrays[0]
+        if x.device.type == "cuda" and type(_engine) is _ByDevice:
+            value, _ = _engine.value_and_grad(loss.name, arrays, reduction,
+                                              dict(options, inplace=True), (first,))
+        else:
+            value, (grad,) = _engine.value_and_grad(loss.name, arrays, reduction, options,
+                                                    (first,))
+            x.copy_(grad)
+        return value
+
+    def fake(*inputs):
+        arrays, reduction, options, _ = _split_inputs(loss, (*inputs[:-1], *flags, inputs[-1]))
+        dtype = torch.float32 if "_wide" in options else arrays[0].dtype
+        return arrays[0].new_empty(_loss_shape(loss, arrays, reduction), dtype=dtype)
+
+    impl.__name__ = loss.name + "_inplace"
+    op = torch.library.custom_op(
+        f"{_NAMESPACE}::{loss.name}_inplace", impl, mutates_args=(first,),
+        schema=f"({args.replace('Tensor ', 'Tensor(a!) ', 1)}, bool wide=False) -> Tensor")
+    op.register_fake(fake)
+
+
+class _InplaceTraced(torch.autograd.Function):
+    """autograd of a traced inplace_backward=True call (_register_inplace): forward(op, input,
+    *rest) runs the op, which leaves d loss / d input at upstream 1 in the input; backward is
+    grad_output times it (rounded to its dtype first, as _Kernels.scale does)."""
+
+    @staticmethod
+    def forward(ctx, op, x, *rest):
+        value = op(x, *rest)
+        ctx.save_for_backward(x)
+        ctx.rest = len(rest)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        return (None, grad_loss.to(grad.dtype) * grad, *(None,) * ctx.rest)
 
 
 _held_op = torch.library.custom_op(
@@ -809,7 +877,7 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed, inplace=False)
     traced = _traced(loss, arrays)
     wide = False
     if _autocast_on("cuda") and arrays[0].device.type == "cuda":
-        arrays, options, wide = _autocast(loss, arrays, options, traced)
+        arrays, options, wide = _autocast(loss, arrays, options)
     if traced and arrays[0].device.type == "cpu" and type(_engine) is _ByDevice:
         # Traced on CPU tensors: torch's own operations, which the tracer differentiates (the
         # op's CPU kernel runs below autograd, where they could not be differentiated).
@@ -824,15 +892,18 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed, inplace=False)
     if inplace:
         inplace = _inplace(loss, arrays[0], reduction, flags, traced)
     if traced:
-        return loss.forward(*arrays, reduction, *options, *flags)[0]
+        if inplace:
+            return _InplaceTraced.apply(loss.inplace_op, *arrays, reduction, *options, wide)
+        return loss.forward(*arrays, reduction, *options, *flags, wide)[0]
     return _apply_eager((loss, reduction, options, flags, wide, inplace), *arrays)
 
 
 def _inplace(loss: _Loss, x, reduction, flags, traced) -> bool:
     """Whether a call with inplace_backward=True writes the input's gradient into the input:
     refused (ValueError) where that would lose something autograd or the caller still needs;
-    not done where no gradient is formed in the forward pass, on CPU tensors, or under a
-    tracer (torch.compile keeps the out-of-place path, which gives the same numbers)."""
+    not done where no gradient is formed in the forward pass or on CPU tensors.  Traced, the
+    op declared as mutating the input (_register_inplace) takes it where the input's gradient
+    is the only one asked for; otherwise the out-of-place path runs (the same numbers)."""
     if x.is_leaf and x.requires_grad:
         raise ValueError(f"cupyloss.torch.{loss.name}(inplace_backward=True) would overwrite a "
                          f"leaf tensor that requires grad with its own gradient; pass a tensor "
@@ -840,7 +911,10 @@ def _inplace(loss: _Loss, x, reduction, flags, traced) -> bool:
     if reduction == "none":
         raise ValueError(f"cupyloss.torch.{loss.name}(inplace_backward=True) needs a reduced "
                          f"loss: with reduction='none' backward reads the input again")
-    return bool(flags[0]) and not traced and x.device.type == "cuda" and x.is_contiguous()
+    if traced:
+        on_kernels = x.device.type == "cuda" or type(_engine) is not _ByDevice
+        return on_kernels and bool(flags[0]) and True not in flags[1:] and x.is_contiguous()
+    return bool(flags[0]) and x.device.type == "cuda" and x.is_contiguous()
 
 
 # The losses torch's CUDA autocast runs in float32 (torch.amp's op reference, "CUDA Ops that can
@@ -853,14 +927,15 @@ _AUTOCAST_FP32 = frozenset((
     "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "poisson_nll_loss",
     "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss"))
 # Of those, the ones whose kernels read 16-bit logits as they are and return the float32 loss
-# (rowwise.cu's ROW_ACC_IO) in eager calls: the float32 copy torch makes of the logits (4 GiB
-# at 8192 x 128256) is never made.  The others, and traced calls, take float32 copies as torch.
+# (rowwise.cu's ROW_ACC_IO; the ops' `wide` argument when traced): the float32 copy torch makes
+# of the logits (4 GiB at 8192 x 128256) is never made, eager or compiled.  The others take
+# float32 copies as torch does.
 _AUTOCAST_DIRECT = frozenset(("cross_entropy", "nll_loss"))
 _LOWER = (torch.float16, torch.bfloat16)
 _autocast_on = torch.is_autocast_enabled
 
 
-def _autocast(loss: _Loss, arrays, options, traced):
+def _autocast(loss: _Loss, arrays, options):
     """(arrays, options, wide) of a call on CUDA tensors under CUDA autocast (see above)."""
     if loss.name == "binary_cross_entropy":
         raise RuntimeError(
@@ -873,7 +948,7 @@ def _autocast(loss: _Loss, arrays, options, traced):
               and a.is_floating_point()]
     if not any(a.dtype in _LOWER for a in floats):
         return arrays, options, False
-    if (not traced and loss.name in _AUTOCAST_DIRECT and arrays[0].dtype in _LOWER
+    if (loss.name in _AUTOCAST_DIRECT and arrays[0].dtype in _LOWER
             and all(a.dtype == arrays[0].dtype for a in floats)):
         return arrays, options, True
 

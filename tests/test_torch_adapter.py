@@ -646,3 +646,38 @@ def test_inplace_backward_is_refused_where_it_would_lose_something():
     kept = z.detach().clone()
     CF.cross_entropy(z, t, inplace_backward=True).backward()
     assert torch.equal(z.detach(), kept) and x.grad is not None
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nll_loss"])
+def test_compiled_inplace_backward_takes_the_mutating_op(engine, fresh_dynamo, name):
+    """Traced, inplace_backward=True runs the op declared as mutating the input
+    (<name>_inplace): eager's loss and gradients, the backward a pointwise product of the
+    saved input (no scaling call), and the same through the graph a second time."""
+    torch.manual_seed(0)
+    model = _tiny_model()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    t = torch.randint(0, 5, (4,))
+    # log-probabilities from a head that keeps no copy of its output for backward
+    # (log_softmax does, and overwriting it is refused as in eager: below)
+    head = (lambda y: y - y.logsumexp(1, keepdim=True)) if name == "nll_loss" else (lambda y: y)
+
+    def step(a, b, inplace=False, head=head):
+        return CF.LOSSES[name](head(model(a)), b, inplace_backward=inplace) * 0.5
+
+    eager = step(x, t)
+    want = torch.autograd.grad(eager, list(model.parameters()))
+    engine.calls.clear()
+    loss = torch.compile(lambda a, b: step(a, b, True), backend="aot_eager", fullgraph=True)(x, t)
+    torch.testing.assert_close(loss, eager, rtol=1e-12, atol=0)
+    for _ in range(2):
+        got = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
+    assert engine.kinds() == ["value_and_grad"]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="modified by an inplace operation"):
+        torch.compile(lambda a, b: step(a, b, True, torch.tanh), backend="aot_eager",
+                      fullgraph=True)(x, t)
+    x32 = torch.randn(4, 5, requires_grad=True)
+    assert CF._inplace(CF._GENERATED[name], x32 * 1.0, "mean", (True, False), True)
+    assert not CF._inplace(CF._GENERATED[name], (x32 * 1.0).T, "mean", (True, False), True)

@@ -142,6 +142,30 @@ def test_opcheck_on_cuda(name):
             torch.library.opcheck(backward, (go, none, *args, reduction, *options, *flags))
             held = forward(*args, reduction, *options, *flags)[1]
             torch.library.opcheck(backward, (go, held, *args, reduction, *options, *flags))
+    inplace = CF._GENERATED[name].inplace_op
+    for reduction in (r for r in SPECS[name].reductions if inplace is not None and r != "none"):
+        torch.library.opcheck(inplace, (args[0].clone(), *args[1:], reduction, *options, False))
+
+
+@pytest.mark.parametrize("name", sorted(CF._AUTOCAST_DIRECT))
+def test_opcheck_of_the_16_bit_autocast_form_on_cuda(name):
+    """The ops' `wide` form (16-bit logits, float32 loss and grad_output) under opcheck."""
+    args, kw = _on_gpu(name, torch.bfloat16, shape=(5, 7), with_optional=True)
+    options = [kw.get(o, d) for o, d in CF._GENERATED[name].options]
+    forward = getattr(torch.ops.cupyloss, name).default
+    backward = getattr(torch.ops.cupyloss, name + "_backward").default
+    for reduction in SPECS[name].reductions:
+        flags = (True,) + (False,) * (len(args) - 1)
+        x = args[0].clone().requires_grad_()
+        torch.library.opcheck(forward, (x, *args[1:], reduction, *options, *flags, True))
+        loss = forward(*args, reduction, *options, *flags, True)[0]
+        assert loss.dtype == torch.float32
+        go = torch.randn(loss.shape, device="cuda")
+        none = torch.empty((0,), dtype=torch.uint8, device="cuda")
+        torch.library.opcheck(backward, (go, none, *args, reduction, *options, *flags, True))
+        if reduction != "none":
+            torch.library.opcheck(CF._GENERATED[name].inplace_op,
+                                  (args[0].clone(), *args[1:], reduction, *options, True))
 
 
 # --- compile, graphs, streams ------------------------------------------------------------------
@@ -412,6 +436,41 @@ def test_autocast_cross_entropy_reads_the_16_bit_logits_without_a_float32_copy()
     torch.testing.assert_close(loss, want, rtol=2e-6, atol=1e-6)
 
 
+def test_compiled_autocast_cross_entropy_reads_the_16_bit_logits():
+    """Compiled under autocast, cross_entropy takes the ops' `wide` form: eager's float32 loss
+    and bfloat16 gradient bit for bit, and no float32 copy of the logits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    rows, cols = 2048, 32768
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    t = torch.randint(0, cols, (rows,), device="cuda")
+
+    def step(a, b):
+        return CF.cross_entropy(a * 1.0, b, label_smoothing=0.1)
+
+    def run(f):
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = f(x, t)
+        loss.backward(torch.tensor(2.0, device="cuda"))
+        return loss.detach(), x.grad
+
+    want = run(step)
+    compiled = torch.compile(step, fullgraph=True)
+    run(compiled)
+    x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = run(compiled)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    # x * 1.0 and the bfloat16 gradient; a float32 copy of the logits would add twice x
+    assert peak < 2.5 * x.numel() * x.element_size(), peak
+
+
 def test_autocast_binary_cross_entropy_is_refused_like_torchs():
     p = torch.rand(8, 3, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -453,3 +512,48 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(name):
     loss = f(y, t, inplace_backward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_compiled_inplace_backward_writes_into_the_products_buffer(dtype):
+    """Compiled, inplace_backward=True takes the op declared as mutating the logits: the
+    gradient goes into the product's own buffer (no logits-sized buffer beside it, where the
+    out-of-place step holds two), with eager's bits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    rows, hidden, cols = 1024, 256, 16384
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(rows, hidden, device="cuda", generator=g) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(cols, hidden, device="cuda", generator=g) * 0.05).to(dtype).requires_grad_()
+    t = torch.randint(0, cols, (rows,), device="cuda", generator=g)
+
+    def step(inplace):
+        return lambda a, b, c: CF.cross_entropy(a @ b.T, c, label_smoothing=0.1,
+                                                inplace_backward=inplace)
+
+    def run(f):
+        h.grad = w.grad = None
+        loss = f(h, w, t)
+        loss.backward(torch.tensor(0.5, device="cuda", dtype=dtype))
+        return loss.detach(), h.grad, w.grad
+
+    def peak_of(f):
+        run(f)
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = run(f)
+        return out, torch.cuda.max_memory_allocated() - base
+
+    want = run(step(True))
+    got, peak = peak_of(torch.compile(step(True), fullgraph=True))
+    torch._dynamo.reset()
+    _, out_of_place = peak_of(torch.compile(step(False), fullgraph=True))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    logits = rows * cols * h.element_size()
+    grads = (h.numel() + w.numel()) * h.element_size()
+    assert peak < 1.5 * logits + grads, (peak, logits)
+    assert out_of_place > 1.9 * logits, (out_of_place, logits)
