@@ -716,13 +716,14 @@ def _autograd(loss: _Loss):
 
     def setup_context(ctx, inputs, output):
         arrays, reduction, options, flags = _split_inputs(loss, inputs)
+        ctx.nones = tail + (None,) * (len(inputs) - n - len(tail))   # `wide` when given
         ctx.mark_non_differentiable(output[1])
         ctx.shapes, ctx.dtype = [tuple(a.shape) for a in arrays], arrays[0].dtype
         _save(ctx, arrays, reduction, options, tuple(flags), None, private=False,
               token=output[1])
 
     def backward(ctx, grad_loss, *unused):
-        return (*_gradients(loss, ctx, grad_loss, ctx.needs_input_grad[:n]), *tail)
+        return (*_gradients(loss, ctx, grad_loss, ctx.needs_input_grad[:n]), *ctx.nones)
 
     return setup_context, backward
 

@@ -681,3 +681,16 @@ def test_compiled_inplace_backward_takes_the_mutating_op(engine, fresh_dynamo, n
     x32 = torch.randn(4, 5, requires_grad=True)
     assert CF._inplace(CF._GENERATED[name], x32 * 1.0, "mean", (True, False), True)
     assert not CF._inplace(CF._GENERATED[name], (x32 * 1.0).T, "mean", (True, False), True)
+
+
+def test_op_with_its_wide_argument_given_differentiates(engine):
+    """The ops' trailing `wide` argument (set under autocast), given explicitly: autograd
+    returns a gradient slot for it too."""
+    args, _ = _arguments("cross_entropy")
+    x = args[0].clone().requires_grad_()
+    options = [d for _, d in CF._GENERATED["cross_entropy"].options]
+    loss, _ = torch.ops.cupyloss.cross_entropy.default(x, args[1], "mean", *options, True, False,
+                                                       False)
+    (g,) = torch.autograd.grad(loss, x)
+    want = ref_grads("cross_entropy", [a.detach().numpy() for a in args], "mean", 1.0)[0]
+    np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
