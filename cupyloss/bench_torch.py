@@ -373,7 +373,7 @@ def autocast(reps: int, scale: float) -> list:
         rows.append({"workload": name, "shape": [n, cols], **table.report(
             f"{name} cross_entropy [{n}x{cols}] bfloat16 under autocast, forward + backward, "
             f"GPU ms (median of {reps}) and peak memory beyond the inputs:", "cupyloss.torch",
-            "cupyloss.torch's time", 20, 3)})
+            "cupyloss.torch's time", 24, 3)})
         del x, t, table
         _free()
     return rows
