@@ -310,7 +310,7 @@ class _Call:
         self._scale = self.divisor = None
         self.gx = cupy.empty((n, h), dtype) if self.want["hidden"] else None
         self.gw = cupy.empty((v, h), dtype) if self.want["weight"] else None
-        self.gb = cupy.zeros((v,), logit) if self.want["bias"] else None
+        self.gb = cupy.zeros((v,), self.logit) if self.want["bias"] else None
         self.lse = None
         self.losses = self.loss_rows = None
         self.return_lse = return_lse
