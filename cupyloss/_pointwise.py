@@ -42,41 +42,41 @@ KIND_FULL, KIND_ROW, KIND_SCALAR = 0, 1, 2
 _ONE = _args.f64_word(1.0)    # the grad_output word every plan starts with
 
 
-def _scalar_words(k: int) -> list[tuple[str, int]]:
-    # struct Scalars<T, K> in kernels/pointwise.cu: value, g[K], partials, ticket, divisor.
-    return [("value", 1), ("g0", k), ("partials", 1), ("ticket", 1), ("divisor", 1)]
+def _scalars(k: int) -> list[tuple[str, int]]:
+    # struct Scalars<T, K> in kernels/pointwise.cu, written field by field ("o.value", ...).
+    return [("value", 1), ("g", k), ("partials", 1), ("ticket", 1), ("divisor", 1)]
 
 
+# Each kernel's parameters as kernels/pointwise.cu declares them (_source.kernel_words), for K
+# operands and a Params struct of `params` words.
 @functools.lru_cache(maxsize=None)
 def flat_layout(k: int, params: int) -> _args.Layout:
-    """Parameters of pointwise_flat for K operands and a Params struct of `params` words."""
+    """Parameters of pointwise_flat."""
     geo = _launch.geometry_dtype(k + 1).itemsize // 8
-    return _args.Layout([("in", k), ("fill", k), ("go", 1), ("geo", geo), ("n", 1),
-                         ("params", params), ("flags", 1), ("go_value", 1), ("grad_scale", 1),
-                         ("loss", 1)] + _scalar_words(k) + [("g", k)])
+    return _args.Layout(_source.kernel_words(
+        "pointwise.cu", "pointwise_flat", {"in": k, "fill": k, "geo": geo, "p": params, "g": k},
+        {"o": _scalars(k)}))
 
 
 @functools.lru_cache(maxsize=None)
 def rows_layout(k: int, params: int) -> _args.Layout:
-    """Parameters of pointwise_rows for K operands and a Params struct of `params` words."""
-    return _args.Layout([("in", k), ("fill", k), ("kind", k), ("go", 1), ("rows", 1),
-                         ("cols", 1), ("rows_per_block", 1), ("tx", 1), ("params", params),
-                         ("flags", 1), ("go_value", 1), ("grad_scale", 1), ("loss", 1)]
-                        + _scalar_words(k) + [("g", k), ("ws", k), ("col_tickets", 1)])
+    """Parameters of pointwise_rows."""
+    return _args.Layout(_source.kernel_words(
+        "pointwise.cu", "pointwise_rows",
+        {"in": k, "fill": k, "kind": k, "p": params, "g": k, "ws": k}, {"o": _scalars(k)}))
 
 
 @functools.lru_cache(maxsize=None)
 def reduce_layout(k: int, params: int) -> _args.Layout:
-    """Parameters of pointwise_reduce for K operands and a Params struct of `params` words."""
+    """Parameters of pointwise_reduce."""
     geo = _launch.geometry_dtype(k + 2).itemsize // 8
-    return _args.Layout([("in", k), ("fill", k), ("go", 1), ("kept", geo), ("red", geo),
-                         ("n_o", 1), ("n_m", 1), ("chunk", 1), ("nchunks", 1), ("lanes_m", 1),
-                         ("reduced", 1), ("params", params), ("flags", 1), ("go_value", 1),
-                         ("grad_scale", 1), ("loss", 1)] + _scalar_words(k)
-                        + [("g", k), ("ws", k), ("col_tickets", 1)])
+    return _args.Layout(_source.kernel_words(
+        "pointwise.cu", "pointwise_reduce",
+        {"in": k, "fill": k, "kept": geo, "red": geo, "p": params, "g": k, "ws": k},
+        {"o": _scalars(k)}))
 
 
-SUM_CHUNKS = _args.Layout([("ws", 1), ("chunks", 1), ("cols", 1), ("out", 1)])
+SUM_CHUNKS = _args.Layout(_source.kernel_words("reduce.cu", "sum_chunks"))
 _F64 = numpy.dtype(numpy.float64)
 
 
@@ -116,13 +116,13 @@ class Plan:
         slot = self.slot
         self.allocs = []
         if self.value:
-            self.allocs.append((0, slot["value"], (), "empty"))
+            self.allocs.append((0, slot["o.value"], (), "empty"))
         elif self.loss:
             self.allocs.append((0, slot["loss"], self.out_shape, "empty"))
         for k, where in enumerate(self.grads):
             if where is None:
                 continue
-            word = {"g": "g", "g0": "g0", "fused": "g"}.get(where)  # "chunks": sum_chunks's
+            word = {"g": "g", "g0": "o.g", "fused": "g"}.get(where)  # "chunks": sum_chunks's
             how = "zeros" if where == "zeros" else "like" if self.contiguous[k] else "empty"
             self.allocs.append((k + 1, slot[word] + k if word else -1, self.shapes[k], how))
         self.slow = self.too_many_dims
@@ -134,7 +134,7 @@ class Plan:
             self.number_slots = [(k, slot["fill"] + k) for k, s in enumerate(self.shapes)
                                  if s is None]
             self.sgo, self.sgov = slot["go"], slot["go_value"]
-            self.spartials, self.sticket = slot["partials"], slot["ticket"]
+            self.spartials, self.sticket = slot["o.partials"], slot["o.ticket"]
             self.sws = slot.get("ws", 0)
             self.scol = slot.get("col_tickets", 0)
         self.fused = [(k, self.chunks[k][0]) for k, where in enumerate(self.grads)
@@ -245,8 +245,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     fill = [_args.f64_word(spec.fill)] * k_ops
     # The kernels' functor, with its modes' bits (options, and which optional arrays are given).
     functor = spec.instance(params, tuple(spec.operands[k] for k in present))
-    common = {"fill": fill, "params": spec.pack(params), "flags": flags, "go_value": _ONE,
-              "grad_scale": _args.f64_word(scale), "divisor": _args.f64_word(divisor)}
+    common = {"fill": fill, "p": spec.pack(params), "flags": flags, "go_value": _ONE,
+              "grad_scale": _args.f64_word(scale), "o.divisor": _args.f64_word(divisor)}
     contiguous = tuple(lay is not None and tuple(lay[1]) == _contiguous_strides(lay[0])
                        for lay in layouts)
     # Broadcast operands: a pass that delivers the loss is split by the pattern of the first of

@@ -69,12 +69,9 @@ SPECS = {
                      module_name="JSDLoss"),
 }
 
-_ROWS_PARAMS = ("x", "t", "w", "labels", "go", "denom", "rows", "cols", "x_rs", "t_rs", "w_rs",
-                "w_cs", "l_rs", "go_rs", "flags", "ignore", "option", "go_value", "grad_scale",
-                "tpr", "loss", "gx", "gt", "value", "partials", "ticket", "divisor")
-_COUNT_PARAMS = ("labels", "rows", "l_rs", "flags", "ignore", "out", "partials", "ticket")
-ROWS = _args.Layout([(name, 1) for name in _ROWS_PARAMS])
-COUNT = _args.Layout([(name, 1) for name in _COUNT_PARAMS])
+# The kernels' parameter lists, one word each, named as kernels/rowclass.cu names them.
+ROWS = _args.Layout(_source.kernel_words("rowclass.cu", "rowclass_rows"))
+COUNT = _args.Layout(_source.kernel_words("rowclass.cu", "rowclass_count"))
 _ONE = _args.f64_word(1.0)
 
 
@@ -212,7 +209,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
     words = ROWS.template({
         "rows": rows, "cols": cols, "x_rs": x_rs, "t_rs": t_rs, "w_rs": w_rs, "w_cs": w_cs,
         "l_rs": l_rs or 0, "go_rs": go_rs or 0, "flags": flags,
-        "ignore": _args.i64_word(ignore_index), "option": _args.f64_word(option),
+        "ignore_index": _args.i64_word(ignore_index), "option": _args.f64_word(option),
         "go_value": _ONE, "grad_scale": _args.f64_word(grad_scale), "tpr": cfg.tpr,
         "divisor": _args.f64_word(divisor)})
     main = Launched(_source.function("rowclass.cu", name).kernel.ptr, cfg.grid, cfg.block,
@@ -232,7 +229,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
         cname = _source.rowclass_name("rowclass_count", info.ctype)
         ccfg = _launch.flat_launch(rows, 1, limits)
         cwords = COUNT.template({"rows": rows, "l_rs": l_rs, "flags": flags & FLAG_LABELS64,
-                                 "ignore": _args.i64_word(ignore_index)})
+                                 "ignore_index": _args.i64_word(ignore_index)})
         count = Launched(_source.function("rowclass.cu", cname).kernel.ptr, ccfg.grid,
                          ccfg.block, ccfg.shared, cwords, COUNT.slot)
         region("denom", 1)
@@ -260,9 +257,9 @@ def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream):
     words = array.array("Q", main.words)
     slot = main.slot
     words[slot["x"]] = x.ptr
-    words[slot["t"]] = t.ptr
+    words[slot["tgt"]] = t.ptr
     if w is not None:
-        words[slot["w"]] = w.ptr
+        words[slot["weight"]] = w.ptr
     if labels is not None:
         words[slot["labels"]] = labels.ptr
     if go is not None:

@@ -129,11 +129,9 @@ SPECS = {
         ("input1", "input2"), ("margin",), _check_cosine, _cosine_options, target="target"),
 }
 
-_PARAMS = ("x0", "x1", "x2", "tgt", "go", "rows", "cols", "rs0", "rs1", "rs2", "cs0", "cs1",
-           "cs2", "t_rs", "go_rs", "flags", "tpr", "hv", "p", "eps", "margin", "go_value",
-           "grad_scale", "divisor", "loss", "g0", "g1", "g2", "value", "partials", "ticket")
-LAYOUT = _args.Layout([(name, 1) for name in _PARAMS])
-FINISH_LAYOUT = _args.Layout([(name, 1) for name in ("partials", "rows", "divisor", "value")])
+# The kernels' parameter lists, one word each, named as kernels/rowpair.cu names them.
+LAYOUT = _args.Layout(_source.kernel_words("rowpair.cu", "rowpair_rows"))
+FINISH_LAYOUT = _args.Layout(_source.kernel_words("rowpair.cu", "rowpair_finish"))
 _ONE = _args.f64_word(1.0)
 
 _PLANS = _plans.Plans()

@@ -70,22 +70,11 @@ SPECS = {
 # cross_entropy_rows<T, MODE>'s variants, mirrored from kernels/rowwise.cu.
 MODE_FORWARD, MODE_GRAD, MODE_GENERAL, MODE_NLL, MODE_SMOOTH, MODE_PROB = 0, 1, 2, 3, 4, 5
 
-_ROWS_PARAMS = ("x", "t", "w", "go", "denom", "rows", "cols", "x_rs", "t_rs", "go_rs", "g_rs",
-                "flags", "ignore", "eps", "zs", "cap", "go_value", "grad_scale", "tpr", "k",
-                "stash", "loss", "lse", "gx", "gt", "value", "partials", "ticket", "divisor",
-                "sync", "exchange")
-_COLS_PARAMS = ("x", "t", "w", "go", "denom", "rows", "cols", "inner", "xn", "xc", "xd", "tn",
-                "tc", "td", "gon", "god", "gn", "gc", "gd", "flags", "ignore", "eps", "zs", "cap",
-                "go_value", "grad_scale", "loss", "lse", "gx", "gt", "value", "partials",
-                "ticket", "divisor")
-_WSUM_PARAMS = ("t", "w", "rows", "cols", "inner", "tn", "td", "flags", "ignore", "out",
-                "partials", "ticket")
-ROWS = _args.Layout([(name, 1) for name in _ROWS_PARAMS])
-COLS = _args.Layout([(name, 1) for name in _COLS_PARAMS])
-WSUM = _args.Layout([(name, 1) for name in _WSUM_PARAMS])
-_SLICE_PARAMS = ("x", "t", "w", "wsum", "lse", "go", "rows", "cols", "c0", "classes", "x_rs",
-                 "g_rs", "flags", "ignore", "eps", "zs", "cap", "go_value", "grad_scale", "gx")
-SLICE = _args.Layout([(name, 1) for name in _SLICE_PARAMS])
+# The kernels' parameter lists, one word each, named as kernels/rowwise.cu names them.
+ROWS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_rows"))
+COLS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_cols"))
+WSUM = _args.Layout(_source.kernel_words("rowwise.cu", "class_weight_sum"))
+SLICE = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_slice_grad"))
 # The modes whose gradient may be stored as another (16-bit) type than float32 logits
 # (_source.ROWWISE_NARROW_MODES).
 _NARROW_MODES = (MODE_GRAD, MODE_GENERAL, MODE_SMOOTH)
@@ -275,8 +264,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
     grad_scale = 1.0 / divisor if divisor else math.nan
     flags = _flags(spec, is_index, t_dtype, go_kind, mean_w and want_value, acc_io)
     common = {"rows": rows, "cols": cols, "flags": flags,
-              "ignore": _args.i64_word(ignore_index), "eps": _args.f64_word(smoothing),
-              "zs": _args.f64_word(zscale), "cap": _args.f64_word(softcap),
+              "ignore_index": _args.i64_word(ignore_index), "smoothing": _args.f64_word(smoothing),
+              "zscale": _args.f64_word(zscale), "softcap": _args.f64_word(softcap),
               "go_value": _ONE, "grad_scale": _args.f64_word(grad_scale),
               "divisor": _args.f64_word(divisor)}
     go_rs = go_strides or (0, 0)
@@ -342,7 +331,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         wcfg = _launch.flat_launch(rows, 1, limits)
         wwords = WSUM.template({"rows": rows, "cols": cols, "inner": geo.inner, "tn": geo.t[0],
                                 "td": geo.t[2], "flags": flags & FLAG_INDEX64,
-                                "ignore": _args.i64_word(ignore_index)})
+                                "ignore_index": _args.i64_word(ignore_index)})
         wsum = Launched(_source.function("rowwise.cu", wname).kernel.ptr, wcfg.grid, wcfg.block,
                         wcfg.shared, wwords, WSUM.slot)
         region("denom", 1)
@@ -383,9 +372,9 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
     words = array.array("Q", main.words)
     slot = main.slot
     words[slot["x"]] = x.ptr
-    words[slot["t"]] = t.ptr
+    words[slot["tgt"]] = t.ptr
     if w is not None:
-        words[slot["w"]] = w.ptr
+        words[slot["weight"]] = w.ptr
     if go is not None:
         words[slot["go"]] = go.ptr
     elif go_value != 1.0:
@@ -425,9 +414,9 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
     if plan.wsum is not None:
         wwords = array.array("Q", plan.wsum.words)
         ws = plan.wsum.slot
-        wwords[ws["t"]] = t.ptr
+        wwords[ws["tgt"]] = t.ptr
         if w is not None:
-            wwords[ws["w"]] = w.ptr
+            wwords[ws["weight"]] = w.ptr
         wwords[ws["out"]] = words[slot["denom"]] = at("denom")
         if "wsum_partials" in plan.scratch:
             wwords[ws["partials"]] = at("wsum_partials")
@@ -632,13 +621,13 @@ def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, i
                                 gtype=_dtypes.DTYPES[out.dtype].ctype)
     cfg = _launch.slice_launch(rows, _launch.device_limits(device))
     words = SLICE.template({
-        "x": x.data.ptr, "t": target.data.ptr, "w": 0 if weight is None else weight.data.ptr,
+        "x": x.data.ptr, "tgt": target.data.ptr, "weight": 0 if weight is None else weight.data.ptr,
         "wsum": 0 if wsum is None else wsum.data.ptr, "lse": lse.data.ptr, "go": go_ptr,
         "rows": rows, "cols": cols, "c0": c0, "classes": classes,
         "x_rs": x.strides[0] // x.itemsize, "g_rs": out.strides[0] // out.itemsize,
-        "flags": flags, "ignore": _args.i64_word(ignore_index),
-        "eps": _args.f64_word(label_smoothing), "zs": _args.f64_word(lse_square_scale),
-        "cap": _args.f64_word(softcap), "go_value": _args.f64_word(go_value),
+        "flags": flags, "ignore_index": _args.i64_word(ignore_index),
+        "smoothing": _args.f64_word(label_smoothing), "zscale": _args.f64_word(lse_square_scale),
+        "softcap": _args.f64_word(softcap), "go_value": _args.f64_word(go_value),
         "grad_scale": _ONE, "gx": out.data.ptr})
     _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
                  words)

@@ -46,6 +46,70 @@ def expand(name: str) -> str:
     return inline(name)
 
 
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
+_DEFINE = re.compile(r"#define\s+(\w+)\([^)]*\)((?:[^\n]*\\\n)*[^\n]*)")
+_SCALAR = {"const", "long", "double", "unsigned", "int"}
+
+
+def _split_top(text: str) -> list[str]:
+    """`text` split at the commas outside <...> and (...)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += 1 if ch in "<(" else -1 if ch in ">)" else 0
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_params(source: str, kernel: str) -> tuple[tuple[str, str], ...]:
+    """(type, name) of each parameter of the __global__ function `kernel` as kernels/`source`
+    declares it, parameter-list macros expanded: the one description of the kernel's words,
+    which the host's layouts are built from (kernel_words)."""
+    text = _COMMENT.sub(" ", expand(source))
+    found = re.search(r"__global__[^;{]*?\b" + re.escape(kernel) + r"\s*\(", text)
+    if found is None:
+        raise LookupError(f"no __global__ function {kernel} in kernels/{source}")
+    end, depth = found.end(), 1
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    body = text[found.end():end - 1]
+    for name, expansion in _DEFINE.findall(text):
+        body = re.sub(r"\b" + name + r"\s*\([^)]*\)", expansion.replace("\\\n", " "), body)
+    params = []
+    for decl in _split_top(body):
+        name = re.findall(r"\w+", decl)[-1]
+        params.append((" ".join(decl[:decl.rfind(name)].split()), name))
+    return tuple(params)
+
+
+def kernel_words(source: str, kernel: str, sizes: dict | None = None,
+                 fields: dict | None = None) -> list[tuple[str, int]]:
+    """`kernel`'s parameters as _args.Layout takes them, named as the kernel names them: one
+    64-bit word a scalar or pointer; `sizes` gives the words of a struct parameter written as a
+    whole, `fields` the (field, words) of one written field by field (named "param.field").
+    A parameter of another type named in neither raises: no struct passes for one word."""
+    sizes, fields = sizes or {}, fields or {}
+    out: list[tuple[str, int]] = []
+    for ctype, name in kernel_params(source, kernel):
+        if name in fields:
+            out += [(f"{name}.{field}", words) for field, words in fields[name]]
+        elif name in sizes:
+            out.append((name, sizes[name]))
+        elif ctype.replace("__restrict__", "").rstrip().endswith("*") or \
+                set(ctype.split()) <= _SCALAR:
+            out.append((name, 1))
+        else:
+            raise TypeError(f"{kernel}'s parameter {name} is a {ctype}: give its words")
+    unknown = (set(sizes) | set(fields)) - {name for _, name in kernel_params(source, kernel)}
+    if unknown:
+        raise TypeError(f"{kernel} has no parameter {sorted(unknown)[0]}")
+    return out
+
+
 def pointwise_name(kind: str, ctype: str, functor: str, vec: int, grad: bool,
                    const: int | None = None) -> str:
     """Name expression of pointwise_flat<ctype, functor, vec, grad[, const]> or

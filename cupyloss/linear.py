@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes
+from cupyloss import _args, _dispatch, _dtypes, _source
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
@@ -52,8 +52,7 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
 DEFAULT_WORKSPACE_BYTES = 4608 << 20
 
 _REDUCTIONS = ("none", "mean", "sum")
-# scale.cu's narrow<T>(src, out, n).
-NARROW = _args.Layout([("src", 1), ("out", 1), ("n", 1)])
+NARROW = _args.Layout(_source.kernel_words("scale.cu", "narrow"))
 _GRAD_NAMES = ("hidden", "weight", "bias")
 
 # cuBLAS / CUDA library enums (cublas_api.h, library_types.h).

@@ -230,26 +230,26 @@ def test_params_are_the_functors_struct(device):
     spec = _registry.SPECS["poisson_nll_loss"]
     for log_input, full, bits in ((False, True, 2), (True, False, 1), (False, False, 0)):
         cupyloss.poisson_nll_loss(x, x, log_input=log_input, full=full, eps=0.125)
-        assert _words(spec, "flat", device.launches[-1][1], "params") == [_args.f64_word(0.125)]
+        assert _words(spec, "flat", device.launches[-1][1], "p") == [_args.f64_word(0.125)]
         assert f"cupyloss::PoissonNllOp<{bits}>," in device.names[-1]
     kl = _registry.SPECS["kl_div"]
     cupyloss.kl_div(x, x, log_target=True, log_input=False)
-    assert _words(kl, "flat", device.launches[-1][1], "params") == [0]   # NoParams
+    assert _words(kl, "flat", device.launches[-1][1], "p") == [0]   # NoParams
     assert "cupyloss::KlDivOp<1>," in device.names[-1]
     cupyloss.mse_loss(x, x)
     mse = _registry.SPECS["mse_loss"]
-    assert _words(mse, "flat", device.launches[-1][1], "params") == [0]   # NoParams
+    assert _words(mse, "flat", device.launches[-1][1], "p") == [0]   # NoParams
     # An option value named in `constants` sets a template bit and stays in Params.
     focal = _registry.SPECS["sigmoid_focal_loss"]
     for gamma, bits in ((2.0, 1), (2, 1), (1.5, 0), (0.0, 0)):
         cupyloss.sigmoid_focal_loss(x, x, alpha=0.5, gamma=gamma)
-        assert _words(focal, "flat", device.launches[-1][1], "params") == [
+        assert _words(focal, "flat", device.launches[-1][1], "p") == [
             _args.f64_word(0.5), _args.f64_word(gamma)]
         assert f"cupyloss::SigmoidFocalOp<{bits}>," in device.names[-1]
     smooth = _registry.SPECS["smooth_l1_loss"]
     for beta, bits in ((1.0, 1), (1, 1), (0.5, 0), (0.0, 0)):
         cupyloss.smooth_l1_loss(x, x, beta=beta)
-        assert _words(smooth, "flat", device.launches[-1][1], "params") == [_args.f64_word(beta)]
+        assert _words(smooth, "flat", device.launches[-1][1], "p") == [_args.f64_word(beta)]
         assert f"cupyloss::SmoothL1Op<{bits}>," in device.names[-1]
 
 

@@ -1,0 +1,161 @@
+"""The row-wise families' host path on a CPU: which kernel runs and what each of its words holds.
+
+A fake device (H100 limits, kernels that resolve to a dummy function, launches recorded instead
+of run) and the fake framework of test_pointwise_plans over NumPy arrays drive
+`_rowwise.evaluate`, `_rowclass.evaluate` and `_rowpair.evaluate` as a call on a GPU would, up
+to the launch.  The words are read by the kernels' own parameter names (the layouts are built
+from kernels/, tests/test_params.py), so a pointer or option packed into its neighbour's word
+fails here.  What the kernels compute is tested on the GPU.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+from cupyloss import _args, _dispatch, _launch, _rowclass, _rowpair, _rowwise, _source
+from test_pointwise_plans import H100, FakeFrame, HostArray
+
+# H100 limits with clusters, as the rows kernel plans on sm_90
+LIMITS = _launch.DeviceLimits(sm_count=H100.sm_count, max_grid_x=H100.max_grid_x,
+                              max_grid_y=H100.max_grid_y,
+                              max_shared_per_block=H100.max_shared_per_block,
+                              max_shared_optin=227 * 1024, clusters=True)
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """Launches recorded as (kernel expression, {parameter name: word or words}); the families
+    run against the fake device."""
+    record = types.SimpleNamespace(launches=[], allocations=[])
+    functions = {}
+
+    def resolve(file, expression):
+        if expression not in functions:
+            functions[expression] = types.SimpleNamespace(
+                attributes={"num_regs": 64}, kernel=types.SimpleNamespace(ptr=len(functions) + 1))
+        return functions[expression]
+
+    layouts = {}
+
+    def launch(fn, grid, block, shared, stream, words):
+        name = next(e for e, f in functions.items() if f.kernel.ptr == fn)
+        record.launches.append((name, list(words)))
+
+    def cooperative(launched, words, stream):
+        launch(launched.function, launched.grid, launched.block, launched.shared, stream, words)
+
+    def target_operand(frame, target):
+        return frame.operand(target, "target"), target.dtype.kind in "iu"
+
+    monkeypatch.setattr(_launch, "device_limits", lambda d: LIMITS)
+    monkeypatch.setattr(_source, "function", resolve)
+    monkeypatch.setattr(_source, "resident", lambda *a, **k: 2)
+    monkeypatch.setattr(_args, "launch", launch)
+    monkeypatch.setattr(_rowwise, "_launch_cooperative", cooperative)
+    for module in (_rowwise, _rowclass, _rowpair):
+        monkeypatch.setattr(module, "_make_plan", getattr(module, "_build"))
+        monkeypatch.setattr(module, "_current_device", lambda: 0)
+        monkeypatch.setattr(module, "_ticket", lambda d, s: 0x7)
+        monkeypatch.setattr(module, "_PLANS", {})
+    monkeypatch.setattr(_rowwise, "_target_operand", target_operand)
+    monkeypatch.setattr(_rowclass, "_target_operand", target_operand)
+    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
+    record.layouts = layouts
+    return record
+
+
+def _named(expression, words):
+    """{parameter name: word} of a recorded launch, by the kernel's own parameter list."""
+    source, kernel = next((s, k) for s, k in (
+        ("rowwise.cu", "cross_entropy_rows"), ("rowwise.cu", "cross_entropy_cols"),
+        ("rowwise.cu", "class_weight_sum"), ("rowclass.cu", "rowclass_rows"),
+        ("rowclass.cu", "rowclass_count"), ("rowpair.cu", "rowpair_rows"),
+        ("rowpair.cu", "rowpair_finish")) if f"::{k}<" in expression)
+    names = [n for _, n in _source.kernel_params(source, kernel)]
+    assert len(names) == len(words), expression
+    return dict(zip(names, words))
+
+
+def _host(a):
+    return np.ascontiguousarray(a).view(HostArray)
+
+
+def _ptr(a):
+    return a.ctypes.data
+
+
+def test_cross_entropy_rows_words(device):
+    x = _host(np.random.default_rng(0).standard_normal((6, 300)).astype(np.float32))
+    t = _host(np.arange(6, dtype=np.int64))
+    w = _host(np.linspace(0.5, 1.5, 300).astype(np.float32))
+    loss, gx, _, _ = _rowwise.evaluate(
+        _rowwise.SPECS["cross_entropy"], x, t, w, reduction="mean", ignore_index=-7,
+        label_smoothing=0.25, lse_square_scale=1e-3, softcap=0.0, wrt=("input",),
+        grad_output=0.5)
+    (wname, wsum), (name, main) = [(e, _named(e, words)) for e, words in device.launches]
+    assert "class_weight_sum" in wname and "cross_entropy_rows" in name
+    assert main["x"] == _ptr(x) and main["tgt"] == _ptr(t) and main["weight"] == _ptr(w)
+    assert main["rows"] == 6 and main["cols"] == 300 and main["x_rs"] == 300
+    assert main["ignore_index"] == _args.i64_word(-7)
+    assert main["smoothing"] == _args.f64_word(0.25)
+    assert main["zscale"] == _args.f64_word(1e-3) and main["softcap"] == _args.f64_word(0.0)
+    assert main["go_value"] == _args.f64_word(0.5)
+    assert main["value"] == _ptr(loss) and main["gx"] == _ptr(gx) and main["loss"] == 0
+    assert main["denom"] == wsum["out"] != 0          # the summed weights the mean divides by
+    assert wsum["tgt"] == _ptr(t) and wsum["weight"] == _ptr(w)
+    assert wsum["ignore_index"] == _args.i64_word(-7) and wsum["rows"] == 6
+
+
+def test_cross_entropy_cols_words(device):
+    """Classes not contiguous (N, C, d): the thread-per-row kernel and its strides."""
+    x = _host(np.zeros((4, 5, 3), np.float32))
+    t = _host(np.zeros((4, 3), np.int64))
+    loss, _, _, _ = _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t, reduction="none",
+                                      softcap=2.0)
+    ((name, words),) = device.launches
+    cols = _named(name, words)
+    assert "cross_entropy_cols" in name
+    assert (cols["xn"], cols["xc"], cols["xd"]) == (15, 3, 1)
+    assert (cols["tn"], cols["td"]) == (3, 1) and cols["inner"] == 3
+    assert cols["x"] == _ptr(x) and cols["tgt"] == _ptr(t) and cols["loss"] == _ptr(loss)
+    assert cols["softcap"] == _args.f64_word(2.0) and cols["weight"] == 0
+
+
+def test_rowclass_words(device):
+    x = _host(np.zeros((4, 9), np.float32))
+    t = _host(np.array([1, 2, 3, 4], np.int64))
+    w = _host(np.ones(9, np.float32))
+    loss, _, _ = _rowclass.evaluate(_rowclass.SPECS["multi_margin_loss"], x, t, w,
+                                    reduction="sum", margin=0.75)[:3]
+    ((name, words),) = device.launches
+    rows = _named(name, words)
+    assert rows["x"] == _ptr(x) and rows["tgt"] == _ptr(t) and rows["weight"] == _ptr(w)
+    assert rows["option"] == _args.f64_word(0.75) and rows["value"] == _ptr(loss)
+
+
+def test_rowclass_count_words(device):
+    """jsd's 'mean' over shift labels: the count kernel first, its out the main kernel's denom."""
+    s = _host(np.zeros((4, 9), np.float32))
+    labels = _host(np.array([1, -100, 3, 4], np.int64))
+    _rowclass.evaluate(_rowclass.SPECS["jsd"], s, s.copy().view(HostArray),
+                       shift_labels=labels, reduction="mean", ignore_index=-100,
+                       wrt=("input",))
+    (cname, cwords), (name, words) = device.launches
+    count, rows = _named(cname, cwords), _named(name, words)
+    assert "rowclass_count" in cname
+    assert count["labels"] == rows["labels"] == _ptr(labels)
+    assert count["ignore_index"] == rows["ignore_index"] == _args.i64_word(-100)
+    assert count["out"] == rows["denom"] != 0
+
+
+def test_rowpair_words(device):
+    a, p, n = (_host(np.full((5, 7), v, np.float32)) for v in (0.0, 1.0, 2.0))
+    _rowpair.evaluate(_rowpair.SPECS["triplet_margin_loss"], (a, p, n),
+                      (1.5, 2.0, 1e-6, False), reduction="mean",
+                      wrt=("anchor",))
+    name, words = device.launches[0]
+    rows = _named(name, words)
+    assert (rows["x0"], rows["x1"], rows["x2"]) == (_ptr(a), _ptr(p), _ptr(n))
+    assert rows["margin"] == _args.f64_word(1.5) and rows["p"] == _args.f64_word(2.0)
+    assert rows["rows"] == 5 and rows["cols"] == 7 and rows["g0"] != 0 and rows["g1"] == 0
