@@ -159,3 +159,33 @@ def test_rowpair_words(device):
     assert (rows["x0"], rows["x1"], rows["x2"]) == (_ptr(a), _ptr(p), _ptr(n))
     assert rows["margin"] == _args.f64_word(1.5) and rows["p"] == _args.f64_word(2.0)
     assert rows["rows"] == 5 and rows["cols"] == 7 and rows["g0"] != 0 and rows["g1"] == 0
+
+
+class _CupyLike(np.ndarray):
+    """A NumPy array with CuPy's `.data.ptr`, as the fused loss hands slice_grad its arrays."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def test_slice_grad_words(device):
+    def arr(a):
+        return np.ascontiguousarray(a).view(_CupyLike)
+
+    z = arr(np.zeros((4, 128), np.float32))
+    t, lse = arr(np.arange(4, dtype=np.int64)), arr(np.zeros(4, np.float32))
+    out = arr(np.zeros((4, 128), np.float32))
+    w, wsum = arr(np.ones(1000, np.float32)), arr(np.ones((), np.float32))
+    _rowwise.slice_grad(z, t, lse, out, 256, 1000, w, wsum, 0.5, ignore_index=-3,
+                        label_smoothing=0.1, lse_square_scale=0.0, softcap=0.0, stream=0,
+                        device=0)
+    ((name, words),) = device.launches
+    names = [n for _, n in _source.kernel_params("rowwise.cu", "cross_entropy_slice_grad")]
+    s = dict(zip(names, words))
+    assert "cross_entropy_slice_grad" in name
+    assert (s["x"], s["tgt"], s["weight"], s["wsum"], s["lse"], s["gx"]) == tuple(
+        a.ctypes.data for a in (z, t, w, wsum, lse, out))
+    assert (s["rows"], s["cols"], s["c0"], s["classes"]) == (4, 128, 256, 1000)
+    assert s["ignore_index"] == _args.i64_word(-3) and s["smoothing"] == _args.f64_word(0.1)
+    assert s["go_value"] == _args.f64_word(0.5) and s["go"] == 0
