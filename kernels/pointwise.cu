@@ -80,18 +80,33 @@ enum : long long {
     KIND_SCALAR = 2,  // one element (or none: the fill value)
 };
 
-// Grid-stride steps pointwise_flat's vector loop takes at once (loads of all issued before any
-// is used): for the value-only instantiation, for that of functors marked cheap, and for the
-// gradient one; set from cupyloss/_launch.py's table (FLAT_UNROLL_*) through the compile options.
-#ifndef CUPYLOSS_FLAT_UNROLL_VALUE
-#define CUPYLOSS_FLAT_UNROLL_VALUE 1
+// The launch-shape macros (CUPYLOSS_FLAT_*, _ROWS_*, _REDUCE_*, _GRAD_HEAVY_SIZES) come from
+// cupyloss/_launch.py's table through the compile options (_launch.kernel_defines(), with
+// which every kernel is compiled); there is no default here to disagree with the table.
+#if !defined(CUPYLOSS_FLAT_UNROLL_VALUE) || \
+    !defined(CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP) || \
+    !defined(CUPYLOSS_FLAT_UNROLL_GRAD) || \
+    !defined(CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY) || \
+    !defined(CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY) || \
+    !defined(CUPYLOSS_ROWS_MIN_BLOCKS_GRAD) || \
+    !defined(CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16) || \
+    !defined(CUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16) || \
+    !defined(CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY) || \
+    !defined(CUPYLOSS_ROWS_STEPS_GRAD_HEAVY) || \
+    !defined(CUPYLOSS_REDUCE_STEPS) || \
+    !defined(CUPYLOSS_REDUCE_STEPS_HEAVY) || \
+    !defined(CUPYLOSS_REDUCE_MIN_BLOCKS) || \
+    !defined(CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY) || \
+    !defined(CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM) || \
+    !defined(CUPYLOSS_ROWS_STEPS_GRAD_STREAM) || \
+    !defined(CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM) || \
+    !defined(CUPYLOSS_REDUCE_STEPS_STREAM) || \
+    !defined(CUPYLOSS_GRAD_HEAVY_SIZES)
+#error "compile with cupyloss._launch.kernel_defines()"
 #endif
-#ifndef CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP
-#define CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP 1
-#endif
-#ifndef CUPYLOSS_FLAT_UNROLL_GRAD
-#define CUPYLOSS_FLAT_UNROLL_GRAD 1
-#endif
+// CUPYLOSS_FLAT_UNROLL_*: grid-stride steps pointwise_flat's vector loop takes at once (loads
+// of all issued before any is used), for the value-only instantiation, for that of functors
+// marked cheap, and for the gradient one.
 
 // Name<Op>::value: functor Op's static constexpr member `member` where it declares one, else
 // `fallback`.  The functors' optional shape hints below are read through it.
@@ -112,58 +127,12 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 // transcendental, a division or a branch a value, so bound by instructions where cheap ones are
 // bound by memory): blocks per SM their registers are bounded for (__launch_bounds__) and steps
 // of loads in flight.  A heavy functor trades loads in flight for resident warps, which hide
-// its arithmetic's latency.  Set from cupyloss/_launch.py's table through the compile options.
-#ifndef CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY
-#define CUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY 1
-#endif
-#ifndef CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY
-#define CUPYLOSS_FLAT_UNROLL_GRAD_HEAVY 1
-#endif
-#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD
-#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD 1
-#endif
-// The cheap functors' 16-bit rows gradient kernels: blocks per SM and steps in flight.
-#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16
-#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16 1
-#endif
-#ifndef CUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16
-#define CUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16 4
-#endif
-#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY
-#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY 1
-#endif
-#ifndef CUPYLOSS_ROWS_STEPS_GRAD_HEAVY
-#define CUPYLOSS_ROWS_STEPS_GRAD_HEAVY 4
-#endif
-#ifndef CUPYLOSS_REDUCE_STEPS
-#define CUPYLOSS_REDUCE_STEPS 4
-#endif
-#ifndef CUPYLOSS_REDUCE_STEPS_HEAVY
-#define CUPYLOSS_REDUCE_STEPS_HEAVY 4
-#endif
-#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS
-#define CUPYLOSS_REDUCE_MIN_BLOCKS 1
-#endif
-#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY
-#define CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY 1
-#endif
-// The rows and reduce kernels' shape for heavy functors that declare stream_shape, on 4-byte
-// elements: their arithmetic on a broadcast operand leaves the loop (the CONST instantiations),
-// so what is left per element is bound by loads in flight rather than by the arithmetic's
-// latency.  (kl_div's and log_cosh_loss's logs and exps are of every element whichever operand
+// its arithmetic's latency (CUPYLOSS_*_HEAVY; the cheap functors' 16-bit rows gradient kernels
+// take CUPYLOSS_ROWS_*_CHEAP_16).  CUPYLOSS_*_STREAM: the rows and reduce kernels' shape for
+// heavy functors that declare stream_shape, on 4-byte elements: their arithmetic on a broadcast
+// operand leaves the loop (the CONST instantiations), so what is left per element is bound by
+// loads in flight rather than by the arithmetic's latency.  (kl_div's and log_cosh_loss's logs and exps are of every element whichever operand
 // is broadcast, and keep the heavy shape; so does margin_ranking_loss, measured slower.)
-#ifndef CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM
-#define CUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM 1
-#endif
-#ifndef CUPYLOSS_ROWS_STEPS_GRAD_STREAM
-#define CUPYLOSS_ROWS_STEPS_GRAD_STREAM 4
-#endif
-#ifndef CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM
-#define CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM 1
-#endif
-#ifndef CUPYLOSS_REDUCE_STEPS_STREAM
-#define CUPYLOSS_REDUCE_STEPS_STREAM 4
-#endif
 // The heavy shape applies to the element sizes set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte
 // elements), or in the functor's own `heavy_sizes` where it declares one; other sizes take the
 // cheap shape.  A heavy functor may also declare its own `reduce_blocks` (pointwise_reduce's
@@ -173,9 +142,6 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 // marked cheap may declare the blocks per SM its 16-bit pointwise_flat gradient kernel is bounded
 // for (`flat_blocks_16`), heavy there or not, and likewise its 16-bit pointwise_rows gradient
 // kernel (`rows_blocks_16`).
-#ifndef CUPYLOSS_GRAD_HEAVY_SIZES
-#define CUPYLOSS_GRAD_HEAVY_SIZES 0
-#endif
 CUPYLOSS_FUNCTOR_TRAIT(HeavySizes, heavy_sizes, int, CUPYLOSS_GRAD_HEAVY_SIZES)
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY)
 CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
