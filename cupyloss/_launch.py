@@ -235,33 +235,16 @@ def rows_shared(vec: int) -> int:
     return BLOCK * vec * ROW_SUM_BYTES
 
 
-# pointwise_rows' value-only grid of an elementwise ('none') loss holds this many waves of
-# resident blocks (the gradient kernels one: each row block adds a row of partials to a row
-# operand's gradient; a loss reduced to 0-d takes the gradient kernel's split, so that it adds up
-# in value_and_grad's order, at a cost to the forward: H100, ms, one run, old split -> this one,
-# hinge [32768, 32768] against [32768] 1.370 -> 1.433, mse / kl_div / log_cosh [8192, 4096]
-# against [4096] 0.0511 / 0.0587 / 0.0622 -> 0.0525 / 0.0642 / 0.0692.  Both at two waves of the
-# gradient kernel, a later run: forwards 1.368 / 0.0506 / 0.0568 / 0.0605 ms against 1.380 /
-# 0.0533 / 0.0658 / 0.0683 at one, but value_and_grad of mse and log_cosh 0.1080 / 0.1136 ->
-# 0.1119 / 0.1179, so one wave is kept; a loss order independent of the grid, through fixed
-# groups of rows, would give both).  Hinge forward at
-# KernelBench 100 (x [32768, 32768], t [32768]; 3 resident blocks per SM), H100, ms, one run,
-# median of 5 alternating rounds: blocks per SM 3 (one wave) 1.371-1.388 in two runs, 8 1.401,
-# 12 (four waves) 1.369, 16 1.404, 32 1.370; torch.compile 1.372.  Whole waves or many of them
-# leave no half-empty last wave.
+# pointwise_rows' value-only grid of an elementwise ('none') loss: this many waves of resident
+# blocks (whole waves leave no half-empty last one); a loss reduced to 0-d takes the gradient
+# kernel's one-wave split so that it adds up in value_and_grad's order.  The runs:
+# docs/tuning.md, "pointwise_rows' waves".
 ROWS_WAVES_VALUE = 4
 
 
 # pointwise_rows' threads along a row where something is summed down the rows (a row operand's
-# gradient, a 0-d loss): narrower column blocks (more of them, fewer row blocks) leave each
-# column fewer row blocks' partials to add.  H100, float32 value_and_grad, x (4096,) against t
-# (8192, 4096), one run, % of the read+write limit at tx 256 / 128 / 64 / 32 (partials added by
-# sum_chunks): mse 80.8 / 82.2 / 82.9 / 84.2, kl_div 79.6 / 80.1 / 80.6 / 82.0, log_cosh 77.1 /
-# 78.4 / 78.8 / 79.1, binary_cross_entropy 78.3 / 79.9 / 80.4 / 81.2.  With the row blocks
-# adding their partials themselves, another run, tx 64 / 32: mse 83.8 / 84.9, kl_div 81.1 /
-# 82.5, log_cosh 79.1 / 79.5, bce 81.0 / 81.9, sigmoid_focal 78.6 / 79.2, bce_with_logits 81.1 /
-# 82.1, soft_margin 82.1 / 82.8, margin_ranking 87.6 / 87.7; hinge at KernelBench 100 (x
-# [32768], t [32768, 32768]) 92.0 / 92.3; their 0-d forwards within 2% either way.
+# gradient, a 0-d loss): narrower column blocks leave each column fewer row blocks' partials
+# to add (docs/tuning.md, "pointwise_rows' column blocks").
 ROWS_TX_SUMMED = 32
 
 
@@ -367,12 +350,7 @@ REDUCE_MIN_STEPS = 16
 #            (losses.cuh) and for the rest (_HEAVY), compile-time: kernel_defines passes them.
 #            A heavy functor may declare its own reduce_blocks (bce and bce_with_logits: 3,
 #            which their own 4-byte shapes replace by 2).
-#            Heavy, H100, float32 value_and_grad, [8192, 1] against [8192, 4096], ms, one run
-#            (3 blocks -> 4): kl 0.176 -> 0.154, soft_margin 0.155 -> 0.134, focal 0.230 ->
-#            0.207, log_cosh 0.167 -> 0.142, poisson 0.128 -> 0.116; bce 0.240 -> 0.345 and
-#            bce_with_logits 0.261 -> 0.284 (spills).  2 blocks with 2 steps: no better.
-#            (Measured before the kernel was compiled per mask of per-unit operands, which
-#            took most of bce's spills away; bce's 3 was not measured again since.)
+#            The runs: docs/tuning.md, "pointwise_reduce's bound".
 REDUCE_STEPS = 4
 REDUCE_STEPS_HEAVY = 1
 REDUCE_MIN_BLOCKS = 2
@@ -381,144 +359,46 @@ REDUCE_MIN_BLOCKS_HEAVY = 4
 # row steps in flight, heavy) and of pointwise_flat (blocks per SM and steps in flight, heavy;
 # cheap ones take FLAT_UNROLL_GRAD below and no bound).  A heavy functor (a log, an exp or a
 # division a value) is bound by its instructions' latency, not by loads in flight: fewer
-# registers and more resident warps hide it.  Measured on an H100 (value_and_grad, every
-# gradient, fp32, ms, one run per row; "A" the old shape: no bounds, 4 steps):
-#   variant: reduce heavy blocks/steps, rows cheap blocks, rows heavy blocks/steps, flat heavy
-#   blocks/steps;  focal, bce_with_logits, kl_div, bce on the four bench_broadcast patterns
-#   (per-channel, per-row, row, scalar), then at 32768^2 as a ratio to mse_loss's time
-#                       focal                    bce_with_logits          32768^2 focal/bcel/kl/bce
-#   A  1/4 1 1/4 1/2    .808 .541 .543 .255      .662 .430 .317 .220      1.366 1.260 1.358 1.159
-#   B  3/2 2 3/2 2/2    .432 .310 .270 .252      .407 .295 .310 .220      1.361 1.259 1.354 1.161
-#   C  2/2 2 2/2 3/2    .431 .286 .277 .221      .446 .293 .208 .183      1.198 1.135 1.358 0.984
-#   E  3/1 2 3/1 4/2    .366 .269 .241 .212      .413 .292 .317 .174      1.137 1.107 1.243 1.001
-#   F  3/1 2 3/1 4/1    .366 .269 .240 .231      .409 .292 .315 .175      1.248 1.107 1.436 1.001
-#   G  4/1 2 4/1 5/1    .367 .244 .262 .237      .506 .339 .458 .217      1.274 1.273 1.385 1.489
-#   H  3/2 2 2/1 3/1    .428 .307 .263 .243      .406 .291 .207 .341      1.342 1.135 1.407 0.983
-# (cheap losses: reduce 2 blocks against 1 took hinge per-channel from .217 to .167 ms and mse
-# from .165 to .164; rows 2 blocks against 1 took hinge's row pattern from .140 to .113 ms.)
-# E is taken; single losses do better elsewhere (bce's rows with C, .225 against .290).
+# registers and more resident warps hide it.  Shape E of docs/tuning.md's "Gradient shapes".
 ROWS_MIN_BLOCKS_GRAD = 2
-# The cheap losses' 16-bit rows gradient kernels (vectors of 8 elements): at the table's 2
-# blocks and 4 steps mse_loss's spilled 16 bytes at 128 registers.  H100, float16 row pattern
-# value_and_grad, one run, two rounds, 2/4 -> 3/1 (us): mse 77.5 -> 67.7, l1 78.2 -> 67.2,
-# hinge 81.1 -> 68.7, huber 82.6 -> 68.8, smooth_l1 80.9 -> 68.3, squared_hinge 82.9 -> 69.2,
-# hinge_embedding 93.7 -> 70.4 (2/2 76.4-85.3 with one round of mse at 188.8, 1/4 112-131;
-# 4/1 spills), the same bits.
+# The cheap losses' 16-bit rows gradient kernels (vectors of 8 elements): 3 blocks, 1 step, as
+# 2 blocks and 4 steps spilled (docs/tuning.md, "16-bit rows gradients").
 ROWS_MIN_BLOCKS_GRAD_CHEAP_16 = 3
 ROWS_STEPS_GRAD_CHEAP_16 = 1
 ROWS_MIN_BLOCKS_GRAD_HEAVY = 3
 ROWS_STEPS_GRAD_HEAVY = 1
 FLAT_MIN_BLOCKS_GRAD_HEAVY = 4
 FLAT_UNROLL_GRAD_HEAVY = 2
-# Heavy functors on 4-byte elements ("streaming", pointwise.cu's GradShape), rows and reduce
-# kernels: blocks per SM and steps in flight.  Once their arithmetic on a broadcast operand left
-# the loop (per-mask instantiations, the branch-free reciprocal, gamma = 2 compiled in, one loop
-# per kind of work) they were bound by loads in flight, not latency.  H100, float32 value_and_grad, first
-# array broadcast, % of the read+write limit, one run, each variant once (the first repeated
-# last, within 0.5%); rows kernel on the row pattern as rows blocks/steps, reduce kernel on
-# per-channel / per-row as reduce blocks/steps (bce and bce_with_logits keep their own 3 blocks):
-#                   rows 3/1  3/2   2/2   2/4   4/2     reduce 4/1      4/2        2/4
-#   focal                65   44    65    74    23             74/73    71/68      78/77
-#   bce                  61   61    63    69    54             73/68    73/67      77/72
-#   bce_with_logits      70   70    66    71    70             73/69    73/68      80/77
-#   soft_margin          72   78    71    77    77             75/74    80/78      79/78
-#   poisson_nll          78   80    80    81    78             81/80    81/80      85/83
-#   kl_div               73   74    75    72    77             74/73    77/76      71/70
-#   log_cosh             67   66    59    64    65             66/65    66/66      63/61
-#   (mse, cheap: 81 and 85/84 throughout; bce's row measured with branch-free logs, which it
-#   no longer takes: with libdevice's, rows 3/1 61 against 2/4 60, reduce 4/1 69/63 against
-#   2/4 74/68)
-# 2/4 is taken for both, by the functors that declare stream_shape (the five above kl_div).
-# kl_div, whose logs are of every element whichever operand is broadcast, declares its own 4/2
-# for both (KlDivOp::shape_f32; H100, one later run, old and new alternated twice, per-channel /
-# per-row / row: 74.0 / 73.2 / 73.7 -> 76.8 / 75.9 / 76.6%; rows 4/1 with reduce 4/2 left the
-# row at 73.7; its reduce kernel was later pipelined at 2/4, KlDivOp's comment).
-# margin_ranking_loss kept the heavy shape above (three arrays; 2/4 unpipelined took its
-# per-channel and per-row patterns from 79 and 77% to 67 and 66%; a later run, reduce blocks /
-# steps against 4/1's 78.9 / 77.7%: 4/2 the same, 3/2 77.2 / 73.2, 2/2 68.6 / 67.5, 5/1 68.4 /
-# 64.5, 6/1 65.2 / 60.6, 8/1 58.1 / 58.2, the last three spilling) until its reduce kernel was
-# pipelined at 2/4 (MarginRankingOp::shape_f32).  Every functor in 16-bit or float64 keeps the
-# heavy shape, where this was not measured, but for sigmoid_focal_loss's and bce_with_logits'
-# 16-bit rows kernels, bounded for 2 blocks an SM (`rows_blocks_16`; float16 row pattern 237 ->
-# 118 and 152 -> 85 us, where kl_div, log_cosh_loss and soft_margin_loss lost 5-12%);
-# log_cosh, unpipelined, did too (its pipelined shape: below).
+# Heavy functors on 4-byte elements that declare stream_shape ("streaming", pointwise.cu's
+# GradShape), rows and reduce kernels: once their arithmetic on a broadcast operand leaves the
+# loop they are bound by loads in flight, not latency, so fewer blocks with more steps in
+# flight (docs/tuning.md, "Streaming shapes", with the functors that declare their own).
 ROWS_MIN_BLOCKS_GRAD_STREAM = 2
 ROWS_STEPS_GRAD_STREAM = 4
 REDUCE_MIN_BLOCKS_STREAM = 2
 REDUCE_STEPS_STREAM = 4
-# Software pipelining (pointwise.cu): a loop that loads a step and then computes it leaves a
-# functor bound by its arithmetic's latency with no loads in flight while it computes; a
-# pipelined loop issues the next step's loads before this step's arithmetic (more registers,
-# bitwise the same results).  Which loops a functor pipelines is its own choice on 4-byte
-# elements (losses.cuh's Shape32::pipe), since some lose: no table entry here.  H100, float32
-# value_and_grad, first array broadcast, % of the read+write limit, one run, each variant twice
-# (one run per block of rows):
-#   flat, scalar pattern, off -> on:  log_cosh 77.1 -> 81.6, kl 80.6 -> 82.2, bce_logits 79.4 ->
-#     80.0, focal 81.5 -> 82.0, soft_margin 82.2 -> 82.6, bce 76.5 -> 76.8; margin_ranking,
-#     hinge_embedding (89.2, 84.1) unchanged.  At 16384^2 (no broadcast), off -> on: bce 88.7
-#     -> 92.4, bce_logits 91.5 -> 93.4, but log_cosh 93.3 -> 90.4, kl 93.3 -> 91.4 and focal
-#     93.4 -> 85.4, so those pipeline the flat kernel only with a 0-d broadcast operand
-#     (PIPE_FLAT_BROADCAST) or not at all.
-#   rows (row pattern) and reduce (per-channel / per-row), off -> on at the same shape:
-#     bce 60.4 -> 68.5 and 73.6 / 67.4 -> 77.5 / 68.9;  bce_logits 70.5 -> 78.5 and 80.3 / 76.1
-#     -> 81.5 / 78.5;  soft_margin 77 -> 77 and 78.6 / 77.8 -> 83.0 / 82.0 (rows at 3/2: 80.1);
-#     focal 74 -> 63 (2/2: 76.9) and 77.8 / 77.2 -> 82.8 / 82.0;  log_cosh 66.2 -> 72.3 and
-#     67.3 / 66.3 -> 70.3 / 70.2 (rows and reduce at 2/2: 77.2 and 75.4 / 74.1);
-#     kl_div 76.4 -> 70.5 and 76.3 / 75.5 -> 73 / 70.5 at its 4/2 (rows pipelined at 3/2 in a
-#     later run: 76.5 -> 79.3, taken; reduce at 3/2: per-channel 81.3, per-row 73.0, not taken);
-#     margin_ranking 84.7 -> 86.0 and 79.3 / 77.8 -> 66.5 / 64.5 (kept off: its rows results
-#     also changed bits);  smooth_l1 and hinge_embedding (cheap, not pipelined) unchanged.
-#   bce and bce_logits with rows at 3/2, or rows and reduce at 2/2, pipelined: no better (bce
-#     row 66, per-row 67-70; bce_logits row 69-75).
+# Software pipelining (pointwise.cu) is each functor's own choice on 4-byte elements
+# (losses.cuh's Shape32::pipe), since some lose: no table entry here.
 # Element sizes (bytes) whose heavy functors take the heavy shape; others take the cheap one (a
-# functor may declare its own, losses.cuh's heavy_sizes).  The old shape against E, H100,
-# value_and_grad, ratio of time to mse's (one run; bfloat16 32768^2, float64 16384^2):
-#                  bce_logits  focal  kl     bce    log_cosh  soft_margin  poisson
-#   bfloat16 old   2.771       5.545  4.342  2.694  1.554     1.448        1.756
-#   bfloat16 E     2.399       3.351  3.369  4.750  1.300     1.190        1.119
-#   float64  old   2.943       3.395  1.366  2.383  1.115     1.264        1.098
-#   float64  E     1.629       1.772  1.077  2.329  1.002     1.053        0.977
-# (bce keeps the old shape in 16-bit: its 8-element vectors spill at 64 registers.)  16-bit
-# heavy gradients stay bound by instructions: half the bytes of float32 for the same arithmetic.
+# functor may declare its own, losses.cuh's heavy_sizes).  16-bit heavy gradients stay bound by
+# instructions: half the bytes of float32 for the same arithmetic.  Both: docs/tuning.md,
+# "Software pipelining and heavy element sizes".
 GRAD_HEAVY_SIZES = (2, 4, 8)
 
 
 # pointwise_flat: grid-stride steps of the vector loop whose loads a thread issues before using
-# any, value-only (the forward) and with gradients.  Compile-time, like the two above.  Measured
-# on an H100 with a grid of one wave (KernelBench sizes, fp32, ms; one run, variants alternated):
-#   value/grad steps   mse fwd  mse vag  kl fwd  kl vag  smooth_l1 fwd  smooth_l1 vag
-#   1/1                2.793    6.054    0.738   1.603   2.805          6.086
-#   2/1                2.771    6.065    0.718   1.604   2.776          6.089
-#   4/1                2.773    6.058    0.730   1.606   2.780          6.108
-#   2/2                2.767    6.053    0.716   1.572   2.778          6.103
-# (torch.compile's forwards in that run: 2.748, 0.716, 2.751.)  Bounding the value kernel's
-# registers for 8 blocks per SM spilled KL and smooth_l1 (slower); other load forms (ld.global.nc,
-# L1::no_allocate or evict_first with L2::256B prefetch) were within noise of the streaming load;
-# capping the grid at 2 or 3 blocks per SM, or giving each block of that one wave one contiguous
-# chunk, was slower (chunks of 1/792 of the input: mse forward 3.058 ms against 2.789; with the
-# small chunks of FLAT_STEPS_VALUE below they are the faster walk); so was a walk
-# specialised for all-dense operands (kl forward 0.730 against 0.717), and tiles of 8 x 256
-# vectors per block were mixed (mse forward 2.767, kl 0.775).  torch.compile's forward (ncu):
-# 8192 blocks of 512 threads, 11 instructions per pair of 16-byte loads against our 47, DRAM at
-# 93.4% of peak against 91.8%.  FLAT_UNROLL_GRAD applies where K * VEC <= 8 (pointwise.cu).
+# any, value-only (the forward) and with gradients; compile-time, like the two above.
+# FLAT_UNROLL_GRAD applies where K * VEC <= 8 (pointwise.cu).  docs/tuning.md, "pointwise_flat's
+# steps".
 FLAT_UNROLL_VALUE = 2
 FLAT_UNROLL_GRAD = 2
 # The value-only float32 kernel of functors marked `cheap` (losses.cuh) with K * VEC <= 8 takes 8
-# steps at once.  Measured (H100, forwards in ms, one run; torch.compile 2.744 / 0.715 / 2.750):
-#   value steps at once       2      4      8
-#   mse                       2.768  2.753  2.727
-#   smooth_l1                 2.765  2.755  2.731
-#   kl (not cheap)            0.709  0.716  0.858
+# steps at once (docs/tuning.md, "pointwise_flat's steps, cheap functors").
 FLAT_UNROLL_VALUE_CHEAP = 8
 # pointwise_flat's grid: at least one wave of resident blocks, and past that enough blocks that a
 # thread takes at most FLAT_STEPS_* vectors; the value-only kernel gives each block one
 # contiguous chunk, the gradient one walks the grid-stride way.  Short per-thread runs and
-# blocks that come and go beat one persistent wave (H100, KernelBench sizes, ms, one run; grid
-# one wave, then steps of 8 / 16 / 32 for the forward and 16 / 32 for value_and_grad):
-#   mse fwd 2.786, 2.818 / 2.786 / 2.769;  vag 6.071, 6.011 / 6.024
-#   kl  fwd 0.716, 0.722 / 0.710 / 0.708;  vag 1.573, 1.502 / 1.511
-#   smooth_l1 fwd 2.790, 2.814 / 2.781 / 2.765;  vag 6.082, 6.009 / 6.014
-# (torch.compile's forwards in that run: 2.747, 0.715, 2.750.)
+# blocks that come and go beat one persistent wave (docs/tuning.md, "pointwise_flat's grid").
 FLAT_STEPS_VALUE = 32
 FLAT_STEPS_GRAD = 16
 
@@ -601,27 +481,23 @@ ROW_SCRATCH = 64        # accumulator slots of dynamic shared memory (ROW_SCRATC
 ROW_TEAMS = (8, 16, 32, 64, 128, BLOCK)
 ROW_MAX_COLS = 2**31 - 1    # classes a row may have (in-row indices are 32-bit)
 # Blocks sharing a row wait for each other once a row; past 4 the waits cost more than a block
-# streaming its share twice (H100, 8192 x 128256 bfloat16 value_and_grad: 16 blocks a row 6.5 ms,
-# 8 3.3 ms, 4 3.1 ms).
+# streaming its share twice (docs/tuning.md, "cross_entropy_rows").
 ROW_MAX_SPLIT = 4
 # With a gradient, the tiles of a block's share past its registers' one (BLOCK * ROW_VECS 16-byte
 # vectors, 32 KiB) are kept in dynamic shared memory, at most this many, so the gradient needs no
-# second read of the logits.  The fewest blocks a row that hold it this way are taken.  Fewer
-# tiles with more blocks an SM lose: H100, 8192 x 128256 bfloat16 value_and_grad (k = 2), one
-# run: 3 tiles a block 1.661 ms, 2 (the fourth read again) 1.750, 1 1.992.
+# second read of the logits.  The fewest blocks a row that hold it this way are taken: fewer
+# tiles with more blocks an SM lose (docs/tuning.md, "cross_entropy_rows").
 ROW_STASH_TILES = 3
 # With a gradient, k blocks sharing a row form a thread block cluster where the device has them
 # (sm_90 and later) and k is one of ROW_CLUSTER_SIZES: they exchange their row states through
 # distributed shared memory with one cluster barrier a row, instead of through global memory and
-# a counter each waits on.  H100, value_and_grad, ms, one run, three rounds alternating:
-# 8192 x 128256 bfloat16 (k = 2, 3 tiles a block) 1.807 cooperative, 1.750 cluster (76.9% ->
-# 79.4% of the copy limit), bitwise the same results; 2048 x 128256 float32 (k = 4) 0.840
-# cooperative, 1.187 cluster (fewer clusters of 4 such blocks are resident at once).
+# a counter each waits on; bitwise the same results.  Only pairs: clusters of 4 are resident too
+# few at once (docs/tuning.md, "cross_entropy_rows").
 ROW_CLUSTERS = True
 ROW_CLUSTER_SIZES = (2,)
 # Without a gradient nothing is held, and a warp per row (shuffles only, no block barrier) reads
-# fastest when there are rows for a quarter of the resident warps at least (H100, 32768 x 4096
-# float32: 0.204 ms a warp per row, 0.240 ms 128 threads).
+# fastest when there are rows for a quarter of the resident warps at least (docs/tuning.md,
+# "cross_entropy_rows").
 ROW_FORWARD_TEAM = 32
 
 
@@ -732,13 +608,8 @@ PAIR_TEAMS = (8, 16, 32, 64, 128, PAIR_BLOCK)
 # PAIR_WIDE_ITEMSIZES, over at least PAIR_WIDE_GROUPS row groups a multiprocessor, takes the wide
 # form: a block a row (rowpair_rows<..., WIDE>: more loads of a tile in flight, fewer blocks an
 # SM), the blocks handed out as SMs free up rather than a persistent grid's fixed share of rows
-# each; rowpair_finish then adds the rows' losses.  Measured (H100 and H200, the loss alone):
-# float32 rows of 8192-32768 elements gain 1-2% over the persistent form; rows of 4096 float32
-# elements and fewer, and 16-bit rows of 8192, lose 2-75% (a block's row is too little to cover
-# its start and its sums); float64 rows of 8192 lose 9% (H100: 2.308 against 2.113 ms).  The
-# finish costs about 3 us, so the form wins from about 32 rows an SM: H100, ms, wide / persistent,
-# triplet rows of 8192: 2112 rows 0.0741 / 0.0743, 4224 0.1391 / 0.1406, 8448 0.2686 / 0.2722;
-# cosine 2112 rows 0.0535 / 0.0525; triplet 2112 rows of 16384 0.1429 / 0.1416.
+# each; rowpair_finish then adds the rows' losses (about 3 us, so the form wins from about 32
+# rows an SM; docs/tuning.md, "rowpair_rows' wide form").
 PAIR_WIDE_GROUPS = 32
 PAIR_WIDE_ROW_BYTES = 32768
 PAIR_WIDE_ITEMSIZES = (4,)

@@ -941,8 +941,9 @@ def test_launch_hands_the_driver_a_well_formed_extra_array(monkeypatch):
 
 
 def test_every_kernel_define_names_a_macro_the_kernels_read():
-    """A define of the launch table that no kernel reads (a misspelt name) would leave the kernel
-    at its #ifndef default without a word: each must be a macro some kernel source defaults."""
+    """A define of the launch table that no kernel reads (a misspelt name) would change nothing
+    without a word: each must be a macro the kernels require (pointwise.cu stops with #error
+    without it; test_params checks the two sets are one) and use."""
     from cupyloss import _source
 
     sources = "".join(p.read_text() for p in _source.kernel_dir().iterdir()
@@ -950,7 +951,9 @@ def test_every_kernel_define_names_a_macro_the_kernels_read():
     for option in _launch.kernel_defines():
         assert option.startswith("-D") and "=" in option, option
         name, value = option[2:].split("=", 1)
-        assert f"#ifndef {name}\n" in sources, f"{name} is read by no kernel"
+        assert f"!defined({name})" in sources, f"{name} is required by no kernel"
+        uses = re.findall(r"\b" + name + r"\b", sources)
+        assert len(uses) > 1, f"{name} is read by no kernel"
         assert int(value) >= 0, option
 
 
