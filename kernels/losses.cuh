@@ -211,13 +211,9 @@ template <int MODE>
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
     // Its logs are of every element whichever operand is broadcast, so it wants loads in flight
-    // while they run: the reduce kernel pipelined at 2 blocks an SM and 4 steps; the rows kernel
-    // pipelined at 3 blocks and 2 steps (row pattern 76.5 -> 79.0% against 4/2 unpipelined; H100,
-    // float32 value_and_grad); the flat kernel of a 0-d broadcast operand pipelined (the
-    // full-size one lost by it).  The reduce kernel's 4 blocks and 2 steps (unpipelined) spilled
-    // 80 bytes at 64 registers; one run, three rounds, % of the read+write limit, per-channel /
-    // per-row: 4/2 78.5 / 75.4, 3/2 80.5 / 75.3, 2/2 pipelined 80.0 / 80.0, 2/2 72.8 / 71.9,
-    // 2/4 pipelined 82.0 / 80.6 (the same bits in each).
+    // while they run: the reduce kernel pipelined at 2 blocks an SM and 4 steps, the rows kernel
+    // at 3 and 2, the flat kernel pipelined with a 0-d broadcast operand only (docs/tuning.md,
+    // "The functors' own shapes").
     static constexpr Shape32 shape_f32 = {3, 2, 2, 4,
                                           PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
@@ -451,28 +447,20 @@ struct HuberOp {
 template <int MODE>
 struct BceOp {
     static constexpr int K = 3;  // input, target, weight
-    // The streaming shape (GradShape): H100, float32 value_and_grad, first array broadcast,
-    // per-channel / per-row 0.198 / 0.141 ms -> 0.185 / 0.130 (reduce kernel), row 0.145 ->
-    // 0.148 (rows kernel), measured while the logs stayed in the loops.  Both loops pipelined:
-    // a full input's logs then overlap the next step's loads.
-    // The reduce kernel on 4-byte elements at the table's 2 blocks an SM, not the 3 below (one
-    // run, three rounds, % of the read+write limit, per-channel / per-row: 3/4 82.0 / 80.3, 2/4
-    // 82.3 / 82.6).
+    // The streaming shape (GradShape), both loops pipelined: a full input's logs then overlap
+    // the next step's loads.  On 4-byte elements the reduce kernel takes the table's 2 blocks an
+    // SM, not the 3 below (docs/tuning.md, "The functors' own shapes", for this and the next).
     static constexpr bool stream_shape = true;
     static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0;
     // Gradient kernels bounded for more resident warps in float and double only (GradShape in
-    // pointwise.cu): 16-bit vectors of 8 elements spill there (H100, bfloat16 32768^2
-    // value_and_grad 14.5 ms bounded against 8.2 unbounded).
+    // pointwise.cu): 16-bit vectors of 8 elements spill there.
     static constexpr int heavy_sizes = (1 << 4) | (1 << 8);
-    // Unbounded, the 16-bit flat gradient kernel took 133 registers: one block an SM.  H100,
-    // bfloat16 [16384, 16384] value_and_grad, blocks bound 1 (unbounded) / 2 / 3: 2.190 / 1.396
-    // / 1.349 ms (3 spills 104 bytes and is still the fastest; mse_loss 0.762).
+    // Unbounded, the 16-bit flat gradient kernel took 133 registers: one block an SM; 3 spills
+    // a little and is still the fastest.
     static constexpr int flat_blocks_16 = 3;
     // pointwise_reduce bounded for 3 blocks per SM in float64 (4-byte elements take the shape
-    // above), not the table's 4: at 64 registers its two logs spill (H100, float32 broadcast over
-    // [8192, 4096] rows, value_and_grad 0.240 ms at 3 blocks, 0.345 at 4; measured before
-    // pointwise_reduce's per-mask instantiations and the shape above).
+    // above), not the table's 4: at 64 registers its two logs spill.
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     // The input's logs are fixed terms (pointwise.cu's FixedTerms): formed once before the loop
@@ -544,25 +532,21 @@ struct BceLogitsOp {
     // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
     // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
     // both loops pipelined.  On 4-byte elements the reduce kernel takes the table's 2 blocks an
-    // SM, not the 3 below, at which its pipelined loop spilled 120 bytes; one run, three rounds,
-    // % of the read+write limit, per-channel / per-row, all pipelined: 3/4 80.3 / 78.7, 2/4
-    // 82.2 / 82.6 (2/2 72.0 / 70.9, 3/2 78.7 / 74.8, 4/1 79.3 / 76.2).
+    // SM, not the 3 below, at which its pipelined loop spilled 120 bytes (docs/tuning.md, "The
+    // functors' own shapes", for this and the next two).
     static constexpr bool stream_shape = true;
     static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
     // pointwise_reduce bounded for 3 blocks per SM in 16-bit and float64, as BceOp (four
-    // operands' bookkeeping spill at 64 registers: broadcast over [8192, 4096] rows 0.261 ms at
-    // 3 blocks, 0.284 at 4; measured before pointwise_reduce's per-mask instantiations).
+    // operands' bookkeeping spill at 64 registers).
     static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     // The logit's logistic pieces are fixed terms (pointwise.cu's FixedTerms), as
     // sigmoid_focal_loss's: formed once before the loop where x is fixed (CONST bit 0).  The
     // rows kernel's loop, float32 value_and_grad, x broadcast: 637 -> 482 instructions, 8 -> 0
     // MUFU; its time was bound by memory already (H100, row pattern 82.0% either way, the same
-    // bits).  The 16-bit rows kernel bounded for 2 blocks an SM, as sigmoid_focal_loss's: H100,
-    // float16 row pattern value_and_grad, one run, two rounds, 152 -> 85 us (2 blocks without
-    // the fixed terms 98, 1 block with them 114).  kl_div, log_cosh_loss and soft_margin_loss
-    // lost 5-12% there at 2 blocks, and keep the table's 3.
+    // bits).  The 16-bit rows kernel bounded for 2 blocks an SM, as sigmoid_focal_loss's, where
+    // kl_div, log_cosh_loss and soft_margin_loss lose and keep the table's 3.
     static constexpr bool fixed_terms = true;
     static constexpr int rows_blocks_16 = 2;
     template <int CONST, typename A>
@@ -648,11 +632,8 @@ struct HingeEmbeddingOp {
 struct MarginRankingOp {
     static constexpr int K = 3;  // input1, input2, target
     // The reduce kernel at 2 blocks an SM and 4 steps (two of its three operands streaming),
-    // pipelined, where the heavy table's 4 blocks and 1 step spill.  H100, float32 value_and_grad,
-    // input1 broadcast (bench_broadcast's patterns), % of the read+write limit, two rounds of one
-    // run: per-channel 76.5 / 76.8 -> 79.2 / 78.0, per-row 75.9 / 74.1 -> 79.8 / 79.2 against the
-    // table's shape (3 blocks: 76.3 / 77.0 and 75.3 / 73.1; 2 blocks and 1 step: 79.0 / 78.6 and
-    // 75.6 / 76.9).
+    // pipelined, where the heavy table's 4 blocks and 1 step spill (docs/tuning.md, "The
+    // functors' own shapes").
     static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_REDUCE};
     struct Params {
         double margin;
@@ -744,9 +725,8 @@ struct GaussianNllOp {
     // 0.0973 -> 0.2103 / 0.0963 (IEEE divisions by s remain per element).
     static constexpr bool fixed_terms = true;
     // The reduce kernel on 4-byte elements at 2 blocks an SM and 4 steps, where the heavy
-    // table's 4/1 spilled 112-192 bytes at 64 registers.  H100, float32 value_and_grad, var
-    // (8192, 1) against x and t (8192, 4096), one run, three rounds, % of the read+write limit:
-    // 4/1 82.2, 3/2 82.6, 2/2 75.9 (pipelined 80.0), 2/4 86.0 (pipelined 86.1), the same bits.
+    // table's 4/1 spilled 112-192 bytes at 64 registers (docs/tuning.md, "The functors' own
+    // shapes").
     static constexpr Shape32 shape_f32 = {0, 0, 2, 4};
     template <int CONST, typename A>
     struct Fixed {
@@ -824,15 +804,12 @@ struct SigmoidFocalOp {
     static constexpr int K = 2;  // input, target
     // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
     // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
-    // both loops pipelined and the rows kernel at 2 steps (4 pipelined spill).  Rows kernel, row
-    // pattern, float32 value_and_grad, H100, one run, three rounds, % of the read+write limit:
-    // 2/2 pipelined 79.4, 1/4 pipelined 61.7, 2/2 66.2, 2/4 76.1 (3/2 pipelined spills 128 bytes);
-    // measured before x's fixed terms below.
+    // both loops pipelined and the rows kernel at 2 steps (4 pipelined spill; docs/tuning.md,
+    // "The functors' own shapes", for this and the next).
     static constexpr bool stream_shape = true;
     static constexpr Shape32 shape_f32 = {2, 2, 0, 0, PIPE_ROWS | PIPE_REDUCE};
     // The 16-bit flat gradient kernel bounded for 3 blocks an SM, not the heavy table's 4, at
-    // which its 8-element vectors spilled 120-144 bytes.  H100, bfloat16 [16384, 16384]
-    // value_and_grad (gamma = 2), bound 4 / 3 / 2: 1.222 / 1.137 / 1.172 ms.
+    // which its 8-element vectors spilled 120-144 bytes.
     static constexpr int flat_blocks_16 = 3;
     static constexpr bool gamma_two = (MODE & 1) != 0;
     struct Params {
@@ -944,10 +921,8 @@ struct LogCoshOp {
     // Bound by its arithmetic on every element whichever operand is broadcast: both loops
     // pipelined at 2 blocks an SM, with 2 steps in flight in the rows kernel and 4 in the
     // reduce kernel, so loads stay in flight while the exp, log and tanh run, as is the flat
-    // kernel of a 0-d broadcast operand (the full-size one lost by it; _launch.py's table).
-    // Reduce 2/2 -> 2/4, one run, three rounds, % of the read+write limit: per-channel 79.5 ->
-    // 81.0, per-row 79.8 -> 79.8 (the same bits).  The rows kernel's 2/2 against 3/2, 2/4 and
-    // 1/4 (all pipelined), row pattern, another run: 79.6, 78.8, 72.5, 57.4.
+    // kernel of a 0-d broadcast operand (the full-size one lost by it; docs/tuning.md, "The
+    // functors' own shapes").
     static constexpr Shape32 shape_f32 = {2, 2, 2, 4,
                                           PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     using Params = NoParams;
