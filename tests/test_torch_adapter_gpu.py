@@ -361,9 +361,12 @@ def test_compiled_step_holds_one_gradient_and_gives_eagers_bits(name, dtype):
         leaf.grad = None
 
 
-def test_cuda_graph_capture_of_a_compiled_training_step():
-    """A compiled step (forward op holding its gradient, backward op scaling it) captured in a
-    CUDA graph replays as eager training."""
+@pytest.mark.parametrize("compiled, inplace", [(True, False), (False, True), (True, True)],
+                         ids=["compiled", "eager-inplace", "compiled-inplace"])
+def test_cuda_graph_capture_of_a_compiled_training_step(compiled, inplace):
+    """A compiled step (forward op holding its gradient, backward op scaling it), and a step
+    with inplace_backward=True eager or compiled (the gradient written into the logits' buffer
+    every replay), captured in a CUDA graph, replays as eager training."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -372,7 +375,12 @@ def test_cuda_graph_capture_of_a_compiled_training_step():
     def trainer():
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        loss_of = torch.compile(lambda a, b: CF.cross_entropy(model(a), b, **kw), fullgraph=True)
+
+        def loss_of(a, b):
+            return CF.cross_entropy(model(a), b, inplace_backward=inplace, **kw)
+
+        if compiled:
+            loss_of = torch.compile(loss_of, fullgraph=True)
 
         def step(a, b):
             opt.zero_grad(set_to_none=True)
@@ -557,33 +565,3 @@ def test_compiled_inplace_backward_writes_into_the_products_buffer(dtype):
     grads = (h.numel() + w.numel()) * h.element_size()
     assert peak < 1.5 * logits + grads, (peak, logits)
     assert out_of_place > 1.9 * logits, (out_of_place, logits)
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_cuda_graph_capture_of_an_inplace_training_step(compiled):
-    """inplace_backward=True on a model's logits, eager or compiled, captured in a CUDA graph,
-    replays as eager training (the gradient written into the logits' buffer every replay)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    (x, t), kw = _on_gpu("cross_entropy", torch.float32, shape=(300, 129))
-
-    def trainer():
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-
-        def loss_of(a, b):
-            return CF.cross_entropy(model(a), b, inplace_backward=True, **kw)
-
-        if compiled:
-            loss_of = torch.compile(loss_of, fullgraph=True)
-
-        def step(a, b):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(a, b)
-            loss.backward()
-            opt.step()
-            return loss
-        return model, step
-
-    _graph_replays_like_eager(trainer, x, t)
