@@ -315,20 +315,17 @@ def compiled(reps: int, scale: float) -> list:
     rows = []
     for name, args, ours, theirs, eager_call, liger, inplace in _compiled_workloads(scale):
         table = _Table(reps, warm=True)     # the warm call compiles
-        measure = table.measure
-        measure("cupyloss.torch eager", _fwd_bwd(eager_call, args))
-        torch._dynamo.reset()
-        measure("cupyloss.torch compiled", _fwd_bwd(torch.compile(ours, fullgraph=True), args))
+        ways = [("cupyloss.torch eager", "cupyloss.torch compiled", eager_call, ours)]
         if inplace is not None:
-            measure("cupyloss.torch eager, inplace_backward", _fwd_bwd(inplace, args))
+            ways.append(("cupyloss.torch eager, inplace_backward",
+                         "cupyloss.torch compiled, inplace_backward", inplace, inplace))
+        ways.append(("torch eager", "torch.compile", theirs, theirs))
+        for eager_name, compiled_name, eager_fn, step in ways:
+            table.measure(eager_name, _fwd_bwd(eager_fn, args))
             torch._dynamo.reset()
-            measure("cupyloss.torch compiled, inplace_backward",
-                    _fwd_bwd(torch.compile(inplace, fullgraph=True), args))
-        measure("torch eager", _fwd_bwd(theirs, args))
-        torch._dynamo.reset()
-        measure("torch.compile", _fwd_bwd(torch.compile(theirs, fullgraph=True), args))
+            table.measure(compiled_name, _fwd_bwd(torch.compile(step, fullgraph=True), args))
         if liger is not None:
-            measure("Liger-Kernel (logits gradient in place)", _fwd_bwd(liger, args))
+            table.measure("Liger-Kernel (logits gradient in place)", _fwd_bwd(liger, args))
         torch._dynamo.reset()
         shape = "x".join(map(str, args[0].shape))
         dtype = str(args[0].dtype).removeprefix("torch.")
