@@ -447,14 +447,17 @@ def _flags_schema(loss: _Loss) -> str:
     return ", ".join(f"bool grad_{a}" for a in loss.arrays)
 
 
-def _split_inputs(loss: _Loss, inputs):
+def _split_inputs(loss: _Loss, inputs, wide=False):
     """Op inputs -> (arrays, reduction, options dict, flags).  The ops' last argument, `wide`
     (16-bit logits read as they are under autocast, a float32 loss: _autocast), is passed on
-    as the option "_wide" where it is set."""
+    as the option "_wide" where it is set.  torch hands it over positionally, by keyword, or
+    not at all when it has its default (a compiled graph's calls), so both forms are read."""
     n, k = len(loss.arrays), len(loss.options)
     options = {o: v for (o, _), v in zip(loss.options, inputs[n + 1:n + 1 + k])}
     flags = inputs[n + 1 + k:n + 1 + k + n]
-    if len(inputs) > n + 1 + k + n and inputs[n + 1 + k + n]:
+    if len(inputs) > n + 1 + k + n:
+        wide = inputs[n + 1 + k + n]
+    if wide:
         options["_wide"] = True
     return inputs[:n], inputs[n], options, flags
 
@@ -517,8 +520,8 @@ def _held_gradients_fake(grad_output, held, sizes, ranks, dtype, wanted):
 
 
 def _forward_impl(loss: _Loss):
-    def impl(*inputs):
-        arrays, reduction, options, flags = _split_inputs(loss, inputs)
+    def impl(*inputs, wide=False):
+        arrays, reduction, options, flags = _split_inputs(loss, inputs, wide)
         wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
         if wrt and reduction != "none":
             value, grads = _engine.value_and_grad(loss.name, arrays, reduction, options, wrt)
@@ -532,8 +535,8 @@ def _forward_impl(loss: _Loss):
 
 
 def _backward_impl(loss: _Loss):
-    def impl(grad_output, token, *inputs):
-        arrays, reduction, options, flags = _split_inputs(loss, inputs)
+    def impl(grad_output, token, *inputs, wide=False):
+        arrays, reduction, options, flags = _split_inputs(loss, inputs, wide)
         wrt = tuple(a for a, f in zip(loss.arrays, flags) if f)
         held = _take(token)
         if not wrt:
@@ -575,8 +578,8 @@ def _loss_shape(loss: _Loss, arrays, reduction):
 
 
 def _forward_fake(loss: _Loss):
-    def fake(*inputs):
-        arrays, reduction, options, flags = _split_inputs(loss, inputs)
+    def fake(*inputs, wide=False):
+        arrays, reduction, options, flags = _split_inputs(loss, inputs, wide)
         shape = _loss_shape(loss, arrays, reduction)
         held = True in flags and reduction != "none"
         dtype = torch.float32 if "_wide" in options else arrays[0].dtype
@@ -587,8 +590,8 @@ def _forward_fake(loss: _Loss):
 
 
 def _backward_fake(loss: _Loss):
-    def fake(grad_output, token, *inputs):
-        arrays, reduction, _, flags = _split_inputs(loss, inputs)
+    def fake(grad_output, token, *inputs, wide=False):
+        arrays, reduction, _, flags = _split_inputs(loss, inputs, wide)
         _loss_shape(loss, arrays, reduction)
         return tuple(a.new_empty(a.shape if f else (0,)) for a, f in zip(arrays, flags))
 
@@ -812,9 +815,15 @@ def _register(loss: _Loss) -> None:
 def _register_inplace(loss: _Loss, args: str) -> None:
     first = loss.arrays[0]
     flags = (True,) + (False,) * (len(loss.arrays) - 1)
+    plain = len(loss.arrays) + 1 + len(loss.options)    # the inputs before `wide`
 
-    def impl(*inputs):
-        arrays, reduction, options, _ = _split_inputs(loss, (*inputs[:-1], *flags, inputs[-1]))
+    def split(inputs, wide):
+        if len(inputs) > plain:
+            inputs, wide = inputs[:plain], inputs[plain]
+        return _split_inputs(loss, (*inputs, *flags, wide))
+
+    def impl(*inputs, wide=False):
+        arrays, reduction, options, _ = split(inputs, wide)
         x = arrays[0]
         if x.device.type == "cuda" and type(_engine) is _ByDevice:
             value, _ = _engine.value_and_grad(loss.name, arrays, reduction,
@@ -825,8 +834,8 @@ def _register_inplace(loss: _Loss, args: str) -> None:
             x.copy_(grad)
         return value
 
-    def fake(*inputs):
-        arrays, reduction, options, _ = _split_inputs(loss, (*inputs[:-1], *flags, inputs[-1]))
+    def fake(*inputs, wide=False):
+        arrays, reduction, options, _ = split(inputs, wide)
         dtype = torch.float32 if "_wide" in options else arrays[0].dtype
         return arrays[0].new_empty(_loss_shape(loss, arrays, reduction), dtype=dtype)
 

@@ -683,6 +683,36 @@ def test_compiled_inplace_backward_takes_the_mutating_op(engine, fresh_dynamo, n
     assert not CF._inplace(CF._GENERATED[name], (x32 * 1.0).T, "mean", (True, False), True)
 
 
+def test_the_ops_read_wide_however_torch_passes_it(engine, monkeypatch):
+    """A compiled graph calls an op with `wide` by keyword, or leaves it out at its default:
+    every form reaches the engine with the options as given and `wide` read as given (not the
+    last option taken for it, which once turned check_targets on under a CUDA graph capture)."""
+    seen = []
+
+    def spy(name, arrays, reduction, options, wrt):
+        seen.append(dict(options))
+        return arrays[0].new_zeros(()), tuple(torch.zeros_like(arrays[0]) for _ in wrt)
+
+    monkeypatch.setattr(engine, "value_and_grad", spy)
+    loss = CF._GENERATED["cross_entropy"]
+    defaults = {o: d for o, d in loss.options}
+    x = torch.randn(4, 5, dtype=torch.float64)
+    base = (torch.tensor([0, 1, 2, 3]), "mean", *defaults.values())
+    flags = (True, False)
+    ops = torch.ops.cupyloss
+    calls = [(lambda: ops.cross_entropy_inplace.default(x.clone(), *base), False),
+             (lambda: ops.cross_entropy_inplace.default(x.clone(), *base, False), False),
+             (lambda: ops.cross_entropy_inplace.default(x.clone(), *base, wide=True), True),
+             (lambda: ops.cross_entropy_inplace.default(x.clone(), *base, True), True),
+             (lambda: ops.cross_entropy.default(x, *base, *flags), False),
+             (lambda: ops.cross_entropy.default(x, *base, *flags, wide=True), True),
+             (lambda: ops.cross_entropy.default(x, *base, *flags, True), True)]
+    for call, wide in calls:
+        seen.clear()
+        call()
+        assert seen == [dict(defaults, **({"_wide": True} if wide else {}))]
+
+
 def test_op_with_its_wide_argument_given_differentiates(engine):
     """The ops' trailing `wide` argument (set under autocast), given explicitly: autograd
     returns a gradient slot for it too."""
