@@ -227,6 +227,13 @@ def slice_launch(rows: int, limits: DeviceLimits) -> Launch:
     return Launch((max(1, min(rows, limits.sm_count * BLOCKS_PER_SM)),), (BLOCK,), 0)
 
 
+def row_thread_launch(rows: int, limits: DeviceLimits) -> Launch:
+    """Launch of a thread-a-row kernel (rowwise.cu's cross_entropy_combine): one wave of
+    resident blocks at most, the rows in a grid-stride loop."""
+    grid = max(1, min(_cdiv(rows, BLOCK), limits.sm_count * BLOCKS_PER_SM))
+    return Launch((grid,), (BLOCK,), 0)
+
+
 ROW_SUM_BYTES = 8   # pointwise_rows sums a row gradient across its lanes in double
 
 

@@ -75,6 +75,8 @@ ROWS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_rows"))
 COLS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_cols"))
 WSUM = _args.Layout(_source.kernel_words("rowwise.cu", "class_weight_sum"))
 SLICE = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_slice_grad"))
+STATS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_slice_stats"))
+COMBINE = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_combine"))
 # The modes whose gradient may be stored as another (16-bit) type than float32 logits
 # (_source.ROWWISE_NARROW_MODES).
 _NARROW_MODES = (MODE_GRAD, MODE_GENERAL, MODE_SMOOTH)
@@ -604,8 +606,8 @@ def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, i
     pass): out[r, j] = dloss_r/dz[r, c0 + j] times grad_output, from the logits x (rows, cols)
     of classes c0 .. c0 + cols - 1 of `classes`, each row's lse over all of them and its class
     index.  weight: (classes,) of x's dtype or None; wsum: its 0-d sum (label smoothing with
-    class weights) or None; grad_output: a Python number, a 0-d array, or (rows,).  Rows of x
-    and out contiguous; target and lse contiguous."""
+    class weights) or None; grad_output: a Python number, or a 0-d or (rows,) array of the
+    accumulator dtype (lse's).  Rows of x and out contiguous; target and lse contiguous."""
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         return
@@ -629,5 +631,50 @@ def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, i
         "smoothing": _args.f64_word(label_smoothing), "zscale": _args.f64_word(lse_square_scale),
         "softcap": _args.f64_word(softcap), "go_value": _args.f64_word(go_value),
         "grad_scale": _ONE, "gx": out.data.ptr})
+    _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
+                 words)
+
+
+def slice_stats(x, target, out, c0, classes, weight, *, ignore_index, label_smoothing, softcap,
+                stream, device) -> None:
+    """rowwise.cu's cross_entropy_slice_stats on CuPy arrays (vocab-parallel cross entropy's
+    per-rank pass): out[r] = the softmax state (m, s, a, b, t) of row r's classes c0 ..
+    c0 + cols - 1 of `classes`, from the logits x (rows, cols) of those classes.  weight:
+    (classes,) of x's dtype or None; out: (rows, 5) of the accumulator dtype.  Rows of x
+    contiguous; target and out contiguous."""
+    rows, cols = x.shape
+    if rows == 0:
+        return
+    flags = FLAG_INDEX64 if target.dtype == _INDEX_DTYPES[1] else 0
+    name = _source.rowwise_name("cross_entropy_slice_stats", _dtypes.DTYPES[x.dtype].ctype)
+    cfg = _launch.slice_launch(rows, _launch.device_limits(device))
+    words = STATS.template({
+        "x": x.data.ptr, "tgt": target.data.ptr, "weight": 0 if weight is None else weight.data.ptr,
+        "rows": rows, "cols": cols, "c0": c0, "classes": classes,
+        "x_rs": x.strides[0] // x.itemsize, "flags": flags,
+        "ignore_index": _args.i64_word(ignore_index),
+        "smoothing": _args.f64_word(label_smoothing), "softcap": _args.f64_word(softcap),
+        "stats": out.data.ptr})
+    _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
+                 words)
+
+
+def combine(stats, target, weight, loss, lse, wy, classes, *, ignore_index, label_smoothing,
+            lse_square_scale, ctype, stream, device) -> None:
+    """rowwise.cu's cross_entropy_combine on CuPy arrays: loss, lse, wy (rows,) of every row
+    from stats (k, rows, 5), the states of its k slices in order.  weight: (classes,) of the
+    logits' dtype (C type `ctype`) or None.  All contiguous."""
+    k, rows = stats.shape[:2]
+    if rows == 0:
+        return
+    flags = FLAG_INDEX64 if target.dtype == _INDEX_DTYPES[1] else 0
+    name = _source.rowwise_name("cross_entropy_combine", ctype)
+    cfg = _launch.row_thread_launch(rows, _launch.device_limits(device))
+    words = COMBINE.template({
+        "stats": stats.data.ptr, "tgt": target.data.ptr,
+        "weight": 0 if weight is None else weight.data.ptr, "k": k, "rows": rows,
+        "classes": classes, "flags": flags, "ignore_index": _args.i64_word(ignore_index),
+        "smoothing": _args.f64_word(label_smoothing), "zscale": _args.f64_word(lse_square_scale),
+        "loss": loss.data.ptr, "lse": lse.data.ptr, "wy": wy.data.ptr})
     _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
                  words)

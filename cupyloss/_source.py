@@ -184,7 +184,9 @@ def narrow_name(ctype: str) -> str:
     return f"cupyloss::narrow<{ctype}>"
 
 
-ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum")
+ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum",
+                   "cross_entropy_slice_stats", "cross_entropy_combine",
+                   "cross_entropy_slice_grad")
 ROWWISE_MODES = (0, 1, 2, 3, 4, 5)     # cross_entropy_rows's MODE (_rowwise.ROW_*)
 ROWWISE_CLUSTER_MODES = (1, 2, 4, 5)   # the ones with a gradient held over a cluster's blocks
 ROWWISE_NARROW_MODES = (1, 2, 4)       # the class-index gradients, stored rounded to 16 bits
@@ -252,7 +254,8 @@ def units() -> list[tuple[str, list[str]]]:
 
 
 def rowwise_names(info) -> list[str]:
-    """Every rowwise.cu kernel of one dtype (cross_entropy and nll_loss reach them all)."""
+    """Every rowwise.cu kernel of one dtype (cross_entropy and nll_loss reach them all; the
+    slice kernels through vocab-parallel cross entropy, cupyloss.parallel)."""
     names = [rowwise_name(kernel, info.ctype, mode) for kernel in ROWWISE_KERNELS
              for mode in (ROWWISE_MODES if kernel == "cross_entropy_rows" else (2,))]
     return names + [rowwise_name("cross_entropy_rows", info.ctype, mode, kc)

@@ -47,7 +47,13 @@
 //                        gradient launch that needs it (the gradient is scaled by it).
 //   cross_entropy_slice_grad
 //                        the gradient over a slice of the classes from each row's lse found
-//                        before (the fused linear loss's low-memory plan).
+//                        before (the fused linear loss's low-memory plan, vocab-parallel
+//                        cross entropy's backward).
+//   cross_entropy_slice_stats
+//                        the softmax state of a slice of each row's classes (vocab-parallel
+//                        cross entropy: the per-row statistics its ranks exchange).
+//   cross_entropy_combine
+//                        each row's loss and lse from the states of all its slices.
 // Indices are 64-bit; the 0-d loss is finished in the same launch (last-block ticket).
 #include "common.cuh"
 #include "rows.cuh"
@@ -927,7 +933,9 @@ __global__ void __launch_bounds__(256) class_weight_sum(
 //   weight     [classes] class weights, or null
 //   wsum       [1] sum_c w_c (label smoothing with class weights), or null
 //   lse        [rows] each row's logsumexp over all its classes
-//   go         [rows] (ROW_GO_ROWS) or [1] (ROW_GO_DEVICE) upstream gradients, or unused
+//   go         [rows] (ROW_GO_ROWS) or [1] (ROW_GO_DEVICE) upstream gradients of the
+//              accumulator type (16-bit logits: a 'mean' row's float32 grad_output / divisor
+//              unrounded), or unused
 //   rows, cols, c0, classes, x_rs, g_rs, flags, ignore_index, smoothing, zscale, softcap,
 //   go_value, grad_scale
 //   gx         [rows, cols] of G, row r at r * g_rs
@@ -935,7 +943,7 @@ template <typename T, typename G>
 __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
         const T* __restrict__ x, const void* tgt, const T* __restrict__ weight,
         const acc_t<T>* __restrict__ wsum, const acc_t<T>* __restrict__ lse,
-        const T* __restrict__ go, const long long rows, const long long cols, const long long c0,
+        const acc_t<T>* __restrict__ go, const long long rows, const long long cols, const long long c0,
         const long long classes, const long long x_rs, const long long g_rs,
         const long long flags, const long long ignore_index, const double smoothing,
         const double zscale, const double softcap, const double go_value,
@@ -990,6 +998,108 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
                 for (int e = 0; e < n; ++e) gr[c + e] = from_acc<G>(gi[e]);
             }
         }
+    }
+}
+
+// The softmax state (m, s, a, b, t) of a slice of each row's classes, as cross_entropy_rows forms
+// a thread's (vocab-parallel cross entropy: each GPU holds classes c0 .. c0 + cols - 1 of
+// `classes`).  The states of a row's slices merge into the row's (merge above; in any fixed
+// order: cupyloss.parallel.combine_stats), from which its loss and lse follow as in finalize,
+// and cross_entropy_slice_grad forms each slice's gradient from that lse.  u_c = w_c with label
+// smoothing (over all `classes`), else a and b stay 0; t is z_y where the row's class index y
+// lies in the slice, else 0.  An ignored row is not read (its state is empty).  A block takes a
+// row at a time (rows in a grid-stride loop), its threads VEC consecutive classes at a time.
+// The parameters, one 64-bit word each, in this order:
+//   x          [rows, cols] logits of the slice's classes, row r at r * x_rs
+//   tgt        int32/int64 [rows] class indices into all `classes`
+//   weight     [classes] class weights, or null
+//   rows, cols, c0, classes, x_rs, flags, ignore_index, smoothing, softcap
+//   stats      [rows, ROW_FIELDS] of the accumulator type
+constexpr int SLICE_LOADS = 4;
+template <typename T>
+__global__ void __launch_bounds__(256) cross_entropy_slice_stats(
+        const T* __restrict__ x, const void* tgt, const T* __restrict__ weight,
+        const long long rows, const long long cols, const long long c0,
+        const long long classes, const long long x_rs, const long long flags,
+        const long long ignore_index, const double smoothing, const double softcap,
+        acc_t<T>* __restrict__ stats) {
+    using A = acc_t<T>;
+    constexpr int VEC = 16 / sizeof(T);
+    __shared__ A scratch[8 * ROW_FIELDS];
+    const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, 0.0, softcap, classes);
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const RowTarget<A> rt = row_target<T, A>(tgt, r, weight, ra);
+        const T* xr = x + r * x_rs;
+        RowStat<A> st = empty_stat<A>();
+        if (!rt.ignored) {
+            const long long step = (long long)blockDim.x * VEC;
+            long long c = (long long)threadIdx.x * VEC;
+            if (aligned16(xr)) {
+                // SLICE_LOADS vectors in flight a thread: one at a time leaves the loop waiting
+                // on each load's latency
+                for (; c + (SLICE_LOADS - 1) * step + VEC <= cols; c += SLICE_LOADS * step) {
+                    Vec<T, VEC> xv[SLICE_LOADS];
+                    #pragma unroll
+                    for (int i = 0; i < SLICE_LOADS; ++i)
+                        xv[i] = load16<T, VEC>(xr + c + i * step, false);
+                    #pragma unroll
+                    for (int i = 0; i < SLICE_LOADS; ++i) {
+                        #pragma unroll
+                        for (int e = 0; e < VEC; ++e) {
+                            const long long cls = c0 + c + i * step + e;
+                            const A u = weight != nullptr && ra.smooth ? to_acc(weight[cls])
+                                                                       : A(1);
+                            push(st, zval(xv[i].v[e], ra), u, ra.smooth);
+                        }
+                    }
+                }
+            }
+            for (; c < cols; c += step) {
+                const int n = (int)min((long long)VEC, cols - c);
+                for (int e = 0; e < n; ++e) {
+                    const A u = weight != nullptr && ra.smooth ? to_acc(weight[c0 + c + e])
+                                                               : A(1);
+                    push(st, zval(xr[c + e], ra), u, ra.smooth);
+                }
+            }
+        }
+        st = team_merge(st, (int)blockDim.x, scratch);
+        if (threadIdx.x == 0) {
+            const long long j = rt.y - c0;
+            if (!rt.ignored && !rt.oor && j >= 0 && j < cols) st.t = zval(xr[j], ra);
+            store_stat(stats + r * ROW_FIELDS, st);
+        }
+    }
+}
+
+// Each row's loss, lse and target weight w_y from the states of all its slices (vocab-parallel
+// cross entropy: every rank runs it on the same gathered states, so every rank gets the same
+// bits).  The states merge in slice order, then finalize as in cross_entropy_rows.  A thread a row.
+// The parameters, one 64-bit word each, in this order:
+//   stats      [k, rows, ROW_FIELDS] of the accumulator type, slice by slice
+//   tgt        int32/int64 [rows] class indices into all `classes`
+//   weight     [classes] class weights, or null
+//   k, rows, classes, flags, ignore_index, smoothing, zscale
+//   loss, lse, wy   [rows] of the accumulator type (wy: 0 for an ignored row, NaN outside)
+template <typename T>
+__global__ void __launch_bounds__(256) cross_entropy_combine(
+        const acc_t<T>* __restrict__ stats, const void* tgt, const T* __restrict__ weight,
+        const long long k, const long long rows, const long long classes,
+        const long long flags, const long long ignore_index, const double smoothing,
+        const double zscale, acc_t<T>* __restrict__ loss, acc_t<T>* __restrict__ lse,
+        acc_t<T>* __restrict__ wy) {
+    using A = acc_t<T>;
+    const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, 0.0, classes);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += stride) {
+        RowStat<A> st = load_stat(stats + r * ROW_FIELDS);
+        for (long long i = 1; i < k; ++i)
+            st = merge(st, load_stat(stats + (i * rows + r) * ROW_FIELDS));
+        const RowTarget<A> rt = row_target<T, A>(tgt, r, weight, ra);
+        const RowResult<A> o = finalize(st, rt, ra);
+        loss[r] = o.loss;
+        lse[r] = o.lse;
+        wy[r] = rt.wy;
     }
 }
 

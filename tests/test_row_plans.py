@@ -189,3 +189,36 @@ def test_slice_grad_words(device):
     assert (s["rows"], s["cols"], s["c0"], s["classes"]) == (4, 128, 256, 1000)
     assert s["ignore_index"] == _args.i64_word(-3) and s["smoothing"] == _args.f64_word(0.1)
     assert s["go_value"] == _args.f64_word(0.5) and s["go"] == 0
+
+
+def test_slice_stats_and_combine_words(device):
+    """Vocab-parallel cross entropy's two kernels get their arrays and options in the words
+    their declarations name."""
+    def arr(a):
+        return np.ascontiguousarray(a).view(_CupyLike)
+
+    z = arr(np.zeros((4, 128), np.float32))
+    t = arr(np.arange(4, dtype=np.int32))
+    w = arr(np.ones(1000, np.float32))
+    stats = arr(np.zeros((3, 4, 5), np.float32))
+    rows = [arr(np.zeros(4, np.float32)) for _ in range(3)]
+    _rowwise.slice_stats(z, t, stats[1], 256, 1000, w, ignore_index=-3, label_smoothing=0.1,
+                         softcap=30.0, stream=0, device=0)
+    _rowwise.combine(stats, t, w, *rows, 1000, ignore_index=-3, label_smoothing=0.1,
+                     lse_square_scale=1e-4, ctype="float", stream=0, device=0)
+    (sname, swords), (cname, cwords) = device.launches
+    s = dict(zip([n for _, n in _source.kernel_params("rowwise.cu", "cross_entropy_slice_stats")],
+                 swords))
+    c = dict(zip([n for _, n in _source.kernel_params("rowwise.cu", "cross_entropy_combine")],
+                 cwords))
+    assert "cross_entropy_slice_stats<float>" in sname and "cross_entropy_combine<float>" in cname
+    assert (s["x"], s["tgt"], s["weight"], s["stats"]) == (
+        z.ctypes.data, t.ctypes.data, w.ctypes.data, stats.ctypes.data + 4 * 5 * 4)
+    assert (s["rows"], s["cols"], s["c0"], s["classes"], s["x_rs"], s["flags"]) == (
+        4, 128, 256, 1000, 128, 0)
+    assert s["ignore_index"] == _args.i64_word(-3) and s["smoothing"] == _args.f64_word(0.1)
+    assert s["softcap"] == _args.f64_word(30.0)
+    assert (c["stats"], c["tgt"], c["weight"], c["loss"], c["lse"], c["wy"]) == (
+        stats.ctypes.data, t.ctypes.data, w.ctypes.data, *(r.ctypes.data for r in rows))
+    assert (c["k"], c["rows"], c["classes"]) == (3, 4, 1000)
+    assert c["zscale"] == _args.f64_word(1e-4) and c["smoothing"] == _args.f64_word(0.1)

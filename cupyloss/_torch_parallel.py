@@ -1,0 +1,331 @@
+"""cupyloss.torch's cross entropy over several GPUs (cupyloss.parallel has the method).
+
+Three ops carry the kernels: ``cupyloss::vocab_stats`` (each row's softmax state over this
+rank's classes), ``cupyloss::vocab_rows`` (the combined per-row losses, with the gradient of
+this rank's logits as its autograd formula) and ``cupyloss::vocab_grad`` (that gradient).  The
+exchange between them is torch's functional collectives, and the combination plain tensor
+operations, so eager calls, CUDA graphs and torch.compile(fullgraph=True) run the same code.
+On CPU tensors (gloo) the ops run torch's operations with the kernels' formulas.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cupyloss import parallel
+
+_NS = "cupyloss"
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_weights(t, weight, ignore_index, classes, acc):
+    """w_y of each row: 0 ignored, NaN for a class index outside [0, classes)."""
+    ignored = t == ignore_index
+    outside = ~ignored & ((t < 0) | (t >= classes))
+    if weight is None:
+        w_y = torch.ones(t.shape, dtype=acc, device=t.device)
+    else:
+        w_y = weight.to(acc)[torch.where(ignored | outside, 0, t)]
+    return torch.where(ignored, 0.0, torch.where(outside, float("nan"), w_y))
+
+
+def _stats_cpu(x, t, weight, c0, classes, ignore_index, eps, cap):
+    acc = _acc(x.dtype)
+    z = x.to(acc)
+    if cap:
+        z = cap * torch.tanh(z / cap)
+    rows, cols = z.shape
+    ninf = float("-inf")
+    m = z.amax(1) if cols else z.new_full((rows,), ninf)
+    s = torch.where(z == ninf, 0.0, torch.exp(z - m[:, None])).sum(1)
+    a = b = z.new_zeros(rows)
+    if eps:
+        u = weight[c0:c0 + cols].to(acc) if weight is not None else z.new_ones(cols)
+        a = (u * torch.where(z == ninf, float("inf"), m[:, None] - z)).sum(1)
+        b = u.sum().expand(rows)
+    ignored = t == ignore_index
+    j = t - c0
+    inside = ~ignored & (t >= 0) & (t < classes) & (j >= 0) & (j < cols)
+    z_y = z.gather(1, j.clamp(0, max(cols - 1, 0))[:, None])[:, 0] if cols else z.new_zeros(rows)
+    state = torch.stack([m, s, a, b, torch.where(inside, z_y, 0.0)], 1)
+    empty = torch.tensor([ninf, 0.0, 0.0, 0.0, 0.0], dtype=acc)
+    return torch.where(ignored[:, None], empty, state)
+
+
+def _grad_cpu(g, x, t, lse, weight, c0, classes, ignore_index, eps, zs, cap):
+    acc = _acc(x.dtype)
+    z = x.to(acc)
+    if cap:
+        z = cap * torch.tanh(z / cap)
+    cols = z.shape[1]
+    w_y = _row_weights(t, weight, ignore_index, classes, acc)
+    w_c = weight[c0:c0 + cols].to(acc) if weight is not None else z.new_ones(cols)
+    w_sum = weight.to(acc).sum() if weight is not None else float(classes)
+    k = (1.0 - eps) * w_y + (eps / classes) * w_sum
+    p = torch.exp(z - lse[:, None])
+    at_y = torch.arange(c0, c0 + cols)[None, :] == t[:, None]
+    corr = (1.0 - eps) * w_y[:, None] * at_y + (eps / classes) * w_c[None, :]
+    g = g.reshape(-1, 1) if g.dim() else g
+    gz = g * ((k[:, None] * p - corr) + (2.0 * zs * lse)[:, None] * p)
+    if cap:
+        gz = gz * (1.0 - (z / cap) ** 2)
+    return torch.where((t == ignore_index)[:, None], 0.0, gz).to(x.dtype)
+
+
+_ARGS = ("Tensor input, Tensor target, Tensor lse, Tensor? weight, int class_offset, int classes, "
+         "int ignore_index, float label_smoothing, float lse_square_scale, float softcap")
+
+
+def _stats_impl(input, target, weight, class_offset, classes, ignore_index, label_smoothing,
+                softcap):
+    if input.device.type == "cpu":
+        return _stats_cpu(input, target, weight, class_offset, classes, ignore_index,
+                          label_smoothing, softcap)
+    return parallel.vocab_parallel_stats(input, target, class_offset, classes, weight,
+                                         ignore_index=ignore_index,
+                                         label_smoothing=label_smoothing, softcap=softcap)
+
+
+_stats_op = torch.library.custom_op(
+    f"{_NS}::vocab_stats", _stats_impl, mutates_args=(),
+    schema="(Tensor input, Tensor target, Tensor? weight, int class_offset, int classes, "
+           "int ignore_index, float label_smoothing, float softcap) -> Tensor")
+
+
+@_stats_op.register_fake
+def _stats_fake(input, target, weight, *rest):
+    return input.new_empty((input.shape[0], parallel.FIELDS), dtype=_acc(input.dtype))
+
+
+def _grad_impl(grad_rows, input, target, lse, weight, class_offset, classes, ignore_index,
+               label_smoothing, lse_square_scale, softcap):
+    if input.device.type == "cpu":
+        return _grad_cpu(grad_rows, input, target, lse, weight, class_offset, classes,
+                         ignore_index, label_smoothing, lse_square_scale, softcap)
+    return parallel.vocab_parallel_backward(
+        grad_rows, input, target, lse, class_offset, classes, weight, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap)
+
+
+_grad_op = torch.library.custom_op(f"{_NS}::vocab_grad", _grad_impl, mutates_args=(),
+                                   schema=f"(Tensor grad_rows, {_ARGS}) -> Tensor")
+
+
+@_grad_op.register_fake
+def _grad_fake(grad_rows, input, *rest):
+    return torch.empty_like(input)
+
+
+def _combine_impl(stats, target, weight, classes, ignore_index, label_smoothing,
+                  lse_square_scale):
+    return parallel.combine_stats(stats, target, classes, weight, ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing,
+                                  lse_square_scale=lse_square_scale)
+
+
+_combine_op = torch.library.custom_op(
+    f"{_NS}::vocab_combine", _combine_impl, mutates_args=(),
+    schema="(Tensor stats, Tensor target, Tensor? weight, int classes, int ignore_index, "
+           "float label_smoothing, float lse_square_scale) -> (Tensor, Tensor, Tensor)")
+
+
+@_combine_op.register_fake
+def _combine_fake(stats, *rest):
+    return tuple(stats.new_empty(stats.shape[1:2]) for _ in range(3))
+
+
+def _rows_impl(loss, input, target, lse, weight, *rest):
+    return loss.clone()
+
+
+_rows_op = torch.library.custom_op(f"{_NS}::vocab_rows", _rows_impl, mutates_args=(),
+                                   schema=f"(Tensor loss, {_ARGS}) -> Tensor")
+
+
+@_rows_op.register_fake
+def _rows_fake(loss, *rest):
+    return torch.empty_like(loss)
+
+
+def _rows_setup(ctx, inputs, output):
+    _, x, t, lse, weight, *ctx.options = inputs
+    ctx.save_for_backward(x, t, lse, weight)
+
+
+def _rows_formula(ctx, grad_rows):
+    x, t, lse, weight = ctx.saved_tensors
+    grad = _grad_op(grad_rows.contiguous(), x, t, lse, weight, *ctx.options)
+    return (None, grad) + (None,) * (3 + len(ctx.options))
+
+
+_rows_op.register_autograd(_rows_formula, setup_context=_rows_setup)
+
+
+def _gathered(stats, group, traced):
+    """(k, N, 5): every rank's states in rank order (an all-gather of N * 5 numbers a rank):
+    torch's functional collective where traced, else c10d's own (less host time)."""
+    if group is None:
+        return stats[None]
+    k = dist.get_world_size(group)
+    if traced:
+        from torch.distributed import _functional_collectives as funcol
+
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        return gather(stats, 0, group).reshape(k, *stats.shape)
+    every = stats.new_empty((k * stats.shape[0], *stats.shape[1:]))
+    dist.all_gather_into_tensor(every, stats, group=group)
+    return every.view(k, *stats.shape)
+
+
+class _Eager(torch.autograd.Function):
+    """Eager calls: the ops' implementations without the dispatcher's Python layers.  forward
+    returns each row's loss and weight w_y; backward forms the slice's gradient from the saved
+    lse (a uniform upstream gradient, as a reduction's, read as one number)."""
+
+    @staticmethod
+    def forward(ctx, x, t, weight, options, group):
+        c0, classes, ignore_index, eps, zs, cap = options
+        stats = _stats_impl(x, t, weight, c0, classes, ignore_index, eps, cap)
+        loss, lse, w_y = _combine_impl(_gathered(stats, group, False), t, weight, classes,
+                                       ignore_index, eps, zs)
+        ctx.save_for_backward(x, t, lse, weight)
+        ctx.options = options
+        ctx.mark_non_differentiable(w_y)
+        return loss, w_y
+
+    @staticmethod
+    def backward(ctx, grad_rows, _):
+        x, t, lse, weight = ctx.saved_tensors
+        if grad_rows.dim() == 1 and grad_rows.stride(0) == 0 and grad_rows.numel():
+            grad_rows = grad_rows[0]                     # a sum's expanded upstream gradient
+        grad = _grad_impl(grad_rows.contiguous(), x, t, lse, weight, *ctx.options)
+        return grad, None, None, None, None
+
+
+def _global(total, divisor, mean_group):
+    """The loss over every rank of mean_group: value sum(totals) / sum(divisors) (or the sum of
+    totals without a divisor), the gradient that of this rank's share total / sum(divisors)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    pair = torch.stack([total.detach(), divisor if divisor is not None else total.detach()])
+    pair = funcol.all_reduce(pair, "sum", mean_group)
+    if divisor is None:
+        return pair[0] + (total - total.detach())
+    return pair[0] / pair[1] + (total - total.detach()) / pair[1]
+
+
+def _traced(*tensors):
+    from cupyloss import torch as adapter
+
+    return adapter._compiling() or adapter._dispatch_modes() or any(
+        t is not None and (type(t) is not torch.Tensor or adapter._is_functional(t))
+        for t in tensors)
+
+
+def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None, classes=None,
+                                 weight=None, ignore_index=-100, reduction="mean",
+                                 label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0,
+                                 mean_group=None):
+    """cross_entropy of logits whose classes are split over the ranks of `group`, with autograd.
+
+    Formula: ``cross_entropy(cat([x_0, ..., x_{k-1}], -1), target, ...)`` (cupyloss.cross_entropy
+    has the loss; cupyloss.parallel the method): each rank passes its slice x_i (..., C_i) of
+    classes class_offset .. class_offset + C_i - 1 and gets the same loss; backward gives each
+    rank its slice's gradient with no communication.  One all-gather of 20 bytes a row a rank
+    (float32 statistics) in forward, never the logits; label smoothing spreads over all
+    `classes`; 'mean' divides by the summed weights of the counted rows, formed on the device.
+
+    mean_group (data parallelism): the 'mean' (or 'sum') over the rows of every rank of that
+    group: the value is the global mean on every rank, the gradient that of the global mean
+    with respect to this rank's logits (ranks with different numbers of counted rows weigh in
+    by their rows).  torch's DistributedDataParallel averages gradients over its ranks, so with
+    it multiply the loss by its world size (or reduce the gradients by their sum).
+
+    Args:
+      input: (..., C_i) this rank's logits; float16, bfloat16, float32, float64 (CUDA; CPU
+        tensors take torch's operations).
+      target: (...) class indices into all classes, the same on every rank of `group`.
+      group: the torch.distributed process group that splits the classes, or None (one rank).
+      class_offset, classes: this rank's first class and the class count of all ranks; by
+        default the slices are equal and in rank order (rank * C_i, k * C_i).
+      weight: None or (classes,) class weights of all classes, input's dtype.
+      ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as cross_entropy.
+      mean_group: the process group of a global 'mean'/'sum' over ranks, or None.
+
+    Returns:
+      The loss in the input's dtype: 0-d for 'mean'/'sum', target's shape for 'none'.
+
+    Example:
+      >>> tp = dist.new_group([0, 1])
+      >>> loss = cupyloss.torch.vocab_parallel_cross_entropy(local_logits, labels, tp)
+      >>> loss.backward()      # local_logits.grad: this rank's slice of the gradient
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if mean_group is not None and reduction == "none":
+        raise ValueError("mean_group needs reduction 'mean' or 'sum'")
+    cols = input.shape[-1] if input.dim() else 0
+    if input.dim() < 1 or target.shape != input.shape[:-1]:
+        raise ValueError(f"target must have the input's shape without its last (class) dim "
+                         f"{tuple(input.shape[:-1])}, got {tuple(target.shape)}")
+    if target.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"target must hold int32 or int64 class indices, got {target.dtype}")
+    k, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    if (class_offset is None) != (classes is None):
+        raise ValueError("give class_offset and classes together (or neither: equal slices)")
+    if class_offset is None:
+        class_offset, classes = rank * cols, k * cols
+    x = input.reshape(target.numel(), cols)
+    if cols > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    t = target.reshape(-1).contiguous()
+    options = (int(class_offset), int(classes), int(ignore_index), float(label_smoothing),
+               float(lse_square_scale), float(softcap))
+    if _traced(input, target, weight):
+        stats = _stats_op(x.detach(), t, weight, options[0], options[1], options[2],
+                          options[3], options[5])
+        loss, lse, w_y = _combine_op(_gathered(stats, group, True), t, weight, options[1],
+                                     options[2], options[3], options[4])
+        loss = _rows_op(loss, x, t, lse, weight, *options)
+    else:
+        loss, w_y = _Eager.apply(x, t, weight, options, group)
+    if reduction == "none":
+        return loss.reshape(target.shape).to(input.dtype)
+    total = loss.sum()
+    divisor = w_y.sum() if reduction == "mean" else None
+    if mean_group is not None:
+        return _global(total, divisor, mean_group).to(input.dtype)
+    return (total if divisor is None else total / divisor).to(input.dtype)
+
+
+class VocabParallelCrossEntropyLoss(torch.nn.Module):
+    """vocab_parallel_cross_entropy as a module: ``forward(input, target)`` with the group and
+    options given here (weight kept as a buffer).
+
+    Example:
+      >>> crit = cupyloss.torch.VocabParallelCrossEntropyLoss(tp_group, ignore_index=-100)
+      >>> loss = crit(local_logits, labels)
+    """
+
+    def __init__(self, group=None, *, class_offset=None, classes=None, weight=None,
+                 ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                 lse_square_scale=0.0, softcap=0.0, mean_group=None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.group, self.mean_group = group, mean_group
+        self.class_offset, self.classes = class_offset, classes
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.lse_square_scale = label_smoothing, lse_square_scale
+        self.softcap = softcap
+
+    def forward(self, input, target):
+        return vocab_parallel_cross_entropy(
+            input, target, self.group, class_offset=self.class_offset, classes=self.classes,
+            weight=self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, mean_group=self.mean_group)

@@ -1,0 +1,163 @@
+"""Benchmark vocab-parallel cross entropy over the GPUs of one host.
+
+    python -m cupyloss.bench_parallel [--gpus 2,4] [--rows 8192] [--classes 128256] [--reps 20]
+
+Logits (rows, classes) bfloat16 split in equal slices over k GPUs (NCCL, one process a GPU),
+int64 targets with 10% ignore_index, forward + backward of the mean loss
+(cupyloss.torch.vocab_parallel_cross_entropy).  Beside it, in the same processes:
+
+  one GPU        cupyloss.torch.cross_entropy on the whole logits (GPU 0, k = 1)
+  all-gather     the exchange alone: every rank's (rows, 5) float32 statistics
+  stats, grad    the two kernels alone on a rank's slice (cupyloss.parallel)
+
+The issue's bound is one GPU's time / k + the all-gather; the floor of a step that must
+exchange statistics between its read of the logits and its gradient is three passes over a
+rank's slice (read, read, write) against one GPU's two.  Medians of --reps runs of 10 calls
+back to back (CUDA events; every rank timed, the slowest rank reported), peak memory above
+the inputs.  Never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+
+BURST = 10    # calls back to back between two events: the host queues ahead, as in training
+
+
+def _median_ms(torch, fn, reps):
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(3):
+        fn()
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(BURST):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / BURST)
+    return statistics.median(times)
+
+
+def _inputs(torch, rows, cols, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16)
+    return x
+
+
+def _targets(torch, rows, classes):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
+    t[torch.rand(rows, device="cuda", generator=gen) < 0.1] = -100
+    return t
+
+
+def _rank(rank, k, path, args, results):
+    import torch
+    import torch.distributed as dist
+
+    import cupyloss.torch as CF
+    from cupyloss import parallel
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=k,
+                            device_id=torch.device("cuda", rank))
+    try:
+        rows, classes = args.rows, args.classes
+        cols = classes // k
+        x = _inputs(torch, rows, cols, rank).requires_grad_()
+        t = _targets(torch, rows, classes)
+        group = dist.group.WORLD
+        out = {}
+
+        def step():
+            x.grad = None
+            CF.vocab_parallel_cross_entropy(x, t, group, class_offset=rank * cols,
+                                            classes=k * cols).backward()
+
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out["step"] = _median_ms(torch, step, args.reps)
+        out["peak"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        x.grad = None
+        stats = torch.empty(rows, parallel.FIELDS, device="cuda")
+        every = torch.empty(k * rows, parallel.FIELDS, device="cuda")
+        out["gather"] = _median_ms(
+            torch, lambda: dist.all_gather_into_tensor(every, stats, group=group), args.reps)
+        xd = x.detach()
+        out["stats"] = _median_ms(torch, lambda: parallel.vocab_parallel_stats(
+            xd, t, rank * cols, k * cols), args.reps)
+        lse = torch.zeros(rows, device="cuda")
+        g = torch.ones(rows, device="cuda")
+        out["grad"] = _median_ms(torch, lambda: parallel.vocab_parallel_backward(
+            g, xd, t, lse, rank * cols, k * cols), args.reps)
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_gpu(torch, args):
+    import cupyloss.torch as CF
+
+    x = _inputs(torch, args.rows, args.classes, 0).requires_grad_()
+    t = _targets(torch, args.rows, args.classes)
+
+    def step():
+        x.grad = None
+        CF.cross_entropy(x, t).backward()
+
+    ms = _median_ms(torch, step, args.reps)
+    x.grad = None
+    return ms
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="2,4", help="GPU counts to run (those present)")
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--classes", type=int, default=128256)
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    import torch
+    import torch.multiprocessing as mp
+
+    name = torch.cuda.get_device_name(0)
+    have = torch.cuda.device_count()
+    one = _one_gpu(torch, args)
+    logits = args.rows * args.classes * 2
+    print(f"{name} x {have}; logits {args.rows} x {args.classes} bfloat16 "
+          f"({logits / 2**30:.2f} GiB), mean loss, forward + backward; medians of {args.reps}")
+    print(f"one GPU, cupyloss.torch.cross_entropy: {one:.3f} ms "
+          f"({2 * logits / one / 1e6:.0f} GB/s of read + write)")
+    print(f"{'k':>2} {'step ms':>8} {'stats':>7} {'grad':>7} {'gather':>7} {'bound':>7} "
+          f"{'ratio':>6} {'floor':>7} {'peak GiB':>8} {'sent B/rank':>11}")
+    for k in [int(v) for v in args.gpus.split(",")]:
+        if k > have:
+            print(f"{k:>2} skipped: {have} GPUs here")
+            continue
+        ctx = mp.get_context("spawn")
+        results = ctx.SimpleQueue()
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(_rank, args=(k, os.path.join(tmp, "rv"), args, results),
+                               nprocs=k, join=True, start_method="spawn")
+        got = [results.get()[1] for _ in range(k)]
+        worst = {key: max(r[key] for r in got) for key in got[0]}
+        bound = one / k + worst["gather"]
+        floor = 1.5 * one / k + worst["gather"]
+        print(f"{k:>2} {worst['step']:8.3f} {worst['stats']:7.3f} {worst['grad']:7.3f} "
+              f"{worst['gather']:7.3f} {bound:7.3f} {worst['step'] / bound:5.2f}x "
+              f"{floor:7.3f} {worst['peak']:8.3f} {args.rows * 20:>11}")
+
+
+if __name__ == "__main__":
+    main()

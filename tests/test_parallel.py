@@ -1,0 +1,205 @@
+"""Vocab-parallel cross entropy without a GPU: the combination arithmetic of cupyloss.parallel
+against torch's cross_entropy on the whole logits (float64), on NumPy and torch arrays, and the
+torch adapter over several gloo processes (uneven slices, every option, a data-parallel global
+mean, torch.compile).  The kernels' side is tests/test_parallel_gpu.py."""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+import cupyloss.torch as CF  # noqa: E402
+from cupyloss import _torch_parallel as TP  # noqa: E402
+from cupyloss import parallel  # noqa: E402
+
+F = torch.nn.functional
+ROWS, CLASSES = 9, 13
+
+
+def _case(seed, options):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, CLASSES, dtype=torch.float64, generator=g) * 3
+    x[1, 4] = float("-inf")
+    t = torch.randint(0, CLASSES, (ROWS,), generator=g)
+    t[2] = -100
+    if options.get("outside"):
+        t[5] = CLASSES + 2
+    w = torch.rand(CLASSES, dtype=torch.float64, generator=g) + 0.5
+    return x, t, (w if options.get("weight") else None)
+
+
+def _torch_loss(x, t, w, eps, zs, cap, reduction):
+    """cross_entropy on the whole logits with torch's own operations (z-loss and softcap
+    spelled out), differentiable."""
+    z = cap * torch.tanh(x / cap) if cap else x
+    safe = torch.where((t >= 0) & (t < CLASSES), t, -100)
+    loss = F.cross_entropy(z, safe, weight=w, label_smoothing=eps, reduction="none")
+    counted = t != -100
+    lse = torch.logsumexp(z, 1)
+    loss = torch.where(counted, loss + zs * lse * lse, 0.0)
+    loss = torch.where(counted & (safe == -100), float("nan"), loss)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    w_y = (w[safe.clamp(0)] if w is not None else torch.ones(ROWS, dtype=x.dtype))
+    w_y = torch.where(counted, torch.where(safe == -100, float("nan"), w_y), 0.0)
+    return loss.sum() / w_y.sum()
+
+
+OPTIONS = st.fixed_dictionaries({
+    "weight": st.booleans(), "outside": st.booleans(),
+    "label_smoothing": st.sampled_from([0.0, 0.1, 1.0]),
+    "lse_square_scale": st.sampled_from([0.0, 1e-2]),
+    "softcap": st.sampled_from([0.0, 4.0])})
+
+
+@settings(max_examples=60, deadline=None)
+@given(options=OPTIONS, cuts=st.lists(st.integers(0, CLASSES), max_size=4),
+       seed=st.integers(0, 2**16), numpy_arrays=st.booleans())
+def test_combined_slices_give_cross_entropy_of_the_whole_logits(options, cuts, seed,
+                                                                numpy_arrays):
+    """The states of any split of the classes (empty slices included) combine to the whole
+    logits' per-row loss and lse, and each slice's gradient from that lse is the slice of the
+    whole gradient (a class index outside the classes: a NaN row, as cross_entropy's kernel);
+    on torch tensors and on NumPy arrays alike."""
+    x, t, w = _case(seed, options)
+    eps, zs, cap = (options["label_smoothing"], options["lse_square_scale"],
+                    options["softcap"])
+    edges = [0, *sorted(cuts), CLASSES]
+    stats = torch.stack([TP._stats_cpu(x[:, a:b], t, w, a, CLASSES, -100, eps, cap)
+                         for a, b in zip(edges, edges[1:])])
+    if numpy_arrays:
+        loss, lse, w_y = map(torch.from_numpy, parallel.combine_stats(
+            stats.numpy(), t.numpy(), CLASSES, None if w is None else w.numpy(),
+            label_smoothing=eps, lse_square_scale=zs))
+    else:
+        loss, lse, w_y = parallel.combine_stats(stats, t, CLASSES, w, label_smoothing=eps,
+                                                lse_square_scale=zs)
+    xg = x.clone().requires_grad_()
+    want = _torch_loss(xg, t, w, eps, zs, cap, "none")
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
+    counted = (t != -100) & (t < CLASSES)
+    z = cap * torch.tanh(x / cap) if cap else x
+    torch.testing.assert_close(lse[counted], torch.logsumexp(z, 1)[counted], rtol=1e-13,
+                               atol=0)
+    assert torch.equal(w_y == 0, t == -100)
+    g = torch.rand(ROWS, dtype=torch.float64)
+    want.backward(g)
+    got = torch.cat([TP._grad_cpu(g, x[:, a:b], t, lse, w, a, CLASSES, -100, eps, zs, cap)
+                     for a, b in zip(edges, edges[1:])], 1)
+    expect = torch.where(((t < -100) | (t >= CLASSES))[:, None], float("nan"), xg.grad)
+    torch.testing.assert_close(got, expect, rtol=1e-11, atol=1e-13, equal_nan=True)
+
+
+def test_a_state_from_a_slice_without_the_target_holds_no_target_logit():
+    x, t, _ = _case(0, {})
+    y = int(t[0])
+    inside = TP._stats_cpu(x[:, y:y + 1], t, None, y, CLASSES, -100, 0.0, 0.0)
+    outside = TP._stats_cpu(x[:, :y], t, None, 0, CLASSES, -100, 0.0, 0.0)
+    assert inside[0, 4] == x[0, y] and outside[0, 4] == 0
+    assert inside[2].tolist() == [float("-inf"), 0, 0, 0, 0]          # ignored: not read
+
+
+# --- over processes (gloo) ---------------------------------------------------------------------
+
+SPLITS = {2: [0, 6, 13], 3: [0, 4, 4, 13]}     # uneven, one rank with no classes
+CASES = [dict(reduction="mean"), dict(reduction="sum", label_smoothing=0.1, weight=True),
+         dict(reduction="none", softcap=4.0, lse_square_scale=1e-2),
+         dict(reduction="mean", label_smoothing=0.2, weight=True, lse_square_scale=1e-3)]
+
+
+def _worker(rank, world, path, compiled):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        edges = SPLITS[world]
+        a, b = edges[rank], edges[rank + 1]
+        for case in CASES:
+            case = dict(case)
+            reduction = case.pop("reduction")
+            x, t, w = _case(7, case)
+            opts = dict(label_smoothing=case.get("label_smoothing", 0.0),
+                        lse_square_scale=case.get("lse_square_scale", 0.0),
+                        softcap=case.get("softcap", 0.0))
+            mine = x[:, a:b].clone().requires_grad_()
+
+            def call(v, y):
+                return CF.vocab_parallel_cross_entropy(
+                    v, y, dist.group.WORLD, class_offset=a, classes=CLASSES, weight=w,
+                    reduction=reduction, **opts)
+
+            if compiled:
+                call = torch.compile(call, backend="aot_eager", fullgraph=True)
+            loss = call(mine, t)
+            xg = x.clone().requires_grad_()
+            want = _torch_loss(xg, t, w, opts["label_smoothing"], opts["lse_square_scale"],
+                               opts["softcap"], reduction)
+            torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
+            g = torch.rand(want.shape, dtype=torch.float64, generator=torch.Generator()
+                           .manual_seed(3))
+            loss.backward(g)
+            want.backward(g)
+            torch.testing.assert_close(mine.grad, xg.grad[:, a:b], rtol=1e-11, atol=1e-13)
+        # data parallel: each rank its own rows, the whole vocabulary; the global mean
+        x, t, _ = _case(11 + rank, {})
+        t[: rank + 1] = -100                          # ranks count different numbers of rows
+        mine = x.clone().requires_grad_()
+        loss = CF.vocab_parallel_cross_entropy(mine, t, mean_group=dist.group.WORLD)
+        xs, ts, _ = zip(*(_case(11 + r, {}) for r in range(world)))
+        ts = [u.clone() for u in ts]
+        for r, u in enumerate(ts):
+            u[: r + 1] = -100
+        xg = torch.cat(xs).requires_grad_()
+        want = F.cross_entropy(xg, torch.cat(ts))
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(mine.grad, xg.grad[rank * ROWS:(rank + 1) * ROWS],
+                                   rtol=1e-12, atol=1e-15)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, compiled", [(2, False), (3, False), (2, True)],
+                         ids=["2-ranks", "3-ranks", "2-ranks-compiled"])
+def test_ranks_over_gloo_get_the_whole_logits_loss_and_their_gradient_slices(world, compiled):
+    """Each rank's slice (uneven; one rank with none) gives the loss of the whole logits on
+    every rank and its slice of the whole gradient, for every option and reduction, eager and
+    under torch.compile(fullgraph=True); mean_group gives the global mean over ranks that count
+    different numbers of rows."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), compiled),
+                 nprocs=world, join=True)
+
+
+def test_bad_arguments_are_refused_before_any_work():
+    x = torch.randn(4, 5)
+    t = torch.randint(0, 5, (4,))
+    with pytest.raises(ValueError, match="shape without its last"):
+        CF.vocab_parallel_cross_entropy(x, t[:3])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        CF.vocab_parallel_cross_entropy(x, t.float())
+    with pytest.raises(ValueError, match="together"):
+        CF.vocab_parallel_cross_entropy(x, t, class_offset=5)
+    with pytest.raises(ValueError, match="not a valid value for reduction"):
+        CF.vocab_parallel_cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="needs reduction"):
+        CF.vocab_parallel_cross_entropy(x, t, reduction="none", mean_group=object())
+
+
+def test_one_rank_is_cross_entropy():
+    x, t, w = _case(5, {"weight": True})
+    xg = x.clone().requires_grad_()
+    got = CF.vocab_parallel_cross_entropy(xg, t, weight=w, label_smoothing=0.1)
+    np.testing.assert_allclose(got.item(), F.cross_entropy(x, t, weight=w,
+                                                           label_smoothing=0.1).item(),
+                               rtol=1e-13)

@@ -1,0 +1,179 @@
+"""Vocab-parallel cross entropy on several GPUs (NCCL): each rank's slice against the single-GPU
+cross_entropy of the whole logits on that rank's GPU, the same loss on every rank, eager, under
+torch.compile(fullgraph=True) and replayed from a CUDA graph.  One GPU: the kernels' statistics
+and slice gradients against the rows kernel, without a collective."""
+
+import os
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+ROWS, CLASSES = 300, 5000
+SPLITS = {2: [0, 1900, 5000], 4: [0, 1250, 1251, 3000, 5000]}   # uneven, one of one class
+CASES = [dict(reduction="mean"),
+         dict(reduction="sum", label_smoothing=0.1, weight=True),
+         dict(reduction="none", softcap=20.0, lse_square_scale=1e-3),
+         dict(reduction="mean", label_smoothing=0.2, weight=True, lse_square_scale=1e-4)]
+# the loss and gradient are float32 sums in a different order than the rows kernel's, rounded
+# to the dtype once: one rounding of the dtype apart at most
+RTOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
+
+
+def _inputs(dtype, case, device):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(ROWS, CLASSES, generator=g) * 4).to(dtype)
+    t = torch.randint(0, CLASSES, (ROWS,), generator=g)
+    t[::9] = -100
+    w = (torch.rand(CLASSES, generator=g) + 0.5).to(dtype) if case.get("weight") else None
+    return x.to(device), t.to(device), None if w is None else w.to(device)
+
+
+def _single(x, t, w, reduction, opts, go):
+    import cupyloss.torch as CF
+
+    xg = x.clone().requires_grad_()
+    loss = CF.cross_entropy(xg, t, w, reduction=reduction, **opts)
+    loss.backward(go)
+    return loss.detach(), xg.grad
+
+
+def _worker(rank, world, path, results):
+    import torch.distributed as dist
+
+    import cupyloss.torch as CF
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    failures = []
+    try:
+        a, b = SPLITS[world][rank], SPLITS[world][rank + 1]
+        group = dist.group.WORLD
+        for dtype in (torch.float32, torch.bfloat16):
+            for case in CASES:
+                case = dict(case)
+                reduction = case.pop("reduction")
+                x, t, w = _inputs(dtype, case, "cuda")
+                opts = {k: v for k, v in case.items() if k != "weight"}
+                go = (torch.rand(ROWS, generator=torch.Generator().manual_seed(2)).to(dtype)
+                      .cuda() if reduction == "none" else torch.tensor(0.7, dtype=dtype).cuda())
+                want, want_grad = _single(x, t, w, reduction, opts, go)
+
+                def call(v, y, reduction=reduction, opts=opts, w=w):
+                    return CF.vocab_parallel_cross_entropy(
+                        v, y, group, class_offset=a, classes=CLASSES, weight=w,
+                        reduction=reduction, **opts)
+
+                # compiled: one case a dtype (each is an Inductor compile in every process)
+                for mode in ("eager", "compiled") if case.get("weight") else ("eager",):
+                    f = call if mode == "eager" else torch.compile(call, fullgraph=True)
+                    mine = x[:, a:b].clone().requires_grad_()
+                    loss = f(mine, t)
+                    loss.backward(go)
+                    tag = f"{dtype} {reduction} {case} {mode}"
+                    every = [torch.empty_like(loss) for _ in range(world)]
+                    dist.all_gather(every, loss.detach())
+                    if not all(torch.equal(e, every[0]) for e in every):
+                        failures.append(f"{tag}: ranks differ")
+                    rtol = RTOL[dtype]
+                    if not torch.allclose(loss.float(), want.float(), rtol=rtol, atol=1e-6):
+                        err = (loss.float() - want.float()).abs().max().item()
+                        failures.append(f"{tag}: loss off by {err}")
+                    ref = want_grad[:, a:b].float()
+                    err = (mine.grad.float() - ref).abs().max().item() if b > a else 0.0
+                    if err > rtol * max(ref.abs().max().item(), 1e-30) + 1e-12:
+                        failures.append(f"{tag}: gradient off by {err}")
+        # a training step captured in a CUDA graph replays as eager
+        x, t, _ = _inputs(torch.bfloat16, {}, "cuda")
+        mine = x[:, a:b].clone().requires_grad_()
+
+        def step():
+            mine.grad = None
+            loss = CF.vocab_parallel_cross_entropy(mine, t, group, class_offset=a,
+                                                   classes=CLASSES, label_smoothing=0.1)
+            loss.backward()
+            return loss
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                want = step().detach().clone()
+        torch.cuda.current_stream().wait_stream(stream)
+        want_grad = mine.grad.clone()
+        graph = torch.cuda.CUDAGraph()
+        mine.grad = None
+        with torch.cuda.graph(graph):
+            got = step()
+        with torch.no_grad():
+            mine.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        if not (torch.equal(got, want) and torch.equal(mine.grad, want_grad)):
+            failures.append("CUDA graph replay differs from eager")
+    finally:
+        results.put((rank, failures))
+        dist.destroy_process_group()
+
+
+def _gpus():
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_over_nccl_match_one_gpu_cross_entropy(world):
+    """On `world` GPUs: every rank gets the single-GPU loss of the whole logits (the same bits
+    on every rank) and its slice of the single-GPU gradient, float32 and bfloat16, every option,
+    eager (and compiled, for the cases with class weights); a captured step replays bitwise as
+    eager."""
+    if _gpus() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {_gpus()}")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = mp.start_processes(_worker, args=(world, os.path.join(tmp, "rendezvous"),
+                                                  results),
+                                   nprocs=world, join=False, start_method="spawn")
+        failures = [f for _ in range(world) for f in results.get()[1]]   # before join: a
+        procs.join()                                                       # full pipe blocks
+    assert not failures, "\n".join(failures)
+
+
+def test_slice_statistics_merge_to_the_rows_kernels_lse_on_one_gpu():
+    """cross_entropy_slice_stats over uneven slices (an empty one among them), combined, give
+    the rows kernel's per-row loss and lse; the slice gradients from that lse its gradient."""
+    import cupy
+    import numpy as np
+
+    import cupyloss
+    from cupyloss import parallel
+
+    rng = np.random.default_rng(0)
+    x = cupy.asarray(rng.standard_normal((64, 3000)) * 3, np.float32)
+    t = cupy.asarray(rng.integers(0, 3000, 64))
+    t[::5] = -100
+    w = cupy.asarray(rng.random(3000) + 0.5, np.float32)
+    opts = dict(label_smoothing=0.1, softcap=15.0)
+    loss, gx, lse = cupyloss.cross_entropy_value_and_grad(x, t, w, reduction="none",
+                                                          return_lse=True, **opts)
+    edges = [0, 700, 700, 2999, 3000]
+    stats = cupy.stack([parallel.vocab_parallel_stats(cupy.ascontiguousarray(x[:, p:q]), t, p,
+                                                      3000, w, **opts)
+                        for p, q in zip(edges, edges[1:])])
+    got, got_lse, _ = parallel.combine_stats(stats, t, 3000, w, label_smoothing=0.1)
+    counted = cupy.asnumpy(t != -100)
+    np.testing.assert_allclose(cupy.asnumpy(got), cupy.asnumpy(loss), rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(cupy.asnumpy(got_lse)[counted], cupy.asnumpy(lse)[counted],
+                               rtol=1e-6)
+    ones = cupy.ones(64, np.float32)
+    parts = [parallel.vocab_parallel_backward(ones, cupy.ascontiguousarray(x[:, p:q]), t,
+                                              got_lse, p, 3000, w, **opts)
+             for p, q in zip(edges, edges[1:])]
+    np.testing.assert_allclose(cupy.asnumpy(cupy.concatenate(parts, 1)), cupy.asnumpy(gx),
+                               rtol=1e-5, atol=1e-7)
