@@ -3,9 +3,6 @@ against torch's cross_entropy on the whole logits (float64), on NumPy and torch 
 torch adapter over several gloo processes (uneven slices, every option, a data-parallel global
 mean, torch.compile).  The kernels' side is tests/test_parallel_gpu.py."""
 
-import os
-import tempfile
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,6 +13,7 @@ torch = pytest.importorskip("torch")
 import cupyloss.torch as CF  # noqa: E402
 from cupyloss import _torch_parallel as TP  # noqa: E402
 from cupyloss import parallel  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 F = torch.nn.functional
 ROWS, CLASSES = 9, 13
@@ -114,11 +112,16 @@ CASES = [dict(reduction="mean"), dict(reduction="sum", label_smoothing=0.1, weig
          dict(reduction="mean", label_smoothing=0.2, weight=True, lse_square_scale=1e-3)]
 
 
-def _worker(rank, world, path, compiled):
+def _worker(rank, world, path, results, compiled=False):
+    import datetime
+    import traceback
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    failures = []
     try:
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
         edges = SPLITS[world]
         a, b = edges[rank], edges[rank + 1]
         for case in CASES:
@@ -163,8 +166,16 @@ def _worker(rank, world, path, compiled):
         want.backward()
         torch.testing.assert_close(mine.grad, xg.grad[rank * ROWS:(rank + 1) * ROWS],
                                    rtol=1e-12, atol=1e-15)
+    except Exception:
+        failures.append(f"rank {rank}: {traceback.format_exc()}")
     finally:
-        dist.destroy_process_group()
+        results.put((rank, failures))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _compiled_worker(rank, world, path, results):
+    _worker(rank, world, path, results, compiled=True)
 
 
 @pytest.mark.parametrize("world, compiled", [(2, False), (3, False), (2, True)],
@@ -174,11 +185,8 @@ def test_ranks_over_gloo_get_the_whole_logits_loss_and_their_gradient_slices(wor
     every rank and its slice of the whole gradient, for every option and reduction, eager and
     under torch.compile(fullgraph=True); mean_group gives the global mean over ranks that count
     different numbers of rows."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), compiled),
-                 nprocs=world, join=True)
+    failures = run_ranks(_compiled_worker if compiled else _worker, world, timeout=300)
+    assert not failures, "\n".join(failures)
 
 
 def test_bad_arguments_are_refused_before_any_work():
@@ -203,3 +211,13 @@ def test_one_rank_is_cross_entropy():
     np.testing.assert_allclose(got.item(), F.cross_entropy(x, t, weight=w,
                                                            label_smoothing=0.1).item(),
                                rtol=1e-13)
+
+
+def _silent_worker(rank, world, path, results):
+    if rank == 0:
+        results.put((rank, ["rank 0: wrong"]))
+
+
+def test_the_rank_harness_reports_failures_and_silent_ranks_without_hanging():
+    failures = run_ranks(_silent_worker, 2, timeout=6)
+    assert failures[0] == "rank 0: wrong" and "ranks [1] reported nothing" in failures[1]

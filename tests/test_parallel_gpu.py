@@ -3,10 +3,12 @@ cross_entropy of the whole logits on that rank's GPU, the same loss on every ran
 torch.compile(fullgraph=True) and replayed from a CUDA graph.  One GPU: the kernels' statistics
 and slice gradients against the rows kernel, without a collective."""
 
-import os
-import tempfile
+import datetime
+import traceback
 
 import pytest
+
+from ranks import run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -46,11 +48,12 @@ def _worker(rank, world, path, results):
 
     import cupyloss.torch as CF
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    failures = []
+    failures, graph = [], None
     try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank,
+                                world_size=world, device_id=torch.device("cuda", rank),
+                                timeout=datetime.timedelta(seconds=120))
         a, b = SPLITS[world][rank], SPLITS[world][rank + 1]
         group = dist.group.WORLD
         for dtype in (torch.float32, torch.bfloat16):
@@ -115,9 +118,14 @@ def _worker(rank, world, path, results):
         torch.cuda.synchronize()
         if not (torch.equal(got, want) and torch.equal(mine.grad, want_grad)):
             failures.append("CUDA graph replay differs from eager")
+    except Exception:
+        failures.append(f"rank {rank}: {traceback.format_exc()}")
     finally:
         results.put((rank, failures))
-        dist.destroy_process_group()
+        if graph is not None:
+            graph.reset()           # the captured collectives go before their communicator
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _gpus():
@@ -132,17 +140,9 @@ def test_ranks_over_nccl_match_one_gpu_cross_entropy(world):
     eager."""
     if _gpus() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {_gpus()}")
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = mp.start_processes(_worker, args=(world, os.path.join(tmp, "rendezvous"),
-                                                  results),
-                                   nprocs=world, join=False, start_method="spawn")
-        failures = [f for _ in range(world) for f in results.get()[1]]   # before join: a
-        procs.join()                                                       # full pipe blocks
+    failures = run_ranks(_worker, world, timeout=900)
     assert not failures, "\n".join(failures)
+
 
 
 def test_slice_statistics_merge_to_the_rows_kernels_lse_on_one_gpu():
