@@ -166,6 +166,10 @@ def _rows_formula(ctx, grad_rows):
 _rows_op.register_autograd(_rows_formula, setup_context=_rows_setup)
 
 
+# c10d's all-gather into one tensor (renamed all_gather_single after torch 2.11)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gathered(stats, group, traced):
     """(k, N, 5): every rank's states in rank order (an all-gather of N * 5 numbers a rank):
     torch's functional collective where traced, else c10d's own (less host time)."""
@@ -178,7 +182,7 @@ def _gathered(stats, group, traced):
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
         return gather(stats, 0, group).reshape(k, *stats.shape)
     every = stats.new_empty((k * stats.shape[0], *stats.shape[1:]))
-    dist.all_gather_into_tensor(every, stats, group=group)
+    _all_gather(every, stats, group=group)
     return every.view(k, *stats.shape)
 
 

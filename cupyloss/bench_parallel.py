@@ -66,7 +66,7 @@ def _rank(rank, k, path, args, results):
     import torch.distributed as dist
 
     import cupyloss.torch as CF
-    from cupyloss import parallel
+    from cupyloss import _torch_parallel, parallel
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=k,
@@ -93,7 +93,7 @@ def _rank(rank, k, path, args, results):
         stats = torch.empty(rows, parallel.FIELDS, device="cuda")
         every = torch.empty(k * rows, parallel.FIELDS, device="cuda")
         out["gather"] = _median_ms(
-            torch, lambda: dist.all_gather_into_tensor(every, stats, group=group), args.reps)
+            torch, lambda: _torch_parallel._all_gather(every, stats, group=group), args.reps)
         xd = x.detach()
         out["stats"] = _median_ms(torch, lambda: parallel.vocab_parallel_stats(
             xd, t, rank * cols, k * cols), args.reps)
