@@ -333,3 +333,157 @@ class VocabParallelCrossEntropyLoss(torch.nn.Module):
             weight=self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
             softcap=self.softcap, mean_group=self.mean_group)
+
+
+# --- the fused linear cross entropy with the weight's rows split over ranks -----------------------
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward adds the gradient over the ranks of `group` (the input feeds
+    every rank's slice of the classes)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names, grad_output,
+                      want_value, group, offset, classes):
+    """(loss or None, {name: gradient}) of this rank's share of the fused loss on CUDA tensors
+    (cupyloss.linear with a Shard): each chunk's statistics all-gathered over `group`, the
+    hidden gradient's partial sums added over it in the logits' precision."""
+    import cupy
+
+    from cupyloss import linear
+
+    k = dist.get_world_size(group) if group is not None else 1
+
+    def gather(stats):                      # CuPy (m, 5) on torch's stream -> (k, m, 5)
+        if group is None:
+            return stats[None]
+        mine = torch.from_dlpack(stats)
+        every = mine.new_empty((k * mine.shape[0], mine.shape[1]))
+        _all_gather(every, mine, group=group)
+        return cupy.from_dlpack(every.view(k, *mine.shape))
+
+    shard = linear.Shard(int(offset), int(classes), gather)
+    loss, grads, _ = linear._run(hidden, weight, target, bias, class_weight,
+                                 options["ignore_index"], options["reduction"],
+                                 options["label_smoothing"], options["lse_square_scale"],
+                                 options["softcap"], options["max_workspace_bytes"], want_value,
+                                 names, grad_output, False, shard)
+    if "hidden" in grads:
+        partial = grads["hidden"]
+        if group is not None:
+            dist.all_reduce(partial, group=group)
+        grads["hidden"] = partial.to(hidden.dtype)
+    return loss, grads
+
+
+_LINEAR_GRADS = ("hidden", "weight", "bias")
+
+
+class _LinearShard(torch.autograd.Function):
+    """Eager calls on CUDA tensors: with 'mean'/'sum' every gradient is formed in the forward
+    pass and backward scales it by the upstream gradient; with 'none' backward forms them
+    again from the per-row upstream gradient (the statistics exchanged again)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, options, group, offset,
+                classes):
+        names = tuple(n for n, need in zip(_LINEAR_GRADS, ctx.needs_input_grad[:3]) if need)
+        ctx.names, ctx.options, ctx.shard = names, options, (group, offset, classes)
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight)
+        ctx.grads = None
+        if names and options["reduction"] != "none":
+            loss, grads = _linear_shard_run(hidden, weight, target, bias, class_weight, options,
+                                            names, 1.0, True, group, offset, classes)
+            ctx.grads = grads
+            return loss
+        return _linear_shard_run(hidden, weight, target, bias, class_weight, options, (), 1.0,
+                                 True, group, offset, classes)[0]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, target, class_weight = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None
+        if grads is not None:
+            for g in grads.values():
+                g.mul_(grad_loss.to(g.dtype))
+        else:
+            grads = _linear_shard_run(hidden, weight, target, bias, class_weight, ctx.options,
+                                      ctx.names, grad_loss.contiguous(), False, *ctx.shard)[1]
+        return (grads.get("hidden"), grads.get("weight"), grads.get("bias"), None, None, None,
+                None, None, None)
+
+
+def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, bias=None,
+                                        class_weight=None, class_offset=None, classes=None,
+                                        ignore_index=-100, reduction="mean",
+                                        label_smoothing=0.0, lse_square_scale=0.0,
+                                        softcap=0.0, max_workspace_bytes=None):
+    """``F.cross_entropy(hidden @ W.T + b, target)`` with W's rows (the classes) split over the
+    ranks of `group`, the logits never whole, with autograd.
+
+    Formula: cupyloss.linear_cross_entropy's, on the classes of every rank: this rank holds
+    rows class_offset .. class_offset + V_i - 1 of W (and of b).  Each chunk of rows forms its
+    float32 logits, their statistics are all-gathered over `group` (20 bytes a row a rank) and
+    combined into each row's loss and lse (cupyloss.parallel), and dZ of this rank's classes
+    follows from that lse; dW_i = dZ^T X and db_i stay on their rank; dX = dZ W_i is summed over
+    the ranks in float32 (an all-reduce of N x H floats).  The same loss on every rank.
+
+    Args:
+      hidden: (..., H), the same on every rank of `group`; float16, bfloat16, float32, float64.
+      weight: (V_i, H) this rank's rows of the output layer (nn.Linear's layout).
+      target: class indices into all classes, hidden's shape without its last dim.
+      group: the torch.distributed group that splits the classes, or None (one rank).
+      bias: None or (V_i,) this rank's slice; class_weight: None or (classes,) all of them.
+      class_offset, classes: as for vocab_parallel_cross_entropy (equal slices by default).
+      ignore_index, reduction, label_smoothing, lse_square_scale, softcap, max_workspace_bytes:
+        as for linear_cross_entropy.
+
+    Returns:
+      The loss, float32 (float64 for float64 inputs): 0-d for 'mean'/'sum', else target's shape.
+
+    Example:
+      >>> loss = cupyloss.torch.vocab_parallel_linear_cross_entropy(h, head_shard.weight,
+      ...                                                             labels, tp_group)
+      >>> loss.backward()
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if weight.dim() != 2 or weight.shape[-1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (classes of this rank, {hidden.shape[-1]}), got "
+                         f"{tuple(weight.shape)}")
+    k, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    if (class_offset is None) != (classes is None):
+        raise ValueError("give class_offset and classes together (or neither: equal slices)")
+    if class_offset is None:
+        class_offset, classes = rank * weight.shape[0], k * weight.shape[0]
+    if _traced(hidden, weight, target, bias, class_weight):
+        raise NotImplementedError("vocab_parallel_linear_cross_entropy runs eagerly; call it "
+                                  "outside the compiled region (torch.compiler.disable)")
+    options = dict(ignore_index=int(ignore_index), reduction=reduction,
+                   label_smoothing=float(label_smoothing),
+                   lse_square_scale=float(lse_square_scale), softcap=float(softcap),
+                   max_workspace_bytes=max_workspace_bytes)
+    if hidden.device.type != "cpu":
+        return _LinearShard.apply(hidden, weight, bias, target, class_weight, options, group,
+                                  class_offset, classes)
+    # CPU tensors (gloo): float32 logits and vocab_parallel_cross_entropy, torch's autograd
+    h = _SumGrad.apply(hidden, group) if group is not None else hidden
+    acc = _acc(hidden.dtype)
+    logits = torch.nn.functional.linear(h.to(acc), weight.to(acc),
+                                        None if bias is None else bias.to(acc))
+    loss = vocab_parallel_cross_entropy(
+        logits, target, group, class_offset=class_offset, classes=classes,
+        weight=None if class_weight is None else class_weight.to(acc),
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale, softcap=softcap)
+    return loss

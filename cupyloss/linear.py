@@ -84,6 +84,20 @@ class Plan:
     bytes: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This rank's slice of the classes (the vocab-parallel fused loss): the weight's V rows are
+    classes offset .. offset + V - 1 of `classes`; gather(stats) returns every rank's (m, 5)
+    statistics of the same m rows as a (k, m, 5) array in rank order (a collective queued on
+    the call's stream).  Each chunk's statistics are exchanged and combined before its dZ is
+    formed (cupyloss.parallel's steps), and the hidden gradient comes back as this rank's
+    float32 (float64) partial sum, for the caller to add over the ranks."""
+
+    offset: int
+    classes: int
+    gather: Any
+
+
 def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
     """As many rows of `per_row` bytes as `budget` holds, a multiple of TILE where that leaves at
     least TILE, at least 1, at most min(n, most) (most: CHUNK_ROWS_MAX unless given)."""
@@ -142,7 +156,7 @@ def _names(wrt) -> tuple[tuple[str, ...], bool]:
 
 
 def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothing,
-           lse_square_scale, softcap, names):
+           lse_square_scale, softcap, names, shard=None):
     """Validation before any launch (the arguments are Operands, or None): shapes, dtypes,
     options.  Returns (N, H, V)."""
     if reduction not in _REDUCTIONS:
@@ -170,9 +184,13 @@ def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothin
     if bias is not None and (tuple(bias.shape) != (v,) or bias.dtype != hidden.dtype):
         raise ValueError(f"bias must be ({v},) of hidden's dtype, got {tuple(bias.shape)} "
                          f"{bias.dtype}")
-    if class_weight is not None and (tuple(class_weight.shape) != (v,)
+    classes = v if shard is None else shard.classes
+    if shard is not None and not 0 <= shard.offset <= classes - v:
+        raise ValueError(f"this rank's classes {shard.offset} .. {shard.offset + v - 1} lie "
+                         f"outside the {classes} classes")
+    if class_weight is not None and (tuple(class_weight.shape) != (classes,)
                                      or class_weight.dtype != hidden.dtype):
-        raise ValueError(f"class_weight must be ({v},) of hidden's dtype, got "
+        raise ValueError(f"class_weight must be ({classes},) of hidden's dtype, got "
                          f"{tuple(class_weight.shape)} {class_weight.dtype}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
@@ -237,7 +255,7 @@ def _carve(buffer, offset, shape, dtype):
 
 def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing,
          lse_square_scale, softcap, max_workspace_bytes, want_value, names, grad_output,
-         return_lse):
+         return_lse, shard=None):
     """The chunked passes (module docstring); returns (loss, {name: grad}, lse) in the caller's
     framework (loss None unless want_value, lse None unless return_lse)."""
     import cupy
@@ -254,7 +272,7 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         ops[name] = frame.operand(x, name) if name != "target" else _target_operand(frame, x)
     n, h, v = _check(ops["hidden"], ops["weight"], ops["target"], ops.get("bias"),
                      ops.get("class_weight"), reduction, label_smoothing, lse_square_scale,
-                     softcap, names)
+                     softcap, names, shard)
     device = ops["hidden"].device
     if any(op.device != device for op in ops.values()):
         raise ValueError("hidden, weight, target and the optional arrays must be on one device")
@@ -267,7 +285,8 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
             frame.scratch_allocator():
         views = {name: frame.cupy_view(op) for name, op in ops.items()}
         run = _Call(views, n, h, v, ignore_index, reduction, label_smoothing, lse_square_scale,
-                    softcap, want_value, names, grad_go, grad_output, return_lse, stream, device)
+                    softcap, want_value, names, grad_go, grad_output, return_lse, stream, device,
+                    shard)
         pl = plan(n, v, h, run.dtype.itemsize, max_workspace_bytes, run.want["weight"])
         run.first_pass(pl)
         if pl.kind == "slices" and run.want["weight"]:
@@ -284,7 +303,7 @@ class _Call:
 
     def __init__(self, views, n, h, v, ignore_index, reduction, label_smoothing,
                  lse_square_scale, softcap, want_value, names, grad_go, grad_output, return_lse,
-                 stream, device):
+                 stream, device, shard=None):
         import cupy
 
         self.n, self.h, self.v = n, h, v
@@ -307,7 +326,11 @@ class _Call:
         self.blas = _Blas(dtype)
         self._upstream = (grad_go, grad_output)
         self._scale = self.divisor = None
-        self.gx = cupy.empty((n, h), dtype) if self.want["hidden"] else None
+        self.shard = shard
+        self.c0, self.classes = (0, v) if shard is None else (shard.offset, shard.classes)
+        # a shard's hidden gradient: its partial sum over its classes, in the logits' precision
+        gx_dtype = dtype if shard is None else self.logit
+        self.gx = cupy.empty((n, h), gx_dtype) if self.want["hidden"] else None
         self.gw = cupy.empty((v, h), dtype) if self.want["weight"] else None
         self.gb = cupy.zeros((v,), self.logit) if self.want["bias"] else None
         self.lse = None
@@ -343,6 +366,37 @@ class _Call:
         s = self._upstream_scale()
         return s[r0:r1] if self.reduction == "none" and not isinstance(s, float) else s
 
+    def _shard_chunk(self, z, dz, r0, r1):
+        """A chunk on this rank's classes: the logits' statistics, every rank's through
+        shard.gather, their combination (each row's loss and lse, the same on every rank), and
+        dZ of these classes from the combined lse.  Returns what evaluate would:
+        [loss ('none': the rows', else their sum), None, None, lse]."""
+        import cupy
+
+        from cupyloss import _rowwise
+
+        m, t, opts = r1 - r0, self.t[r0:r1], self.options
+        stats = cupy.empty((m, 5), self.logit)
+        _rowwise.slice_stats(z, t, stats, self.c0, self.classes, self.cw,
+                             ignore_index=opts["ignore_index"],
+                             label_smoothing=opts["label_smoothing"], softcap=opts["softcap"],
+                             stream=self.stream, device=self.device)
+        every = cupy.ascontiguousarray(self.shard.gather(stats))
+        loss, lse, wy = (cupy.empty((m,), self.logit) for _ in range(3))
+        _rowwise.combine(every, t, self.cw, loss, lse, wy, self.classes,
+                         ignore_index=opts["ignore_index"],
+                         label_smoothing=opts["label_smoothing"],
+                         lse_square_scale=opts["lse_square_scale"],
+                         ctype=_dtypes.DTYPES[self.logit].ctype, stream=self.stream,
+                         device=self.device)
+        if self.names:
+            wsum = (self.cw.sum() if self.cw is not None and opts["label_smoothing"] else None)
+            _rowwise.slice_grad(z, t, lse, dz, self.c0, self.classes, self.cw, wsum,
+                                self._scale_rows(r0, r1), **opts, stream=self.stream,
+                                device=self.device)
+        value = loss if self.reduction == "none" else loss.sum()
+        return [value, None, None, lse]
+
     def first_pass(self, pl: Plan) -> None:
         """Row chunks: logits, the loss (and lse), dZ in the inputs' dtype, dX = dZ W, and dW
         per the plan: kept dZ for one product at the end ("keep"), a float32 sum ("sum"), or
@@ -362,6 +416,9 @@ class _Call:
         dz_all = None
         if self.narrow and names:
             dz_all, at = _carve(ws, at, (n, v) if keep else z_all.shape, dtype)
+        elif self.shard is not None and names:
+            # the slice gradient is not formed in place: a float32 dZ beside the logits
+            dz_all = cupy.empty(z_all.shape, logit)
         # The weight's gradient summed over chunks in float32 (the result itself for float32
         # and float64 weights).
         gw_sum = None
@@ -388,13 +445,16 @@ class _Call:
                            accumulate=self.b is not None)
             # dZ: the logits themselves (float32 inputs), else 16-bit rows of dz_all
             dz = z if dz_all is None else (dz_all[r0:r1] if keep else dz_all[:m])
-            out = _rowwise.evaluate(
-                spec, z, self.t[r0:r1], self.cw,
-                reduction="none" if reduction == "none" else "sum", **self.options,
-                want_value=self.want_value, wrt=("input",) if names else (),
-                grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
-                want_lse=self.lse is not None,
-                grad_into=dz if names and dz is not z else None)
+            if self.shard is not None:
+                out = self._shard_chunk(z, dz, r0, r1)
+            else:
+                out = _rowwise.evaluate(
+                    spec, z, self.t[r0:r1], self.cw,
+                    reduction="none" if reduction == "none" else "sum", **self.options,
+                    want_value=self.want_value, wrt=("input",) if names else (),
+                    grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
+                    want_lse=self.lse is not None,
+                    grad_into=dz if names and dz is not z else None)
             if self.want_value:
                 if reduction == "none":
                     self.loss_rows[r0:r1] = out[0]
@@ -449,9 +509,9 @@ class _Call:
                     z[...] = self.b[c0:c1]
                 self.blas.gemm(_OP_T, _OP_N, k, m, h, w[c0:c1], h, x[r0:r1], h, z, k,
                                accumulate=self.b is not None)
-                _rowwise.slice_grad(z, self.t[r0:r1], self.lse[r0:r1], dz, c0, v, self.cw, wsum,
-                                    self._scale_rows(r0, r1), **self.options,
-                                    stream=self.stream, device=self.device)
+                _rowwise.slice_grad(z, self.t[r0:r1], self.lse[r0:r1], dz, self.c0 + c0,
+                                    self.classes, self.cw, wsum, self._scale_rows(r0, r1),
+                                    **self.options, stream=self.stream, device=self.device)
                 if acc is None:
                     # dW[c0:c1]^T (H x k) = X (H x n col-major) dZ_s (k x n col-major)^T
                     self.blas.gemm(_OP_N, _OP_T, h, k, m, x[r0:r1], h, dz, k, self.gw[c0:c1], h)

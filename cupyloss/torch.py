@@ -1417,9 +1417,11 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 from cupyloss import _torch_parallel  # noqa: E402  (vocab-parallel, over torch.distributed)
 
 vocab_parallel_cross_entropy = _torch_parallel.vocab_parallel_cross_entropy
+vocab_parallel_linear_cross_entropy = _torch_parallel.vocab_parallel_linear_cross_entropy
 VocabParallelCrossEntropyLoss = _torch_parallel.VocabParallelCrossEntropyLoss
 
 __all__ = sorted([*LOSSES, *(cls.__name__ for cls in MODULES.values()), "LOSSES", "MODULES",
                   "SKIPPED", "gradients_in_forward", "scale_by_grad_output",
                   "linear_cross_entropy", "LinearCrossEntropyLoss",
-                  "vocab_parallel_cross_entropy", "VocabParallelCrossEntropyLoss"])
+                  "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
+                  "VocabParallelCrossEntropyLoss"])

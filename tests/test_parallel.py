@@ -166,12 +166,41 @@ def _worker(rank, world, path, results, compiled=False):
         want.backward()
         torch.testing.assert_close(mine.grad, xg.grad[rank * ROWS:(rank + 1) * ROWS],
                                    rtol=1e-12, atol=1e-15)
+        if not compiled:
+            _linear_case(rank, world, dist.group.WORLD)
     except Exception:
         failures.append(f"rank {rank}: {traceback.format_exc()}")
     finally:
         results.put((rank, failures))
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _linear_case(rank, world, group):
+    """The fused linear form: this rank's rows of W and b; the whole hidden gradient on every
+    rank, its slices of the weight's and bias's."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(ROWS, 6, dtype=torch.float64, generator=g)
+    w = torch.randn(CLASSES, 6, dtype=torch.float64, generator=g)
+    b = torch.randn(CLASSES, dtype=torch.float64, generator=g)
+    cw = torch.rand(CLASSES, dtype=torch.float64, generator=g) + 0.5
+    t = torch.randint(0, CLASSES, (ROWS,), generator=g)
+    t[3] = -100
+    a, e = SPLITS[world][rank], SPLITS[world][rank + 1]
+    mine = [h.clone().requires_grad_(), w[a:e].clone().requires_grad_(),
+            b[a:e].clone().requires_grad_()]
+    loss = CF.vocab_parallel_linear_cross_entropy(
+        mine[0], mine[1], t, group, bias=mine[2], class_weight=cw, class_offset=a,
+        classes=CLASSES, label_smoothing=0.1, lse_square_scale=1e-3)
+    whole = [v.clone().requires_grad_() for v in (h, w, b)]
+    z = F.linear(*whole)
+    want = _torch_loss(z, t, cw, 0.1, 1e-3, 0.0, "mean")
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(mine[0].grad, whole[0].grad, rtol=1e-11, atol=1e-14)
+    torch.testing.assert_close(mine[1].grad, whole[1].grad[a:e], rtol=1e-11, atol=1e-14)
+    torch.testing.assert_close(mine[2].grad, whole[2].grad[a:e], rtol=1e-11, atol=1e-14)
 
 
 def _compiled_worker(rank, world, path, results):
@@ -184,7 +213,8 @@ def test_ranks_over_gloo_get_the_whole_logits_loss_and_their_gradient_slices(wor
     """Each rank's slice (uneven; one rank with none) gives the loss of the whole logits on
     every rank and its slice of the whole gradient, for every option and reduction, eager and
     under torch.compile(fullgraph=True); mean_group gives the global mean over ranks that count
-    different numbers of rows."""
+    different numbers of rows; the fused linear form gives the whole hidden gradient and the
+    rank's slices of the weight's and bias's."""
     failures = run_ranks(_compiled_worker if compiled else _worker, world, timeout=300)
     assert not failures, "\n".join(failures)
 

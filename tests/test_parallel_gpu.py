@@ -90,6 +90,7 @@ def _worker(rank, world, path, results):
                     err = (mine.grad.float() - ref).abs().max().item() if b > a else 0.0
                     if err > rtol * max(ref.abs().max().item(), 1e-30) + 1e-12:
                         failures.append(f"{tag}: gradient off by {err}")
+        failures += _linear_case(rank, world, a, b, group)
         # a training step captured in a CUDA graph replays as eager
         x, t, _ = _inputs(torch.bfloat16, {}, "cuda")
         mine = x[:, a:b].clone().requires_grad_()
@@ -126,6 +127,61 @@ def _worker(rank, world, path, results):
             graph.reset()           # the captured collectives go before their communicator
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# the fused linear form: float32 logits from the same operands, so its loss matches to float32
+# sums; gradients as test_linear_gpu's TOL_GRAD (16-bit dZ rounded once)
+LINEAR_TOL = {torch.float32: (2e-6, 2e-5), torch.bfloat16: (2e-6, 1.6e-2)}
+
+
+def _linear_inputs(dtype, device, classes=CLASSES, rows=ROWS, width=64):
+    g = torch.Generator().manual_seed(4)
+    h = (torch.randn(rows, width, generator=g) * 0.5).to(dtype).to(device)
+    w = (torch.randn(classes, width, generator=g) * 0.5).to(dtype).to(device)
+    b = (torch.randn(classes, generator=g) * 0.1).to(dtype).to(device)
+    cw = (torch.rand(classes, generator=g) + 0.5).to(dtype).to(device)
+    t = torch.randint(0, classes, (rows,), generator=g).to(device)
+    t[::7] = -100
+    return h, w, b, cw, t
+
+
+def _linear_compare(got, want, dtype, tag):
+    """got, want: (loss, grads...); the failures."""
+    out = []
+    tol_loss, tol_grad = LINEAR_TOL[dtype]
+    if not torch.allclose(got[0], want[0], rtol=tol_loss, atol=1e-6):
+        out.append(f"{tag}: loss {float(got[0])} vs {float(want[0])}")
+    for name, g, w in zip(("hidden", "weight", "bias"), got[1:], want[1:]):
+        err = (g.float() - w.float()).abs().max().item() if w.numel() else 0.0
+        if err > tol_grad * max(w.float().abs().max().item(), 1e-30):
+            out.append(f"{tag}: {name} gradient off by {err}")
+    return out
+
+
+def _linear_run(f, h, w, b, t):
+    hl, wl, bl = (v.clone().requires_grad_() for v in (h, w, b))
+    loss = f(hl, wl, bl, t)
+    loss.backward()
+    return loss.detach(), hl.grad, wl.grad, bl.grad
+
+
+def _linear_case(rank, world, a, e, group):
+    import cupyloss.torch as CF
+
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for budget in (None, 300_000):            # the default plan, and class slices
+            h, w, b, cw, t = _linear_inputs(dtype, "cuda")
+            opts = dict(label_smoothing=0.1, lse_square_scale=1e-4, max_workspace_bytes=budget)
+            want = _linear_run(lambda *v: CF.linear_cross_entropy(
+                v[0], v[1], v[3], v[2], cw, **opts), h, w, b, t)
+            got = _linear_run(lambda *v: CF.vocab_parallel_linear_cross_entropy(
+                v[0], v[1], v[3], group, bias=v[2], class_weight=cw, class_offset=a,
+                classes=CLASSES, **opts), h, w[a:e], b[a:e], t)
+            want = (want[0], want[1], want[2][a:e], want[3][a:e])
+            failures += _linear_compare(got, want, dtype,
+                                        f"rank {rank}/{world} linear {dtype} budget {budget}")
+    return failures
 
 
 def _gpus():
@@ -177,3 +233,23 @@ def test_slice_statistics_merge_to_the_rows_kernels_lse_on_one_gpu():
              for p, q in zip(edges, edges[1:])]
     np.testing.assert_allclose(cupy.asnumpy(cupy.concatenate(parts, 1)), cupy.asnumpy(gx),
                                rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_linear_shard_path_on_one_gpu_is_the_fused_loss(dtype):
+    """vocab_parallel_linear_cross_entropy without a group (the statistics, their combination
+    and the slice gradient in every chunk) gives linear_cross_entropy's loss and gradients,
+    with every plan's chunks and slices."""
+    import cupyloss.torch as CF
+
+    failures = []
+    for budget in (None, 300_000, 1):
+        h, w, b, cw, t = _linear_inputs(dtype, "cuda")
+        opts = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0,
+                    max_workspace_bytes=budget)
+        want = _linear_run(lambda *v: CF.linear_cross_entropy(v[0], v[1], v[3], v[2], cw,
+                                                              **opts), h, w, b, t)
+        got = _linear_run(lambda *v: CF.vocab_parallel_linear_cross_entropy(
+            v[0], v[1], v[3], None, bias=v[2], class_weight=cw, **opts), h, w, b, t)
+        failures += _linear_compare(got, want, dtype, f"budget {budget}")
+    assert not failures, "\n".join(failures)
