@@ -9,6 +9,9 @@ int64 targets with 10% ignore_index, forward + backward of the mean loss
   one GPU        cupyloss.torch.cross_entropy on the whole logits (GPU 0, k = 1)
   all-gather     the exchange alone: every rank's (rows, 5) float32 statistics
   stats, grad    the two kernels alone on a rank's slice (cupyloss.parallel)
+  fused linear   vocab_parallel_linear_cross_entropy at --hidden (bfloat16, the weight's rows
+                 split), against linear_cross_entropy of the whole weight on one GPU: the
+                 TFLOP/s of the three products per GPU
 
 The issue's bound is one GPU's time / k + the all-gather; the floor of a step that must
 exchange statistics between its read of the logits and its gradient is three passes over a
@@ -101,12 +104,40 @@ def _rank(rank, k, path, args, results):
         g = torch.ones(rows, device="cuda")
         out["grad"] = _median_ms(torch, lambda: parallel.vocab_parallel_backward(
             g, xd, t, lse, rank * cols, k * cols), args.reps)
+        x = xd = None         # the logits freed before the fused form
+        if args.hidden:
+            out.update(_linear_rank(torch, CF, rank, k, group, args))
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
 
 
+def _linear_inputs(torch, rows, hidden, classes, offset=0):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    gen.manual_seed(2 + offset)
+    w = (torch.randn(classes, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    return h.requires_grad_(), w.requires_grad_()
+
+
+def _linear_rank(torch, CF, rank, k, group, args):
+    """The fused linear form on this rank's rows of the weight: (ms, TFLOP/s of its three
+    products)."""
+    cols = args.classes // k
+    h, w = _linear_inputs(torch, args.rows, args.hidden, cols, rank)
+    t = _targets(torch, args.rows, args.classes)
+
+    def step():
+        h.grad = w.grad = None
+        CF.vocab_parallel_linear_cross_entropy(h, w, t, group, class_offset=rank * cols,
+                                               classes=k * cols).backward()
+
+    ms = _median_ms(torch, step, max(3, args.reps // 4))
+    return {"linear": ms, "linear_tflops": 6 * args.rows * args.hidden * cols / ms / 1e9}
+
+
 def _one_gpu(torch, args):
+    """(cross_entropy ms, linear_cross_entropy ms or None) on GPU 0, the whole classes."""
     import cupyloss.torch as CF
 
     x = _inputs(torch, args.rows, args.classes, 0).requires_grad_()
@@ -118,7 +149,20 @@ def _one_gpu(torch, args):
 
     ms = _median_ms(torch, step, args.reps)
     x.grad = None
-    return ms
+    x = None
+    linear = None
+    if args.hidden:
+        h, w = _linear_inputs(torch, args.rows, args.hidden, args.classes)
+
+        def head():
+            h.grad = w.grad = None
+            CF.linear_cross_entropy(h, w, t).backward()
+
+        linear = _median_ms(torch, head, max(3, args.reps // 4))
+        h.grad = w.grad = None
+        h = w = None
+    torch.cuda.empty_cache()
+    return ms, linear
 
 
 def main(argv=None) -> None:
@@ -127,13 +171,15 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--classes", type=int, default=128256)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=4096,
+                        help="width of the fused linear form (0: skip it)")
     args = parser.parse_args(argv)
     import torch
     import torch.multiprocessing as mp
 
     name = torch.cuda.get_device_name(0)
     have = torch.cuda.device_count()
-    one = _one_gpu(torch, args)
+    one, one_linear = _one_gpu(torch, args)
     logits = args.rows * args.classes * 2
     print(f"{name} x {have}; logits {args.rows} x {args.classes} bfloat16 "
           f"({logits / 2**30:.2f} GiB), mean loss, forward + backward; medians of {args.reps}")
@@ -157,6 +203,12 @@ def main(argv=None) -> None:
         print(f"{k:>2} {worst['step']:8.3f} {worst['stats']:7.3f} {worst['grad']:7.3f} "
               f"{worst['gather']:7.3f} {bound:7.3f} {worst['step'] / bound:5.2f}x "
               f"{floor:7.3f} {worst['peak']:8.3f} {args.rows * 20:>11}")
+        if one_linear is not None:
+            rate = min(r["linear_tflops"] for r in got)
+            single = 6 * args.rows * args.hidden * args.classes / one_linear / 1e9
+            print(f"   fused linear, H={args.hidden}: {worst['linear']:.3f} ms a rank, "
+                  f"{rate:.0f} TFLOP/s a GPU; one GPU {one_linear:.3f} ms, {single:.0f} TFLOP/s "
+                  f"({rate / single:.0%} of its efficiency)")
 
 
 if __name__ == "__main__":
