@@ -196,7 +196,7 @@ def test_ranks_over_nccl_match_one_gpu_cross_entropy(world):
     eager."""
     if _gpus() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {_gpus()}")
-    failures = run_ranks(_worker, world, timeout=900)
+    failures = run_ranks(_worker, world, timeout=300)
     assert not failures, "\n".join(failures)
 
 
