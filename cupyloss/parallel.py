@@ -13,7 +13,7 @@ loss is cross_entropy on the concatenated logits, with every option of the row-w
      (N, 5) numbers of the accumulator type: 20 bytes a row in float32.
   2. The caller all-gathers the k states into (k, N, 5), in rank order (torch.distributed's
      all_gather_into_tensor, NCCL's allGather; cupyloss.torch.vocab_parallel_cross_entropy does
-     it through torch's functional collectives).  That is the only communication: k * N * 20
+     it through c10d eagerly and torch's functional collectives when traced).  That is the only communication: k * N * 20
      bytes received a rank, against N * C * 2 for the bfloat16 logits.
   3. ``combine_stats`` merges them, in rank order, as the kernel merges its threads' states
         M = max_i m_i,   S = sum_i s_i e^(m_i - M),   lse = M + log S,
