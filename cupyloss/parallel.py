@@ -32,6 +32,8 @@ synchronisation; deterministic (fixed merge order, no atomics).
 
 from __future__ import annotations
 
+import math
+
 import numpy
 
 from cupyloss import _dispatch, _dtypes, _rowwise
@@ -103,27 +105,74 @@ def vocab_parallel_stats(input, target, class_offset: int, classes: int, weight=
       >>> st = cupyloss.parallel.vocab_parallel_stats(x_local, y, rank * 64128, 128256)
       >>> comm.allGather(st.data.ptr, every.data.ptr, st.size, nccl.NCCL_FLOAT32, stream.ptr)
     """
-    import cupy
-
     frame, x, t, w = _frame_operands(input, target, weight)
     _check(x, t, w, int(class_offset), int(classes), label_smoothing, softcap)
     acc = numpy.dtype(_dtypes.DTYPES[x.dtype].acc)
     device = x.device
     stream = frame.stream(device)
-    out, _ = frame.empty((x.shape[0], FIELDS), acc, x.array)
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)):
-        _rowwise.slice_stats(frame.cupy_view(x), frame.cupy_view(t), _view(frame, out),
-                             int(class_offset), int(classes),
-                             frame.cupy_view(w) if w is not None else None,
+    out, out_ptr = frame.empty((x.shape[0], FIELDS), acc, x.array)
+    with _on(device):
+        _rowwise.slice_stats(_Raw(x), _Raw(t), _Raw.new(out_ptr, (x.shape[0], FIELDS), acc),
+                             int(class_offset), int(classes), _Raw.of(w),
                              ignore_index=int(ignore_index),
                              label_smoothing=float(label_smoothing), softcap=float(softcap),
                              stream=stream, device=device)
     return frame.result(out)
 
 
-def _view(frame, a):
-    """A CuPy view of an array the frame allocated."""
-    return frame.cupy_view(frame.operand(a, "result"))
+class _Ptr:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Raw:
+    """What the launchers read of an array (its pointer as .data.ptr, shape, byte strides,
+    dtype), made from an Operand or an allocation without building a CuPy array."""
+
+    __slots__ = ("data", "shape", "strides", "itemsize", "dtype", "ndim")
+
+    def __init__(self, op, ptr=None, shape=None, dtype=None):
+        if op is not None:
+            ptr, shape, dtype = op.ptr, tuple(op.shape), op.dtype
+            strides = op.strides
+        else:
+            strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        self.data = _Ptr(ptr)
+        self.shape, self.dtype, self.itemsize = shape, dtype, dtype.itemsize
+        self.strides = tuple(st * dtype.itemsize for st in strides)
+        self.ndim = len(shape)
+
+    @classmethod
+    def new(cls, ptr, shape, dtype):
+        """A C-contiguous allocation at `ptr`."""
+        return cls(None, ptr, tuple(shape), numpy.dtype(dtype))
+
+    @classmethod
+    def of(cls, op):
+        return None if op is None else cls(op)
+
+
+def _contiguous_op(op) -> bool:
+    expect = 1
+    for n, st in zip(reversed(op.shape), reversed(op.strides)):
+        if n > 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _on(device):
+    """The CUDA device `device` current for the block (a no-op when it already is): kernels
+    load on the current device."""
+    import contextlib
+
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == device:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device)
 
 
 def _namespace(a):
@@ -195,14 +244,19 @@ def _combine_kernel(stats, target, classes, weight, ignore_index, eps, zs):
                          f"got {tuple(w.shape)} {w.dtype}")
     device = st.device
     stream = frame.stream(device)
-    outs = [frame.empty((rows,), st.dtype, st.array)[0] for _ in range(3)]
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)):
-        sv = cupy.ascontiguousarray(frame.cupy_view(st))
-        _rowwise.combine(sv, frame.cupy_view(t), frame.cupy_view(w) if w is not None else None,
-                         *(_view(frame, o) for o in outs), int(classes),
+    outs = [frame.empty((rows,), st.dtype, st.array) for _ in range(3)]
+    with _on(device):
+        if not _contiguous_op(st):
+            with cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
+                    frame.scratch_allocator():
+                copy = cupy.ascontiguousarray(frame.cupy_view(st))
+            st = _dispatch.Operand(copy.data.ptr, copy.shape, tuple(
+                n // copy.itemsize for n in copy.strides), copy.dtype, device, copy)
+        _rowwise.combine(_Raw(st), _Raw(t), _Raw.of(w),
+                         *(_Raw.new(ptr, (rows,), st.dtype) for _, ptr in outs), int(classes),
                          ignore_index=int(ignore_index), label_smoothing=float(eps),
                          lse_square_scale=float(zs), ctype=ctype, stream=stream, device=device)
-    return tuple(frame.result(o) for o in outs)
+    return tuple(frame.result(o) for o, _ in outs)
 
 
 def _combine(xp, stats, target, classes, weight, ignore_index, eps, zs):
@@ -274,16 +328,22 @@ def vocab_parallel_backward(grad_rows, input, target, lse, class_offset: int, cl
             raise ValueError(f"{name} must be {' or '.join(map(str, shapes))} {acc} on the "
                              f"input's device, got {tuple(op.shape)} {op.dtype}")
         ops[name] = op
-    out, _ = frame.empty(tuple(x.shape), x.dtype, x.array)
-    with cupy.cuda.Device(device), \
-            cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
-            frame.scratch_allocator():
-        wv = frame.cupy_view(w) if w is not None else None
-        wsum = wv.sum(dtype=acc) if wv is not None and label_smoothing else None
-        _rowwise.slice_grad(frame.cupy_view(x), frame.cupy_view(t),
-                            cupy.ascontiguousarray(frame.cupy_view(ops["lse"])), _view(frame, out),
-                            int(class_offset), int(classes), wv, wsum,
-                            cupy.ascontiguousarray(frame.cupy_view(ops["grad_rows"])),
+    out, out_ptr = frame.empty(tuple(x.shape), x.dtype, x.array)
+    with _on(device):
+        wsum = None
+        if w is not None and label_smoothing or not all(map(_contiguous_op, ops.values())):
+            with cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
+                    frame.scratch_allocator():
+                if w is not None and label_smoothing:
+                    wsum = frame.cupy_view(w).sum(dtype=acc)
+                for name, op in list(ops.items()):
+                    if not _contiguous_op(op):
+                        copy = cupy.ascontiguousarray(frame.cupy_view(op))
+                        ops[name] = _dispatch.Operand(copy.data.ptr, copy.shape, tuple(
+                            n // copy.itemsize for n in copy.strides), copy.dtype, device, copy)
+        _rowwise.slice_grad(_Raw(x), _Raw(t), _Raw(ops["lse"]),
+                            _Raw.new(out_ptr, x.shape, x.dtype), int(class_offset),
+                            int(classes), _Raw.of(w), wsum, _Raw(ops["grad_rows"]),
                             ignore_index=int(ignore_index),
                             label_smoothing=float(label_smoothing),
                             lse_square_scale=float(lse_square_scale), softcap=float(softcap),

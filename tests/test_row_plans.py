@@ -222,3 +222,44 @@ def test_slice_stats_and_combine_words(device):
         stats.ctypes.data, t.ctypes.data, w.ctypes.data, *(r.ctypes.data for r in rows))
     assert (c["k"], c["rows"], c["classes"]) == (3, 4, 1000)
     assert c["zscale"] == _args.f64_word(1e-4) and c["smoothing"] == _args.f64_word(0.1)
+
+
+def test_vocab_parallel_steps_launch_with_the_arrays_own_pointers(device, monkeypatch):
+    """cupyloss.parallel's three steps hand the kernels their arrays' pointers, strides and
+    options (read by the kernels' own parameter names), without CuPy arrays."""
+    import contextlib
+
+    from cupyloss import parallel
+
+    monkeypatch.setattr(parallel, "_target_operand", lambda frame, t: frame.operand(t, "t"))
+    monkeypatch.setattr(parallel, "_on", lambda d: contextlib.nullcontext())
+    x = np.zeros((6, 40), np.float32).view(HostArray)[:, :32]    # rows 40 apart
+    t = _host(np.arange(6, dtype=np.int32))
+    w = _host(np.ones(100, np.float32))
+    stats = parallel.vocab_parallel_stats(x, t, 64, 100, w, ignore_index=-5, softcap=2.0)
+    every = _host(np.zeros((2, 6, 5), np.float32))
+    loss, lse, wy = parallel._combine_kernel(every, t, 100, w, -5, 0.1, 1e-3)
+    go = _host(np.zeros(6, np.float32))
+    grad = parallel.vocab_parallel_backward(go, x, t, lse, 64, 100, w, ignore_index=-5,
+                                            lse_square_scale=1e-3)
+    (sname, swords), (cname, cwords), (gname, gwords) = device.launches
+
+    def named(kernel, words):
+        return dict(zip([n for _, n in _source.kernel_params("rowwise.cu", kernel)], words))
+
+    s = named("cross_entropy_slice_stats", swords)
+    c = named("cross_entropy_combine", cwords)
+    g = named("cross_entropy_slice_grad", gwords)
+    assert (s["x"], s["tgt"], s["weight"], s["stats"]) == tuple(map(_ptr, (x, t, w, stats)))
+    assert (s["rows"], s["cols"], s["c0"], s["classes"], s["x_rs"]) == (6, 32, 64, 100, 40)
+    assert s["softcap"] == _args.f64_word(2.0) and s["ignore_index"] == _args.i64_word(-5)
+    assert (c["stats"], c["tgt"], c["weight"], c["loss"], c["lse"], c["wy"]) == tuple(
+        map(_ptr, (every, t, w, loss, lse, wy)))
+    assert (c["k"], c["rows"], c["classes"]) == (2, 6, 100)
+    assert c["smoothing"] == _args.f64_word(0.1) and c["zscale"] == _args.f64_word(1e-3)
+    assert (g["x"], g["tgt"], g["lse"], g["go"], g["gx"], g["weight"]) == tuple(
+        map(_ptr, (x, t, lse, go, grad, w)))
+    assert (g["rows"], g["cols"], g["c0"], g["classes"], g["x_rs"], g["g_rs"]) == (
+        6, 32, 64, 100, 40, 32)
+    assert g["flags"] == _rowwise.FLAG_GO_ROWS and g["wsum"] == 0
+    assert grad.shape == (6, 32) and stats.shape == (6, 5) and lse.shape == (6,)
