@@ -51,7 +51,8 @@ def _stats_cpu(x, t, weight, c0, classes, ignore_index, eps, cap):
     ignored = t == ignore_index
     j = t - c0
     inside = ~ignored & (t >= 0) & (t < classes) & (j >= 0) & (j < cols)
-    z_y = z.gather(1, j.clamp(0, max(cols - 1, 0))[:, None])[:, 0] if cols else z.new_zeros(rows)
+    z_y = (z.gather(1, j.clamp(0, max(cols - 1, 0)).long()[:, None])[:, 0] if cols
+           else z.new_zeros(rows))
     state = torch.stack([m, s, a, b, torch.where(inside, z_y, 0.0)], 1)
     empty = torch.tensor([ninf, 0.0, 0.0, 0.0, 0.0], dtype=acc)
     return torch.where(ignored[:, None], empty, state)
