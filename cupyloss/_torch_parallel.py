@@ -456,6 +456,10 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
       >>> loss = cupyloss.torch.vocab_parallel_linear_cross_entropy(h, head_shard.weight,
       ...                                                             labels, tp_group)
       >>> loss.backward()
+
+    Under torch.compile (and any other tracer) the call is linear_cross_entropy's op with
+    this rank's slice and the group's name: the collectives run inside it, opaque to the
+    compiler.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
@@ -468,8 +472,17 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     if class_offset is None:
         class_offset, classes = rank * weight.shape[0], k * weight.shape[0]
     if _traced(hidden, weight, target, bias, class_weight):
-        raise NotImplementedError("vocab_parallel_linear_cross_entropy runs eagerly; call it "
-                                  "outside the compiled region (torch.compiler.disable)")
+        # linear_cross_entropy's op with this rank's slice: the statistics are exchanged and
+        # the hidden gradient summed inside it, over the group named
+        from cupyloss import torch as adapter
+
+        flags = (hidden.requires_grad, weight.requires_grad,
+                 bias is not None and bias.requires_grad)
+        return adapter._linear_op(
+            hidden, weight, target, bias, class_weight, int(ignore_index), reduction,
+            float(label_smoothing), float(lse_square_scale), float(softcap),
+            -1 if max_workspace_bytes is None else int(max_workspace_bytes), int(class_offset),
+            int(classes), "" if group is None else group.group_name, *flags)[0]
     options = dict(ignore_index=int(ignore_index), reduction=reduction,
                    label_smoothing=float(label_smoothing),
                    lse_square_scale=float(lse_square_scale), softcap=float(softcap),
@@ -488,3 +501,41 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap)
     return loss
+
+
+def _linear_shard_cpu(hidden, weight, target, bias, class_weight, options, names, grad_output,
+                      want_value, group, offset, classes):
+    """_linear_shard_run on CPU tensors (the traced op's CPU kernel, gloo): float32 logits of
+    this rank's classes, the statistics exchanged and combined as on the GPU, and the gradients
+    written out (autograd does not run inside an op's kernel)."""
+    acc = _acc(hidden.dtype)
+    x = hidden.reshape(-1, hidden.shape[-1]).to(acc)
+    t = target.reshape(-1)
+    z = torch.nn.functional.linear(x, weight.to(acc), None if bias is None else bias.to(acc))
+    ii, eps = options["ignore_index"], options["label_smoothing"]
+    zs, cap, reduction = options["lse_square_scale"], options["softcap"], options["reduction"]
+    stats = _stats_cpu(z, t, class_weight, offset, classes, ii, eps, cap)
+    rows, lse, w_y = parallel.combine_stats(
+        _gathered(stats, group, False), t, classes,
+        None if class_weight is None else class_weight.to(acc), ignore_index=ii,
+        label_smoothing=eps, lse_square_scale=zs)
+    divisor = w_y.sum() if reduction == "mean" else None
+    loss = None
+    if want_value:
+        loss = (rows.reshape(target.shape) if reduction == "none"
+                else rows.sum() / divisor if divisor is not None else rows.sum())
+    grads = {}
+    if names:
+        g = torch.as_tensor(grad_output, dtype=acc)
+        g = g.reshape(-1) if reduction == "none" else (g / divisor if divisor is not None else g)
+        dz = _grad_cpu(g, z, t, lse, class_weight, offset, classes, ii, eps, zs, cap)
+        if "hidden" in names:
+            gx = dz @ weight.to(acc)
+            if group is not None:
+                dist.all_reduce(gx, group=group)
+            grads["hidden"] = gx.reshape(hidden.shape).to(hidden.dtype)
+        if "weight" in names:
+            grads["weight"] = (dz.T @ x).to(weight.dtype)
+        if "bias" in names:
+            grads["bias"] = dz.sum(dim=0).to(bias.dtype)
+    return loss, grads

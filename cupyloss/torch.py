@@ -1152,7 +1152,16 @@ def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad
                 want_value):
     """(loss or None, {name: gradient}) of the fused loss: the kernels on CUDA tensors, torch's
     operations on CPU ones (float32 logits, cross_entropy, and its gradient written out:
-    autograd does not run inside an op's kernel)."""
+    autograd does not run inside an op's kernel).  options["shard"]: (class offset, classes,
+    process group) of the weight's rows split over ranks (_torch_parallel), or None."""
+    shard = options.get("shard")
+    if "shard" in options:
+        options = {k: v for k, v in options.items() if k != "shard"}
+    if shard is not None:
+        run = (_torch_parallel._linear_shard_run if hidden.device.type != "cpu"
+               else _torch_parallel._linear_shard_cpu)
+        return run(hidden, weight, target, bias, class_weight, options, names, grad_output,
+                   want_value, shard[2], shard[0], shard[1])
     if hidden.device.type != "cpu":
         from cupyloss import linear
 
@@ -1193,16 +1202,24 @@ def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad
 
 
 def _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                    max_workspace_bytes):
+                    max_workspace_bytes, class_offset=0, classes=-1, group=""):
+    """The options of one call; group: the name of the process group whose ranks split the
+    weight's rows ("" for none), resolved to the group here."""
+    shard = None
+    if group:
+        from torch.distributed import distributed_c10d
+
+        shard = (class_offset, classes, distributed_c10d._resolve_process_group(group))
     return dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                 lse_square_scale=lse_square_scale, softcap=softcap,
-                max_workspace_bytes=None if max_workspace_bytes < 0 else max_workspace_bytes)
+                max_workspace_bytes=None if max_workspace_bytes < 0 else max_workspace_bytes,
+                shard=shard)
 
 
 _LINEAR_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
                 "int ignore_index, str reduction, float label_smoothing, float lse_square_scale, "
-                "float softcap, int max_workspace_bytes, bool wrt_hidden, bool wrt_weight, "
-                "bool wrt_bias")
+                "float softcap, int max_workspace_bytes, int class_offset, int classes, "
+                "str group, bool wrt_hidden, bool wrt_weight, bool wrt_bias")
 
 
 def _linear_names(bias, flags):
@@ -1211,9 +1228,9 @@ def _linear_names(bias, flags):
 
 def _linear_forward_impl(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                          label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                         wrt_hidden, wrt_weight, wrt_bias):
+                         class_offset, classes, group, wrt_hidden, wrt_weight, wrt_bias):
     options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                              max_workspace_bytes)
+                              max_workspace_bytes, class_offset, classes, group)
     names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
     if reduction == "none":
         names = ()    # backward forms the logits again with the elementwise upstream gradient
@@ -1226,7 +1243,7 @@ def _linear_forward_impl(hidden, weight, target, bias, class_weight, ignore_inde
 
 def _linear_forward_fake(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                          label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                         wrt_hidden, wrt_weight, wrt_bias):
+                         class_offset, classes, group, wrt_hidden, wrt_weight, wrt_bias):
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty(tuple(target.shape) if reduction == "none" else (), dtype=dtype)
     names = () if reduction == "none" else _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
@@ -1247,9 +1264,10 @@ def _linear_scale(grad_output, grads) -> None:
 
 def _linear_backward_impl(grad_output, held, hidden, weight, target, bias, class_weight,
                           ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                          max_workspace_bytes, wrt_hidden, wrt_weight, wrt_bias):
+                          max_workspace_bytes, class_offset, classes, group, wrt_hidden,
+                          wrt_weight, wrt_bias):
     options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                              max_workspace_bytes)
+                              max_workspace_bytes, class_offset, classes, group)
     names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
     kept = _take(held)
     if kept is not None and all(kept[_LINEAR_GRADS.index(n)] is not None for n in names):
@@ -1369,7 +1387,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
         return _linear_op(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                           float(label_smoothing), float(lse_square_scale), float(softcap),
                           -1 if max_workspace_bytes is None else int(max_workspace_bytes),
-                          *flags)[0]
+                          0, -1, "", *flags)[0]
     if hidden.device.type == "cpu":
         return _linear_cpu(hidden, weight, target, bias, class_weight, options)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)

@@ -166,8 +166,7 @@ def _worker(rank, world, path, results, compiled=False):
         want.backward()
         torch.testing.assert_close(mine.grad, xg.grad[rank * ROWS:(rank + 1) * ROWS],
                                    rtol=1e-12, atol=1e-15)
-        if not compiled:
-            _linear_case(rank, world, dist.group.WORLD)
+        _linear_case(rank, world, dist.group.WORLD, compiled)
     except Exception:
         failures.append(f"rank {rank}: {traceback.format_exc()}")
     finally:
@@ -176,9 +175,10 @@ def _worker(rank, world, path, results, compiled=False):
             dist.destroy_process_group()
 
 
-def _linear_case(rank, world, group):
+def _linear_case(rank, world, group, compiled=False):
     """The fused linear form: this rank's rows of W and b; the whole hidden gradient on every
-    rank, its slices of the weight's and bias's."""
+    rank, its slices of the weight's and bias's (compiled: linear_cross_entropy's op with the
+    rank's slice, the collectives inside it)."""
     g = torch.Generator().manual_seed(5)
     h = torch.randn(ROWS, 6, dtype=torch.float64, generator=g)
     w = torch.randn(CLASSES, 6, dtype=torch.float64, generator=g)
@@ -189,9 +189,14 @@ def _linear_case(rank, world, group):
     a, e = SPLITS[world][rank], SPLITS[world][rank + 1]
     mine = [h.clone().requires_grad_(), w[a:e].clone().requires_grad_(),
             b[a:e].clone().requires_grad_()]
-    loss = CF.vocab_parallel_linear_cross_entropy(
-        mine[0], mine[1], t, group, bias=mine[2], class_weight=cw, class_offset=a,
-        classes=CLASSES, label_smoothing=0.1, lse_square_scale=1e-3)
+    def call(hv, wv, bv):
+        return CF.vocab_parallel_linear_cross_entropy(
+            hv, wv, t, group, bias=bv, class_weight=cw, class_offset=a, classes=CLASSES,
+            label_smoothing=0.1, lse_square_scale=1e-3)
+
+    if compiled:
+        call = torch.compile(call, backend="aot_eager", fullgraph=True)
+    loss = call(*mine)
     whole = [v.clone().requires_grad_() for v in (h, w, b)]
     z = F.linear(*whole)
     want = _torch_loss(z, t, cw, 0.1, 1e-3, 0.0, "mean")

@@ -175,12 +175,20 @@ def _linear_case(rank, world, a, e, group):
             opts = dict(label_smoothing=0.1, lse_square_scale=1e-4, max_workspace_bytes=budget)
             want = _linear_run(lambda *v: CF.linear_cross_entropy(
                 v[0], v[1], v[3], v[2], cw, **opts), h, w, b, t)
-            got = _linear_run(lambda *v: CF.vocab_parallel_linear_cross_entropy(
-                v[0], v[1], v[3], group, bias=v[2], class_weight=cw, class_offset=a,
-                classes=CLASSES, **opts), h, w[a:e], b[a:e], t)
             want = (want[0], want[1], want[2][a:e], want[3][a:e])
-            failures += _linear_compare(got, want, dtype,
-                                        f"rank {rank}/{world} linear {dtype} budget {budget}")
+
+            def call(*v, opts=opts, cw=cw):
+                return CF.vocab_parallel_linear_cross_entropy(
+                    v[0], v[1], v[3], group, bias=v[2], class_weight=cw, class_offset=a,
+                    classes=CLASSES, **opts)
+
+            # compiled: linear_cross_entropy's op with the rank's slice (the default budget)
+            for mode in ("eager", "compiled") if budget is None else ("eager",):
+                f = call if mode == "eager" else torch.compile(call, fullgraph=True)
+                got = _linear_run(f, h, w[a:e], b[a:e], t)
+                failures += _linear_compare(
+                    got, want, dtype, f"rank {rank}/{world} linear {dtype} budget {budget} "
+                    f"{mode}")
     return failures
 
 
