@@ -177,8 +177,9 @@ def _worker(rank, world, path, results, compiled=False):
 
 def _linear_case(rank, world, group, compiled=False):
     """The fused linear form: this rank's rows of W and b; the whole hidden gradient on every
-    rank, its slices of the weight's and bias's (compiled: linear_cross_entropy's op with the
-    rank's slice, the collectives inside it)."""
+    rank, its slices of the weight's and bias's, for a reduced loss (its gradients formed in
+    forward) and 'none' (formed in backward from the rows' upstream gradient); compiled:
+    linear_cross_entropy's op with the rank's slice, the collectives inside it."""
     g = torch.Generator().manual_seed(5)
     h = torch.randn(ROWS, 6, dtype=torch.float64, generator=g)
     w = torch.randn(CLASSES, 6, dtype=torch.float64, generator=g)
@@ -186,26 +187,29 @@ def _linear_case(rank, world, group, compiled=False):
     cw = torch.rand(CLASSES, dtype=torch.float64, generator=g) + 0.5
     t = torch.randint(0, CLASSES, (ROWS,), generator=g)
     t[3] = -100
+    up = torch.rand(ROWS, dtype=torch.float64, generator=g)
     a, e = SPLITS[world][rank], SPLITS[world][rank + 1]
-    mine = [h.clone().requires_grad_(), w[a:e].clone().requires_grad_(),
-            b[a:e].clone().requires_grad_()]
-    def call(hv, wv, bv):
-        return CF.vocab_parallel_linear_cross_entropy(
-            hv, wv, t, group, bias=bv, class_weight=cw, class_offset=a, classes=CLASSES,
-            label_smoothing=0.1, lse_square_scale=1e-3)
+    for reduction in ("mean", "none"):
+        mine = [h.clone().requires_grad_(), w[a:e].clone().requires_grad_(),
+                b[a:e].clone().requires_grad_()]
 
-    if compiled:
-        call = torch.compile(call, backend="aot_eager", fullgraph=True)
-    loss = call(*mine)
-    whole = [v.clone().requires_grad_() for v in (h, w, b)]
-    z = F.linear(*whole)
-    want = _torch_loss(z, t, cw, 0.1, 1e-3, 0.0, "mean")
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(mine[0].grad, whole[0].grad, rtol=1e-11, atol=1e-14)
-    torch.testing.assert_close(mine[1].grad, whole[1].grad[a:e], rtol=1e-11, atol=1e-14)
-    torch.testing.assert_close(mine[2].grad, whole[2].grad[a:e], rtol=1e-11, atol=1e-14)
+        def call(hv, wv, bv, reduction=reduction):
+            return CF.vocab_parallel_linear_cross_entropy(
+                hv, wv, t, group, bias=bv, class_weight=cw, class_offset=a, classes=CLASSES,
+                label_smoothing=0.1, lse_square_scale=1e-3, reduction=reduction)
+
+        if compiled:
+            call = torch.compile(call, backend="aot_eager", fullgraph=True)
+        loss = call(*mine)
+        whole = [v.clone().requires_grad_() for v in (h, w, b)]
+        want = _torch_loss(F.linear(*whole), t, cw, 0.1, 1e-3, 0.0, reduction)
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-15)
+        upstream = up if reduction == "none" else torch.tensor(0.7, dtype=torch.float64)
+        loss.backward(upstream)
+        want.backward(upstream)
+        torch.testing.assert_close(mine[0].grad, whole[0].grad, rtol=1e-11, atol=1e-14)
+        torch.testing.assert_close(mine[1].grad, whole[1].grad[a:e], rtol=1e-11, atol=1e-14)
+        torch.testing.assert_close(mine[2].grad, whole[2].grad[a:e], rtol=1e-11, atol=1e-14)
 
 
 def _compiled_worker(rank, world, path, results):
