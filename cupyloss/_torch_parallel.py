@@ -224,6 +224,12 @@ def _global(total, divisor, mean_group):
     return pair[0] / pair[1] + (total - total.detach()) / pair[1]
 
 
+def _check_slice(offset, cols, classes):
+    if not 0 <= offset <= classes - cols:
+        raise ValueError(f"this rank's classes {offset} .. {offset + cols - 1} lie outside the "
+                         f"{classes} classes (class_offset={offset}, classes={classes})")
+
+
 def _traced(*tensors):
     from cupyloss import torch as adapter
 
@@ -285,6 +291,7 @@ def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None
         raise ValueError("give class_offset and classes together (or neither: equal slices)")
     if class_offset is None:
         class_offset, classes = rank * cols, k * cols
+    _check_slice(class_offset, cols, classes)
     x = input.reshape(target.numel(), cols)
     if cols > 1 and x.stride(1) != 1:
         x = x.contiguous()
@@ -471,6 +478,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
         raise ValueError("give class_offset and classes together (or neither: equal slices)")
     if class_offset is None:
         class_offset, classes = rank * weight.shape[0], k * weight.shape[0]
+    _check_slice(class_offset, weight.shape[0], classes)
     if _traced(hidden, weight, target, bias, class_weight):
         # linear_cross_entropy's op with this rank's slice: the statistics are exchanged and
         # the hidden gradient summed inside it, over the group named

@@ -241,6 +241,11 @@ def test_bad_arguments_are_refused_before_any_work():
         CF.vocab_parallel_cross_entropy(x, t, reduction="avg")
     with pytest.raises(ValueError, match="needs reduction"):
         CF.vocab_parallel_cross_entropy(x, t, reduction="none", mean_group=object())
+    with pytest.raises(ValueError, match="lie outside the 8 classes"):
+        CF.vocab_parallel_cross_entropy(x, t, class_offset=4, classes=8)
+    with pytest.raises(ValueError, match="lie outside the 8 classes"):
+        CF.vocab_parallel_linear_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), t,
+                                               class_offset=-1, classes=8)
 
 
 def test_one_rank_is_cross_entropy():
