@@ -1015,7 +1015,6 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
 //   weight     [classes] class weights, or null
 //   rows, cols, c0, classes, x_rs, flags, ignore_index, smoothing, softcap
 //   stats      [rows, ROW_FIELDS] of the accumulator type
-constexpr int SLICE_LOADS = 4;
 template <typename T>
 __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
         const T* __restrict__ x, const void* tgt, const T* __restrict__ weight,
@@ -1025,6 +1024,7 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
         acc_t<T>* __restrict__ stats) {
     using A = acc_t<T>;
     constexpr int VEC = 16 / sizeof(T);
+    constexpr int SLICE_LOADS = 4;   // vectors in flight a thread (see the loop)
     __shared__ A scratch[8 * ROW_FIELDS];
     const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, 0.0, softcap, classes);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
