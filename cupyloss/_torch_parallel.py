@@ -380,7 +380,7 @@ def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names
         _all_gather(every, mine, group=group)
         return cupy.from_dlpack(every.view(k, *mine.shape))
 
-    shard = linear.Shard(int(offset), int(classes), gather)
+    shard = linear.Shard(int(offset), int(classes), gather, k)
     loss, grads, _ = linear._run(hidden, weight, target, bias, class_weight,
                                  options["ignore_index"], options["reduction"],
                                  options["label_smoothing"], options["lse_square_scale"],

@@ -87,15 +87,18 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """This rank's slice of the classes (the vocab-parallel fused loss): the weight's V rows are
-    classes offset .. offset + V - 1 of `classes`; gather(stats) returns every rank's (m, 5)
-    statistics of the same m rows as a (k, m, 5) array in rank order (a collective queued on
-    the call's stream).  Each chunk's statistics are exchanged and combined before its dZ is
+    classes offset .. offset + V - 1 of `classes`, split over `ranks` ranks; gather(stats)
+    returns every rank's (m, 5) statistics of the same m rows as a (k, m, 5) array in rank
+    order (a collective queued on the call's stream).  Every rank chunks the rows as the plan
+    of an even share of the classes does, so that all make the same gathers however uneven
+    their slices; a rank holding more than an even share holds that much more workspace.  Each chunk's statistics are exchanged and combined before its dZ is
     formed (cupyloss.parallel's steps), and the hidden gradient comes back as this rank's
     float32 (float64) partial sum, for the caller to add over the ranks."""
 
     offset: int
     classes: int
     gather: Any
+    ranks: int = 1
 
 
 def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
@@ -109,28 +112,34 @@ def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
 
 
 def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = None,
-         weight_grad: bool = True) -> Plan:
+         weight_grad: bool = True, rows: int | None = None) -> Plan:
     """The plan of a call on n rows, `classes` logits a row and `hidden` features, inputs of
     `itemsize` bytes, within `budget` bytes (default DEFAULT_WORKSPACE_BYTES): keep every row's
     16-bit dZ where it fits, else a float32 weight-gradient sum, else class slices (see the
     module docstring).  A chunk holds float32 logits (float64 for float64 inputs) and, for
-    16-bit inputs, their gradient in the inputs' dtype."""
+    16-bit inputs, their gradient in the inputs' dtype.  `rows`, where given, fixes the rows a
+    chunk of the first pass (the ranks of a vocab-parallel call must agree on them) and the
+    bytes follow from it."""
     budget = DEFAULT_WORKSPACE_BYTES if budget is None else max(0, int(budget))
     logit = 8 if itemsize == 8 else 4
     narrow = itemsize if itemsize < 4 else 0
     chunk = classes * (logit + narrow)
+
+    def fit(room, per_row):
+        return _fit(room, per_row, n) if rows is None else max(1, min(rows, n))
+
     if not narrow or not weight_grad:
-        rows = _fit(budget, chunk, n)
-        return Plan("sum", rows, bytes=rows * chunk)
+        r = fit(budget, chunk)
+        return Plan("sum", r, bytes=r * chunk)
     keep = n * classes * narrow
     if budget >= keep + TILE * classes * logit:
-        rows = _fit(budget - keep, classes * logit, n)
-        return Plan("keep", rows, bytes=keep + rows * classes * logit)
+        r = fit(budget - keep, classes * logit)
+        return Plan("keep", r, bytes=keep + r * classes * logit)
     total = classes * hidden * 4
     if budget >= total + TILE * chunk:
-        rows = _fit(budget - total, chunk, n)
-        return Plan("sum", rows, bytes=total + rows * chunk)
-    rows = _fit(budget, chunk, n)
+        r = fit(budget - total, chunk)
+        return Plan("sum", r, bytes=total + r * chunk)
+    r = fit(budget, chunk)
     # A slice of all n rows where `budget` holds TILE classes of them, else tiles of rows with
     # a float32 sum of the slice's dW.
     element = logit + narrow
@@ -141,7 +150,19 @@ def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = 
         acc = cols * hidden * 4
         tile = _fit(budget - acc, cols * element, n, n)
         second = acc + tile * cols * element
-    return Plan("slices", rows, cols, tile, max(rows * chunk, second))
+    return Plan("slices", r, cols, tile, max(r * chunk, second))
+
+
+def shard_plan(n: int, v: int, hidden: int, itemsize: int, budget: int | None,
+               weight_grad: bool, shard: Shard | None) -> Plan:
+    """plan() of a call on v classes; for a rank's slice (`shard`) with the rows a chunk of an
+    even share's plan, the same on every rank: each chunk is one gather, and all ranks must
+    make the same ones."""
+    rows = None
+    if shard is not None:
+        rows = plan(n, -(-shard.classes // shard.ranks), hidden, itemsize, budget,
+                    weight_grad).rows
+    return plan(n, v, hidden, itemsize, budget, weight_grad, rows)
 
 
 def _names(wrt) -> tuple[tuple[str, ...], bool]:
@@ -287,7 +308,8 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         run = _Call(views, n, h, v, ignore_index, reduction, label_smoothing, lse_square_scale,
                     softcap, want_value, names, grad_go, grad_output, return_lse, stream, device,
                     shard)
-        pl = plan(n, v, h, run.dtype.itemsize, max_workspace_bytes, run.want["weight"])
+        pl = shard_plan(n, v, h, run.dtype.itemsize, max_workspace_bytes, run.want["weight"],
+                        shard)
         run.first_pass(pl)
         if pl.kind == "slices" and run.want["weight"]:
             run.second_pass(pl)

@@ -88,6 +88,30 @@ def test_plan_stays_within_its_budget():
                 assert p.bytes <= budget, (n, v, h, budget, p)
 
 
+def test_uneven_slices_chunk_their_rows_alike():
+    """A vocab-parallel call gathers once a chunk, so ranks holding 1, 1900 and 3099 of 5000
+    classes must take the same row chunks whatever their plans' kinds; each plan's bytes are
+    those of its own slice with those rows."""
+    for n, budget, itemsize in ((300, 300_000, 2), (300, None, 2), (8192, 64 << 20, 2),
+                                (8192, 1 << 20, 4), (50, 1, 2)):
+        plans = []
+        for v in (1, 1900, 3099):
+            shard = linear.Shard(0, 5000, None, 3)
+            plans.append(linear.shard_plan(n, v, 64, itemsize, budget, True, shard))
+        assert len({p.rows for p in plans}) == 1, plans
+        even = linear.plan(n, 1667, 64, itemsize, budget)
+        assert plans[0].rows == even.rows
+        for v, p in zip((1, 1900, 3099), plans):
+            alone = linear.plan(n, v, 64, itemsize, budget)
+            assert p.kind == alone.kind and (p.cols, p.tile) == (alone.cols, alone.tile)
+            if p.kind != "slices":
+                per_row = v * (8 if itemsize == 8 else 4) + (v * itemsize if
+                                                             itemsize < 4 and p.kind == "sum"
+                                                             else 0)
+                assert p.bytes - p.rows * per_row == alone.bytes - alone.rows * per_row
+    assert linear.shard_plan(300, 1900, 64, 2, None, True, None) == linear.plan(300, 1900, 64, 2)
+
+
 def test_wrt_names():
     assert linear._names(None) == (("hidden", "weight"), False)
     assert linear._names("bias") == (("bias",), True)

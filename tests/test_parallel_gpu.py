@@ -4,6 +4,8 @@ torch.compile(fullgraph=True) and replayed from a CUDA graph.  One GPU: the kern
 and slice gradients against the rows kernel, without a collective."""
 
 import datetime
+import sys
+import time
 import traceback
 
 import pytest
@@ -43,12 +45,19 @@ def _single(x, t, w, reduction, opts, go):
     return loss.detach(), xg.grad
 
 
+def _progress(rank, what, start=time.monotonic()):
+    """A line on stderr as each rank passes a stage (seen with pytest -s): where a stuck run
+    stopped."""
+    print(f"rank {rank} {time.monotonic() - start:7.1f} s: {what}", file=sys.stderr, flush=True)
+
+
 def _worker(rank, world, path, results):
     import torch.distributed as dist
 
     import cupyloss.torch as CF
 
     failures, graph = [], None
+    _progress(rank, "started")
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank,
@@ -71,6 +80,7 @@ def _worker(rank, world, path, results):
                         v, y, group, class_offset=a, classes=CLASSES, weight=w,
                         reduction=reduction, **opts)
 
+                _progress(rank, f"{dtype} {reduction} {case}")
                 # compiled: one case a dtype (each is an Inductor compile in every process)
                 for mode in ("eager", "compiled") if case.get("weight") else ("eager",):
                     f = call if mode == "eager" else torch.compile(call, fullgraph=True)
@@ -90,7 +100,9 @@ def _worker(rank, world, path, results):
                     err = (mine.grad.float() - ref).abs().max().item() if b > a else 0.0
                     if err > rtol * max(ref.abs().max().item(), 1e-30) + 1e-12:
                         failures.append(f"{tag}: gradient off by {err}")
+        _progress(rank, "fused linear")
         failures += _linear_case(rank, world, a, b, group)
+        _progress(rank, "CUDA graph")
         # a training step captured in a CUDA graph replays as eager
         x, t, _ = _inputs(torch.bfloat16, {}, "cuda")
         mine = x[:, a:b].clone().requires_grad_()
@@ -122,11 +134,13 @@ def _worker(rank, world, path, results):
     except Exception:
         failures.append(f"rank {rank}: {traceback.format_exc()}")
     finally:
+        _progress(rank, f"reporting {len(failures)} failures")
         results.put((rank, failures))
         if graph is not None:
             graph.reset()           # the captured collectives go before their communicator
         if dist.is_initialized():
             dist.destroy_process_group()
+        _progress(rank, "done")
 
 
 # the fused linear form: float32 logits from the same operands, so its loss matches to float32
