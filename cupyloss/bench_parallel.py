@@ -6,6 +6,8 @@ Logits (rows, classes) bfloat16 split in equal slices over k GPUs (NCCL, one pro
 int64 targets with 10% ignore_index, forward + backward of the mean loss
 (cupyloss.torch.vocab_parallel_cross_entropy).  Beside it, in the same processes:
 
+  graphed        the same step captured in a CUDA graph and replayed: the GPUs' time
+                 without the host's (each eager step's launches and collective calls)
   one GPU        cupyloss.torch.cross_entropy on the whole logits (GPU 0, k = 1)
   all-gather     the exchange alone: every rank's (rows, 5) float32 statistics
   stats, grad    the two kernels alone on a rank's slice (cupyloss.parallel)
@@ -92,6 +94,18 @@ def _rank(rank, k, path, args, results):
         torch.cuda.reset_peak_memory_stats()
         out["step"] = _median_ms(torch, step, args.reps)
         out["peak"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        # the same step replayed from a CUDA graph: the GPU's time without the host's
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        out["graphed"] = _median_ms(torch, graph.replay, args.reps)
+        graph.reset()             # its collectives go before the communicator
         x.grad = None
         stats = torch.empty(rows, parallel.FIELDS, device="cuda")
         every = torch.empty(k * rows, parallel.FIELDS, device="cuda")
@@ -185,8 +199,8 @@ def main(argv=None) -> None:
           f"({logits / 2**30:.2f} GiB), mean loss, forward + backward; medians of {args.reps}")
     print(f"one GPU, cupyloss.torch.cross_entropy: {one:.3f} ms "
           f"({2 * logits / one / 1e6:.0f} GB/s of read + write)")
-    print(f"{'k':>2} {'step ms':>8} {'stats':>7} {'grad':>7} {'gather':>7} {'bound':>7} "
-          f"{'ratio':>6} {'floor':>7} {'peak GiB':>8} {'sent B/rank':>11}")
+    print(f"{'k':>2} {'step ms':>8} {'graphed':>8} {'stats':>7} {'grad':>7} {'gather':>7} "
+          f"{'bound':>7} {'ratio':>6} {'floor':>7} {'peak GiB':>8} {'sent B/rank':>11}")
     for k in [int(v) for v in args.gpus.split(",")]:
         if k > have:
             print(f"{k:>2} skipped: {have} GPUs here")
@@ -200,8 +214,9 @@ def main(argv=None) -> None:
         worst = {key: max(r[key] for r in got) for key in got[0]}
         bound = one / k + worst["gather"]
         floor = 1.5 * one / k + worst["gather"]
-        print(f"{k:>2} {worst['step']:8.3f} {worst['stats']:7.3f} {worst['grad']:7.3f} "
-              f"{worst['gather']:7.3f} {bound:7.3f} {worst['step'] / bound:5.2f}x "
+        print(f"{k:>2} {worst['step']:8.3f} {worst['graphed']:8.3f} {worst['stats']:7.3f} "
+              f"{worst['grad']:7.3f} {worst['gather']:7.3f} {bound:7.3f} "
+              f"{worst['step'] / bound:5.2f}x "
               f"{floor:7.3f} {worst['peak']:8.3f} {args.rows * 20:>11}")
         if one_linear is not None:
             rate = min(r["linear_tflops"] for r in got)
