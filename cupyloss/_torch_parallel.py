@@ -364,8 +364,9 @@ class _SumGrad(torch.autograd.Function):
 def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names, grad_output,
                       want_value, group, offset, classes):
     """(loss or None, {name: gradient}) of this rank's share of the fused loss on CUDA tensors
-    (cupyloss.linear with a Shard): each chunk's statistics all-gathered over `group`, the
-    hidden gradient's partial sums added over it in the logits' precision."""
+    (cupyloss.linear with a Shard): each chunk's statistics all-gathered over `group`, each
+    chunk's partial hidden gradient summed over it in the logits' precision as soon as it is
+    formed (overlapping the next chunks' products)."""
     import cupy
 
     from cupyloss import linear
@@ -380,17 +381,22 @@ def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names
         _all_gather(every, mine, group=group)
         return cupy.from_dlpack(every.view(k, *mine.shape))
 
-    shard = linear.Shard(int(offset), int(classes), gather, k)
+    sums = []
+
+    def reduce(rows):                       # a chunk's float32 partial dX, summed in place
+        if group is not None:
+            sums.append(dist.all_reduce(torch.from_dlpack(rows), group=group, async_op=True))
+
+    shard = linear.Shard(int(offset), int(classes), gather, k, reduce)
     loss, grads, _ = linear._run(hidden, weight, target, bias, class_weight,
                                  options["ignore_index"], options["reduction"],
                                  options["label_smoothing"], options["lse_square_scale"],
                                  options["softcap"], options["max_workspace_bytes"], want_value,
                                  names, grad_output, False, shard)
+    for work in sums:                       # the stream waits; the host does not
+        work.wait()
     if "hidden" in grads:
-        partial = grads["hidden"]
-        if group is not None:
-            dist.all_reduce(partial, group=group)
-        grads["hidden"] = partial.to(hidden.dtype)
+        grads["hidden"] = grads["hidden"].to(hidden.dtype)
     return loss, grads
 
 

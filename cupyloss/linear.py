@@ -91,7 +91,10 @@ class Shard:
     returns every rank's (m, 5) statistics of the same m rows as a (k, m, 5) array in rank
     order (a collective queued on the call's stream).  Every rank chunks the rows as the plan
     of an even share of the classes does, so that all make the same gathers however uneven
-    their slices; a rank holding more than an even share holds that much more workspace.  Each chunk's statistics are exchanged and combined before its dZ is
+    their slices; a rank holding more than an even share holds that much more workspace.
+    reduce(rows), where given, is called with each chunk's rows of the hidden gradient (this
+    rank's float32 partial sums) as soon as the chunk's product is queued: a sum over the ranks
+    queued there overlaps the next chunks' products.  Each chunk's statistics are exchanged and combined before its dZ is
     formed (cupyloss.parallel's steps), and the hidden gradient comes back as this rank's
     float32 (float64) partial sum, for the caller to add over the ranks."""
 
@@ -99,6 +102,7 @@ class Shard:
     classes: int
     gather: Any
     ranks: int = 1
+    reduce: Any = None
 
 
 def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
@@ -491,6 +495,8 @@ class _Call:
             if want["hidden"]:
                 # dX_c^T (H x m) = W (H x V col-major) dZ^T (V x m col-major)
                 self.blas.gemm(_OP_N, _OP_N, h, m, v, w, h, dz, v, self.gx[r0:r1], h)
+                if self.shard is not None and self.shard.reduce is not None:
+                    self.shard.reduce(self.gx[r0:r1])
             if gw_sum is not None:
                 # dW^T (H x V) += X_c (H x m col-major) (dZ^T (V x m col-major))^T
                 self.blas.gemm(_OP_N, _OP_T, h, v, m, xc, h, dz, v, gw_sum, h,
