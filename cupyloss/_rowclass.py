@@ -251,8 +251,9 @@ def _make_plan(*args) -> Plan:
 
 # --- running ------------------------------------------------------------------------------------
 
-def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream):
-    """Allocate the outputs, fill the pointer words, launch.  Returns [value or loss, gx, gt]."""
+def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream, inplace=False):
+    """Allocate the outputs, fill the pointer words, launch.  Returns [value or loss, gx, gt]
+    (gx the input itself with inplace)."""
     main = plan.main
     words = array.array("Q", main.words)
     slot = main.slot
@@ -273,7 +274,9 @@ def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream):
         out, words[slot["value"]] = frame.empty((), dtype, like)
     elif plan.loss:
         out, words[slot["loss"]] = frame.empty(plan.loss_shape, dtype, like)
-    if plan.gx:
+    if plan.gx and inplace:
+        gx, words[slot["gx"]] = x.array, x.ptr
+    elif plan.gx:
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
     if plan.gt:
         gt, words[slot["gt"]] = frame.empty(plan.x_shape, dtype, like)
@@ -314,11 +317,12 @@ def _operand(frame, a, name, x):
 
 def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
              reduction="mean", p=1, margin=1.0, beta=0.5, ignore_index=-100, check=False,
-             want_value=True, wrt=(), grad_output=1.0):
+             want_value=True, wrt=(), grad_output=1.0, inplace=False):
     """[loss or None, input gradient or None, target gradient or None] of one call.
 
     wrt: the names ("input", "target") whose gradients are written.  Arrays come from and go
-    back to the caller's framework (see _dispatch).
+    back to the caller's framework (see _dispatch).  inplace (jsd): the input's gradient is
+    written into the input, which must be C-contiguous, and returned as the input itself.
     """
     frame = _dispatch.frame_of(input, "input")
     x = frame.operand(input, "input")
@@ -374,6 +378,13 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
         if name not in spec.arrays:
             raise ValueError(f"wrt names {name!r}; {spec.name} takes 'input' or 'target'")
     want_gx, want_gt = "input" in wrt, "target" in wrt
+    if inplace:
+        contiguous = x.shape[-1:] == () or all(
+            st == math.prod(x.shape[i + 1:]) for i, st in enumerate(x.strides) if x.shape[i] > 1)
+        if spec.loss != LOSS_JSD or not want_gx or not contiguous or frame.name == "jax":
+            raise ValueError(f"inplace writes jsd's input gradient into a C-contiguous input "
+                             f"(CuPy or torch), got {spec.name} with wrt={tuple(wrt)} and "
+                             f"strides {tuple(x.strides)} for shape {tuple(x.shape)}")
     if want_gt and is_index:
         raise ValueError(f"target holds class indices ({t.dtype}): it has no gradient; ask for "
                          f"wrt='input'")
@@ -407,7 +418,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     args = (reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind)
     if not fast or _current_device() != device:
         return _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args,
-                         loss_shape)
+                         loss_shape, inplace)
     key = (spec.name, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
            None if labels is None else labels.dtype, loss_shape, dtype, device)
     plan = _PLANS.get(key)
@@ -416,7 +427,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
                                         w_strides, l_rs,
                                         None if labels is None else labels.dtype, loss_shape,
                                         dtype, device)
-    return _run(plan, frame, x, t, w, labels, go, go_value, stream)
+    return _run(plan, frame, x, t, w, labels, go, go_value, stream, inplace)
 
 
 def _current_device():
@@ -427,7 +438,8 @@ def _current_device():
     return _current_device()
 
 
-def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args, loss_shape):
+def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args, loss_shape,
+              inplace=False):
     """Calls off the hot path: another current device, or operands that need contiguous copies
     (made by CuPy on the caller's stream, with the caller's allocator)."""
     import cupy
@@ -473,6 +485,6 @@ def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args
         go_rs = _index_stride(go.shape, go.strides) if args[-1] == "array" else 0
         plan = _make_plan(spec, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
                           None if labels is None else labels.dtype, loss_shape, x.dtype, device)
-        result = _run(plan, frame, x, t, w, labels, go, go_value, stream)
+        result = _run(plan, frame, x, t, w, labels, go, go_value, stream, inplace)
         del keep
         return result

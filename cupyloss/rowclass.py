@@ -264,18 +264,25 @@ def jsd_backward(grad_output: Array | float, input: Array, target: Array, beta: 
 def jsd_value_and_grad(input: Array, target: Array, beta: float = 0.5,
                        shift_labels: Array | None = None, ignore_index: int = -100,
                        reduction: str = "mean", *, grad_output: Array | float = 1.0,
-                       wrt: str | Sequence[str] | None = "input") -> tuple[Array, Any]:
+                       wrt: str | Sequence[str] | None = "input",
+                       inplace: bool = False) -> tuple[Array, Any]:
     """jsd and its gradients from one read of input and target (two launches for a 'mean'
     gradient with shift_labels: the counted rows are counted on the device first).
+
+    **inplace=True OVERWRITES THE INPUT: the student's log-probabilities receive their
+    gradient** and the returned input gradient is the input array itself (C-contiguous CuPy or
+    torch arrays; wrt must name the input).  No second input-sized array: use it only when
+    nothing else still needs the input.
 
     Returns:
       ``(loss, grads)``: loss as from jsd, grads as from jsd_backward.
 
     Example:
       >>> loss, g = cupyloss.jsd_value_and_grad(s, t, beta=0.5)
+      >>> loss, g = cupyloss.jsd_value_and_grad(s, t, inplace=True)     # g is s
     """
     names, single = _names(wrt)
     value, gx, gt = evaluate(_JSD, input, target, None, shift_labels, reduction=reduction,
                              beta=beta, ignore_index=ignore_index, want_value=True, wrt=names,
-                             grad_output=grad_output)
+                             grad_output=grad_output, inplace=inplace)
     return value, _grads(names, single, gx, gt)

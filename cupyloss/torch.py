@@ -92,7 +92,7 @@ H100, 8192 x 128256 bfloat16, forward + backward 1.85 ms and 1.96 GiB against to
 12.17 ms and 9.79 GiB), eager and compiled; the others take float32 copies as torch does;
 binary_cross_entropy is refused as torch refuses it; losses torch lacks run in the dtype they
 are given.  ``inplace_backward=True`` (the losses whose value_and_grad writes in place:
-cross_entropy, nll_loss) writes the input's gradient into the input's buffer in the forward
+cross_entropy, nll_loss, jsd) writes the input's gradient into the input's buffer in the forward
 pass, as Liger-Kernel does: no gradient buffer at all.  The input's version counter is bumped,
 so a node that saved the input raises at its backward instead of reading the gradient; a leaf
 that requires grad and reduction='none' are refused; the loss has one plain backward.  Under

@@ -155,7 +155,7 @@ __device__ __forceinline__ void element(A xv, A tv, A wv, int c, const ClassRow<
 // a block runs the row loop the same number of times (inactive teams take part in the merges).
 template <typename T, int LOSS>
 __global__ void __launch_bounds__(256) rowclass_rows(
-        const T* __restrict__ x,             // [rows, cols]: row r at x + r * x_rs
+        const T* x,                          // [rows, cols]: row r at x + r * x_rs (may be gx)
         const void* __restrict__ tgt,        // multi_margin: int32/int64 [rows] at r * t_rs;
                                              // else T [rows, cols], row r at r * t_rs
         const T* __restrict__ weight,        // multi_margin: [cols]; multilabel: (r, c) at
@@ -171,7 +171,9 @@ __global__ void __launch_bounds__(256) rowclass_rows(
         const double go_value, const double grad_scale,
         const long long tpr,                 // threads per row: a power of two, 8..blockDim.x
         T* __restrict__ loss,                // [rows] or null
-        T* __restrict__ gx,                  // [rows, cols] contiguous, or null
+        T* gx,                               // [rows, cols] contiguous, or null; jsd in place:
+                                             // x itself (each element is read by the thread
+                                             // that writes its gradient, before it writes it)
         T* __restrict__ gt,                  // [rows, cols] contiguous, or null
         T* __restrict__ value,               // [1] or null
         acc_t<T>* __restrict__ partials,     // [2, gridDim.x] when value and gridDim.x > 1

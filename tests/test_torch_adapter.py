@@ -200,20 +200,22 @@ def _plain(sig):
 def test_signature_is_torch_functional_then_cupyloss_options(name):
     ours = inspect.signature(CF.LOSSES[name])
     core = inspect.signature(getattr(cupyloss, name))
+    # the adapter's own option: inplace_backward where the core's value_and_grad can write the
+    # input's gradient in place
+    adapter = ([("inplace_backward", inspect.Parameter.KEYWORD_ONLY, False)]
+               if "inplace" in inspect.signature(
+                   getattr(cupyloss, name + "_value_and_grad")).parameters else [])
     if hasattr(F, name):
         theirs = _plain(inspect.signature(getattr(F, name)))
         assert _plain(ours)[:len(theirs)] == theirs
         extra = _plain(ours)[len(theirs):]
         assert all(kind is inspect.Parameter.KEYWORD_ONLY for _, kind, _ in extra)
-        # the core's options torch lacks, then the adapter's own (inplace_backward where the
-        # core's value_and_grad can write the input's gradient in place)
-        adapter = ([("inplace_backward", False)] if "inplace" in inspect.signature(
-            getattr(cupyloss, name + "_value_and_grad")).parameters else [])
+        # the core's options torch lacks, then the adapter's own
         assert [(n, d) for n, _, d in extra] == [
             (p.name, p.default) for p in core.parameters.values()
-            if p.name not in {n for n, _, _ in theirs}] + adapter
+            if p.name not in {n for n, _, _ in theirs}] + [(n, d) for n, _, d in adapter]
     else:
-        assert _plain(ours) == _plain(core)
+        assert _plain(ours) == _plain(core) + adapter
 
 
 @pytest.mark.parametrize("name", [n for n in SPECS if hasattr(torch.nn, CF.MODULES[n].__name__)])
@@ -648,7 +650,7 @@ def test_inplace_backward_is_refused_where_it_would_lose_something():
     assert torch.equal(z.detach(), kept) and x.grad is not None
 
 
-@pytest.mark.parametrize("name", ["cross_entropy", "nll_loss"])
+@pytest.mark.parametrize("name", ["cross_entropy", "nll_loss", "jsd"])
 def test_compiled_inplace_backward_takes_the_mutating_op(engine, fresh_dynamo, name):
     """Traced, inplace_backward=True runs the op declared as mutating the input
     (<name>_inplace): eager's loss and gradients, the backward a pointwise product of the
@@ -656,10 +658,12 @@ def test_compiled_inplace_backward_takes_the_mutating_op(engine, fresh_dynamo, n
     torch.manual_seed(0)
     model = _tiny_model()
     x = torch.randn(4, 5, dtype=torch.float64)
-    t = torch.randint(0, 5, (4,))
+    t = (torch.randint(0, 5, (4,)) if name != "jsd"
+         else torch.randn(4, 5, dtype=torch.float64).log_softmax(1))
     # log-probabilities from a head that keeps no copy of its output for backward
     # (log_softmax does, and overwriting it is refused as in eager: below)
-    head = (lambda y: y - y.logsumexp(1, keepdim=True)) if name == "nll_loss" else (lambda y: y)
+    head = ((lambda y: y - y.logsumexp(1, keepdim=True)) if name in ("nll_loss", "jsd")
+            else (lambda y: y))
 
     def step(a, b, inplace=False, head=head):
         return CF.LOSSES[name](head(model(a)), b, inplace_backward=inplace) * 0.5

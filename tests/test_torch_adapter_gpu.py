@@ -522,6 +522,34 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(name):
         loss.backward()
 
 
+def test_jsd_inplace_backward_writes_the_students_gradient_into_its_buffer():
+    """jsd with inplace_backward=True: the student's log-probabilities receive their gradient
+    (no second buffer), with the bits of the out-of-place path."""
+    rows, cols = 1024, 8192
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16,
+                    generator=g).requires_grad_()
+    teacher = torch.randn(rows, cols, device="cuda", generator=g).log_softmax(1).to(
+        torch.bfloat16)
+
+    def student(v):                   # log-probabilities, from a node that keeps no output
+        return v - v.float().logsumexp(1, keepdim=True).to(v.dtype)
+
+    plain = CF.jsd(student(x), teacher, beta=0.3)
+    plain.backward(torch.tensor(0.5, device="cuda", dtype=plain.dtype))
+    want, x.grad = x.grad, None
+    z = student(x)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = CF.jsd(z, teacher, beta=0.3, inplace_backward=True)
+    grew = torch.cuda.max_memory_allocated() - base
+    assert torch.equal(loss, plain.detach())
+    assert grew < 1024 * 1024                       # no gradient buffer: z holds it
+    loss.backward(torch.tensor(0.5, device="cuda", dtype=loss.dtype))
+    assert torch.equal(x.grad, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_compiled_inplace_backward_writes_into_the_products_buffer(dtype):
     """Compiled, inplace_backward=True takes the op declared as mutating the logits: the
