@@ -361,17 +361,50 @@ class _SumGrad(torch.autograd.Function):
         return grad, None
 
 
+class _GatherRows(torch.autograd.Function):
+    """Sequence parallelism's gather of the hidden states: forward stacks every rank's block of
+    rows in rank order (an all-gather); backward takes this rank's block of a gradient that is
+    already summed over the ranks (the op's own all-reduce, or _SumGrad's)."""
+
+    @staticmethod
+    def forward(ctx, x, group, traced):
+        k, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.block = (rank * x.shape[0], (rank + 1) * x.shape[0])
+        x = x.contiguous()
+        if traced:
+            from torch.distributed import _functional_collectives as funcol
+
+            gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+            return gather(x, 0, group)
+        every = x.new_empty((k * x.shape[0], *x.shape[1:]))
+        _all_gather(every, x, group=group)
+        return every
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.block
+        return grad[a:b], None, None
+
+
 def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names, grad_output,
-                      want_value, group, offset, classes):
+                      want_value, group, offset, classes, sequence_parallel=False):
     """(loss or None, {name: gradient}) of this rank's share of the fused loss on CUDA tensors
     (cupyloss.linear with a Shard): each chunk's statistics all-gathered over `group`, each
     chunk's partial hidden gradient summed over it in the logits' precision as soon as it is
-    formed (overlapping the next chunks' products)."""
+    formed (overlapping the next chunks' products).  sequence_parallel: `hidden` is this
+    rank's block of the rows, all-gathered first, and the hidden gradient's float32 partial
+    sums are reduce-scattered back to the blocks at the end."""
     import cupy
 
     from cupyloss import linear
 
     k = dist.get_world_size(group) if group is not None else 1
+    mine, target_shape = hidden, target.shape
+    if sequence_parallel and group is not None:
+        block = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        hidden = block.new_empty((k * block.shape[0], block.shape[1]))
+        _all_gather(hidden, block, group=group)
+        target = target.reshape(-1)
 
     def gather(stats):                      # CuPy (m, 5) on torch's stream -> (k, m, 5)
         if group is None:
@@ -387,7 +420,8 @@ def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names
         if group is not None:
             sums.append(dist.all_reduce(torch.from_dlpack(rows), group=group, async_op=True))
 
-    shard = linear.Shard(int(offset), int(classes), gather, k, reduce)
+    split = sequence_parallel and group is not None
+    shard = linear.Shard(int(offset), int(classes), gather, k, None if split else reduce)
     loss, grads, _ = linear._run(hidden, weight, target, bias, class_weight,
                                  options["ignore_index"], options["reduction"],
                                  options["label_smoothing"], options["lse_square_scale"],
@@ -396,7 +430,16 @@ def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names
     for work in sums:                       # the stream waits; the host does not
         work.wait()
     if "hidden" in grads:
-        grads["hidden"] = grads["hidden"].to(hidden.dtype)
+        partial = grads["hidden"]
+        if split:                           # this rank's block of the sum, in float32
+            partial = partial.reshape(k, -1, partial.shape[-1])
+            summed = partial.new_empty(partial.shape[1:])
+            dist.reduce_scatter_tensor(summed, partial.reshape(-1, partial.shape[-1]),
+                                       group=group)
+            partial = summed
+        grads["hidden"] = partial.reshape(mine.shape).to(mine.dtype)
+    if split and loss is not None and options["reduction"] == "none":
+        loss = loss.reshape(target_shape)
     return loss, grads
 
 
@@ -410,18 +453,19 @@ class _LinearShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, options, group, offset,
-                classes):
+                classes, sequence_parallel):
         names = tuple(n for n, need in zip(_LINEAR_GRADS, ctx.needs_input_grad[:3]) if need)
-        ctx.names, ctx.options, ctx.shard = names, options, (group, offset, classes)
+        shard = (group, offset, classes, sequence_parallel)
+        ctx.names, ctx.options, ctx.shard = names, options, shard
         ctx.save_for_backward(hidden, weight, bias, target, class_weight)
         ctx.grads = None
         if names and options["reduction"] != "none":
             loss, grads = _linear_shard_run(hidden, weight, target, bias, class_weight, options,
-                                            names, 1.0, True, group, offset, classes)
+                                            names, 1.0, True, *shard)
             ctx.grads = grads
             return loss
         return _linear_shard_run(hidden, weight, target, bias, class_weight, options, (), 1.0,
-                                 True, group, offset, classes)[0]
+                                 True, *shard)[0]
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -434,14 +478,15 @@ class _LinearShard(torch.autograd.Function):
             grads = _linear_shard_run(hidden, weight, target, bias, class_weight, ctx.options,
                                       ctx.names, grad_loss.contiguous(), False, *ctx.shard)[1]
         return (grads.get("hidden"), grads.get("weight"), grads.get("bias"), None, None, None,
-                None, None, None)
+                None, None, None, None)
 
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, bias=None,
                                         class_weight=None, class_offset=None, classes=None,
                                         ignore_index=-100, reduction="mean",
                                         label_smoothing=0.0, lse_square_scale=0.0,
-                                        softcap=0.0, max_workspace_bytes=None):
+                                        softcap=0.0, max_workspace_bytes=None,
+                                        sequence_parallel=False):
     """``F.cross_entropy(hidden @ W.T + b, target)`` with W's rows (the classes) split over the
     ranks of `group`, the logits never whole, with autograd.
 
@@ -450,17 +495,27 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     float32 logits, their statistics are all-gathered over `group` (20 bytes a row a rank) and
     combined into each row's loss and lse (cupyloss.parallel), and dZ of this rank's classes
     follows from that lse; dW_i = dZ^T X and db_i stay on their rank; dX = dZ W_i is summed over
-    the ranks in float32 (an all-reduce of N x H floats).  The same loss on every rank.
+    the ranks in float32 (an all-reduce of N x H floats, a chunk at a time).  The same loss on
+    every rank.
+
+    With sequence_parallel=True (Megatron-LM's sequence parallelism) each rank holds its own
+    block of the rows of `hidden`: the blocks are all-gathered in rank order (N x H in the
+    inputs' dtype), the loss is that of every rank's rows, and the hidden gradient's float32
+    partial sums are reduce-scattered back to the blocks, each rank getting its own.
 
     Args:
-      hidden: (..., H), the same on every rank of `group`; float16, bfloat16, float32, float64.
+      hidden: (..., H), the same on every rank of `group` (with sequence_parallel, this rank's
+        block of the rows, equal blocks on every rank); float16, bfloat16, float32, float64.
       weight: (V_i, H) this rank's rows of the output layer (nn.Linear's layout).
-      target: class indices into all classes, hidden's shape without its last dim.
+      target: class indices into all classes, hidden's shape without its last dim (with
+        sequence_parallel, every rank's rows in rank order, the same on every rank: k times
+        the rows of `hidden`).
       group: the torch.distributed group that splits the classes, or None (one rank).
       bias: None or (V_i,) this rank's slice; class_weight: None or (classes,) all of them.
       class_offset, classes: as for vocab_parallel_cross_entropy (equal slices by default).
       ignore_index, reduction, label_smoothing, lse_square_scale, softcap, max_workspace_bytes:
         as for linear_cross_entropy.
+      sequence_parallel: `hidden` holds this rank's block of the rows (above).
 
     Returns:
       The loss, float32 (float64 for float64 inputs): 0-d for 'mean'/'sum', else target's shape.
@@ -472,7 +527,9 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
 
     Under torch.compile (and any other tracer) the call is linear_cross_entropy's op with
     this rank's slice and the group's name: the collectives run inside it, opaque to the
-    compiler.
+    compiler.  With sequence_parallel the blocks are gathered by torch's functional
+    all-gather before it, and the op's all-reduced hidden gradient is cut back to the block
+    (an all-reduce where eager calls reduce-scatter).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
@@ -485,7 +542,25 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     if class_offset is None:
         class_offset, classes = rank * weight.shape[0], k * weight.shape[0]
     _check_slice(class_offset, weight.shape[0], classes)
-    if _traced(hidden, weight, target, bias, class_weight):
+    split = bool(sequence_parallel) and group is not None
+    if split and target.numel() != k * (hidden.numel() // max(hidden.shape[-1], 1)):
+        raise ValueError(f"sequence_parallel: target holds every rank's rows, {k} x "
+                         f"{hidden.numel() // max(hidden.shape[-1], 1)} of them, got "
+                         f"{tuple(target.shape)}")
+    traced = _traced(hidden, weight, target, bias, class_weight)
+    if split and (traced or hidden.device.type == "cpu"):
+        # the blocks gathered outside the op (CPU: outside autograd's graph of the loss); the
+        # hidden gradient comes back summed over the ranks and each keeps its block
+        shape = target.shape
+        hidden = _GatherRows.apply(hidden.reshape(-1, hidden.shape[-1]), group, traced)
+        loss = vocab_parallel_linear_cross_entropy(
+            hidden, weight, target.reshape(-1), group, bias=bias, class_weight=class_weight,
+            class_offset=class_offset, classes=classes, ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale, softcap=softcap,
+            max_workspace_bytes=max_workspace_bytes)
+        return loss.reshape(shape) if reduction == "none" else loss
+    if traced:
         # linear_cross_entropy's op with this rank's slice: the statistics are exchanged and
         # the hidden gradient summed inside it, over the group named
         from cupyloss import torch as adapter
@@ -503,7 +578,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
                    max_workspace_bytes=max_workspace_bytes)
     if hidden.device.type != "cpu":
         return _LinearShard.apply(hidden, weight, bias, target, class_weight, options, group,
-                                  class_offset, classes)
+                                  class_offset, classes, split)
     # CPU tensors (gloo): float32 logits and vocab_parallel_cross_entropy, torch's autograd
     h = _SumGrad.apply(hidden, group) if group is not None else hidden
     acc = _acc(hidden.dtype)

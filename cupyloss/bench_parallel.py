@@ -13,7 +13,8 @@ int64 targets with 10% ignore_index, forward + backward of the mean loss
   stats, grad    the two kernels alone on a rank's slice (cupyloss.parallel)
   fused linear   vocab_parallel_linear_cross_entropy at --hidden (bfloat16, the weight's rows
                  split), against linear_cross_entropy of the whole weight on one GPU: the
-                 TFLOP/s of the three products per GPU
+                 TFLOP/s of the three products per GPU; and with sequence_parallel (each
+                 rank's block of the hidden rows gathered, its gradient reduce-scattered)
 
 The issue's bound is one GPU's time / k + the all-gather; the floor of a step that must
 exchange statistics between its read of the logits and its gradient is three passes over a
@@ -147,7 +148,19 @@ def _linear_rank(torch, CF, rank, k, group, args):
                                                classes=k * cols).backward()
 
     ms = _median_ms(torch, step, max(3, args.reps // 4))
-    return {"linear": ms, "linear_tflops": 6 * args.rows * args.hidden * cols / ms / 1e9}
+    out = {"linear": ms, "linear_tflops": 6 * args.rows * args.hidden * cols / ms / 1e9}
+    per = args.rows // k
+    block = h.detach()[rank * per:(rank + 1) * per].clone().requires_grad_()
+
+    def split():
+        block.grad = w.grad = None
+        CF.vocab_parallel_linear_cross_entropy(block, w, t[:per * k], group,
+                                               class_offset=rank * cols, classes=k * cols,
+                                               sequence_parallel=True).backward()
+
+    sp = _median_ms(torch, split, max(3, args.reps // 4))
+    out.update(sp=sp, sp_tflops=6 * per * k * args.hidden * cols / sp / 1e9)
+    return out
 
 
 def _one_gpu(torch, args):
@@ -224,6 +237,9 @@ def main(argv=None) -> None:
             print(f"   fused linear, H={args.hidden}: {worst['linear']:.3f} ms a rank, "
                   f"{rate:.0f} TFLOP/s a GPU; one GPU {one_linear:.3f} ms, {single:.0f} TFLOP/s "
                   f"({rate / single:.0%} of its efficiency)")
+            sp = min(r["sp_tflops"] for r in got)
+            print(f"   sequence parallel (hidden's rows split too): {worst['sp']:.3f} ms a rank, "
+                  f"{sp:.0f} TFLOP/s a GPU ({sp / single:.0%})")
 
 
 if __name__ == "__main__":

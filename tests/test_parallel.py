@@ -210,6 +210,38 @@ def _linear_case(rank, world, group, compiled=False):
         torch.testing.assert_close(mine[0].grad, whole[0].grad, rtol=1e-11, atol=1e-14)
         torch.testing.assert_close(mine[1].grad, whole[1].grad[a:e], rtol=1e-11, atol=1e-14)
         torch.testing.assert_close(mine[2].grad, whole[2].grad[a:e], rtol=1e-11, atol=1e-14)
+    # sequence parallelism: this rank's block of the rows; the loss of every rank's rows, the
+    # block of their hidden gradient
+    per = ROWS // world
+    rows, mine_rows = per * world, slice(rank * per, (rank + 1) * per)
+    for reduction in ("mean", "none"):
+        mine = [h[mine_rows].clone().requires_grad_(), w[a:e].clone().requires_grad_()]
+
+        def call(hv, wv, reduction=reduction):
+            return CF.vocab_parallel_linear_cross_entropy(
+                hv, wv, t[:rows].reshape(world, per), group, class_weight=cw, class_offset=a,
+                classes=CLASSES, label_smoothing=0.1, reduction=reduction,
+                sequence_parallel=True)
+
+        if compiled:
+            call = torch.compile(call, backend="aot_eager", fullgraph=True)
+        loss = call(*mine)
+        whole = [h[:rows].clone().requires_grad_(), w.clone().requires_grad_()]
+        want = _torch_loss(F.linear(*whole), t[:rows], cw, 0.1, 0.0, 0.0, reduction)
+        if reduction == "none":
+            want = want.reshape(world, per)
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-15)
+        upstream = (up[:rows].reshape(world, per) if reduction == "none"
+                    else torch.tensor(0.7, dtype=torch.float64))
+        loss.backward(upstream)
+        want.backward(upstream)
+        torch.testing.assert_close(mine[0].grad, whole[0].grad[mine_rows], rtol=1e-11,
+                                   atol=1e-14)
+        torch.testing.assert_close(mine[1].grad, whole[1].grad[a:e], rtol=1e-11, atol=1e-14)
+    with pytest.raises(ValueError, match="sequence_parallel: target holds every rank's rows"):
+        CF.vocab_parallel_linear_cross_entropy(h[mine_rows], w[a:e], t[:rows - 1], group,
+                                               class_offset=a, classes=CLASSES,
+                                               sequence_parallel=True)
 
 
 def _compiled_worker(rank, world, path, results):
@@ -223,7 +255,8 @@ def test_ranks_over_gloo_get_the_whole_logits_loss_and_their_gradient_slices(wor
     every rank and its slice of the whole gradient, for every option and reduction, eager and
     under torch.compile(fullgraph=True); mean_group gives the global mean over ranks that count
     different numbers of rows; the fused linear form gives the whole hidden gradient and the
-    rank's slices of the weight's and bias's."""
+    rank's slices of the weight's and bias's, and with sequence_parallel the rank's block of
+    the hidden gradient of every rank's rows."""
     failures = run_ranks(_compiled_worker if compiled else _worker, world, timeout=300)
     assert not failures, "\n".join(failures)
 

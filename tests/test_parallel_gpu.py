@@ -203,6 +203,27 @@ def _linear_case(rank, world, a, e, group):
                 failures += _linear_compare(
                     got, want, dtype, f"rank {rank}/{world} linear {dtype} budget {budget} "
                     f"{mode}")
+    # sequence parallelism: this rank's block of the rows, the loss of all of them (a float32
+    # reduce-scatter of the hidden gradient eager, the op's all-reduce cut to the block compiled)
+    per = ROWS // world
+    block = slice(rank * per, (rank + 1) * per)
+    for dtype in (torch.float32, torch.bfloat16):
+        h, w, b, cw, t = _linear_inputs(dtype, "cuda")
+        opts = dict(label_smoothing=0.1, lse_square_scale=1e-4)
+        want = _linear_run(lambda *v: CF.linear_cross_entropy(
+            v[0], v[1], v[3], v[2], cw, **opts), h, w, b, t)
+        want = (want[0], want[1][block], want[2][a:e], want[3][a:e])
+
+        def split(*v, opts=opts, cw=cw):
+            return CF.vocab_parallel_linear_cross_entropy(
+                v[0], v[1], v[3], group, bias=v[2], class_weight=cw, class_offset=a,
+                classes=CLASSES, sequence_parallel=True, **opts)
+
+        for mode in ("eager", "compiled"):
+            f = split if mode == "eager" else torch.compile(split, fullgraph=True)
+            got = _linear_run(f, h[block], w[a:e], b[a:e], t)
+            failures += _linear_compare(got, want, dtype,
+                                        f"rank {rank}/{world} sequence-parallel {dtype} {mode}")
     return failures
 
 
