@@ -12,6 +12,8 @@ import math
 
 import numpy
 
+from cupyloss import _tuning
+
 MAX_DIMS = 8            # CUPYLOSS_MAX_DIMS in kernels/common.cuh
 BLOCK = 256             # threads per block of every kernel (their __launch_bounds__)
 BLOCKS_PER_SM = 8       # 8 x 256 = 2048 resident threads per SM on sm_80 and sm_90
@@ -36,6 +38,7 @@ class DeviceLimits:
     shared_per_sm: int = 228 * 1024
     max_shared_optin: int = 0       # what a block may have once its kernel opts in (0: the default)
     clusters: bool = False          # thread block clusters (compute capability 9.0 and later)
+    gpu: str = ""                   # its key in the launch table (_tuning.gpu_key; "": none)
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,6 +47,7 @@ def device_limits(device_id: int) -> DeviceLimits:
     import cupy
 
     attrs = cupy.cuda.Device(device_id).attributes
+    name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
     return DeviceLimits(
         sm_count=attrs["MultiProcessorCount"],
         max_grid_x=attrs["MaxGridDimX"],
@@ -54,6 +58,7 @@ def device_limits(device_id: int) -> DeviceLimits:
         shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
         max_shared_optin=attrs.get("MaxSharedMemoryPerBlockOptin", 0),
         clusters=int(cupy.cuda.Device(device_id).compute_capability) >= 90,
+        gpu=_tuning.gpu_key(name.decode() if isinstance(name, bytes) else name),
     )
 
 
@@ -208,8 +213,9 @@ def _cdiv(a: int, b: int) -> int:
 def flat_launch(n: int, vec: int, limits: DeviceLimits,
                 blocks_per_sm: int = BLOCKS_PER_SM, steps: int = 0) -> Launch:
     """Launch over ceil(n / vec) work items: one wave of blocks_per_sm per SM, or with `steps`,
-    as many more blocks as give each thread at most `steps` items (pointwise_flat: FLAT_STEPS_*
-    below).  No dynamic shared memory: the block sums' scratch is static (common.cuh)."""
+    as many more blocks as give each thread at most `steps` items (pointwise_flat: the launch
+    table's FLAT_STEPS_*).  No dynamic shared memory: the block sums' scratch is static
+    (common.cuh)."""
     work = _cdiv(n, vec)
     if work <= SINGLE_BLOCK_WORK:
         grid = 1
@@ -242,17 +248,13 @@ def rows_shared(vec: int) -> int:
     return BLOCK * vec * ROW_SUM_BYTES
 
 
-# pointwise_rows' value-only grid of an elementwise ('none') loss: this many waves of resident
-# blocks (whole waves leave no half-empty last one); a loss reduced to 0-d takes the gradient
-# kernel's one-wave split so that it adds up in value_and_grad's order.  The runs:
-# docs/tuning.md, "pointwise_rows' waves".
-ROWS_WAVES_VALUE = 4
-
-
-# pointwise_rows' threads along a row where something is summed down the rows (a row operand's
-# gradient, a 0-d loss): narrower column blocks leave each column fewer row blocks' partials
-# to add (docs/tuning.md, "pointwise_rows' column blocks").
-ROWS_TX_SUMMED = 32
+# pointwise_rows' value-only grid of an elementwise ('none') loss takes ROWS_WAVES_VALUE waves
+# of resident blocks (whole waves leave no half-empty last one); a loss reduced to 0-d takes the
+# gradient kernel's one-wave split so that it adds up in value_and_grad's order.  Where
+# something is summed down the rows (a row operand's gradient, a 0-d loss) a block is
+# ROWS_TX_SUMMED threads along a row: narrower column blocks leave each column fewer row
+# blocks' partials to add.  Both are knobs of the launch table (_tuning); the runs:
+# docs/tuning.md, "pointwise_rows' waves" and "pointwise_rows' column blocks".
 
 
 def rows_launch(rows: int, cols: int, vec: int, limits: DeviceLimits,
@@ -350,64 +352,18 @@ def split_reduced(shape: tuple, strides: list[tuple], operand: int) -> ReduceSpl
 #            [chunks, n_o] with chunks <= resident warps / units, bounded by the device.
 #   REDUCE_MIN_STEPS: each lane makes at least this many VEC steps per unit; below it the
 #            unit's butterfly and partial write cost more than they save.
-REDUCE_MIN_STEPS = 16
-#   REDUCE_STEPS: VEC steps whose loads a lane issues before using any (K <= 2 operands of 4
-#            bytes; half for more operands or 8-byte ones); REDUCE_MIN_BLOCKS: blocks per SM
-#            the kernel's registers are bounded for.  Each for functors marked cheap
-#            (losses.cuh) and for the rest (_HEAVY), compile-time: kernel_defines passes them.
-#            A heavy functor may declare its own reduce_blocks (bce and bce_with_logits: 3,
-#            which their own 4-byte shapes replace by 2).
-#            The runs: docs/tuning.md, "pointwise_reduce's bound".
-REDUCE_STEPS = 4
-REDUCE_STEPS_HEAVY = 1
-REDUCE_MIN_BLOCKS = 2
-REDUCE_MIN_BLOCKS_HEAVY = 4
-# The gradient instantiations of pointwise_rows (blocks per SM bounded for, cheap and heavy;
-# row steps in flight, heavy) and of pointwise_flat (blocks per SM and steps in flight, heavy;
-# cheap ones take FLAT_UNROLL_GRAD below and no bound).  A heavy functor (a log, an exp or a
-# division a value) is bound by its instructions' latency, not by loads in flight: fewer
-# registers and more resident warps hide it.  Shape E of docs/tuning.md's "Gradient shapes".
-ROWS_MIN_BLOCKS_GRAD = 2
-# The cheap losses' 16-bit rows gradient kernels (vectors of 8 elements): 3 blocks, 1 step, as
-# 2 blocks and 4 steps spilled (docs/tuning.md, "16-bit rows gradients").
-ROWS_MIN_BLOCKS_GRAD_CHEAP_16 = 3
-ROWS_STEPS_GRAD_CHEAP_16 = 1
-ROWS_MIN_BLOCKS_GRAD_HEAVY = 3
-ROWS_STEPS_GRAD_HEAVY = 1
-FLAT_MIN_BLOCKS_GRAD_HEAVY = 4
-FLAT_UNROLL_GRAD_HEAVY = 2
-# Heavy functors on 4-byte elements that declare stream_shape ("streaming", pointwise.cu's
-# GradShape), rows and reduce kernels: once their arithmetic on a broadcast operand leaves the
-# loop they are bound by loads in flight, not latency, so fewer blocks with more steps in
-# flight (docs/tuning.md, "Streaming shapes", with the functors that declare their own).
-ROWS_MIN_BLOCKS_GRAD_STREAM = 2
-ROWS_STEPS_GRAD_STREAM = 4
-REDUCE_MIN_BLOCKS_STREAM = 2
-REDUCE_STEPS_STREAM = 4
-# Software pipelining (pointwise.cu) is each functor's own choice on 4-byte elements
-# (losses.cuh's Shape32::pipe), since some lose: no table entry here.
-# Element sizes (bytes) whose heavy functors take the heavy shape; others take the cheap one (a
-# functor may declare its own, losses.cuh's heavy_sizes).  16-bit heavy gradients stay bound by
-# instructions: half the bytes of float32 for the same arithmetic.  Both: docs/tuning.md,
-# "Software pipelining and heavy element sizes".
-GRAD_HEAVY_SIZES = (2, 4, 8)
-
-
-# pointwise_flat: grid-stride steps of the vector loop whose loads a thread issues before using
-# any, value-only (the forward) and with gradients; compile-time, like the two above.
-# FLAT_UNROLL_GRAD applies where K * VEC <= 8 (pointwise.cu).  docs/tuning.md, "pointwise_flat's
-# steps".
-FLAT_UNROLL_VALUE = 2
-FLAT_UNROLL_GRAD = 2
-# The value-only float32 kernel of functors marked `cheap` (losses.cuh) with K * VEC <= 8 takes 8
-# steps at once (docs/tuning.md, "pointwise_flat's steps, cheap functors").
-FLAT_UNROLL_VALUE_CHEAP = 8
-# pointwise_flat's grid: at least one wave of resident blocks, and past that enough blocks that a
-# thread takes at most FLAT_STEPS_* vectors; the value-only kernel gives each block one
-# contiguous chunk, the gradient one walks the grid-stride way.  Short per-thread runs and
-# blocks that come and go beat one persistent wave (docs/tuning.md, "pointwise_flat's grid").
-FLAT_STEPS_VALUE = 32
-FLAT_STEPS_GRAD = 16
+#
+# Every other choice of the pointwise kernels' schedule is a knob of the launch table
+# (_tuning.KNOBS: one value per GPU, the defaults measured on an H100): pointwise_reduce's steps
+# of loads in flight and the blocks per SM its registers are bounded for, the same for the
+# gradient instantiations of pointwise_rows and pointwise_flat, for functors marked cheap
+# (losses.cuh), heavy ones (a log, an exp or a division a value: bound by latency, so fewer
+# registers and more resident warps) and streaming ones (heavy on 4-byte elements with their
+# broadcast arithmetic out of the loop: bound by loads in flight again); pointwise_flat's steps
+# at once and the vectors a thread takes at most.  Compile-time knobs reach the kernels as -D
+# macros (_tuning.kernel_defines).  Why each default: docs/tuning.md ("pointwise_reduce's
+# bound", "Gradient shapes", "16-bit rows gradients", "Streaming shapes", "Software pipelining
+# and heavy element sizes", "pointwise_flat's steps", "pointwise_flat's grid").
 
 
 def flat_chunk(nvec: int, grid: int, block: int = BLOCK) -> int:
@@ -415,29 +371,6 @@ def flat_chunk(nvec: int, grid: int, block: int = BLOCK) -> int:
     takes [b per, (b + 1) per), per a whole number of blocks' worth so each chunk starts
     aligned (for tests)."""
     return _cdiv(nvec, grid * block) * block
-
-
-def kernel_defines() -> tuple[str, ...]:
-    """The compile options that carry this table's compile-time entries into the kernels."""
-    return (f"-DCUPYLOSS_REDUCE_STEPS={REDUCE_STEPS}",
-            f"-DCUPYLOSS_REDUCE_STEPS_HEAVY={REDUCE_STEPS_HEAVY}",
-            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS={REDUCE_MIN_BLOCKS}",
-            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY={REDUCE_MIN_BLOCKS_HEAVY}",
-            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD={ROWS_MIN_BLOCKS_GRAD}",
-            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_CHEAP_16={ROWS_MIN_BLOCKS_GRAD_CHEAP_16}",
-            f"-DCUPYLOSS_ROWS_STEPS_GRAD_CHEAP_16={ROWS_STEPS_GRAD_CHEAP_16}",
-            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_HEAVY={ROWS_MIN_BLOCKS_GRAD_HEAVY}",
-            f"-DCUPYLOSS_ROWS_STEPS_GRAD_HEAVY={ROWS_STEPS_GRAD_HEAVY}",
-            f"-DCUPYLOSS_ROWS_MIN_BLOCKS_GRAD_STREAM={ROWS_MIN_BLOCKS_GRAD_STREAM}",
-            f"-DCUPYLOSS_ROWS_STEPS_GRAD_STREAM={ROWS_STEPS_GRAD_STREAM}",
-            f"-DCUPYLOSS_REDUCE_MIN_BLOCKS_STREAM={REDUCE_MIN_BLOCKS_STREAM}",
-            f"-DCUPYLOSS_REDUCE_STEPS_STREAM={REDUCE_STEPS_STREAM}",
-            f"-DCUPYLOSS_FLAT_MIN_BLOCKS_GRAD_HEAVY={FLAT_MIN_BLOCKS_GRAD_HEAVY}",
-            f"-DCUPYLOSS_FLAT_UNROLL_GRAD_HEAVY={FLAT_UNROLL_GRAD_HEAVY}",
-            f"-DCUPYLOSS_GRAD_HEAVY_SIZES={sum(1 << b for b in GRAD_HEAVY_SIZES)}",
-            f"-DCUPYLOSS_FLAT_UNROLL_VALUE={FLAT_UNROLL_VALUE}",
-            f"-DCUPYLOSS_FLAT_UNROLL_VALUE_CHEAP={FLAT_UNROLL_VALUE_CHEAP}",
-            f"-DCUPYLOSS_FLAT_UNROLL_GRAD={FLAT_UNROLL_GRAD}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,7 +402,8 @@ def reduce_launch(split: ReduceSplit, vec: int, limits: DeviceLimits,
     units_o = _cdiv(n_o, WARP // lanes_m)
     resident = limits.sm_count * blocks_per_sm * (BLOCK // WARP)
     step = lanes_m * vec
-    nchunks = max(1, min(resident // units_o, _cdiv(n_m, step * REDUCE_MIN_STEPS)))
+    least = _tuning.value("REDUCE_MIN_STEPS", limits.gpu)
+    nchunks = max(1, min(resident // units_o, _cdiv(n_m, step * least)))
     chunk = _cdiv(_cdiv(n_m, nchunks), step) * step
     nchunks = _cdiv(n_m, chunk)
     grid = max(1, min(_cdiv(units_o * nchunks, BLOCK // WARP), limits.sm_count * blocks_per_sm,

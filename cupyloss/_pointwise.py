@@ -32,7 +32,8 @@ import math
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
+from cupyloss import (_args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _tuning,
+                      _validate)
 from cupyloss._registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
 
 # Flag bits and operand kinds, mirrored from the enums in kernels/pointwise.cu.
@@ -313,9 +314,10 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             sized = (name if any(want_grads) or not reduced else
                      _source.pointwise_name("rows", info.ctype, functor, vec, True, const))
             summed = any(want_grads) or reduced
+            knob = _tuning.values(limits.gpu)
             cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(sized, shared, limits),
-                                      1 if summed else _launch.ROWS_WAVES_VALUE,
-                                      _launch.ROWS_TX_SUMMED if summed else _launch.BLOCK)
+                                      1 if summed else knob["ROWS_WAVES_VALUE"],
+                                      knob["ROWS_TX_SUMMED"] if summed else _launch.BLOCK)
             layout = rows_layout(k_ops, spec.param_words)
             words = layout.template({**common, "kind": kinds, "rows": rows, "cols": cols,
                                      "rows_per_block": cfg.rows_per_block, "tx": cfg.tx})
@@ -358,7 +360,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
         const = 0
     name = _source.pointwise_name("flat", info.ctype, functor, vec, grad, const)
     cfg = _launch.flat_launch(n, vec, limits, _resident(name, 0, limits),
-                              _launch.FLAT_STEPS_GRAD if grad else _launch.FLAT_STEPS_VALUE)
+                              _tuning.value("FLAT_STEPS_GRAD" if grad else "FLAT_STEPS_VALUE",
+                                            limits.gpu))
     layout = flat_layout(k_ops, spec.param_words)
     geo = _launch.geometry(shape, cstrides, k_ops + 1)
     words = layout.template({**common, "geo": _args.struct_words(geo), "n": n})

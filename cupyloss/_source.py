@@ -12,13 +12,22 @@ import functools
 import pathlib
 import re
 
-from cupyloss import _dtypes, _launch, _registry
+from cupyloss import _dtypes, _launch, _registry, _tuning
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _CANDIDATES = (_HERE / "kernels", _HERE.parent / "kernels")
 # Unannotated functions (the kernels' lambdas) are device functions: NVRTC 13.0 refuses them
 # otherwise, where 13.5 accepts them.
-OPTIONS = ("--std=c++17", "--device-as-default-execution-space", *_launch.kernel_defines())
+_BASE_OPTIONS = ("--std=c++17", "--device-as-default-execution-space")
+# What every kernel is compiled with on a GPU without a row in the launch table (_tuning): the
+# base options and the default knobs.
+OPTIONS = (*_BASE_OPTIONS, *_tuning.kernel_defines())
+
+
+def options(gpu: str = "") -> tuple[str, ...]:
+    """The compile options of the kernels for GPU `gpu` (a _tuning.gpu_key; "": the defaults):
+    the base options and that GPU's compile-time knobs."""
+    return (*_BASE_OPTIONS, *_tuning.kernel_defines(gpu))
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -337,12 +346,12 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(cupy_dir).expanduser() / "cupyloss"
 
 
-def _nvrtc_options() -> tuple[str, ...]:
-    """OPTIONS plus the include folders CuPy's RawModule would add (its headers, CCCL's and the
-    CUDA toolkit's, for cuda_fp16.h and cuda_bf16.h)."""
+def _nvrtc_options(gpu: str = "") -> tuple[str, ...]:
+    """options(gpu) plus the include folders CuPy's RawModule would add (its headers, CCCL's and
+    the CUDA toolkit's, for cuda_fp16.h and cuda_bf16.h)."""
     from cupy._core import core
 
-    return core.assemble_cupy_compiler_options(OPTIONS)
+    return core.assemble_cupy_compiler_options(options(gpu))
 
 
 def _nvrtc(code: str, options: tuple, arch: str, names: list[str]) -> tuple[bytes, dict]:
@@ -365,10 +374,10 @@ def _nvrtc(code: str, options: tuple, arch: str, names: list[str]) -> tuple[byte
         nvrtc.destroyProgram(program)
 
 
-def cached(file: str, names: list[str], arch: str) -> pathlib.Path:
-    """The cubin of kernels/`file` holding `names` for sm_`arch`, compiled into the on-disk
-    cache (cache_dir) unless it is there already; a .json beside it maps the names to their
-    mangled symbols.
+def cached(file: str, names: list[str], arch: str, gpu: str = "") -> pathlib.Path:
+    """The cubin of kernels/`file` holding `names` for sm_`arch` with GPU `gpu`'s knobs of the
+    launch table (options(gpu)), compiled into the on-disk cache (cache_dir) unless it is there
+    already; a .json beside it maps the names to their mangled symbols.
 
     The kernels are compiled with the NVRTC CuPy uses but with OPTIONS alone: CuPy's RawModule
     appends -ftz=true, which would read and write float32 subnormals as zero where torch keeps
@@ -386,15 +395,15 @@ def cached(file: str, names: list[str], arch: str) -> pathlib.Path:
     from cupy.cuda import nvrtc
 
     code = expand(file)
-    options = _nvrtc_options()
+    flags = _nvrtc_options(gpu)
     key = hashlib.sha256("\0".join(
-        [code, *options, arch, str(nvrtc.getVersion()), *names]).encode()).hexdigest()
+        [code, *flags, arch, str(nvrtc.getVersion()), *names]).encode()).hexdigest()
     folders = [cache_dir(), _private_dir()]
     for folder in folders:
         cubin = folder / f"{key}.cubin"
         if cubin.is_file() and cubin.with_suffix(".json").is_file():
             return cubin
-    binary, mangled = _nvrtc(code, options, arch, names)
+    binary, mangled = _nvrtc(code, flags, arch, names)
     for folder in folders:   # a shared folder this process cannot write: its own instead
         cubin = folder / f"{key}.cubin"
         try:
@@ -430,7 +439,8 @@ def _function(name: str, expression: str, device_id: int):
     import cupy
 
     with cupy.cuda.Device(device_id) as device:
-        cubin = cached(name, [expression], device.compute_capability)
+        cubin = cached(name, [expression], device.compute_capability,
+                       _launch.device_limits(device_id).gpu)
         mangled = json.loads(cubin.with_suffix(".json").read_text())
         return cupy.RawModule(path=str(cubin)).get_function(mangled[expression])
 

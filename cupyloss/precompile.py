@@ -49,32 +49,44 @@ def jobs(losses=None, dtypes=None, archs=()) -> list[tuple[str, str, str]]:
 
 
 def _compile(job) -> float:
-    """Worker: one kernel into the cache; its seconds (0 when the cache had it)."""
+    """Worker: one kernel (file, name, arch, gpu) into the cache; its seconds (0 when the cache
+    had it)."""
     from cupyloss import _source
 
-    file, name, arch = job
+    file, name, arch, gpu = job
     start = time.perf_counter()
-    _source.cached(file, [name], arch)
+    _source.cached(file, [name], arch, gpu)
     return time.perf_counter() - start
 
 
-def _device_arch() -> str:
+def _device() -> tuple[str, str]:
+    """(architecture, launch-table key) of the current GPU."""
     import cupy
 
+    from cupyloss import _launch
+
     try:
-        return cupy.cuda.Device().compute_capability
+        device = cupy.cuda.Device()
+        return device.compute_capability, _launch.device_limits(device.id).gpu
     except cupy.cuda.runtime.CUDARuntimeError as exc:
         raise SystemExit(f"no CUDA device to take the architecture from ({exc}); name it with "
                          f"--arch, for example --arch 80,90") from None
 
 
-def precompile(losses=None, dtypes=None, archs=None, processes=None, progress=None) -> int:
+def precompile(losses=None, dtypes=None, archs=None, processes=None, progress=None,
+               gpu=None) -> int:
     """Compile the kernels of `losses` x `dtypes` (default: all) for `archs` (compute
-    capabilities such as "90"; default: the current device's) into the cache, in `processes`
-    worker processes (default: one per available core).  `progress(done, total, seconds)` is
-    called as kernels finish.  Returns how many kernels were compiled or found cached."""
-    archs = [str(a) for a in (archs or [_device_arch()])]
-    todo = jobs(losses, dtypes, archs)
+    capabilities such as "90"; default: the current device's) with GPU `gpu`'s knobs of the
+    launch table (a _tuning.gpu_key; default: the current device's without `archs`, else
+    the defaults) into the cache, in `processes` worker processes (default: one per available
+    core).  `progress(done, total, seconds)` is called as kernels finish.  Returns how many
+    kernels were compiled or found cached."""
+    if not archs:
+        arch, here = _device()
+        archs = [arch]
+        gpu = here if gpu is None else gpu
+    archs = [str(a) for a in archs]
+    todo = [(*job, gpu or "") for job in jobs(losses, dtypes, archs)]
     processes = max(1, min(processes or len(os.sched_getaffinity(0)), len(todo) or 1))
     start = time.perf_counter()
     context = multiprocessing.get_context("spawn")
@@ -119,6 +131,8 @@ def main(argv=None) -> int:
                         f"{', '.join(_dtype_names())})")
     parser.add_argument("--arch", help="comma-separated compute capabilities, e.g. 80,90 "
                         "(default: the current GPU's)")
+    parser.add_argument("--gpu", help="the launch table's row to compile with, a GPU's key such "
+                        "as h200 (default: the current GPU's; with --arch, the defaults)")
     parser.add_argument("-j", "--jobs", type=int, help="worker processes (default: one a core)")
     parser.add_argument("--list", action="store_true", help="print the losses and exit")
     args = parser.parse_args(argv)
@@ -141,7 +155,7 @@ def main(argv=None) -> int:
     except ImportError:
         parser.error("CuPy is not installed: pip install 'cupyloss[cuda13]' (or [cuda12])")
     start = time.perf_counter()
-    count = precompile(chosen, dtypes, archs, args.jobs, _reporter(sys.stderr))
+    count = precompile(chosen, dtypes, archs, args.jobs, _reporter(sys.stderr), args.gpu)
     print(f"{count} kernels in {_source.cache_dir()} ({time.perf_counter() - start:.1f} s)")
     return 0
 

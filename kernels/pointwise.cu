@@ -59,7 +59,7 @@
 // binary_cross_entropy row 0.193 -> 0.145, scalar 0.122 -> 0.114; sigmoid_focal_loss scalar
 // 0.130 -> 0.120; the rest within 2%.
 // All loop over 64-bit indices (grid-stride, except that value-only flat gives each block one
-// contiguous chunk, and flat's grid grows past one wave for large inputs: _launch.FLAT_STEPS_*);
+// contiguous chunk, and flat's grid grows past one wave for large inputs: the launch table's FLAT_STEPS_*);
 // every sum has an order fixed by the shapes
 // (fixed trees in common.cuh, fixed chunk order in reduce.cu), so a given device and shape give
 // bitwise the same results on every run.  No float atomics.
@@ -81,7 +81,7 @@ enum : long long {
 };
 
 // The launch-shape macros (CUPYLOSS_FLAT_*, _ROWS_*, _REDUCE_*, _GRAD_HEAVY_SIZES) come from
-// cupyloss/_launch.py's table through the compile options (_launch.kernel_defines(), with
+// cupyloss/_tuning.py's launch table through the compile options (_tuning.kernel_defines(), with
 // which every kernel is compiled); there is no default here to disagree with the table.
 #if !defined(CUPYLOSS_FLAT_UNROLL_VALUE) || \
     !defined(CUPYLOSS_FLAT_UNROLL_VALUE_CHEAP) || \

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyloss import _launch, _source
+from cupyloss import _launch, _source, _tuning
 from cupyloss._launch import BLOCK, BLOCKS_PER_SM, MAX_DIMS, WARP, DeviceLimits
 
 # An H100 SXM: 132 SMs, the grid limits every CUDA device since sm_30 has, 48 KiB of static
@@ -326,12 +326,12 @@ def test_rows_launch_value_only_grid_holds_whole_waves():
     """KernelBench 100's hinge forward: 32 column blocks, and row blocks for
     ROWS_WAVES_VALUE waves of 3 resident blocks per SM (one wave for the gradient kernel)."""
     one = _launch.rows_launch(32768, 32768, 4, H100, 3)
-    value = _launch.rows_launch(32768, 32768, 4, H100, 3, _launch.ROWS_WAVES_VALUE)
+    value = _launch.rows_launch(32768, 32768, 4, H100, 3, _tuning.value("ROWS_WAVES_VALUE"))
     assert one.grid == (32, H100.sm_count * 3 // 32)
-    assert value.grid == (32, H100.sm_count * 3 * _launch.ROWS_WAVES_VALUE // 32)
+    assert value.grid == (32, H100.sm_count * 3 * _tuning.value("ROWS_WAVES_VALUE") // 32)
     assert value.grid[1] * value.rows_per_block >= 32768
     # Still never fewer than ty rows a block: 8 rows of 32 lanes are one block however many waves.
-    assert _launch.rows_launch(8, 32, 1, H100, 3, _launch.ROWS_WAVES_VALUE).grid == (1, 1)
+    assert _launch.rows_launch(8, 32, 1, H100, 3, _tuning.value("ROWS_WAVES_VALUE")).grid == (1, 1)
 
 
 def test_rows_launch_clamps_to_max_grid_y():
@@ -490,7 +490,7 @@ def test_reduce_launch_covers_m_with_bounded_partials(out_shape, operand_shape, 
     # Partials are bounded by the device (a wave of warps), never by the tensor's size.
     assert cfg.nchunks == 1 or cfg.nchunks * units_o <= resident
     if cfg.nchunks > 1:   # chunks only where each lane still has REDUCE_MIN_STEPS steps
-        assert cfg.chunk >= step * _launch.REDUCE_MIN_STEPS // 2
+        assert cfg.chunk >= step * _tuning.value("REDUCE_MIN_STEPS") // 2
     if split.inner_reduced:   # the warp reads along the innermost dim
         assert lanes >= min(WARP, _cdiv(split.inner, vec))
     else:                     # one lane per output element, neighbours in memory
@@ -881,7 +881,7 @@ def test_pair_launch_rejects_rows_past_32_bit_indices():
 
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 2**40), vec=st.sampled_from([1, 2, 4, 8]),
-       steps=st.sampled_from([_launch.FLAT_STEPS_VALUE, _launch.FLAT_STEPS_GRAD]),
+       steps=st.sampled_from([_tuning.value("FLAT_STEPS_VALUE"), _tuning.value("FLAT_STEPS_GRAD")]),
        per_sm=st.integers(1, BLOCKS_PER_SM))
 def test_flat_grid_grows_past_one_wave_by_steps(n, vec, steps, per_sm):
     """With steps the grid is one wave (or the work's blocks, if fewer) until a thread would
@@ -948,7 +948,7 @@ def test_every_kernel_define_names_a_macro_the_kernels_read():
 
     sources = "".join(p.read_text() for p in _source.kernel_dir().iterdir()
                       if p.suffix in (".cu", ".cuh"))
-    for option in _launch.kernel_defines():
+    for option in _tuning.kernel_defines():
         assert option.startswith("-D") and "=" in option, option
         name, value = option[2:].split("=", 1)
         assert f"!defined({name})" in sources, f"{name} is required by no kernel"
@@ -957,11 +957,14 @@ def test_every_kernel_define_names_a_macro_the_kernels_read():
         assert int(value) >= 0, option
 
 
-def test_heavy_sizes_mask_holds_the_table_sizes():
-    """CUPYLOSS_GRAD_HEAVY_SIZES has bit b set exactly for the b-byte sizes of GRAD_HEAVY_SIZES."""
-    mask = next(int(o.split("=")[1]) for o in _launch.kernel_defines()
+def test_heavy_sizes_mask_names_element_sizes_of_the_dtypes():
+    """CUPYLOSS_GRAD_HEAVY_SIZES sets bit b only for b-byte elements some dtype has."""
+    from cupyloss import _dtypes
+
+    mask = next(int(o.split("=")[1]) for o in _tuning.kernel_defines()
                 if o.startswith("-DCUPYLOSS_GRAD_HEAVY_SIZES="))
-    assert {b for b in range(16) if mask >> b & 1} == set(_launch.GRAD_HEAVY_SIZES)
+    sizes = {b for b in range(16) if mask >> b & 1}
+    assert sizes and sizes <= {dtype.itemsize for dtype in _dtypes.DTYPES}
 
 
 def test_kernel_constants_match_the_launcher():

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from cupyloss import _launch, _pointwise, _rowclass, _rowpair, _rowwise, _source, linear
+from cupyloss import _launch, _pointwise, _rowclass, _rowpair, _rowwise, _source, _tuning, linear
 
 # (module, its layouts, where they come from)
 LAYOUTS = [
@@ -176,9 +176,9 @@ def test_every_word_the_engines_write_is_a_parameter(module, layouts):
 
 def test_the_launch_table_sets_every_launch_shape_macro_the_kernels_need():
     """pointwise.cu has no default for its launch-shape macros (it stops with #error without
-    them): the set it requires is the set _launch.kernel_defines passes."""
+    them): the set it requires is the set _tuning.kernel_defines passes."""
     required = set(re.findall(r"!defined\((CUPYLOSS_\w+)\)", _source.expand("pointwise.cu")))
-    passed = {d[2:].split("=")[0] for d in _launch.kernel_defines()}
+    passed = {d[2:].split("=")[0] for d in _tuning.kernel_defines()}
     assert required and required == passed
     assert not re.search(r"#ifndef CUPYLOSS_(FLAT|ROWS|REDUCE|GRAD)_",
                          _source.expand("pointwise.cu"))

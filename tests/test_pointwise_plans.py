@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import cupyloss
-from cupyloss import _args, _dispatch, _launch, _pointwise, _registry, _source
+from cupyloss import _args, _dispatch, _launch, _pointwise, _registry, _source, _tuning
 
 H100 = _launch.DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
                             max_shared_per_block=49152)
@@ -524,12 +524,12 @@ def test_row_gradients_summed_in_one_launch_up_to_the_column_tickets(device, mon
     (plan,) = _pointwise._PLANS.values()
     assert plan.grads == ("fused", "g") and len(device.launches) == 1
     words = device.launches[0][1]
-    assert _words(spec, "rows", words, "tx") == [_launch.ROWS_TX_SUMMED]
-    assert plan.grid[0] == 4096 // (4 * _launch.ROWS_TX_SUMMED) and plan.grid[1] > 1
+    assert _words(spec, "rows", words, "tx") == [_tuning.value("ROWS_TX_SUMMED")]
+    assert plan.grid[0] == 4096 // (4 * _tuning.value("ROWS_TX_SUMMED")) and plan.grid[1] > 1
     cupyloss.mse_loss(x, t, reduction="none")
     assert _words(spec, "rows", device.launches[-1][1], "tx") == [_launch.BLOCK]
     cupyloss.mse_loss(x, t)   # a 0-d loss alone: value_and_grad's split, so the same sum
-    assert _words(spec, "rows", device.launches[-1][1], "tx") == [_launch.ROWS_TX_SUMMED]
+    assert _words(spec, "rows", device.launches[-1][1], "tx") == [_tuning.value("ROWS_TX_SUMMED")]
     # More column blocks than tickets: the partials go to sum_chunks.
     _pointwise._PLANS.clear()
     monkeypatch.setattr(_pointwise, "_COL_TICKETS", plan.grid[0] - 1)

@@ -1,0 +1,148 @@
+"""The launch table: the kernels' schedule knobs, one value per GPU.
+
+A knob is a launch choice that is not the loss's math: steps of loads in flight, blocks per SM a
+kernel's registers are bounded for, a grid's waves.  Each has a default (measured on an H100,
+docs/tuning.md gives the runs) and, for a GPU that was tuned, that GPU's own value, read from
+``tuning.csv`` beside this file (rows ``gpu,knob,value``; written by ``python -m cupyloss.tune``,
+whose measurements are kept under benchmarks/results/).  A GPU is keyed by its name as CUDA
+reports it, normalised by gpu_key ("NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3").
+
+Compile-time knobs reach the kernels as -D macros (kernel_defines), so a GPU with its own row
+has its own cubins (the compile options are part of the cache key); run-time knobs are read by
+the launch arithmetic from DeviceLimits.gpu.  A GPU without a row takes the defaults, so a GPU
+first met runs what the H100 runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import pathlib
+import re
+
+__all__ = ["Knob", "KNOBS", "gpu_key", "values", "value", "kernel_defines", "TABLE"]
+
+TABLE = pathlib.Path(__file__).resolve().parent / "tuning.csv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One schedule choice: its `default`, whether it is compiled into the kernels (a -D macro
+    CUPYLOSS_<name>) or read at launch, the values `python -m cupyloss.tune` tries, and what it
+    sets."""
+
+    name: str
+    default: int
+    compiled: bool
+    candidates: tuple[int, ...]
+    what: str
+
+
+# The defaults are the values measured best on an H100 (docs/tuning.md, the section named).
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("REDUCE_STEPS", 4, True, (1, 2, 4, 8),
+         "pointwise_reduce: VEC steps of loads in flight a lane, cheap functors"),
+    Knob("REDUCE_STEPS_HEAVY", 1, True, (1, 2, 4),
+         "pointwise_reduce: the same, heavy functors"),
+    Knob("REDUCE_MIN_BLOCKS", 2, True, (1, 2, 3, 4),
+         "pointwise_reduce: blocks per SM its registers are bounded for, cheap functors"),
+    Knob("REDUCE_MIN_BLOCKS_HEAVY", 4, True, (2, 3, 4),
+         "pointwise_reduce: the same, heavy functors"),
+    Knob("ROWS_MIN_BLOCKS_GRAD", 2, True, (1, 2, 3, 4),
+         "pointwise_rows gradient kernels: blocks per SM, cheap functors"),
+    Knob("ROWS_MIN_BLOCKS_GRAD_CHEAP_16", 3, True, (2, 3, 4),
+         "pointwise_rows: blocks per SM, cheap functors' 16-bit gradients"),
+    Knob("ROWS_STEPS_GRAD_CHEAP_16", 1, True, (1, 2, 4),
+         "pointwise_rows: row steps in flight, cheap functors' 16-bit gradients"),
+    Knob("ROWS_MIN_BLOCKS_GRAD_HEAVY", 3, True, (2, 3, 4),
+         "pointwise_rows gradient kernels: blocks per SM, heavy functors"),
+    Knob("ROWS_STEPS_GRAD_HEAVY", 1, True, (1, 2, 4),
+         "pointwise_rows gradient kernels: row steps in flight, heavy functors"),
+    Knob("ROWS_MIN_BLOCKS_GRAD_STREAM", 2, True, (1, 2, 3),
+         "pointwise_rows: blocks per SM, streaming functors on 4-byte elements"),
+    Knob("ROWS_STEPS_GRAD_STREAM", 4, True, (2, 4, 8),
+         "pointwise_rows: row steps in flight, streaming functors on 4-byte elements"),
+    Knob("REDUCE_MIN_BLOCKS_STREAM", 2, True, (1, 2, 3),
+         "pointwise_reduce: blocks per SM, streaming functors on 4-byte elements"),
+    Knob("REDUCE_STEPS_STREAM", 4, True, (2, 4, 8),
+         "pointwise_reduce: steps in flight, streaming functors on 4-byte elements"),
+    Knob("FLAT_MIN_BLOCKS_GRAD_HEAVY", 4, True, (2, 3, 4),
+         "pointwise_flat gradient kernels: blocks per SM, heavy functors"),
+    Knob("FLAT_UNROLL_GRAD_HEAVY", 2, True, (1, 2, 4),
+         "pointwise_flat gradient kernels: grid-stride steps at once, heavy functors"),
+    Knob("GRAD_HEAVY_SIZES", (1 << 2) | (1 << 4) | (1 << 8), True, (),
+         "element sizes (bit b: b bytes) whose heavy functors take the heavy shape"),
+    Knob("FLAT_UNROLL_VALUE", 2, True, (1, 2, 4, 8),
+         "pointwise_flat value-only kernels: grid-stride steps at once"),
+    Knob("FLAT_UNROLL_VALUE_CHEAP", 8, True, (2, 4, 8),
+         "pointwise_flat value-only float32 kernels of cheap functors: steps at once"),
+    Knob("FLAT_UNROLL_GRAD", 2, True, (1, 2, 4),
+         "pointwise_flat gradient kernels: grid-stride steps at once, cheap functors"),
+    Knob("FLAT_STEPS_VALUE", 32, False, (8, 16, 32, 64),
+         "pointwise_flat value-only grid: vectors a thread takes at most"),
+    Knob("FLAT_STEPS_GRAD", 16, False, (8, 16, 32),
+         "pointwise_flat gradient grid: vectors a thread takes at most"),
+    Knob("ROWS_WAVES_VALUE", 4, False, (1, 2, 4, 8),
+         "pointwise_rows value-only kernels (not summed): waves of resident blocks"),
+    Knob("ROWS_TX_SUMMED", 32, False, (16, 32, 64),
+         "pointwise_rows summed launches: threads a block of the row axis"),
+    Knob("REDUCE_MIN_STEPS", 16, False, (8, 16, 32),
+         "pointwise_reduce: VEC steps a lane makes at least in a unit"),
+)}
+
+
+def gpu_key(name: str) -> str:
+    """A GPU's key in the table from the name CUDA reports: lower case, without the vendor,
+    runs of other characters as one '-' ("NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3")."""
+    name = re.sub(r"^nvidia\s+", "", name.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def read_table(path: pathlib.Path) -> dict[str, dict[str, int]]:
+    """{gpu: {knob: value}} of a table file; a row naming an unknown knob, or a value the knob
+    cannot take, is refused with the file and line."""
+    table: dict[str, dict[str, int]] = {}
+    if not path.is_file():
+        return table
+    with path.open(newline="") as fh:
+        for line, row in enumerate(csv.DictReader(fh), 2):
+            gpu, name = row["gpu"].strip(), row["knob"].strip()
+            knob = KNOBS.get(name)
+            if knob is None:
+                raise ValueError(f"{path}:{line}: no knob {name!r} (knobs: {', '.join(KNOBS)})")
+            got = int(row["value"])
+            if knob.candidates and got not in knob.candidates:
+                raise ValueError(f"{path}:{line}: {name} = {got} is not one of "
+                                 f"{knob.candidates}")
+            table.setdefault(gpu, {})[name] = got
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def _table() -> dict[str, dict[str, int]]:
+    return read_table(TABLE)
+
+
+# In-process values for one GPU that take the place of its row (python -m cupyloss.tune).
+_OVERRIDES: dict[str, dict[str, int]] = {}
+
+
+def values(gpu: str = "") -> dict[str, int]:
+    """Every knob's value on GPU `gpu` (a gpu_key; "" for none: the defaults)."""
+    out = {name: knob.default for name, knob in KNOBS.items()}
+    out.update(_table().get(gpu, {}))
+    out.update(_OVERRIDES.get(gpu, {}))
+    return out
+
+
+def value(name: str, gpu: str = "") -> int:
+    """Knob `name`'s value on GPU `gpu`."""
+    return values(gpu)[name]
+
+
+def kernel_defines(gpu: str = "") -> tuple[str, ...]:
+    """The compile options that carry the compile-time knobs of GPU `gpu` into the kernels."""
+    got = values(gpu)
+    return tuple(f"-DCUPYLOSS_{name}={got[name]}" for name, knob in KNOBS.items()
+                 if knob.compiled)

@@ -1,0 +1,254 @@
+"""Tune the launch table on this GPU.
+
+    python -m cupyloss.tune [--knobs A,B] [--reps 10] [--margin 0.02] [--scale 1] [--write]
+
+The knobs of cupyloss._tuning (launch choices that are not the losses' math) are tried one at a
+time, in the table's order: each candidate value is set for this GPU in this process, the
+kernels it changes compiled, and the workloads that run those kernels timed (device time,
+cupyloss._timing, medians of --reps).  A candidate takes a knob's place only where its mean
+time ratio to the value in force beats 1 - --margin (default 2%, about the spread of one run);
+the knobs after it are tried with it.
+
+Workloads (value_and_grad unless marked; float32 unless marked), each tagged with the kernels
+it runs:
+  flat value    mse_loss 32768^2 (forward), kl_div 16384^2 (forward)
+  flat grad     mse_loss 32768^2, mse_loss 16384^2 bfloat16
+  flat heavy    kl_div 16384^2, binary_cross_entropy_with_logits 16384^2 bfloat16
+  rows          hinge_loss 32768^2 with a (32768,) target (forward and value_and_grad),
+                mse_loss with a (4096,) row input over (8192, 4096)
+  reduce        mse_loss with a per-channel (1, 64, 1, 1), a per-row (8192, 1) and a 0-d
+                input over its target
+
+Prints this GPU's rows; --write puts them into cupyloss/tuning.csv in place of this GPU's
+rows there.  Every measurement goes to --out (default benchmarks/results/tune-<gpu>.csv) as
+data: gpu, knob, value, workload, ms, GB/s, chosen.  Never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+__all__ = ["choose", "tags", "main"]
+
+
+def tags(knob: str) -> set[str]:
+    """The workload tags whose kernels knob `knob` changes."""
+    if knob.startswith("REDUCE"):
+        return {"reduce"}
+    if knob.startswith("ROWS"):
+        return {"rows"}
+    if knob in ("FLAT_UNROLL_VALUE", "FLAT_UNROLL_VALUE_CHEAP", "FLAT_STEPS_VALUE"):
+        return {"flat value"}
+    if knob.startswith("FLAT") and knob.endswith("HEAVY"):
+        return {"flat heavy"}
+    return {"flat grad"}
+
+
+def choose(current: int, times: dict[int, dict[str, float]], margin: float) -> int:
+    """The value to keep from `times` ({value: {workload: ms}}, the current value among them):
+    the one with the least mean ratio of its time to the current value's over the workloads,
+    where that mean is below 1 - margin; else `current`."""
+    base = times[current]
+    best, best_ratio = current, 1.0 - margin
+    for v, row in times.items():
+        ratio = statistics.fmean(row[w] / base[w] for w in base)
+        if ratio < best_ratio:
+            best, best_ratio = v, ratio
+    return best
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    tag: str
+    nbytes: int                # bytes read + written, for GB/s
+    make: Callable             # () -> the call, its arrays held in its closure
+
+
+def _workloads(scale: float) -> list[Workload]:
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    import cupyloss
+
+    big, mid = int(32768 * scale), int(16384 * scale)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def normal(shape, dtype=cupy.float32, seed=0):
+        v = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32)
+        return v if dtype == cupy.float32 else v.astype(dtype)
+
+    def probs(n, seed):
+        p = cupy.random.default_rng(seed).random((n, n), dtype=cupy.float32) + 1e-3
+        return p / p.sum(-1, keepdims=True)
+
+    def pair(f, a_shape, b_shape, dtype=cupy.float32, **kw):
+        def make():
+            a, b = normal(a_shape, dtype, 1), normal(b_shape, dtype, 2)
+            return lambda: f(a, b, **kw)
+        return make
+
+    def kl(vag):
+        def make():
+            p, q = probs(mid, 1), probs(mid, 2)
+            f = cupyloss.kl_div_value_and_grad if vag else cupyloss.kl_div
+            return lambda: f(p, q, "batchmean", log_input=False)
+        return make
+
+    def hinge(vag):
+        def make():
+            s = normal((big, big))
+            t = cupy.sign(normal((big,), seed=3))
+            f = cupyloss.hinge_loss_value_and_grad if vag else cupyloss.hinge_loss
+            return lambda: f(s, t)
+        return make
+
+    def bce():
+        def make():
+            x = normal((mid, mid), bf16, 1)
+            t = (cupy.random.default_rng(2).random((mid, mid)) < 0.5).astype(bf16)
+            return lambda: cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t)
+        return make
+
+    f4 = 4
+    n2, m2 = big * big, mid * mid
+    vag = cupyloss.mse_loss_value_and_grad
+    return [
+        Workload("mse_loss 32768^2 forward", "flat value", 2 * n2 * f4,
+                 pair(cupyloss.mse_loss, (big, big), (big, big))),
+        Workload("kl_div 16384^2 forward", "flat value", 2 * m2 * f4, kl(False)),
+        Workload("mse_loss 32768^2", "flat grad", 3 * n2 * f4, pair(vag, (big, big), (big, big))),
+        Workload("mse_loss 16384^2 bfloat16", "flat grad", 3 * m2 * 2,
+                 pair(vag, (mid, mid), (mid, mid), bf16)),
+        Workload("kl_div 16384^2", "flat heavy", 3 * m2 * f4, kl(True)),
+        Workload("bce_with_logits 16384^2 bfloat16", "flat heavy", 3 * m2 * 2, bce()),
+        Workload("hinge_loss 32768^2, (32768,) target, forward", "rows", n2 * f4, hinge(False)),
+        Workload("hinge_loss 32768^2, (32768,) target", "rows", 2 * n2 * f4, hinge(True)),
+        Workload("mse_loss (4096,) over (8192, 4096)", "rows", 8192 * 4096 * f4,
+                 pair(vag, (4096,), (8192, 4096))),
+        Workload("mse_loss (1, 64, 1, 1) over (256, 64, 56, 56)", "reduce",
+                 256 * 64 * 56 * 56 * f4, pair(vag, (1, 64, 1, 1), (256, 64, 56, 56))),
+        Workload("mse_loss (8192, 1) over (8192, 4096)", "reduce", 8192 * 4096 * f4,
+                 pair(vag, (8192, 1), (8192, 4096))),
+        Workload("mse_loss () over (8192, 4096)", "reduce", 8192 * 4096 * f4,
+                 pair(vag, (), (8192, 4096))),
+    ]
+
+
+def _reset() -> None:
+    """Forget every kernel and plan built with the knobs in force before."""
+    from cupyloss import _pointwise, _rowclass, _rowpair, _rowwise, _source
+
+    _source._function.cache_clear()
+    _source._resident.cache_clear()
+    for engine in (_pointwise, _rowwise, _rowclass, _rowpair):
+        engine._PLANS.clear()
+
+
+def _measure(work: list[Workload], reps: int) -> dict[str, float]:
+    """{workload: ms} with the knobs in force, each workload's arrays made and freed in turn."""
+    import cupy
+
+    from cupyloss import _timing
+
+    out = {}
+    for w in work:
+        call = w.make()
+        out[w.name] = _timing.gpu_ms(call, reps)
+        del call
+        cupy.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def write_rows(path: pathlib.Path, gpu: str, chosen: dict[str, int]) -> None:
+    """Put `chosen` ({knob: value}) in the table file at `path` as GPU `gpu`'s rows, in place of
+    the rows it had; other GPUs' rows stay as they were."""
+    rows = []
+    if path.is_file():
+        with path.open(newline="") as fh:
+            rows = [r for r in csv.DictReader(fh) if r["gpu"] != gpu]
+    rows += [{"gpu": gpu, "knob": k, "value": str(v)} for k, v in chosen.items()]
+    with path.open("w", newline="") as fh:
+        out = csv.DictWriter(fh, ["gpu", "knob", "value"], lineterminator="\n")
+        out.writeheader()
+        out.writerows(rows)
+
+
+def main(argv=None) -> dict[str, int]:
+    from cupyloss import _launch, _tuning
+
+    parser = argparse.ArgumentParser(prog="python -m cupyloss.tune",
+                                     description=__doc__.splitlines()[0])
+    tunable = [k.name for k in _tuning.KNOBS.values() if k.candidates]
+    parser.add_argument("--knobs", help=f"comma-separated knobs (default: all of "
+                        f"{', '.join(tunable)})")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--margin", type=float, default=0.02)
+    parser.add_argument("--scale", type=float, default=1.0, help="side lengths x this")
+    parser.add_argument("--write", action="store_true",
+                        help=f"put this GPU's rows into {_tuning.TABLE}")
+    parser.add_argument("--out", help="measurements CSV (default "
+                        "benchmarks/results/tune-<gpu>.csv)")
+    args = parser.parse_args(argv)
+    from cupyloss import _timing
+
+    _timing.need(parser.prog)
+    knobs = args.knobs.split(",") if args.knobs else tunable
+    unknown = [k for k in knobs if k not in tunable]
+    if unknown:
+        parser.error(f"no tunable knobs {', '.join(unknown)}; choose from {', '.join(tunable)}")
+    import cupy
+
+    device = cupy.cuda.Device()
+    gpu = _launch.device_limits(device.id).gpu
+    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+    print(f"{name.decode() if isinstance(name, bytes) else name} (table key {gpu}); knobs in "
+          f"force: its row of {_tuning.TABLE.name}, else the defaults", flush=True)
+    work = _workloads(args.scale)
+    out = pathlib.Path(args.out or f"benchmarks/results/tune-{gpu}.csv")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chosen = {}
+    start = time.perf_counter()
+    with out.open("w", newline="") as fh:
+        log = csv.writer(fh, lineterminator="\n")
+        log.writerow(["gpu", "knob", "value", "workload", "ms", "GB/s", "chosen"])
+        for knob in knobs:
+            mine = [w for w in work if w.tag in tags(knob)]
+            current = _tuning.value(knob, gpu)
+            times = {}
+            for v in _tuning.KNOBS[knob].candidates:
+                _tuning._OVERRIDES.setdefault(gpu, {})[knob] = v
+                _reset()
+                times[v] = _measure(mine, args.reps)
+            best = choose(current, times, args.margin)
+            _tuning._OVERRIDES[gpu][knob] = chosen[knob] = best
+            _reset()
+            for v, row in times.items():
+                for w in mine:
+                    log.writerow([gpu, knob, v, w.name, f"{row[w.name]:.4f}",
+                                  f"{w.nbytes / row[w.name] / 1e6:.0f}", int(v == best)])
+            fh.flush()
+            ratios = {v: statistics.fmean(times[v][w.name] / times[current][w.name]
+                                          for w in mine) for v in times}
+            summary = ", ".join(f"{v}: {r:.3f}" for v, r in ratios.items())
+            print(f"{knob}: {current} -> {best}  (mean time ratio {summary}; "
+                  f"{time.perf_counter() - start:.0f} s)", flush=True)
+    print("\n" + "\n".join(f"{gpu},{k},{v}" for k, v in chosen.items()))
+    if args.write:
+        write_rows(_tuning.TABLE, gpu, chosen)
+        print(f"written to {_tuning.TABLE}")
+    print(f"measurements: {out}")
+    return chosen
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,124 @@
+"""The launch table (cupyloss._tuning): a GPU's row takes the place of the defaults for that GPU
+alone, reaches the compile options and the launch arithmetic, and keeps its cubins apart; a
+row that names no knob, or a value the knob cannot take, is refused."""
+
+import pathlib
+
+import pytest
+
+from cupyloss import _launch, _source, _tuning
+from cupyloss._launch import DeviceLimits
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """write(rows) makes `rows` the launch table for the test."""
+    path = tmp_path / "tuning.csv"
+
+    def write(rows):
+        path.write_text("gpu,knob,value\n" + "".join(f"{g},{k},{v}\n" for g, k, v in rows))
+        monkeypatch.setattr(_tuning, "TABLE", path)
+        _tuning._table.cache_clear()
+
+    yield write
+    _tuning._table.cache_clear()
+
+
+@pytest.mark.parametrize("name, key", [("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"),
+                                       ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"),
+                                       ("  Tesla T4 ", "tesla-t4")])
+def test_gpu_key(name, key):
+    assert _tuning.gpu_key(name) == key
+
+
+def test_the_shipped_table_reads_and_every_default_is_a_candidate():
+    for gpu, row in _tuning.read_table(_tuning.TABLE).items():
+        assert gpu == _tuning.gpu_key(gpu), gpu
+        assert set(row) <= set(_tuning.KNOBS)
+    for knob in _tuning.KNOBS.values():
+        assert not knob.candidates or knob.default in knob.candidates, knob
+
+
+def test_a_row_changes_its_knob_on_its_gpu_alone(table):
+    before = _tuning.values()
+    table([("h200", "REDUCE_STEPS", 8), ("h200", "FLAT_STEPS_GRAD", 32)])
+    mine = _tuning.values("h200")
+    changed = {k for k in before if mine[k] != before[k]}
+    assert changed == {"REDUCE_STEPS", "FLAT_STEPS_GRAD"}
+    assert (mine["REDUCE_STEPS"], mine["FLAT_STEPS_GRAD"]) == (8, 32)
+    assert _tuning.values("h100-80gb-hbm3") == before == _tuning.values()
+    defines = set(_tuning.kernel_defines("h200")) ^ set(_tuning.kernel_defines())
+    assert defines == {"-DCUPYLOSS_REDUCE_STEPS=8",
+                       f"-DCUPYLOSS_REDUCE_STEPS={before['REDUCE_STEPS']}"}
+    assert _source.options("h200") != _source.OPTIONS == _source.options("other")
+
+
+@pytest.mark.parametrize("row, match", [(("h200", "REDUCE_STEP", 4), "no knob 'REDUCE_STEP'"),
+                                        (("h200", "REDUCE_STEPS", 3), r"is not one of")])
+def test_a_bad_row_is_refused_with_its_line(table, row, match):
+    table([("h200", "REDUCE_STEPS", 8), row])
+    with pytest.raises(ValueError, match=match) as err:
+        _tuning.values("h200")
+    assert "tuning.csv:3" in str(err.value)
+
+
+def test_the_launch_arithmetic_reads_the_devices_row(table):
+    """reduce_launch splits m into chunks of at least REDUCE_MIN_STEPS steps: the row's value
+    on its GPU, the default elsewhere."""
+    table([("h200", "REDUCE_MIN_STEPS", 32)])
+    split = _launch.split_reduced((2, 1 << 22), [(1 << 22, 1), (1, 0)], 1)
+    plain = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
+                         max_shared_per_block=48 * 1024)
+    tuned = DeviceLimits(**{**plain.__dict__, "gpu": "h200"})
+    a, b = _launch.reduce_launch(split, 4, plain), _launch.reduce_launch(split, 4, tuned)
+    assert a.nchunks == 2 * b.nchunks
+
+
+def test_a_gpus_row_keeps_its_cubins_apart(table, tmp_path, monkeypatch):
+    """The compile options, and so the cache key, follow the GPU's row: a GPU with its own
+    values compiles its own cubin; one without shares the defaults'."""
+    seen = []
+
+    def fake_nvrtc(code, options, arch, names):
+        seen.append(tuple(options))
+        return b"cubin", {n: n for n in names}
+
+    monkeypatch.setattr(_source, "_nvrtc", fake_nvrtc)
+    monkeypatch.setenv("CUPYLOSS_CACHE_DIR", str(tmp_path / "cache"))
+    table([("h200", "FLAT_UNROLL_VALUE", 4)])
+    name = "cupyloss::reduce_sum<float>"
+    plain = _source.cached("reduce.cu", [name], "90")
+    assert _source.cached("reduce.cu", [name], "90", "a100") == plain
+    tuned = _source.cached("reduce.cu", [name], "90", "h200")
+    assert tuned != plain and pathlib.Path(tuned).is_file()
+    assert len(seen) == 2 and "-DCUPYLOSS_FLAT_UNROLL_VALUE=4" in seen[1]
+
+
+def test_tune_keeps_a_candidate_only_past_the_margin():
+    from cupyloss import tune
+
+    times = {2: {"a": 1.0, "b": 2.0}, 4: {"a": 0.97, "b": 1.98}, 8: {"a": 0.90, "b": 1.70}}
+    assert tune.choose(2, times, 0.02) == 8                 # mean ratio 0.875
+    assert tune.choose(2, {2: times[2], 4: times[4]}, 0.02) == 2   # 0.980: within the margin
+    assert tune.choose(2, {2: times[2], 4: times[4]}, 0.01) == 4
+    assert tune.choose(8, times, 0.02) == 8                 # the others are slower
+
+
+def test_every_tunable_knob_has_workloads():
+    from cupyloss import tune
+
+    have = {w.tag for w in tune._workloads(1.0)}
+    for knob in _tuning.KNOBS.values():
+        if knob.candidates:
+            assert tune.tags(knob.name) <= have and tune.tags(knob.name), knob.name
+
+
+def test_tune_writes_its_gpus_rows_in_place_of_the_old(tmp_path, monkeypatch):
+    from cupyloss import tune
+
+    path = tmp_path / "tuning.csv"
+    path.write_text("gpu,knob,value\nh200,REDUCE_STEPS,8\nh200,FLAT_STEPS_GRAD,32\n"
+                    "a100,REDUCE_STEPS,2\n")
+    tune.write_rows(path, "h200", {"REDUCE_STEPS": 1})
+    assert _tuning.read_table(path) == {"a100": {"REDUCE_STEPS": 2}, "h200": {"REDUCE_STEPS": 1}}
