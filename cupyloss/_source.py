@@ -72,6 +72,21 @@ def _split_top(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+_SHAPES_AT = re.compile(r"^CUPYLOSS_FUNCTOR_SHAPES\(\)$", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def source(name: str) -> str:
+    """What NVRTC compiles of kernels/`name`: its expanded source (expand), with the launch
+    table's functor shapes (_tuning.functor_traits) written in where pointwise.cu's
+    CUPYLOSS_FUNCTOR_SHAPES() line asks for them (a line that, left in, fails to compile)."""
+    code = expand(name)
+    traits = None
+    if _SHAPES_AT.search(code):
+        traits = _tuning.functor_traits(_registry.functors())
+    return code if traits is None else _SHAPES_AT.sub(lambda _: traits, code, count=1)
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_params(source: str, kernel: str) -> tuple[tuple[str, str], ...]:
     """(type, name) of each parameter of the __global__ function `kernel` as kernels/`source`
@@ -381,7 +396,7 @@ def cached(file: str, names: list[str], arch: str, gpu: str = "") -> pathlib.Pat
 
     The kernels are compiled with the NVRTC CuPy uses but with OPTIONS alone: CuPy's RawModule
     appends -ftz=true, which would read and write float32 subnormals as zero where torch keeps
-    them (a bfloat16 loss of 3e-39 would be 0).  The key is the expanded source, the options, the
+    them (a bfloat16 loss of 3e-39 would be 0).  The key is the source (source()), the options, the
     architecture, the NVRTC version and the names.  Each file is written under a temporary name
     and renamed into place, the mapping last, so processes sharing one cache folder may race on
     an entry and each finds it whole.  A cache folder that cannot be written (a read-only one
@@ -394,7 +409,7 @@ def cached(file: str, names: list[str], arch: str, gpu: str = "") -> pathlib.Pat
 
     from cupy.cuda import nvrtc
 
-    code = expand(file)
+    code = source(file)
     flags = _nvrtc_options(gpu)
     key = hashlib.sha256("\0".join(
         [code, *flags, arch, str(nvrtc.getVersion()), *names]).encode()).hexdigest()

@@ -21,7 +21,8 @@ import functools
 import pathlib
 import re
 
-__all__ = ["Knob", "KNOBS", "gpu_key", "values", "value", "kernel_defines", "TABLE"]
+__all__ = ["Knob", "KNOBS", "FunctorShape", "FUNCTOR_SHAPES", "gpu_key", "values", "value",
+           "kernel_defines", "functor_traits", "TABLE"]
 
 TABLE = pathlib.Path(__file__).resolve().parent / "tuning.csv"
 
@@ -90,6 +91,95 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("REDUCE_MIN_STEPS", 16, False, (8, 16, 32),
          "pointwise_reduce: VEC steps a lane makes at least in a unit"),
 )}
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctorShape:
+    """A loss's own place in the pointwise kernels' schedule, where its class's knobs spill or
+    starve it (pointwise.cu's GradShape reads it, a loss's functor says nothing of it):
+
+      cheap           a few instructions a value: the cheap functors' knobs (more loads in
+                      flight), else the heavy ones' (more resident warps)
+      stream          heavy, but its arithmetic on a broadcast operand leaves the loop, so on
+                      4-byte elements the rows and reduce kernels take the *_STREAM knobs
+      shape_f32       on 4-byte elements: (rows blocks, rows steps, reduce blocks, reduce
+                      steps, pipelined loops), 0 for the knob's value; loops among "ROWS",
+                      "REDUCE", "FLAT" (every flat gradient kernel), "FLAT_BROADCAST" (those
+                      with a stride-0 operand compiled in)
+      heavy_sizes     element sizes its heavy shape applies to (else GRAD_HEAVY_SIZES's)
+      flat_blocks_16  blocks per SM its 16-bit pointwise_flat gradient kernel is bounded for
+      rows_blocks_16  the same of its 16-bit pointwise_rows gradient kernel
+      reduce_blocks   pointwise_reduce's bound, every element size (heavy or streaming)
+    """
+
+    cheap: bool = False
+    stream: bool = False
+    shape_f32: tuple = ()
+    heavy_sizes: tuple[int, ...] = ()
+    flat_blocks_16: int = 0
+    rows_blocks_16: int = 0
+    reduce_blocks: int = 0
+
+
+_CHEAP = FunctorShape(cheap=True)
+_ALL_LOOPS = ("ROWS", "REDUCE", "FLAT")
+# Keyed by the functor template's name (every instantiation of it).  The runs that chose each:
+# docs/tuning.md, "The functors' own shapes".
+FUNCTOR_SHAPES: dict[str, FunctorShape] = {
+    "MseOp": _CHEAP, "HingeOp": _CHEAP, "L1Op": _CHEAP, "SmoothL1Op": _CHEAP, "HuberOp": _CHEAP,
+    "HingeEmbeddingOp": _CHEAP, "SquaredHingeOp": _CHEAP,
+    # logs of every element whichever operand is broadcast: loads in flight while they run
+    "KlDivOp": FunctorShape(shape_f32=(3, 2, 2, 4, ("ROWS", "REDUCE", "FLAT_BROADCAST"))),
+    # 16-bit vectors of 8 spill under the heavy bound; unbounded, its 16-bit flat kernel holds
+    # one block an SM; at 4 blocks its float64 reduce kernel's two logs spill
+    "BceOp": FunctorShape(stream=True, shape_f32=(0, 0, 2, 4, _ALL_LOOPS), heavy_sizes=(4, 8),
+                          flat_blocks_16=3, reduce_blocks=3),
+    # four operands' bookkeeping spills at 4 blocks (16-bit and float64 reduce)
+    "BceLogitsOp": FunctorShape(stream=True, shape_f32=(0, 0, 2, 4, _ALL_LOOPS),
+                                rows_blocks_16=2, reduce_blocks=3),
+    "SoftMarginOp": FunctorShape(stream=True, shape_f32=(3, 2, 0, 0, ("ROWS", "REDUCE"))),
+    "MarginRankingOp": FunctorShape(shape_f32=(0, 0, 2, 4, ("REDUCE",))),
+    "PoissonNllOp": FunctorShape(stream=True),
+    "GaussianNllOp": FunctorShape(shape_f32=(0, 0, 2, 4, ())),
+    "SigmoidFocalOp": FunctorShape(stream=True, shape_f32=(2, 2, 0, 0, ("ROWS", "REDUCE")),
+                                   flat_blocks_16=3, rows_blocks_16=2),
+    "LogCoshOp": FunctorShape(shape_f32=(2, 2, 2, 4, ("ROWS", "REDUCE", "FLAT_BROADCAST"))),
+}
+
+
+def functor_traits(functors) -> str:
+    """C++ of pointwise.cu's functor traits for each functor name expression in `functors`
+    ("KlDivOp<1>") whose template has a FUNCTOR_SHAPES entry: explicit specializations, put
+    where pointwise.cu says CUPYLOSS_FUNCTOR_SHAPES() (_source.source)."""
+    out = []
+
+    def spec(trait, functor, ctype, value):
+        out.append(f"template <> struct {trait}<{functor}> {{ static constexpr {ctype} value = "
+                   f"{value}; }};")
+
+    for functor in functors:
+        shape = FUNCTOR_SHAPES.get(functor.partition("<")[0])
+        if shape is None:
+            continue
+        if shape.cheap:
+            spec("IsCheap", functor, "bool", "true")
+        if shape.stream:
+            spec("StreamShape", functor, "bool", "true")
+        if shape.shape_f32:
+            *ints, loops = shape.shape_f32
+            pipe = " | ".join(f"PIPE_{loop}" for loop in loops) or "0"
+            spec("OwnShape32", functor, "Shape32",
+                 f"Shape32{{{', '.join(map(str, ints))}, {pipe}}}")
+        if shape.heavy_sizes:
+            spec("HeavySizes", functor, "int", sum(1 << b for b in shape.heavy_sizes))
+        if shape.flat_blocks_16:
+            spec("FlatBlocks16", functor, "int", shape.flat_blocks_16)
+        if shape.rows_blocks_16:
+            spec("RowsBlocks16", functor, "int", shape.rows_blocks_16)
+        if shape.reduce_blocks:
+            spec("ReduceBlocksHeavy", functor, "int", shape.reduce_blocks)
+            spec("ReduceBlocksStream", functor, "int", shape.reduce_blocks)
+    return "\n".join(out)
 
 
 def gpu_key(name: str) -> str:

@@ -20,20 +20,6 @@ struct NoParams {
     long long unused;
 };
 
-// A functor's own gradient shape on 4-byte elements, where the launch table's starves it
-// (`static constexpr Shape32 shape_f32`, pointwise.cu's GradShape): blocks per SM the rows and
-// reduce kernels are bounded for and their steps of loads in flight, 0 for the table's (or, for
-// the reduce kernel's blocks, the functor's `reduce_blocks`, which holds for every element
-// size); and the gradient loops that are software-pipelined (`pipe`), issuing the next step's
-// loads before this step's arithmetic, so that a functor bound by its arithmetic's latency keeps
-// loads in flight while it computes.  PIPE_FLAT_BROADCAST pipelines only the flat kernels with a
-// stride-0 operand compiled in (a 0-d operand broadcast), where PIPE_FLAT pipelines every flat
-// gradient kernel (_launch.py's table has the measurements).
-enum : int { PIPE_ROWS = 1, PIPE_REDUCE = 2, PIPE_FLAT = 4, PIPE_FLAT_BROADCAST = 8 };
-struct Shape32 {
-    int rows_blocks, rows_steps, reduce_blocks, reduce_steps;
-    int pipe = 0;
-};
 
 // Division by a divisor known to be a normal number of magnitude below 2^126 (or NaN):
 // __fdividef's 2 ulp in fp32, for any dividend, instead of the IEEE division's longer sequence
@@ -175,7 +161,6 @@ struct Logistic {
 // mse_loss:  l = (x - t)^2,   dl/dx = 2 (x - t),   dl/dt = -2 (x - t)
 struct MseOp {
     static constexpr int K = 2;  // input, target
-    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
@@ -210,12 +195,6 @@ struct MseOp {
 template <int MODE>
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
-    // Its logs are of every element whichever operand is broadcast, so it wants loads in flight
-    // while they run: the reduce kernel pipelined at 2 blocks an SM and 4 steps, the rows kernel
-    // at 3 and 2, the flat kernel pipelined with a 0-d broadcast operand only (docs/tuning.md,
-    // "The functors' own shapes").
-    static constexpr Shape32 shape_f32 = {3, 2, 2, 4,
-                                          PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     static constexpr bool log_target = (MODE & 1) != 0;  // target holds log-probabilities
     static constexpr bool log_input = (MODE & 2) != 0;   // input holds log-probabilities
     using Params = NoParams;
@@ -297,7 +276,6 @@ struct KlDivOp {
 //   dl/dx = -([m - x t >= 0] t),   dl/dt = -([m - x t >= 0] x)
 struct HingeOp {
     static constexpr int K = 2;  // input, target
-    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double margin;
     };
@@ -317,7 +295,6 @@ struct HingeOp {
 // for a NaN difference)
 struct L1Op {
     static constexpr int K = 2;  // input, target
-    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
@@ -353,7 +330,6 @@ struct L1Op {
 template <int MODE>
 struct SmoothL1Op {
     static constexpr int K = 2;  // input, target
-    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     static constexpr bool beta_one = (MODE & 1) != 0;
     struct Params {
         double beta;  // >= 0, checked on the host
@@ -408,7 +384,6 @@ struct SmoothL1Op {
 //   dl/dx = -delta for d <= -delta, delta for d >= delta, d between = -dl/dt
 struct HuberOp {
     static constexpr int K = 2;  // input, target
-    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double delta;  // > 0, checked on the host
     };
@@ -447,21 +422,7 @@ struct HuberOp {
 template <int MODE>
 struct BceOp {
     static constexpr int K = 3;  // input, target, weight
-    // The streaming shape (GradShape), both loops pipelined: a full input's logs then overlap
-    // the next step's loads.  On 4-byte elements the reduce kernel takes the table's 2 blocks an
-    // SM, not the 3 below (docs/tuning.md, "The functors' own shapes", for this and the next).
-    static constexpr bool stream_shape = true;
-    static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0;
-    // Gradient kernels bounded for more resident warps in float and double only (GradShape in
-    // pointwise.cu): 16-bit vectors of 8 elements spill there.
-    static constexpr int heavy_sizes = (1 << 4) | (1 << 8);
-    // Unbounded, the 16-bit flat gradient kernel took 133 registers: one block an SM; 3 spills
-    // a little and is still the fastest.
-    static constexpr int flat_blocks_16 = 3;
-    // pointwise_reduce bounded for 3 blocks per SM in float64 (4-byte elements take the shape
-    // above), not the table's 4: at 64 registers its two logs spill.
-    static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     // The input's logs are fixed terms (pointwise.cu's FixedTerms): formed once before the loop
     // where the input is the same for every element a thread visits (CONST bit 0, a broadcast
@@ -529,26 +490,15 @@ struct BceOp {
 template <int MODE>
 struct BceLogitsOp {
     static constexpr int K = 4;  // input, target, weight, pos_weight
-    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
-    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
-    // both loops pipelined.  On 4-byte elements the reduce kernel takes the table's 2 blocks an
-    // SM, not the 3 below, at which its pipelined loop spilled 120 bytes (docs/tuning.md, "The
-    // functors' own shapes", for this and the next two).
-    static constexpr bool stream_shape = true;
-    static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT};
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
-    // pointwise_reduce bounded for 3 blocks per SM in 16-bit and float64, as BceOp (four
-    // operands' bookkeeping spill at 64 registers).
-    static constexpr int reduce_blocks = 3;
     using Params = NoParams;
     // The logit's logistic pieces are fixed terms (pointwise.cu's FixedTerms), as
     // sigmoid_focal_loss's: formed once before the loop where x is fixed (CONST bit 0).  The
     // rows kernel's loop, float32 value_and_grad, x broadcast: 637 -> 482 instructions, 8 -> 0
     // MUFU; its time was bound by memory already (H100, row pattern 82.0% either way, the same
-    // bits).  The 16-bit rows kernel bounded for 2 blocks an SM, as sigmoid_focal_loss's, where
-    // kl_div, log_cosh_loss and soft_margin_loss lose and keep the table's 3.
+    // bits).  Its 16-bit rows kernel is bounded for 2 blocks an SM (the launch table's
+    // FUNCTOR_SHAPES).
     static constexpr bool fixed_terms = true;
-    static constexpr int rows_blocks_16 = 2;
     template <int CONST, typename A>
     struct Fixed {
         Logistic<A> s;  // unset when x is not fixed
@@ -583,11 +533,6 @@ struct BceLogitsOp {
 // log1p(exp(-x t)) overflows),   dl/dx = -t sigmoid(-x t),   dl/dt = -x sigmoid(-x t)
 struct SoftMarginOp {
     static constexpr int K = 2;  // input, target
-    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
-    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
-    // both loops pipelined and the rows kernel at 3 blocks an SM and 2 steps.
-    static constexpr bool stream_shape = true;
-    static constexpr Shape32 shape_f32 = {3, 2, 0, 0, PIPE_ROWS | PIPE_REDUCE};
     using Params = NoParams;
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params&) {
@@ -606,7 +551,6 @@ struct SoftMarginOp {
 //   dl/dx = [t != -1] - [t != 1] [m - x >= 0],   dl/dt = 0 (the target only picks branches)
 struct HingeEmbeddingOp {
     static constexpr int K = 2;  // input, target
-    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double margin;
     };
@@ -631,10 +575,6 @@ struct HingeEmbeddingOp {
 //   dl/dx1 = -(t pass),   dl/dx2 = t pass,   dl/dt = -((x1 - x2) pass)
 struct MarginRankingOp {
     static constexpr int K = 3;  // input1, input2, target
-    // The reduce kernel at 2 blocks an SM and 4 steps (two of its three operands streaming),
-    // pipelined, where the heavy table's 4 blocks and 1 step spill (docs/tuning.md, "The
-    // functors' own shapes").
-    static constexpr Shape32 shape_f32 = {0, 0, 2, 4, PIPE_REDUCE};
     struct Params {
         double margin;
     };
@@ -665,9 +605,6 @@ struct MarginRankingOp {
 template <int MODE>
 struct PoissonNllOp {
     static constexpr int K = 2;  // input, target
-    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
-    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table).
-    static constexpr bool stream_shape = true;
     static constexpr bool log_input = (MODE & 1) != 0;
     static constexpr bool full = (MODE & 2) != 0;
     struct Params {
@@ -724,10 +661,6 @@ struct GaussianNllOp {
     // the same: var (8192,) 0.2207 / 0.1375 -> 0.2178 / 0.1262 ms, var (1, 4096) 0.2135 /
     // 0.0973 -> 0.2103 / 0.0963 (IEEE divisions by s remain per element).
     static constexpr bool fixed_terms = true;
-    // The reduce kernel on 4-byte elements at 2 blocks an SM and 4 steps, where the heavy
-    // table's 4/1 spilled 112-192 bytes at 64 registers (docs/tuning.md, "The functors' own
-    // shapes").
-    static constexpr Shape32 shape_f32 = {0, 0, 2, 4};
     template <int CONST, typename A>
     struct Fixed {
         A log_s;
@@ -765,7 +698,6 @@ struct GaussianNllOp {
 //   dl/dx = -2 h t,   dl/dt = -2 h x
 struct SquaredHingeOp {
     static constexpr int K = 2;  // input, target
-    static constexpr bool cheap = true;  // a few instructions a value: see pointwise_flat
     struct Params {
         double margin;
     };
@@ -802,15 +734,6 @@ struct SquaredHingeOp {
 template <int MODE>
 struct SigmoidFocalOp {
     static constexpr int K = 2;  // input, target
-    // Its arithmetic on a broadcast operand leaves the rows and reduce kernels' loops, which are
-    // then bound by loads in flight: the streaming shape (GradShape, _launch.py's table), with
-    // both loops pipelined and the rows kernel at 2 steps (4 pipelined spill; docs/tuning.md,
-    // "The functors' own shapes", for this and the next).
-    static constexpr bool stream_shape = true;
-    static constexpr Shape32 shape_f32 = {2, 2, 0, 0, PIPE_ROWS | PIPE_REDUCE};
-    // The 16-bit flat gradient kernel bounded for 3 blocks an SM, not the heavy table's 4, at
-    // which its 8-element vectors spilled 120-144 bytes.
-    static constexpr int flat_blocks_16 = 3;
     static constexpr bool gamma_two = (MODE & 1) != 0;
     struct Params {
         double alpha;
@@ -855,10 +778,10 @@ struct SigmoidFocalOp {
     // pattern 79.7 -> 81.9% of the read+write limit, the other patterns within 0.3, the same bits).
     // In 16-bit the rows kernel holds them for vectors of 8 elements, which at the heavy table's
     // 3 blocks an SM (80 registers) spilled 352 bytes (152 without them): bounded for 2 blocks
-    // instead (rows_blocks_16), 136.  H100, float16 row pattern value_and_grad, one run, two
-    // rounds: 237 -> 118 us (2 blocks without the fixed terms 132, 1 block with them 139).
+    // instead (the launch table's FUNCTOR_SHAPES), 136.  H100, float16 row pattern
+    // value_and_grad, one run, two rounds: 237 -> 118 us (2 blocks without the fixed terms 132,
+    // 1 block with them 139).
     static constexpr bool fixed_terms = true;
-    static constexpr int rows_blocks_16 = 2;
     template <int CONST, typename A>
     struct Fixed {
         Logistic<A> fast, exact;  // value's and grad's pieces of x (unset when x is not fixed)
@@ -918,13 +841,6 @@ struct SigmoidFocalOp {
 // 66.6 / 74.0 -> 67.2 / 66.3 / 66.5 / 76.8% of the read+write limit.
 struct LogCoshOp {
     static constexpr int K = 2;  // input, target
-    // Bound by its arithmetic on every element whichever operand is broadcast: both loops
-    // pipelined at 2 blocks an SM, with 2 steps in flight in the rows kernel and 4 in the
-    // reduce kernel, so loads stay in flight while the exp, log and tanh run, as is the flat
-    // kernel of a 0-d broadcast operand (the full-size one lost by it; docs/tuning.md, "The
-    // functors' own shapes").
-    static constexpr Shape32 shape_f32 = {2, 2, 2, 4,
-                                          PIPE_ROWS | PIPE_REDUCE | PIPE_FLAT_BROADCAST};
     using Params = NoParams;
     // cosh z - 1 for y = z^2 < 1: y (1/2! + y/4! + y^2/6! + ...), Horner in y.
     static __device__ __forceinline__ float cosh_m1_small(float y) {

@@ -102,14 +102,14 @@ enum : long long {
     !defined(CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM) || \
     !defined(CUPYLOSS_REDUCE_STEPS_STREAM) || \
     !defined(CUPYLOSS_GRAD_HEAVY_SIZES)
-#error "compile with cupyloss._launch.kernel_defines()"
+#error "compile with cupyloss._tuning.kernel_defines()"
 #endif
 // CUPYLOSS_FLAT_UNROLL_*: grid-stride steps pointwise_flat's vector loop takes at once (loads
 // of all issued before any is used), for the value-only instantiation, for that of functors
 // marked cheap, and for the gradient one.
 
 // Name<Op>::value: functor Op's static constexpr member `member` where it declares one, else
-// `fallback`.  The functors' optional shape hints below are read through it.
+// `fallback` (the functors' own math: HasFixedTerms below).
 #define CUPYLOSS_FUNCTOR_TRAIT(Name, member, type, fallback)           \
     template <typename Op, typename = void>                             \
     struct Name {                                                       \
@@ -120,8 +120,32 @@ enum : long long {
         static constexpr type value = Op::member;                       \
     };
 
-// Whether functor Op declares itself cheap (static constexpr bool cheap = true).
-CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
+// The functors' places in the schedule: Name<Op>::value, the fallback below unless the launch
+// table gives functor Op its own (cupyloss/_tuning.py's FUNCTOR_SHAPES, written in as explicit
+// specializations at the line below the traits: a loss's functor is its math alone).
+#define CUPYLOSS_SHAPE_TRAIT(Name, type, fallback)                      \
+    template <typename Op, typename = void>                             \
+    struct Name {                                                       \
+        static constexpr type value = fallback;                         \
+    };
+
+// A functor's own gradient shape on 4-byte elements (OwnShape32): blocks per SM the rows and
+// reduce kernels are bounded for and their steps of loads in flight, 0 for the table's (or, for
+// the reduce kernel's blocks, the functor's own reduce_blocks, which holds for every element
+// size); and the gradient loops that are software-pipelined (`pipe`), issuing the next step's
+// loads before this step's arithmetic, so that a functor bound by its arithmetic's latency keeps
+// loads in flight while it computes.  PIPE_FLAT_BROADCAST pipelines only the flat kernels with a
+// stride-0 operand compiled in (a 0-d operand broadcast), where PIPE_FLAT pipelines every flat
+// gradient kernel.
+enum : int { PIPE_ROWS = 1, PIPE_REDUCE = 2, PIPE_FLAT = 4, PIPE_FLAT_BROADCAST = 8 };
+struct Shape32 {
+    int rows_blocks, rows_steps, reduce_blocks, reduce_steps;
+    int pipe = 0;
+};
+
+// Whether a functor is cheap (a few instructions a value: bound by memory, not by its
+// arithmetic's latency).
+CUPYLOSS_SHAPE_TRAIT(IsCheap, bool, false)
 
 // The gradient instantiations' shape, for functors marked cheap and for the rest ("heavy": a
 // transcendental, a division or a branch a value, so bound by instructions where cheap ones are
@@ -129,26 +153,24 @@ CUPYLOSS_FUNCTOR_TRAIT(IsCheap, cheap, bool, false)
 // of loads in flight.  A heavy functor trades loads in flight for resident warps, which hide
 // its arithmetic's latency (CUPYLOSS_*_HEAVY; the cheap functors' 16-bit rows gradient kernels
 // take CUPYLOSS_ROWS_*_CHEAP_16).  CUPYLOSS_*_STREAM: the rows and reduce kernels' shape for
-// heavy functors that declare stream_shape, on 4-byte elements: their arithmetic on a broadcast
-// operand leaves the loop (the CONST instantiations), so what is left per element is bound by
-// loads in flight rather than by the arithmetic's latency.  (kl_div's and log_cosh_loss's logs and exps are of every element whichever operand
-// is broadcast, and keep the heavy shape; so does margin_ranking_loss, measured slower.)
-// The heavy shape applies to the element sizes set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte
-// elements), or in the functor's own `heavy_sizes` where it declares one; other sizes take the
-// cheap shape.  A heavy functor may also declare its own `reduce_blocks` (pointwise_reduce's
-// bound, heavy or streaming, every element size), where the table's spills or starves it, and
-// its own 4-byte shape (`shape_f32`, a Shape32: rows and reduce blocks and steps, each 0 for the
-// table's, which they take the place of there, and the loops it pipelines).  Any functor not
-// marked cheap may declare the blocks per SM its 16-bit pointwise_flat gradient kernel is bounded
-// for (`flat_blocks_16`), heavy there or not, and likewise its 16-bit pointwise_rows gradient
-// kernel (`rows_blocks_16`).
-CUPYLOSS_FUNCTOR_TRAIT(HeavySizes, heavy_sizes, int, CUPYLOSS_GRAD_HEAVY_SIZES)
-CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksHeavy, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY)
-CUPYLOSS_FUNCTOR_TRAIT(ReduceBlocksStream, reduce_blocks, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
-CUPYLOSS_FUNCTOR_TRAIT(StreamShape, stream_shape, bool, false)
-CUPYLOSS_FUNCTOR_TRAIT(OwnShape32, shape_f32, Shape32, (Shape32{0, 0, 0, 0, 0}))
-CUPYLOSS_FUNCTOR_TRAIT(FlatBlocks16, flat_blocks_16, int, 0)
-CUPYLOSS_FUNCTOR_TRAIT(RowsBlocks16, rows_blocks_16, int, 0)
+// heavy functors marked streaming, on 4-byte elements: their arithmetic on a broadcast operand
+// leaves the loop (the CONST instantiations), so what is left per element is bound by loads in
+// flight rather than by the arithmetic's latency.  The heavy shape applies to the element sizes
+// set in CUPYLOSS_GRAD_HEAVY_SIZES (bit b: b-byte elements), or in the functor's own
+// HeavySizes; other sizes take the cheap shape.  A heavy functor may also have its own
+// pointwise_reduce bound (ReduceBlocks*, heavy or streaming, every element size), its own
+// 4-byte shape (OwnShape32), and the blocks per SM of its 16-bit pointwise_flat and
+// pointwise_rows gradient kernels (FlatBlocks16, RowsBlocks16).
+CUPYLOSS_SHAPE_TRAIT(HeavySizes, int, CUPYLOSS_GRAD_HEAVY_SIZES)
+CUPYLOSS_SHAPE_TRAIT(ReduceBlocksHeavy, int, CUPYLOSS_REDUCE_MIN_BLOCKS_HEAVY)
+CUPYLOSS_SHAPE_TRAIT(ReduceBlocksStream, int, CUPYLOSS_REDUCE_MIN_BLOCKS_STREAM)
+CUPYLOSS_SHAPE_TRAIT(StreamShape, bool, false)
+CUPYLOSS_SHAPE_TRAIT(OwnShape32, Shape32, (Shape32{0, 0, 0, 0, 0}))
+CUPYLOSS_SHAPE_TRAIT(FlatBlocks16, int, 0)
+CUPYLOSS_SHAPE_TRAIT(RowsBlocks16, int, 0)
+
+CUPYLOSS_FUNCTOR_SHAPES()
+
 // The kernels compiled per mask CONST of operands that are the same across a unit of work (bit
 // k: operand k is broadcast along it, or absent) read the others, which stream: operand k's
 // slot among them is stream_slot<K>(CONST, k), and stream_slot<K>(CONST, K) is their number.

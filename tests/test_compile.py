@@ -2,7 +2,7 @@
 
 CuPy compiles kernels/ at a user's first call, so a template that fails for one dtype or arch
 would otherwise surface only there.  These tests drive libnvrtc through ctypes with what
-`_source.cached` gives it: the expanded source (`_source.expand`), the options
+`_source.cached` gives it: the source (`_source.source`: expanded, functor shapes in), the options
 (`_source.OPTIONS`) and the name expressions (`_source.units`), plus -arch and the directory of
 cuda_fp16.h / cuda_bf16.h.  libnvrtc and the headers come from the nvidia-cuda-nvrtc and
 nvidia-cuda-runtime wheels (the `test` extra), else from the toolkit under $CUDA_PATH,
@@ -167,7 +167,7 @@ def general(file: str, names: list[str]) -> list[str]:
 
 def _jobs(pool, lib, include, file, arch):
     """Futures of both passes over `file` for `arch`."""
-    source = _source.expand(file)
+    source = _source.source(file)
     names = dict(UNITS)[file]
     fast = [pool.submit(_compile, lib, include, file, source, names[i:i + NAMES_PER_PROGRAM],
                         arch, FAST) for i in range(0, len(names), NAMES_PER_PROGRAM)]

@@ -122,3 +122,34 @@ def test_tune_writes_its_gpus_rows_in_place_of_the_old(tmp_path, monkeypatch):
                     "a100,REDUCE_STEPS,2\n")
     tune.write_rows(path, "h200", {"REDUCE_STEPS": 1})
     assert _tuning.read_table(path) == {"a100": {"REDUCE_STEPS": 2}, "h200": {"REDUCE_STEPS": 1}}
+
+
+def test_functors_are_math_and_their_shapes_the_tables():
+    """losses.cuh's functors declare no schedule; every FUNCTOR_SHAPES entry names a functor
+    template of the registry, and the source NVRTC compiles holds a specialization of each
+    trait an entry sets, for every instantiation of its functor, where pointwise.cu asks."""
+    import re
+
+    from cupyloss import _registry
+
+    losses = re.sub(r"//[^\n]*", "", _source.expand("losses.cuh"))
+    schedule = re.findall(r"static constexpr \w+ (cheap|stream_shape|shape_f32|heavy_sizes|"
+                          r"flat_blocks_16|rows_blocks_16|reduce_blocks)\b", losses)
+    assert not schedule, schedule
+    families = {f.partition("<")[0] for f in _registry.functors()}
+    assert set(_tuning.FUNCTOR_SHAPES) <= families
+    code = _source.source("pointwise.cu")
+    assert not re.search(r"^CUPYLOSS_FUNCTOR_SHAPES\(\)$", code, re.M)
+    for functor in _registry.functors():
+        shape = _tuning.FUNCTOR_SHAPES.get(functor.partition("<")[0])
+        got = set(re.findall(r"template <> struct (\w+)<" + re.escape(functor) + r">", code))
+        want = set()
+        if shape is not None:
+            want = {t for t, on in (("IsCheap", shape.cheap), ("StreamShape", shape.stream),
+                                    ("OwnShape32", shape.shape_f32),
+                                    ("HeavySizes", shape.heavy_sizes),
+                                    ("FlatBlocks16", shape.flat_blocks_16),
+                                    ("RowsBlocks16", shape.rows_blocks_16),
+                                    ("ReduceBlocksHeavy", shape.reduce_blocks),
+                                    ("ReduceBlocksStream", shape.reduce_blocks)) if on}
+        assert got == want, functor
