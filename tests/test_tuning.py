@@ -33,6 +33,7 @@ def test_gpu_key(name, key):
 
 
 def test_the_shipped_table_reads_and_every_default_is_a_candidate():
+    assert _tuning.TABLE.is_file(), f"{_tuning.TABLE} is not installed with the package"
     for gpu, row in _tuning.read_table(_tuning.TABLE).items():
         assert gpu == _tuning.gpu_key(gpu), gpu
         assert set(row) <= set(_tuning.KNOBS)
