@@ -100,6 +100,7 @@ def _worker(rank, world, path, results):
                     err = (mine.grad.float() - ref).abs().max().item() if b > a else 0.0
                     if err > rtol * max(ref.abs().max().item(), 1e-30) + 1e-12:
                         failures.append(f"{tag}: gradient off by {err}")
+        failures += _mean_group_case(rank, world, group)
         _progress(rank, "fused linear")
         failures += _linear_case(rank, world, a, b, group)
         _progress(rank, "CUDA graph")
@@ -141,6 +142,36 @@ def _worker(rank, world, path, results):
         if dist.is_initialized():
             dist.destroy_process_group()
         _progress(rank, "done")
+
+
+def _mean_group_case(rank, world, group):
+    """Data parallelism: each rank its own rows of the whole vocabulary, different numbers of
+    them ignored; mean_group gives the mean over every rank's counted rows and its gradient."""
+    import cupyloss.torch as CF
+
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ts = [], []
+        for r in range(world):
+            x, t, _ = _inputs(dtype, {}, "cuda")
+            x = x.roll(r, 0)
+            t = t.roll(r, 0).clone()
+            t[: 3 * (r + 1)] = -100
+            xs.append(x)
+            ts.append(t)
+        want, want_grad = _single(torch.cat(xs), torch.cat(ts), None, "mean", {},
+                                  torch.tensor(1.0, dtype=dtype, device="cuda"))
+        mine = xs[rank].clone().requires_grad_()
+        loss = CF.vocab_parallel_cross_entropy(mine, ts[rank], mean_group=group)
+        loss.backward()
+        rtol = RTOL[dtype]
+        if not torch.allclose(loss.float(), want.float(), rtol=rtol, atol=1e-6):
+            failures.append(f"rank {rank} mean_group {dtype}: loss {float(loss)} vs {float(want)}")
+        ref = want_grad[rank * ROWS:(rank + 1) * ROWS].float()
+        err = (mine.grad.float() - ref).abs().max().item()
+        if err > rtol * ref.abs().max().item() + 1e-12:
+            failures.append(f"rank {rank} mean_group {dtype}: gradient off by {err}")
+    return failures
 
 
 # the fused linear form: float32 logits from the same operands, so its loss matches to float32
@@ -235,8 +266,9 @@ def _gpus():
 def test_ranks_over_nccl_match_one_gpu_cross_entropy(world):
     """On `world` GPUs: every rank gets the single-GPU loss of the whole logits (the same bits
     on every rank) and its slice of the single-GPU gradient, float32 and bfloat16, every option,
-    eager (and compiled, for the cases with class weights); a captured step replays bitwise as
-    eager."""
+    eager (and compiled, for the cases with class weights); mean_group gives the global mean of
+    ranks that count different numbers of rows; the fused linear form (also sequence
+    parallel); a captured step replays bitwise as eager."""
     if _gpus() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {_gpus()}")
     failures = run_ranks(_worker, world, timeout=300)
