@@ -421,25 +421,20 @@ ROW_SCRATCH = 64        # accumulator slots of dynamic shared memory (ROW_SCRATC
 # ceil(n / (BLOCK * ROW_VECS)) blocks of a cooperative launch.
 ROW_TEAMS = (8, 16, 32, 64, 128, BLOCK)
 ROW_MAX_COLS = 2**31 - 1    # classes a row may have (in-row indices are 32-bit)
-# Blocks sharing a row wait for each other once a row; past 4 the waits cost more than a block
-# streaming its share twice (docs/tuning.md, "cross_entropy_rows").
-ROW_MAX_SPLIT = 4
-# With a gradient, the tiles of a block's share past its registers' one (BLOCK * ROW_VECS 16-byte
-# vectors, 32 KiB) are kept in dynamic shared memory, at most this many, so the gradient needs no
-# second read of the logits.  The fewest blocks a row that hold it this way are taken: fewer
-# tiles with more blocks an SM lose (docs/tuning.md, "cross_entropy_rows").
-ROW_STASH_TILES = 3
-# With a gradient, k blocks sharing a row form a thread block cluster where the device has them
-# (sm_90 and later) and k is one of ROW_CLUSTER_SIZES: they exchange their row states through
-# distributed shared memory with one cluster barrier a row, instead of through global memory and
-# a counter each waits on; bitwise the same results.  Only pairs: clusters of 4 are resident too
-# few at once (docs/tuning.md, "cross_entropy_rows").
-ROW_CLUSTERS = True
+# The launch table's knobs of cross_entropy_rows (_tuning; why each default: docs/tuning.md,
+# "cross_entropy_rows"): blocks sharing a row wait for each other once a row, so at most
+# ROW_MAX_SPLIT of them share one (past that the waits cost more than a block streaming its
+# share twice).  With a gradient, the tiles of a block's share past its registers' one
+# (BLOCK * ROW_VECS 16-byte vectors, 32 KiB) are kept in dynamic shared memory, at most
+# ROW_STASH_TILES, so the gradient needs no second read of the logits; the fewest blocks a row
+# that hold it this way are taken.  With ROW_CLUSTERS, k blocks sharing a row form a thread block
+# cluster where the device has them (sm_90 and later) and k is one of ROW_CLUSTER_SIZES: they
+# exchange their row states through distributed shared memory with one cluster barrier a row,
+# instead of through global memory and a counter each waits on; bitwise the same results.
+# Without a gradient nothing is held, and a team of ROW_FORWARD_TEAM threads a row reads fastest
+# when there are rows for a quarter of the resident teams at least.
+# The cluster sizes compiled (only pairs: clusters of 4 are resident too few at once).
 ROW_CLUSTER_SIZES = (2,)
-# Without a gradient nothing is held, and a warp per row (shuffles only, no block barrier) reads
-# fastest when there are rows for a quarter of the resident warps at least (docs/tuning.md,
-# "cross_entropy_rows").
-ROW_FORWARD_TEAM = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,15 +470,16 @@ def row_hold(cols: int, itemsize: int, acc_itemsize: int, limits: DeviceLimits) 
     the fewest blocks (at most ROW_MAX_SPLIT) whose registers and up to ROW_STASH_TILES tiles of
     shared memory each (as many as the device's opt-in limit allows) hold it; at ROW_MAX_SPLIT
     blocks with the most tiles, what is left over streams twice."""
+    knob = _tuning.values(limits.gpu)
     tile = BLOCK * ROW_VECS
     vectors = max(1, cols // (16 // itemsize))
     room = shared_limit(limits, True) - ROW_SCRATCH * acc_itemsize
-    most = max(0, min(ROW_STASH_TILES, room // (16 * tile)))
-    for k in range(1, ROW_MAX_SPLIT + 1):
+    most = max(0, min(knob["ROW_STASH_TILES"], room // (16 * tile)))
+    for k in range(1, knob["ROW_MAX_SPLIT"] + 1):
         tiles = _cdiv(_cdiv(vectors, k), tile)
         if tiles - 1 <= most:
             return k, tiles - 1
-    return ROW_MAX_SPLIT, most
+    return knob["ROW_MAX_SPLIT"], most
 
 
 def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: bool,
@@ -512,15 +508,18 @@ def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: boo
                           "cross_entropy_rows", optin=True)
     # A row split over a cluster's blocks runs the cluster kernel: its occupancy is asked, so a
     # call compiles only the kernel it launches.
-    cluster = grad and k > 1 and limits.clusters and ROW_CLUSTERS and k in ROW_CLUSTER_SIZES
+    knob = _tuning.values(limits.gpu)
+    cluster = (grad and k > 1 and limits.clusters and bool(knob["ROW_CLUSTERS"])
+               and k in ROW_CLUSTER_SIZES)
     resident = max(1, limits.sm_count * occupancy(shared, k if cluster else 1))
     if grad:
         k = min(k, resident)
     else:
         if k > 1:
             k = max(1, min(k, resident // max(rows, 1)))
-        if k == 1 and 4 * rows >= resident * (BLOCK // ROW_FORWARD_TEAM):
-            tpr = min(tpr, ROW_FORWARD_TEAM)
+        team = knob["ROW_FORWARD_TEAM"]
+        if k == 1 and 4 * rows >= resident * (BLOCK // team):
+            tpr = min(tpr, team)
     if k > 1:
         groups = max(1, min(rows, resident // k))
         return RowLaunch((groups * k,), (BLOCK,), shared, BLOCK, k, stash,
@@ -546,13 +545,12 @@ PAIR_STATIC_SHARED = 2048
 # bitwise the one value_and_grad gives.
 PAIR_TEAMS = (8, 16, 32, 64, 128, PAIR_BLOCK)
 # The loss alone of rows of at least PAIR_WIDE_ROW_BYTES bytes of an element size in
-# PAIR_WIDE_ITEMSIZES, over at least PAIR_WIDE_GROUPS row groups a multiprocessor, takes the wide
-# form: a block a row (rowpair_rows<..., WIDE>: more loads of a tile in flight, fewer blocks an
-# SM), the blocks handed out as SMs free up rather than a persistent grid's fixed share of rows
-# each; rowpair_finish then adds the rows' losses (about 3 us, so the form wins from about 32
-# rows an SM; docs/tuning.md, "rowpair_rows' wide form").
-PAIR_WIDE_GROUPS = 32
-PAIR_WIDE_ROW_BYTES = 32768
+# PAIR_WIDE_ITEMSIZES, over at least PAIR_WIDE_GROUPS row groups a multiprocessor (both knobs of
+# the launch table, _tuning), takes the wide form: a block a row (rowpair_rows<..., WIDE>: more
+# loads of a tile in flight, fewer blocks an SM), the blocks handed out as SMs free up rather
+# than a persistent grid's fixed share of rows each; rowpair_finish then adds the rows' losses
+# (about 3 us, so the form wins from about 32 rows an SM; docs/tuning.md, "rowpair_rows' wide
+# form").  The element sizes compiled in the wide form:
 PAIR_WIDE_ITEMSIZES = (4,)
 PAIR_FINISH_BLOCK = 1024   # threads of rowpair_finish (PAIR_FINISH_BLOCK there)
 
@@ -606,9 +604,11 @@ def pair_vecs(cols: int, itemsize: int, narrays: int, grad: bool, limits: Device
 def pair_wide(rows: int, cols: int, itemsize: int, grad: bool, limits: DeviceLimits) -> bool:
     """Whether rowpair_rows takes its wide form: the loss alone, rows of PAIR_WIDE_ROW_BYTES or
     more of an element size in PAIR_WIDE_ITEMSIZES, at least PAIR_WIDE_GROUPS row groups an SM."""
+    knob = _tuning.values(limits.gpu)
     groups = _cdiv(max(rows, 1), PAIR_BLOCK // pair_team(cols, itemsize))
-    return (not grad and itemsize in PAIR_WIDE_ITEMSIZES and cols * itemsize >= PAIR_WIDE_ROW_BYTES
-            and groups >= PAIR_WIDE_GROUPS * limits.sm_count)
+    return (not grad and itemsize in PAIR_WIDE_ITEMSIZES
+            and cols * itemsize >= knob["PAIR_WIDE_ROW_BYTES"]
+            and groups >= knob["PAIR_WIDE_GROUPS"] * limits.sm_count)
 
 
 def pair_launch(rows: int, cols: int, itemsize: int, narrays: int, grad: bool,
@@ -725,8 +725,9 @@ def stream_row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int,
         raise ValueError(f"rows of {cols} classes exceed the {ROW_MAX_COLS} a row may have")
     resident = max(1, limits.sm_count * blocks_per_sm)
     tpr, _ = row_team(cols, itemsize)
-    if 4 * rows >= resident * (BLOCK // ROW_FORWARD_TEAM):
-        tpr = min(tpr, ROW_FORWARD_TEAM)
+    team = _tuning.value("ROW_FORWARD_TEAM", limits.gpu)
+    if 4 * rows >= resident * (BLOCK // team):
+        tpr = min(tpr, team)
     shared = check_shared(ROW_SCRATCH * acc_itemsize, limits, "rowclass_rows")
     blocks = _cdiv(max(rows, 1), BLOCK // tpr)
     return RowLaunch((max(1, min(blocks, resident, limits.max_grid_x)),), (BLOCK,), shared, tpr, 1)

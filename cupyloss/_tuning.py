@@ -90,6 +90,19 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "pointwise_rows summed launches: threads a block of the row axis"),
     Knob("REDUCE_MIN_STEPS", 16, False, (8, 16, 32),
          "pointwise_reduce: VEC steps a lane makes at least in a unit"),
+    Knob("ROW_MAX_SPLIT", 4, False, (2, 4, 8),
+         "cross_entropy_rows with a gradient: blocks a row shares at most"),
+    Knob("ROW_STASH_TILES", 3, False, (1, 2, 3, 4),
+         "cross_entropy_rows with a gradient: tiles a block keeps in shared memory at most"),
+    Knob("ROW_CLUSTERS", 1, False, (0, 1),
+         "cross_entropy_rows: a row's blocks as a thread block cluster where k is a cluster size"),
+    Knob("ROW_FORWARD_TEAM", 32, False, (16, 32, 64, 128),
+         "cross_entropy_rows without a gradient, rowclass_rows: threads a row where rows are "
+         "plenty"),
+    Knob("PAIR_WIDE_GROUPS", 32, False, (8, 16, 32, 64),
+         "rowpair_rows' wide form: row groups an SM at least"),
+    Knob("PAIR_WIDE_ROW_BYTES", 32768, False, (8192, 16384, 32768, 65536),
+         "rowpair_rows' wide form: bytes a row at least"),
 )}
 
 

@@ -18,6 +18,9 @@ it runs:
                 mse_loss with a (4096,) row input over (8192, 4096)
   reduce        mse_loss with a per-channel (1, 64, 1, 1), a per-row (8192, 1) and a 0-d
                 input over its target
+  row           cross_entropy 8192 x 128256 bfloat16 and 32768 x 4096 (forward), jsd
+                8192 x 32768 bfloat16
+  pair          triplet_margin_loss 3 x 32768 x 8192 (forward)
 
 Prints this GPU's rows; --write puts them into cupyloss/tuning.csv in place of this GPU's
 rows there.  Every measurement goes to --out (default benchmarks/results/tune-<gpu>.csv) as
@@ -40,6 +43,10 @@ __all__ = ["choose", "tags", "main"]
 
 def tags(knob: str) -> set[str]:
     """The workload tags whose kernels knob `knob` changes."""
+    if knob.startswith("ROW_"):
+        return {"row"}
+    if knob.startswith("PAIR_"):
+        return {"pair"}
     if knob.startswith("REDUCE"):
         return {"reduce"}
     if knob.startswith("ROWS"):
@@ -118,6 +125,28 @@ def _workloads(scale: float) -> list[Workload]:
             return lambda: cupyloss.binary_cross_entropy_with_logits_value_and_grad(x, t)
         return make
 
+    def cross_entropy(rows, cols, dtype, vag):
+        def make():
+            x = normal((rows, cols), dtype, 1)
+            t = cupy.random.default_rng(2).integers(0, cols, rows)
+            f = cupyloss.cross_entropy_value_and_grad if vag else cupyloss.cross_entropy
+            return lambda: f(x, t)
+        return make
+
+    def jsd():
+        def make():
+            s, t = (normal((8192, 32768), cupy.float32, seed) for seed in (1, 2))
+            s, t = ((v - cupy.log(cupy.exp(v).sum(-1, keepdims=True))).astype(bf16)
+                    for v in (s, t))
+            return lambda: cupyloss.jsd_value_and_grad(s, t)
+        return make
+
+    def triplet():
+        def make():
+            a, p, n = (normal((big, 8192), cupy.float32, seed) for seed in (1, 2, 3))
+            return lambda: cupyloss.triplet_margin_loss(a, p, n)
+        return make
+
     f4 = 4
     n2, m2 = big * big, mid * mid
     vag = cupyloss.mse_loss_value_and_grad
@@ -140,6 +169,13 @@ def _workloads(scale: float) -> list[Workload]:
                  pair(vag, (8192, 1), (8192, 4096))),
         Workload("mse_loss () over (8192, 4096)", "reduce", 8192 * 4096 * f4,
                  pair(vag, (), (8192, 4096))),
+        Workload("cross_entropy 8192 x 128256 bfloat16", "row", 2 * 8192 * 128256 * 2,
+                 cross_entropy(8192, 128256, bf16, True)),
+        Workload("cross_entropy 32768 x 4096, forward", "row", 32768 * 4096 * f4,
+                 cross_entropy(32768, 4096, cupy.float32, False)),
+        Workload("jsd 8192 x 32768 bfloat16", "row", 3 * 8192 * 32768 * 2, jsd()),
+        Workload("triplet_margin_loss 3 x 32768 x 8192, forward", "pair", 3 * big * 8192 * f4,
+                 triplet()),
     ]
 
 

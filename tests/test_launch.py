@@ -542,16 +542,17 @@ def test_row_hold_takes_the_fewest_blocks_that_hold_the_row(limits, cols, itemsi
     vectors = cols // (16 // itemsize)
     k, stash = _launch.row_hold(cols, itemsize, 4, limits)
     room = (_launch.shared_limit(limits, True) - _launch.ROW_SCRATCH * 4) // (16 * tile)
-    assert 1 <= k <= _launch.ROW_MAX_SPLIT and 0 <= stash <= min(_launch.ROW_STASH_TILES, room)
+    split, tiles = _tuning.value("ROW_MAX_SPLIT"), _tuning.value("ROW_STASH_TILES")
+    assert 1 <= k <= split and 0 <= stash <= min(tiles, room)
     if k * (1 + stash) * tile >= vectors:
         # Held: registers and stash of k blocks cover the row, no tile left unused, and k - 1
         # blocks would not hold it.
         assert stash == _cdiv(_cdiv(vectors, k), tile) - 1
-        most = min(_launch.ROW_STASH_TILES, room)
+        most = min(tiles, room)
         assert k == 1 or (k - 1) * (1 + most) * tile < vectors
     else:
         # Too long: the most blocks, the most tiles, the rest streamed.
-        assert (k, stash) == (_launch.ROW_MAX_SPLIT, min(_launch.ROW_STASH_TILES, room))
+        assert (k, stash) == (split, min(tiles, room))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 8192, 32768, 10**7])
@@ -590,8 +591,8 @@ def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per
     else:
         assert not cfg.cooperative
         # Without a gradient, a warp per row once rows fill a quarter of the resident warps.
-        warps = not grad and 4 * rows >= resident * (BLOCK // _launch.ROW_FORWARD_TEAM)
-        assert cfg.tpr == (min(tpr, _launch.ROW_FORWARD_TEAM) if warps else tpr)
+        warps = not grad and 4 * rows >= resident * (BLOCK // _tuning.value("ROW_FORWARD_TEAM"))
+        assert cfg.tpr == (min(tpr, _tuning.value("ROW_FORWARD_TEAM")) if warps else tpr)
         # As many blocks as rows need (BLOCK / tpr rows a block), up to the resident ones.
         assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // cfg.tpr), resident))
 
@@ -625,7 +626,7 @@ def test_row_launch_light_rows_and_limits(monkeypatch):
     assert few.k > 1 and few.cooperative and not few.cluster
     wide = _launch.row_launch(2048, 128256, 4, 4, True, False, sm90, per_sm(2))
     assert wide.k == 4 and wide.cooperative and not wide.cluster   # not in ROW_CLUSTER_SIZES
-    monkeypatch.setattr(_launch, "ROW_CLUSTERS", False)
+    monkeypatch.setitem(_tuning._OVERRIDES, "", {"ROW_CLUSTERS": 0})
     llm = _launch.row_launch(8192, 128256, 2, 4, True, False, sm90, per_sm(2))
     assert llm.cooperative and not llm.cluster
     # A 32000-class bfloat16 row fits one block with a tile of shared memory: no cooperation.
@@ -649,9 +650,9 @@ def test_stream_row_launch_is_the_forward_rule_without_splits(rows, cols, itemsi
     cfg = _launch.stream_row_launch(rows, cols, itemsize, 4, H100, per_sm)
     resident = H100.sm_count * per_sm
     tpr, _ = _launch.row_team(cols, itemsize)
-    warps = 4 * rows >= resident * (BLOCK // _launch.ROW_FORWARD_TEAM)
+    warps = 4 * rows >= resident * (BLOCK // _tuning.value("ROW_FORWARD_TEAM"))
     assert cfg.k == 1 and not cfg.cooperative and cfg.block == (BLOCK,)
-    assert cfg.tpr == (min(tpr, _launch.ROW_FORWARD_TEAM) if warps else tpr)
+    assert cfg.tpr == (min(tpr, _tuning.value("ROW_FORWARD_TEAM")) if warps else tpr)
     assert cfg.grid[0] == max(1, min(_cdiv(max(rows, 1), BLOCK // cfg.tpr), resident))
     assert cfg.shared == _launch.ROW_SCRATCH * 4
 
@@ -851,9 +852,9 @@ def test_pair_launch_stays_within_resident_blocks(rows, cols, itemsize, per_sm, 
 
 def test_pair_wide_is_the_loss_alone_of_many_long_rows_of_measured_element_sizes():
     sms = H100_OPTIN.sm_count
-    edge = _launch.PAIR_WIDE_GROUPS * sms            # row groups needed
+    edge = _tuning.value("PAIR_WIDE_GROUPS") * sms            # row groups needed
     size = _launch.PAIR_WIDE_ITEMSIZES[0]
-    cols = _launch.PAIR_WIDE_ROW_BYTES // size       # a block a row at this length
+    cols = _tuning.value("PAIR_WIDE_ROW_BYTES") // size       # a block a row at this length
     assert _launch.pair_team(cols, size) == _launch.PAIR_BLOCK
     assert _launch.pair_wide(edge, cols, size, False, H100_OPTIN)
     assert not _launch.pair_wide(edge - 1, cols, size, False, H100_OPTIN)   # too few rows
@@ -861,8 +862,8 @@ def test_pair_wide_is_the_loss_alone_of_many_long_rows_of_measured_element_sizes
     assert not _launch.pair_wide(edge, cols - 1, size, False, H100_OPTIN)   # too short
     for other in (2, 4, 8):
         if other not in _launch.PAIR_WIDE_ITEMSIZES:
-            assert not _launch.pair_wide(10 * edge, 2 * _launch.PAIR_WIDE_ROW_BYTES // other,
-                                         other, False, H100_OPTIN)
+            long_row = 2 * _tuning.value("PAIR_WIDE_ROW_BYTES") // other
+            assert not _launch.pair_wide(10 * edge, long_row, other, False, H100_OPTIN)
 
 
 def test_pair_launch_takes_the_wide_form_at_kernelbench_99():

@@ -261,10 +261,10 @@ def test_wide_loss_alone(name, cols, layout, opts):
     loss within a rounding of value_and_grad's, and bitwise repeatable."""
     cp = _cupy()
     cl = _cl()
-    from cupyloss import _launch
+    from cupyloss import _launch, _tuning
 
     limits = _launch.device_limits(cp.cuda.Device().id)
-    rows = _launch.PAIR_WIDE_GROUPS * limits.sm_count + 3   # past the threshold, not a multiple
+    rows = _tuning.value("PAIR_WIDE_GROUPS", limits.gpu) * limits.sm_count + 3   # past the threshold, not a multiple
     assert _launch.pair_wide(rows, cols, 4, False, limits)
     assert not _launch.pair_wide(rows, cols, 4, True, limits)
     case = dict(dtype=np.dtype(np.float32), name=name, shape=(rows, cols),

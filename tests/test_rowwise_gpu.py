@@ -249,9 +249,10 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
     merge their states in one order: bitwise the same value, gradient and lse."""
     cp = _cupy()
     cl = _cl()
-    from cupyloss import _launch, _rowwise
+    from cupyloss import _launch, _rowwise, _tuning
 
-    if not _launch.device_limits(cp.cuda.Device().id).clusters:
+    limits = _launch.device_limits(cp.cuda.Device().id)
+    if not limits.clusters:
         pytest.skip("this GPU has no thread block clusters (sm_90 and later)")
     rng = np.random.default_rng(cols + rows)
     x, _ = _put(rng.standard_normal((rows, cols)) * 4, dtype)
@@ -259,7 +260,7 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
     opts = dict(label_smoothing=smoothing, lse_square_scale=1e-4, return_lse=True)
     got = {}
     for clusters in (True, False):
-        monkeypatch.setattr(_launch, "ROW_CLUSTERS", clusters)
+        monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_CLUSTERS": int(clusters)})
         monkeypatch.setattr(_rowwise, "_PLANS", {})
         got[clusters] = cl.cross_entropy_value_and_grad(x, t, **opts)
         (plan,) = _rowwise._PLANS.values()
