@@ -1,6 +1,7 @@
 """Tune the launch table on this GPU.
 
-    python -m cupyloss.tune [--knobs A,B] [--reps 10] [--margin 0.02] [--scale 1] [--write]
+    python -m cupyloss.tune [--knobs A,B] [--reps 10] [--margin 0.02] [--scale 1]
+                            [--max-seconds S] [--write]
 
 The knobs of cupyloss._tuning (launch choices that are not the losses' math) are tried one at a
 time, in the table's order: each candidate value is set for this GPU in this process, the
@@ -23,7 +24,8 @@ it runs:
   pair          triplet_margin_loss 3 x 32768 x 8192 (forward)
 
 Prints this GPU's rows; --write puts them into cupyloss/tuning.csv in place of this GPU's
-rows there.  Every measurement goes to --out (default benchmarks/results/tune-<gpu>.csv) as
+rows there.  --max-seconds stops before a knob that would start past that time, with the rows
+of the knobs done (a run split over several calls: name the rest with --knobs).  Every measurement goes to --out (default benchmarks/results/tune-<gpu>.csv) as
 data: gpu, knob, value, workload, ms, GB/s, chosen.  Never a test.
 """
 
@@ -229,6 +231,8 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--margin", type=float, default=0.02)
     parser.add_argument("--scale", type=float, default=1.0, help="side lengths x this")
+    parser.add_argument("--max-seconds", type=float, default=0,
+                        help="start no knob past this many seconds (0: no limit)")
     parser.add_argument("--write", action="store_true",
                         help=f"put this GPU's rows into {_tuning.TABLE}")
     parser.add_argument("--out", help="measurements CSV (default "
@@ -256,7 +260,11 @@ def main(argv=None) -> dict[str, int]:
     with out.open("w", newline="") as fh:
         log = csv.writer(fh, lineterminator="\n")
         log.writerow(["gpu", "knob", "value", "workload", "ms", "GB/s", "chosen"])
-        for knob in knobs:
+        for n, knob in enumerate(knobs):
+            if args.max_seconds and time.perf_counter() - start > args.max_seconds:
+                print(f"stopped at {args.max_seconds:.0f} s; not tried: "
+                      f"{','.join(knobs[n:])}", flush=True)
+                break
             mine = [w for w in work if w.tag in tags(knob)]
             current = _tuning.value(knob, gpu)
             times = {}
