@@ -18,7 +18,7 @@ the rows, pointwise_reduce for every other pattern), into float64 partials no la
 [resident warps, its size], which the last block of each column block (pointwise_rows) or the
 last unit of each group of elements (pointwise_reduce) adds in a fixed order in the same launch
 (a ticket each, from a zeroed per-stream pool the kernels leave zero; reduce.cu's `sum_chunks`
-only past _COL_TICKETS of them).  No full-size workspace, no atomics on values.
+only past _engine.COL_TICKETS of them).  No full-size workspace, no atomics on values.
 Operands broadcast along different dims that both want a gradient take one pass per pattern:
 the first pass computes everything else, each later one (`Plan.rest`) only its operands'
 gradients.  Nothing is read back to the host.
@@ -32,8 +32,8 @@ import math
 
 import numpy
 
-from cupyloss import (_args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _tuning,
-                      _validate)
+from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
+                      _tuning, _validate)
 from cupyloss._registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
 
 # Flag bits and operand kinds, mirrored from the enums in kernels/pointwise.cu.
@@ -143,45 +143,6 @@ class Plan:
 
 
 _PLANS = _plans.Plans()
-_TICKETS: dict = {}          # device -> (base pointer, {stream: slot})
-_TICKET_SLOTS = 1024
-_COL_TICKETS = 256           # column blocks of pointwise_rows, or groups of o of pointwise_reduce,
-                             # whose partials a launch adds up itself
-
-
-def _ticket(device: int, stream: int) -> int:
-    """A zeroed uint32 on `device` for the last-block ticket of launches on `stream`.
-
-    Each kernel that uses it leaves it zero again (atomicInc wraps it), so launches on one
-    stream share one slot.  Behind the _TICKET_SLOTS tickets lie _COL_TICKETS more per slot
-    (`_col_tickets`), allocated with them.
-    The slots are allocated and zeroed once per device (warm up before capturing a CUDA graph).
-    """
-    import cupy
-
-    entry = _TICKETS.get(device)
-    if entry is None:
-        size = 4 * _TICKET_SLOTS * (1 + _COL_TICKETS)
-        with cupy.cuda.Device(device):
-            base = cupy.cuda.runtime.malloc(size)
-            cupy.cuda.runtime.memset(base, 0, size)
-        entry = _TICKETS[device] = (base, {})
-    base, slots = entry
-    slot = slots.get(stream)
-    if slot is None:
-        slot = slots[stream] = len(slots) % _TICKET_SLOTS
-    return base + 4 * slot
-
-
-def _col_tickets(device: int, stream: int) -> int:
-    """_COL_TICKETS zeroed uint32 on `device` for the column blocks of a pointwise_rows launch or
-    the groups of o of a pointwise_reduce launch on `stream` (one each; the kernel leaves them
-    zero, as `_ticket`)."""
-    ticket = _ticket(device, stream)
-    base = _TICKETS[device][0]
-    return base + 4 * _TICKET_SLOTS + 4 * _COL_TICKETS * ((ticket - base) // 4)
-
-
 def _mode(size: int, n: int) -> str:
     if size == n:
         return "direct"
@@ -325,7 +286,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             for k in range(k_ops):
                 if not want_grads[k]:
                     continue
-                if kinds[k] == KIND_ROW and cfg.grid[1] > 1 and cfg.grid[0] <= _COL_TICKETS:
+                if kinds[k] == KIND_ROW and cfg.grid[1] > 1 and cfg.grid[0] <= _engine.COL_TICKETS:
                     grads[k] = "fused"      # the kernel's last row blocks add the partials
                     chunks[k] = (cfg.grid[1] * cols, None, None)
                 elif kinds[k] == KIND_ROW and cfg.grid[1] > 1:
@@ -402,7 +363,7 @@ def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, 
     chunks = [None] * k_ops
     units_o = _launch._cdiv(split.n_o, _launch.WARP // cfg.lanes_m)
     for k in summed:
-        if cfg.nchunks > 1 and units_o <= _COL_TICKETS:
+        if cfg.nchunks > 1 and units_o <= _engine.COL_TICKETS:
             grads[k] = "fused"      # the unit finishing an o's chunks last adds them
             chunks[k] = (cfg.nchunks * split.n_o, None, None)
         elif cfg.nchunks > 1:
@@ -498,18 +459,11 @@ def evaluate(spec: LossSpec, arrays, *, reduction: str, params: tuple, want_valu
         plan = _PLANS[key] = _make_plan(spec, reduction, params, want_value, want_grads,
                                         go_kind, go_shape, go_strides, layouts, dtype,
                                         not (bits & 15), device)
-    if plan.slow or _current_device() != device:
+    if plan.slow or _engine.current_device() != device:
         return _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value,
                          want_grads)
     return _run(plan, frame, ops, go, go_value, frame.stream(device))
 
-
-def _current_device():
-    import cupy
-
-    global _current_device
-    _current_device = cupy.cuda.runtime.getDevice
-    return _current_device()
 
 
 def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
@@ -547,13 +501,13 @@ def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
             post.append((index - 1, ptr))
     if plan.partials:
         _, words[plan.spartials] = frame.empty((plan.partials,), plan.acc, like)
-        words[plan.sticket] = _ticket(x.device, stream)
+        words[plan.sticket] = _engine.ticket(x.device, stream)
     held = []
     for k, size in plan.fused:
         part, words[plan.sws + k] = frame.empty((size,), _F64, like)
         held.append(part)
     if held:
-        words[plan.scol] = _col_tickets(x.device, stream)
+        words[plan.scol] = _engine.col_tickets(x.device, stream)
     if post:
         _launch_chunked(plan, frame, words, post, stream, like)
     else:

@@ -18,9 +18,9 @@ import math
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
-from cupyloss._pointwise import _ticket
-from cupyloss._rowwise import Launched, _contiguous, _target_operand
+from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
+                      _validate)
+from cupyloss._rowwise import Launched
 
 # The loss ids of rowclass_rows<T, LOSS> and the flag bits, mirrored from kernels/rowclass.cu.
 LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD = 0, 1, 2
@@ -280,7 +280,7 @@ def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream, inplace=False
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
     if plan.gt:
         gt, words[slot["gt"]] = frame.empty(plan.x_shape, dtype, like)
-    ticket = _ticket(x.device, stream) if plan.ticket else 0
+    ticket = _engine.ticket(x.device, stream) if plan.ticket else 0
     scratch_ptr = 0
     if plan.scratch_size:
         _, scratch_ptr = frame.empty((plan.scratch_size,), plan.acc, like)
@@ -329,7 +329,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     other = _dispatch.frame_of(target, "target")
     if other is not frame:
         _dispatch.check_same_frame(frame, other, input, target, "input", "target")
-    t, is_index = _target_operand(frame, target)
+    t, is_index = _engine.target_operand(frame, target)
     dtype, device = x.dtype, x.device
     w = None if weight is None else _operand(frame, weight, "weight", x)
     if spec.loss == LOSS_MULTI_MARGIN:
@@ -355,7 +355,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
         if _dispatch.frame_of(shift_labels, "shift_labels") is not frame:
             _dispatch.check_same_frame(frame, _dispatch.frame_of(shift_labels, "shift_labels"),
                                        input, shift_labels, "input", "shift_labels")
-        labels, label_index = _target_operand(frame, shift_labels)
+        labels, label_index = _engine.target_operand(frame, shift_labels)
         if not label_index:
             raise TypeError(f"shift_labels must hold class indices (int32 or int64), got dtype "
                             f"{labels.dtype}")
@@ -416,7 +416,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
             and (w is None or (w_strides is not None and
                                (spec.loss == LOSS_MULTILABEL or w_strides[1] in (0, 1)))))
     args = (reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind)
-    if not fast or _current_device() != device:
+    if not fast or _engine.current_device() != device:
         return _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args,
                          loss_shape, inplace)
     key = (spec.name, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
@@ -429,13 +429,6 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
                                         dtype, device)
     return _run(plan, frame, x, t, w, labels, go, go_value, stream, inplace)
 
-
-def _current_device():
-    import cupy
-
-    global _current_device
-    _current_device = cupy.cuda.runtime.getDevice
-    return _current_device()
 
 
 def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args, loss_shape,
@@ -450,16 +443,16 @@ def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args
         keep = []
         if _row_strides(x.shape, x.strides) is None:
             original = x
-            x = _contiguous(frame, x, "input")
+            x = _engine.contiguous(frame, x, "input")
             x.array, copy = original.array, x.array  # outputs are allocated like the input
             keep.append(copy)
         if (_index_stride(t.shape, t.strides) if is_index
                 else _row_strides(t.shape, t.strides)) is None:
-            t = _contiguous(frame, t, "target")
+            t = _engine.contiguous(frame, t, "target")
         if labels is not None and _index_stride(labels.shape, labels.strides) is None:
-            labels = _contiguous(frame, labels, "shift_labels")
+            labels = _engine.contiguous(frame, labels, "shift_labels")
         if go is not None and go.shape != () and _index_stride(go.shape, go.strides) is None:
-            go = _contiguous(frame, go, "grad_output")
+            go = _engine.contiguous(frame, go, "grad_output")
         w_strides = None
         if w is not None:
             if spec.loss == LOSS_MULTILABEL:
@@ -476,7 +469,7 @@ def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args
                 w_strides = (w_rs, b[-1])
             else:
                 if w.shape[0] > 1 and w.strides[0] != 1:
-                    w = _contiguous(frame, w, "weight")
+                    w = _engine.contiguous(frame, w, "weight")
                 w_strides = (0, 1 if w.shape[0] > 1 else 0)
         x_rs = _row_strides(x.shape, x.strides)
         t_rs = _index_stride(t.shape, t.strides) if is_index else _row_strides(t.shape,

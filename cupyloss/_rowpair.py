@@ -3,7 +3,7 @@
 Two or three arrays of one shape, each row (the last axis) reduced to a few sums, then the row's
 loss and every array's gradient (kernels/rowpair.cu).  `evaluate` is the one entry point.  Arrays
 come in through `_dispatch` as Operands; a per-row target (cosine_embedding_loss's) is read as
-int32/int64 or as the inputs' dtype (`_rowwise._target_operand`).  Rows are the leading dims
+int32/int64 or as the inputs' dtype (`_engine.target_operand`).  Rows are the leading dims
 merged into one stride per array; an array whose leading dims do not merge is copied contiguous
 first (off the hot path).  Everything that depends only on metadata is a cached Plan with packed
 parameter words; a call allocates its outputs and launches once.  Nothing is read back to the
@@ -16,9 +16,8 @@ import array
 import dataclasses
 import math
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
-from cupyloss._pointwise import _ticket
-from cupyloss._rowwise import _INDEX_DTYPES, _contiguous, _target_operand
+from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
+                      _validate)
 
 # Flag bits, mirrored from the enum in kernels/rowpair.cu.
 FLAG_GO_DEVICE = 1
@@ -190,9 +189,9 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
         flags |= FLAG_GO_DEVICE
     elif go_kind == "array":
         flags |= FLAG_GO_ROWS
-    if t_dtype == _INDEX_DTYPES[0]:
+    if t_dtype == _engine.INDEX_DTYPES[0]:
         flags |= FLAG_T_INT32
-    elif t_dtype == _INDEX_DTYPES[1]:
+    elif t_dtype == _engine.INDEX_DTYPES[1]:
         flags |= FLAG_T_INT64
     values = {"rows": rows, "cols": cols, "t_rs": _args.i64_word(t_rs),
               "go_rs": _args.i64_word(go_rs), "flags": flags, "tpr": cfg.tpr, "hv": cfg.hv,
@@ -248,7 +247,7 @@ def _run(plan: Plan, frame, xs, t, go, go_value, stream):
     if plan.partials:
         _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
         if not plan.finish:
-            words[slot["ticket"]] = _ticket(xs[0].device, stream)
+            words[slot["ticket"]] = _engine.ticket(xs[0].device, stream)
     _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
     if plan.finish:
         # The wide launch wrote the rows' losses; rowpair_finish adds them into the 0-d loss.
@@ -277,7 +276,7 @@ def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=Tr
     xs, t, is_index = [], None, False
     for a, n in zip(arrays, names):
         if n == spec.target:
-            t, is_index = _target_operand(frame, a)
+            t, is_index = _engine.target_operand(frame, a)
         else:
             xs.append(frame.operand(a, n))
     inputs = [n for n in names if n != spec.target]
@@ -322,18 +321,11 @@ def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=Tr
         plan = _PLANS[key] = _make_plan(spec, reduction, parsed, want_value, grads, go_kind,
                                         go_rs, tuple(xs[0].shape), geos, t_rs,
                                         None if t is None else t.dtype, dtype, device)
-    if plan is None or _current_device() != device:
+    if plan is None or _engine.current_device() != device:
         return _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed,
                          want_value, grads, go_kind)
     return _run(plan, frame, xs, t, go, go_value, stream)
 
-
-def _current_device():
-    import cupy
-
-    global _current_device
-    _current_device = cupy.cuda.runtime.getDevice
-    return _current_device()
 
 
 def _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed, want_value, grads,
@@ -348,7 +340,7 @@ def _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed, want_
         keep = []
         for k, x in enumerate(xs):
             if _row_geometry(x.shape, x.strides) is None:
-                copy = _contiguous(frame, x, "input")
+                copy = _engine.contiguous(frame, x, "input")
                 keep.append(copy.array)
                 copy.array = x.array  # outputs are allocated like the caller's array
                 xs[k] = copy
@@ -356,7 +348,7 @@ def _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed, want_
         if go_kind == "array":
             go_rs = _launch.merged_stride(go.shape, go.strides)
             if go_rs is None:
-                go = _contiguous(frame, go, "grad_output")
+                go = _engine.contiguous(frame, go, "grad_output")
                 go_rs = _launch.merged_stride(go.shape, go.strides)
         geos = [_row_geometry(x.shape, x.strides) for x in xs]
         t_rs = 0 if t is None or not t.shape else t.strides[0]

@@ -20,8 +20,8 @@ import math
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _launch, _plans, _reduction, _source, _validate
-from cupyloss._pointwise import _ticket
+from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
+                      _validate)
 
 # Flag bits, mirrored from the enum in kernels/rowwise.cu.
 FLAG_INDEX64 = 1
@@ -32,7 +32,6 @@ FLAG_GO_ROWS = 16
 FLAG_MEAN_W = 32
 FLAG_ACC_IO = 64
 _FIELDS = 5                   # ROW_FIELDS: a row state's accumulators in the group exchange
-_INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,54 +123,7 @@ class Plan:
 _PLANS = _plans.Plans()
 
 
-# --- operands ------------------------------------------------------------------------------------
-
-def _target_operand(frame, target):
-    """(Operand, is_index) of a target: int32/int64 class indices, or a floating array."""
-    if frame.name in ("torch", "torch-dlpack"):
-        import torch
-
-        index = {torch.int32: _INDEX_DTYPES[0], torch.int64: _INDEX_DTYPES[1]}.get(target.dtype)
-        if index is None:
-            return frame.operand(target, "target"), False
-        if not target.is_cuda:
-            raise TypeError(f"target is a torch.Tensor on {target.device}; cupyloss runs on "
-                            f"CUDA devices: move it with target.cuda()")
-        return _dispatch.Operand(target.data_ptr(), tuple(target.shape), target.stride(), index,
-                                 target.get_device(), target), True
-    if frame.name == "cupy":
-        view = target
-    else:  # JAX and other DLPack producers: a CuPy view, as their frame makes one
-        if getattr(target, "dtype", None) is not None and \
-                numpy.dtype(target.dtype) not in _INDEX_DTYPES:
-            return frame.operand(target, "target"), False
-        import cupy
-
-        try:
-            device_type, _ = target.__dlpack_device__()
-        except Exception as exc:
-            raise TypeError(f"target ({type(target).__name__}) does not say where its memory "
-                            f"is (__dlpack_device__ failed: {exc})") from None
-        if device_type not in (_dispatch._KDLCUDA, _dispatch._KDLCUDA_MANAGED):
-            raise TypeError(f"target is in DLPack device type {device_type}, not on a CUDA "
-                            f"device; move it to the GPU first")
-        view = cupy.from_dlpack(target)
-    if view.dtype not in _INDEX_DTYPES:
-        return frame.operand(target, "target"), False
-    itemsize = view.dtype.itemsize
-    return _dispatch.Operand(view.data.ptr, view.shape, tuple(s // itemsize for s in view.strides),
-                             view.dtype, view.data.device_id, view), True
-
-
-def _contiguous(frame, op, name):
-    """A C-contiguous copy of `op` (a CuPy array from the caller's allocator) as an Operand."""
-    import cupy
-
-    copy = cupy.ascontiguousarray(frame.cupy_view(op))
-    itemsize = copy.dtype.itemsize
-    return _dispatch.Operand(copy.data.ptr, copy.shape, tuple(s // itemsize for s in copy.strides),
-                             copy.dtype, op.device, copy)
-
+# --- operands (class-index targets and copies: _engine) ------------------------------------------
 
 def _dense_class_strides(geo) -> tuple:
     """(n, c, d) strides of a C-contiguous array of the input's shape (the gradient's)."""
@@ -232,7 +184,7 @@ def check_targets(frame, t, cols, ignore_index, stream):
 
 def _flags(spec, is_index, t_dtype, go_kind, mean_w, acc_io=False) -> int:
     flags = FLAG_ACC_IO if acc_io else 0
-    if is_index and t_dtype == _INDEX_DTYPES[1]:
+    if is_index and t_dtype == _engine.INDEX_DTYPES[1]:
         flags |= FLAG_INDEX64
     if not is_index:
         flags |= FLAG_PROB
@@ -398,7 +350,7 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
     if plan.gt:
         gt, words[slot["gt"]] = frame.empty(plan.t_shape, dtype, like)
-    ticket = _ticket(x.device, stream) if plan.ticket else 0
+    ticket = _engine.ticket(x.device, stream) if plan.ticket else 0
     scratch_ptr = 0
     if plan.scratch_size:
         _, scratch_ptr = frame.empty((plan.scratch_size,), plan.acc, like)
@@ -451,7 +403,7 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     if other is not frame:
         _dispatch.check_same_frame(frame, other, input, target, "input", "target")
     x = frame.operand(input, "input")
-    t, is_index = _target_operand(frame, target)
+    t, is_index = _engine.target_operand(frame, target)
     _check_shapes(spec, x, t, is_index)
     dtype, device = x.dtype, x.device
     if t.device != device:
@@ -524,7 +476,7 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
         plan = _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx,
                              want_gt, want_lse, inplace, go_kind, go_strides, x, t, w, dtype,
                              device, into_key, acc_io)
-    if plan is None or _current_device() != device:
+    if plan is None or _engine.current_device() != device:
         return _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index,
                          options, want_value, want_gx, want_gt, want_lse, inplace, go_kind,
                          into, acc_io)
@@ -554,13 +506,6 @@ def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, 
     return plan
 
 
-def _current_device():
-    import cupy
-
-    global _current_device
-    _current_device = cupy.cuda.runtime.getDevice
-    return _current_device()
-
 
 def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, options,
               want_value, want_gx, want_gt, want_lse, inplace, go_kind, into=None, acc_io=False):
@@ -577,18 +522,18 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
                                  f"merge into one stride, got strides {tuple(x.strides)} for "
                                  f"shape {tuple(x.shape)}")
             original = x
-            x = _contiguous(frame, x, "input")
+            x = _engine.contiguous(frame, x, "input")
             x.array, x_copy = original.array, x.array  # outputs are allocated like the input
-            t = _contiguous(frame, t, "target")
+            t = _engine.contiguous(frame, t, "target")
         else:
             x_copy = None
         if w is not None and w.strides != (1,) and w.shape[0] > 1:
-            w = _contiguous(frame, w, "weight")
+            w = _engine.contiguous(frame, w, "weight")
         go_strides = None
         if go_kind == "array":
             go_strides = _go_strides(go)
             if go_strides is None:
-                go = _contiguous(frame, go, "grad_output")
+                go = _engine.contiguous(frame, go, "grad_output")
                 go_strides = _go_strides(go)
         plan = _make_plan(spec, reduction, is_index, options, want_value, want_gx, want_gt,
                           want_lse, inplace, go_kind, go_strides, x.shape, x.strides, t.shape,
@@ -611,7 +556,7 @@ def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, i
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         return
-    flags = FLAG_INDEX64 if target.dtype == _INDEX_DTYPES[1] else 0
+    flags = FLAG_INDEX64 if target.dtype == _engine.INDEX_DTYPES[1] else 0
     go_ptr, go_value = 0, 1.0
     if isinstance(grad_output, (int, float)):
         go_value = float(grad_output)
@@ -645,7 +590,7 @@ def slice_stats(x, target, out, c0, classes, weight, *, ignore_index, label_smoo
     rows, cols = x.shape
     if rows == 0:
         return
-    flags = FLAG_INDEX64 if target.dtype == _INDEX_DTYPES[1] else 0
+    flags = FLAG_INDEX64 if target.dtype == _engine.INDEX_DTYPES[1] else 0
     name = _source.rowwise_name("cross_entropy_slice_stats", _dtypes.DTYPES[x.dtype].ctype)
     cfg = _launch.slice_launch(rows, _launch.device_limits(device))
     words = STATS.template({
@@ -667,7 +612,7 @@ def combine(stats, target, weight, loss, lse, wy, classes, *, ignore_index, labe
     k, rows = stats.shape[:2]
     if rows == 0:
         return
-    flags = FLAG_INDEX64 if target.dtype == _INDEX_DTYPES[1] else 0
+    flags = FLAG_INDEX64 if target.dtype == _engine.INDEX_DTYPES[1] else 0
     name = _source.rowwise_name("cross_entropy_combine", ctype)
     cfg = _launch.row_thread_launch(rows, _launch.device_limits(device))
     words = COMBINE.template({

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import cupyloss
-from cupyloss import _args, _dispatch, _launch, _pointwise, _registry, _source, _tuning
+from cupyloss import _args, _dispatch, _engine, _launch, _pointwise, _registry, _source, _tuning
 
 H100 = _launch.DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
                             max_shared_per_block=49152)
@@ -97,9 +97,9 @@ def device(monkeypatch):
     monkeypatch.setattr(_source, "function", resolve)
     monkeypatch.setattr(_args, "launch", launch)
     monkeypatch.setattr(_pointwise, "_make_plan", lambda *a: _pointwise._build(*a))
-    monkeypatch.setattr(_pointwise, "_current_device", lambda: 0)
-    monkeypatch.setattr(_pointwise, "_ticket", lambda d, s: 0x7)
-    monkeypatch.setattr(_pointwise, "_col_tickets", lambda d, s: 0x70)
+    monkeypatch.setattr(_engine, "current_device", lambda: 0)
+    monkeypatch.setattr(_engine, "ticket", lambda d, s: 0x7)
+    monkeypatch.setattr(_engine, "col_tickets", lambda d, s: 0x70)
     monkeypatch.setattr(_pointwise, "_run_slow", slow)
     monkeypatch.setattr(_pointwise, "_PLANS", {})
     monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
@@ -516,7 +516,7 @@ def test_every_mask_a_plan_takes_is_compiled(device, name, shapes):
 
 def test_row_gradients_summed_in_one_launch_up_to_the_column_tickets(device, monkeypatch):
     """A row operand's gradient over several row blocks: summed by the kernel's last row blocks
-    while the column blocks have tickets (_COL_TICKETS), by sum_chunks past that; the summing
+    while the column blocks have tickets (_engine.COL_TICKETS), by sum_chunks past that; the summing
     launches take ROWS_TX_SUMMED threads along a row, an elementwise loss alone the widest."""
     spec = _registry.SPECS["mse_loss"]
     x, t = arr((4096,)), arr((512, 4096))
@@ -532,7 +532,7 @@ def test_row_gradients_summed_in_one_launch_up_to_the_column_tickets(device, mon
     assert _words(spec, "rows", device.launches[-1][1], "tx") == [_tuning.value("ROWS_TX_SUMMED")]
     # More column blocks than tickets: the partials go to sum_chunks.
     _pointwise._PLANS.clear()
-    monkeypatch.setattr(_pointwise, "_COL_TICKETS", plan.grid[0] - 1)
+    monkeypatch.setattr(_engine, "COL_TICKETS", plan.grid[0] - 1)
     cupyloss.mse_loss_value_and_grad(x, t)
     (again,) = _pointwise._PLANS.values()
     assert again.grid == plan.grid and again.grads == ("chunks", "g")
@@ -540,7 +540,7 @@ def test_row_gradients_summed_in_one_launch_up_to_the_column_tickets(device, mon
     assert device.launches[-1][2][1:3] == [plan.grid[1], 4096]   # [row blocks, cols] partials
     assert _words(spec, "rows", device.launches[-2][1], "col_tickets") == [0]
     # The same past the tickets in pointwise_reduce (64 channels, a unit each).
-    monkeypatch.setattr(_pointwise, "_COL_TICKETS", 63)
+    monkeypatch.setattr(_engine, "COL_TICKETS", 63)
     cupyloss.mse_loss_value_and_grad(arr((1, 64, 1, 1)), arr((256, 64, 56, 56)))
     (plan,) = [p for p in _pointwise._PLANS.values() if p.out_shape == (256, 64, 56, 56)]
     assert plan.grads == ("chunks", "g") and device.launches[-1][0] == "sum_chunks"

@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from cupyloss import _args, _dispatch, _launch, _rowclass, _rowpair, _rowwise, _source
+from cupyloss import _args, _dispatch, _engine, _launch, _rowclass, _rowpair, _rowwise, _source
 from test_pointwise_plans import H100, FakeFrame, HostArray
 
 # H100 limits with clusters, as the rows kernel plans on sm_90
@@ -55,11 +55,10 @@ def device(monkeypatch):
     monkeypatch.setattr(_rowwise, "_launch_cooperative", cooperative)
     for module in (_rowwise, _rowclass, _rowpair):
         monkeypatch.setattr(module, "_make_plan", getattr(module, "_build"))
-        monkeypatch.setattr(module, "_current_device", lambda: 0)
-        monkeypatch.setattr(module, "_ticket", lambda d, s: 0x7)
         monkeypatch.setattr(module, "_PLANS", {})
-    monkeypatch.setattr(_rowwise, "_target_operand", target_operand)
-    monkeypatch.setattr(_rowclass, "_target_operand", target_operand)
+    monkeypatch.setattr(_engine, "current_device", lambda: 0)
+    monkeypatch.setattr(_engine, "ticket", lambda d, s: 0x7)
+    monkeypatch.setattr(_engine, "target_operand", target_operand)
     monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
     record.layouts = layouts
     return record

@@ -1,0 +1,109 @@
+"""What the kernel families' engines (_pointwise, _rowwise, _rowclass, _rowpair) share: the
+current device, the last-block tickets their launches count on, and the operands they take
+(class-index targets, contiguous copies).  Each engine keeps its own plans (a _plans.Plans
+cache of packed launches keyed by metadata) and its own run; this is what none of them owns.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from cupyloss import _dispatch
+
+INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
+
+
+def current_device() -> int:
+    """The current CUDA device (CuPy's runtime call, bound here at the first call so that later
+    calls cost one lookup)."""
+    import cupy
+
+    global current_device
+    current_device = cupy.cuda.runtime.getDevice
+    return current_device()
+
+
+TICKETS: dict = {}          # device -> (base pointer, {stream: slot})
+TICKET_SLOTS = 1024
+COL_TICKETS = 256           # column blocks of pointwise_rows, or groups of o of pointwise_reduce,
+                            # whose partials a launch adds up itself
+
+
+def ticket(device: int, stream: int) -> int:
+    """A zeroed uint32 on `device` for the last-block ticket of launches on `stream`.
+
+    Each kernel that uses it leaves it zero again (atomicInc wraps it), so launches on one
+    stream share one slot.  Behind the TICKET_SLOTS tickets lie COL_TICKETS more per slot
+    (`col_tickets`), allocated with them.
+    The slots are allocated and zeroed once per device (warm up before capturing a CUDA graph).
+    """
+    import cupy
+
+    entry = TICKETS.get(device)
+    if entry is None:
+        size = 4 * TICKET_SLOTS * (1 + COL_TICKETS)
+        with cupy.cuda.Device(device):
+            base = cupy.cuda.runtime.malloc(size)
+            cupy.cuda.runtime.memset(base, 0, size)
+        entry = TICKETS[device] = (base, {})
+    base, slots = entry
+    slot = slots.get(stream)
+    if slot is None:
+        slot = slots[stream] = len(slots) % TICKET_SLOTS
+    return base + 4 * slot
+
+
+def col_tickets(device: int, stream: int) -> int:
+    """COL_TICKETS zeroed uint32 on `device` for the column blocks of a pointwise_rows launch or
+    the groups of o of a pointwise_reduce launch on `stream` (one each; the kernel leaves them
+    zero, as `ticket`)."""
+    mine = ticket(device, stream)
+    base = TICKETS[device][0]
+    return base + 4 * TICKET_SLOTS + 4 * COL_TICKETS * ((mine - base) // 4)
+
+
+def target_operand(frame, target):
+    """(Operand, is_index) of a target: int32/int64 class indices, or a floating array."""
+    if frame.name in ("torch", "torch-dlpack"):
+        import torch
+
+        index = {torch.int32: INDEX_DTYPES[0], torch.int64: INDEX_DTYPES[1]}.get(target.dtype)
+        if index is None:
+            return frame.operand(target, "target"), False
+        if not target.is_cuda:
+            raise TypeError(f"target is a torch.Tensor on {target.device}; cupyloss runs on "
+                            f"CUDA devices: move it with target.cuda()")
+        return _dispatch.Operand(target.data_ptr(), tuple(target.shape), target.stride(), index,
+                                 target.get_device(), target), True
+    if frame.name == "cupy":
+        view = target
+    else:  # JAX and other DLPack producers: a CuPy view, as their frame makes one
+        if getattr(target, "dtype", None) is not None and \
+                numpy.dtype(target.dtype) not in INDEX_DTYPES:
+            return frame.operand(target, "target"), False
+        import cupy
+
+        try:
+            device_type, _ = target.__dlpack_device__()
+        except Exception as exc:
+            raise TypeError(f"target ({type(target).__name__}) does not say where its memory "
+                            f"is (__dlpack_device__ failed: {exc})") from None
+        if device_type not in (_dispatch._KDLCUDA, _dispatch._KDLCUDA_MANAGED):
+            raise TypeError(f"target is in DLPack device type {device_type}, not on a CUDA "
+                            f"device; move it to the GPU first")
+        view = cupy.from_dlpack(target)
+    if view.dtype not in INDEX_DTYPES:
+        return frame.operand(target, "target"), False
+    itemsize = view.dtype.itemsize
+    return _dispatch.Operand(view.data.ptr, view.shape, tuple(s // itemsize for s in view.strides),
+                             view.dtype, view.data.device_id, view), True
+
+
+def contiguous(frame, op, name):
+    """A C-contiguous copy of `op` (a CuPy array from the caller's allocator) as an Operand."""
+    import cupy
+
+    copy = cupy.ascontiguousarray(frame.cupy_view(op))
+    itemsize = copy.dtype.itemsize
+    return _dispatch.Operand(copy.data.ptr, copy.shape, tuple(s // itemsize for s in copy.strides),
+                             copy.dtype, op.device, copy)
