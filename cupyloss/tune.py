@@ -24,9 +24,11 @@ it runs:
   pair          triplet_margin_loss 3 x 32768 x 8192 (forward)
 
 Prints this GPU's rows; --write puts them into cupyloss/tuning.csv in place of this GPU's
-rows there.  --max-seconds stops before a knob that would start past that time, with the rows
-of the knobs done (a run split over several calls: name the rest with --knobs).  Every measurement goes to --out (default benchmarks/results/tune-<gpu>.csv) as
-data: gpu, knob, value, workload, ms, GB/s, chosen.  Never a test.
+rows there.  --summarize CSV prints a measurements file as the Markdown table docs/tuning.md
+quotes.  --max-seconds stops before a knob that would start past that time, with the rows of
+the knobs done (a run split over several calls: name the rest with --knobs).  Every
+measurement goes to --out (default benchmarks/results/tune-<gpu>.csv) as data: gpu, knob,
+value, workload, ms, GB/s, chosen.  Never a test.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["choose", "tags", "main"]
+__all__ = ["choose", "tags", "summarize", "main"]
 
 
 def tags(knob: str) -> set[str]:
@@ -206,6 +208,34 @@ def _measure(work: list[Workload], reps: int) -> dict[str, float]:
     return out
 
 
+def summarize(path: pathlib.Path) -> str:
+    """A Markdown table of a measurements file (--out): per GPU and knob, the default, the value
+    chosen, its mean time ratio to the default's over the knob's workloads, and the best and
+    worst workload ratios (docs/tuning.md quotes it)."""
+    from cupyloss import _tuning
+
+    with path.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    ms: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    chosen: dict[tuple[str, str], int] = {}
+    for row in rows:
+        key = (row["gpu"], row["knob"])
+        ms.setdefault(key, {}).setdefault(int(row["value"]), {})[row["workload"]] = float(row["ms"])
+        if row["chosen"] == "1":
+            chosen[key] = int(row["value"])
+    lines = ["| GPU | knob | default | chosen | mean time ratio | workloads, best / worst |",
+             "|---|---|---|---|---|---|"]
+    for (gpu, knob), times in ms.items():
+        default = _tuning.KNOBS[knob].default
+        pick = chosen.get((gpu, knob), default)
+        if default not in times or pick not in times:
+            continue
+        ratios = [times[pick][w] / times[default][w] for w in times[default]]
+        lines.append(f"| {gpu} | {knob} | {default} | {pick} | {statistics.fmean(ratios):.3f} | "
+                     f"{min(ratios):.3f} / {max(ratios):.3f} |")
+    return "\n".join(lines)
+
+
 def write_rows(path: pathlib.Path, gpu: str, chosen: dict[str, int]) -> None:
     """Put `chosen` ({knob: value}) in the table file at `path` as GPU `gpu`'s rows, in place of
     the rows it had; other GPUs' rows stay as they were."""
@@ -237,7 +267,12 @@ def main(argv=None) -> dict[str, int]:
                         help=f"put this GPU's rows into {_tuning.TABLE}")
     parser.add_argument("--out", help="measurements CSV (default "
                         "benchmarks/results/tune-<gpu>.csv)")
+    parser.add_argument("--summarize", metavar="CSV", help="print a Markdown table of a "
+                        "measurements file and exit (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(pathlib.Path(args.summarize)))
+        return {}
     from cupyloss import _timing
 
     _timing.need(parser.prog)

@@ -154,3 +154,16 @@ def test_functors_are_math_and_their_shapes_the_tables():
                                     ("ReduceBlocksHeavy", shape.reduce_blocks),
                                     ("ReduceBlocksStream", shape.reduce_blocks)) if on}
         assert got == want, functor
+
+
+def test_tune_summarizes_its_measurements(tmp_path):
+    """The Markdown summary gives each knob's default, the value kept and its mean time ratio
+    to the default's over the workloads, with the best and worst workload."""
+    from cupyloss import tune
+
+    path = tmp_path / "tune.csv"
+    path.write_text("gpu,knob,value,workload,ms,GB/s,chosen\n"
+                    "h200,REDUCE_STEPS,4,a,1.0,1,0\nh200,REDUCE_STEPS,4,b,2.0,1,0\n"
+                    "h200,REDUCE_STEPS,8,a,0.8,1,1\nh200,REDUCE_STEPS,8,b,2.2,1,1\n")
+    table = tune.summarize(path).splitlines()
+    assert table[2] == "| h200 | REDUCE_STEPS | 4 | 8 | 0.950 | 0.800 / 1.100 |"
