@@ -118,9 +118,10 @@ def _param_bytes(ptx: str) -> dict:
     return out
 
 
-def _compile(lib, include, file, source, names, arch, extra=()):
-    """Compile `names` of `source` for `arch` (options `extra` added): (status, log,
-    {name: lowered}, float atomics, {lowered: parameter bytes})."""
+def _compile(lib, include, file, source, names, arch, extra=(), options=None):
+    """Compile `names` of `source` for `arch` (options `extra` added to `options`, default
+    _source.OPTIONS): (status, log, {name: lowered}, float atomics, {lowered: parameter
+    bytes})."""
     nvrtc = ctypes.CDLL(lib)
     nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
     program = ctypes.c_void_p()
@@ -131,7 +132,8 @@ def _compile(lib, include, file, source, names, arch, extra=()):
     try:
         for name in names:
             nvrtc.nvrtcAddNameExpression(program, name.encode())
-        options = [*_source.OPTIONS, *extra, f"-arch={arch}", f"-I{include}"]
+        options = [*(_source.OPTIONS if options is None else options), *extra, f"-arch={arch}",
+                   f"-I{include}"]
         argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
         status = nvrtc.nvrtcCompileProgram(program, len(options), argv)
         log = _read(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, program)
@@ -357,3 +359,57 @@ def test_precompile_refuses_unknown_names(argv, message, capsys):
     with pytest.raises(SystemExit):
         precompile.main(argv)
     assert message in capsys.readouterr().err
+
+
+# The functors and dtypes whose pointwise kernels the knobs' candidates are compiled for: a
+# cheap one, one with its own 4-byte shape, one heavy and streaming with 16-bit bounds.
+TUNED_FUNCTORS = ("MseOp", "KlDivOp<0>", "BceOp<0>")
+TUNED_DTYPES = ("float32", "bfloat16")
+
+
+def _candidate_jobs(pool, lib, include):
+    """{(knob, value): futures} of the most general pointwise kernels (with and without
+    gradients) of TUNED_FUNCTORS x TUNED_DTYPES for sm_90 with each compile-time knob at each
+    candidate value (fast mode)."""
+    from cupyloss import _tuning
+
+    infos = [info for info in _dtypes.DTYPES.values() if str(info.dtype) in TUNED_DTYPES]
+    names = []
+    for functor in TUNED_FUNCTORS:
+        every = [n for info in infos for n in _source.pointwise_names(functor, info)]
+        values = [n for n in every if ", false" in n]      # the value-only kernels' knobs too
+        names += general("pointwise.cu", every) + general("pointwise.cu", values)
+    source = _source.source("pointwise.cu")
+    jobs = {}
+    for knob in _tuning.KNOBS.values():
+        if not knob.compiled:
+            continue
+        for v in knob.candidates:
+            if v == knob.default:
+                continue
+            _tuning._OVERRIDES["candidate"] = {knob.name: v}
+            options = _source.options("candidate")
+            jobs[knob.name, v] = [
+                pool.submit(_compile, lib, include, "pointwise.cu", source,
+                            names[i:i + NAMES_PER_PROGRAM], "sm_90", FAST, options)
+                for i in range(0, len(names), NAMES_PER_PROGRAM)]
+    _tuning._OVERRIDES.pop("candidate", None)
+    return jobs
+
+
+def test_every_knob_candidate_compiles():
+    """python -m cupyloss.tune compiles the kernels with each compile-time knob at each of its
+    candidate values: every one of them builds (NVRTC, sm_90, the most general instantiation of
+    each pointwise kernel of a cheap, an own-shape and a heavy streaming functor)."""
+    lib, include = _need_toolchain()
+    workers = max(1, min(len(os.sched_getaffinity(0)), 16))
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        jobs = _candidate_jobs(pool, lib, include)
+        failed = []
+        for (knob, v), futures in jobs.items():
+            for future in futures:
+                error, log, *_ = future.result()
+                if error or re.search(r"\berror( #\S+)?:", log):
+                    failed.append(f"{knob}={v}: {error}\n{log[-2000:]}")
+    assert jobs and not failed, "\n".join(failed)
