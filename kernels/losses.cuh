@@ -72,9 +72,7 @@ __device__ __forceinline__ double lg1p(double v) { return log1p(v); }
 // logistic losses' gradients by instructions rather than memory.  Against float64 over
 // e = exp(-|x|) of 4M normal x (x ~ N(0, 9)): at most 1.6 float32 ulps, mean signed error
 // -0.004 ulp (their sum: -1.1e-9 relative); log1pf is within 1 ulp.  P(0) is exactly 1, so a
-// tiny or subnormal e gives e itself.  H100, [32768, 32768] float32, ratio of time to
-// mse_loss's (log1pf -> lg1p_unit, one run): value_and_grad binary_cross_entropy_with_logits
-// 1.113 -> 1.002, sigmoid_focal_loss 1.138 -> 1.017; forward 1.023 -> 1.009 and 1.048 -> 1.010.
+// tiny or subnormal e gives e itself (the runs: docs/tuning.md, "The functors' code").
 __device__ __forceinline__ float lg1p_unit(float e) {
     float p = -1.280600787e-03f;
     p = __fmaf_rn(p, e, 9.080967866e-03f);
@@ -132,9 +130,8 @@ __device__ __forceinline__ A sign0(A v) { return A(v > A(0)) - A(v < A(0)); }
 //   sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below, sigmoid(-x) = 1 - sigmoid(x)
 //   taken from the same two numbers, so neither loses digits to 1 - (1 - tiny).
 // Sigmoids::exact takes 1 / (1 + e) correctly rounded (rcp_unit_rn, the bits of __frcp_rn
-// without its branch: H100, float32 value_and_grad on bench_broadcast's per-channel, per-row,
-// row and scalar patterns, soft_margin_loss 0.195, 0.129, 0.131, 0.112 ms -> 0.182, 0.121,
-// 0.123, 0.108, binary_cross_entropy_with_logits row 0.138 -> 0.127, results bitwise the same).
+// without its branch, which kept a broadcast logit's work in the loop; docs/tuning.md, "The
+// functors' code").
 // Sigmoids::fast takes rcp_unit (2 ulp in float, fewer instructions), for a loss value.
 enum class Sigmoids { none, exact, fast };
 
@@ -190,8 +187,8 @@ struct MseOp {
 // exactly as kl_div(log(p), t) does in torch.
 // The two flags are template arguments (the registry's `modes`), not Params fields: each
 // combination is its own kernel, holding only its own formula's code.  With them read at run
-// time the kernels held every form and the compiler interleaved them (H100, fp32
-// log-probabilities broadcast over [8192, 4096] rows, value_and_grad: 0.272 -> 0.176 ms).
+// time the kernels held every form and the compiler interleaved them (docs/tuning.md, "The
+// functors' code").
 template <int MODE>
 struct KlDivOp {
     static constexpr int K = 2;  // input, target
@@ -239,9 +236,8 @@ struct KlDivOp {
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params& p, A (&d)[K]) {
         const A x = v[0], t = v[1];
         if (ratio_form(x, t, p)) {
-            // log(ratio), not the value's ratio_log: sharing it took value_and_grad of
-            // probabilities at 16384^2 from 1.583 to 1.643 ms (H100; its division-heavy
-            // correction costs more than a second log).
+            // log(ratio), not the value's ratio_log: its division-heavy correction costs more
+            // than a second log (docs/tuning.md, "The functors' code").
             const A ratio = div_fast(t, x);
             d[0] = -ratio;
             d[1] = lg(ratio) + A(1);
@@ -257,9 +253,8 @@ struct KlDivOp {
             // t / t is 1 for every finite nonzero t (subnormals included) and NaN for 0, +-inf
             // and NaN: a compare and a select instead of the division.
             const A t_over_t = t != A(0) && isfinite(t) ? A(1) : quiet_nan(A(0));
-            // The value's log: value_and_grad computes it once for both (H100, 32768^2 float32,
-            // ratio of time to mse_loss's, one run: forward 1.185 -> 1.012 and value_and_grad
-            // 1.258 -> 1.131 against the former lg_fine and logf here).
+            // The value's log: value_and_grad computes it once for both (docs/tuning.md,
+            // "The functors' code").
             // lg_fine is taken for every t and the zero selected away afterwards: under a
             // `t != 0` branch here and in value, the two logs sat in two conditional blocks
             // and value_and_grad computed each twice.
@@ -318,15 +313,11 @@ struct L1Op {
 // where no quotient is taken) the product is taken in double, with 1 / beta correctly rounded
 // (__drcp_rn), and rounded to float once: within an ulp of the quotient.  No division: its
 // out-of-line slow path and the reconvergence points around it were paid by every element of
-// the common case (H100, value_and_grad with a per-channel broadcast: 0.191 ms with them,
-// 0.175 without; mse 0.164).
+// the common case.
 // MODE bit 0: beta == 1, torch's default (the registry's `constants`), compiled in: the factors
 // are then 0.5 and 1 and the tests on beta fold away, leaving no uniform branch in the loop
 // (the same bits: z^2 0.5 and d 1 are the products the general path forms for beta == 1).
-// H100, value_and_grad, results bitwise the same: float32, input broadcast against
-// bench_broadcast's shapes, per-channel / per-row / row / scalar 0.166 / 0.109 / 0.112 / 0.114
-// ms -> 0.162 / 0.107 / 0.110 / 0.106 (scalar 78.1 -> 83.7% of the read+write limit);
-// bfloat16 [16384, 16384] 0.886 -> 0.763 ms, forward float32 scalar 0.0566 -> 0.0546.
+// The runs of both: docs/tuning.md, "The functors' code".
 template <int MODE>
 struct SmoothL1Op {
     static constexpr int K = 2;  // input, target
@@ -408,15 +399,10 @@ struct HuberOp {
 //   dl/dw = the unweighted loss
 // x outside [0, 1] (torch asserts) gives a NaN loss; the input gradient is the formula's.
 // The logs are libdevice's (logf, log1pf).  Branch-free ones (lg_fine, and lg_fine(1 - x) plus
-// the rounding 1 - x lost) let the logs of a broadcast x leave the loop, 4-8% on those patterns,
-// but cost the full-size forward a fifth more instructions (H100, 32768^2 float32 forward at
-// 1.235x mse_loss's time), and a full-size x is bce's common case.  Branch-free copies of logf
-// and log1pf themselves (the library's steps, its special cases selected rather than branched
-// to; the same bits for all 2^32 floats, H100) gained at full size, float32 16384^2
-// value_and_grad 1.535 -> 1.500 ms and forward 0.742 -> 0.729, but lost with a broadcast input,
-// per-channel / per-row / row / scalar 78.1 / 69.5 / 68.5 / 77.0 -> 60.0 / 53.2 / 56.5 / 67.3% of
-// the read+write limit: the compiler then evaluated a per-unit x's logs at every element, not
-// once a step (the rows kernel's loop 852 -> 1155 instructions).  So the library's stay.
+// the rounding 1 - x lost) let the logs of a broadcast x leave the loop but cost the full-size
+// forward, bce's common case, a fifth more instructions; branch-free copies of logf and log1pf
+// themselves gained at full size but made the compiler evaluate a per-unit x's logs at every
+// element.  So the library's stay (docs/tuning.md, "The functors' code").
 // MODE bit 0: a weight array is given (the registry's `modes`); without one w is the constant 1,
 // so the kernels hold no weight arithmetic.
 template <int MODE>
@@ -427,13 +413,7 @@ struct BceOp {
     // The input's logs are fixed terms (pointwise.cu's FixedTerms): formed once before the loop
     // where the input is the same for every element a thread visits (CONST bit 0, a broadcast
     // input), per element otherwise.  libdevice's logf and log1pf branch, and the compiler left
-    // them in the loops (sm_90 SASS, float32 value_and_grad loops: rows 852 -> 467
-    // instructions, reduce 809 -> 533, flat with a 0-d input 747 -> 350 and no spill).  H100,
-    // value_and_grad, input broadcast against bench_broadcast's shapes (per-channel, per-row,
-    // row, scalar), results bitwise the same: float32 0.175, 0.129, 0.130, 0.116 ms -> 0.166,
-    // 0.111, 0.113, 0.106 (77.6, 68.9, 68.3, 76.5 -> 81.9, 80.1, 78.5, 84.1% of the read+write
-    // limit); bfloat16 0.185, 0.119, 0.180, 0.086 -> 0.126, 0.080, 0.107, 0.067; the forward
-    // (float32) per-channel 0.167 -> 0.094, per-row 0.124 -> 0.070, row 0.071 -> 0.059.
+    // them in the loops (docs/tuning.md, "The functors' code").
     static constexpr bool fixed_terms = true;
     template <int CONST, typename A>
     struct Fixed {
@@ -471,8 +451,8 @@ struct BceOp {
         const A m = (A(1) - x) * x;
         const A eps = A(1e-12f);
         // The divisor is in [1e-12, 1/4] (or NaN), where __fdividef is within 2 ulp for any
-        // dividend: value_and_grad at 32768^2 1.285 -> 0.978 of mse_loss's time (H100), the
-        // IEEE division's slow path having kept the compiler from overlapping elements.
+        // dividend; the IEEE division's slow path kept the compiler from overlapping elements
+        // (docs/tuning.md, "The functors' code").
         d[0] = w * div_fast(x - t, m < eps ? eps : m);
         d[1] = w * (lf.log_1mx - lf.log_x);
         d[2] = weighted ? unweighted(lf.log_x, lf.log_1mx, t) : A(0);  // no weight: never used
@@ -493,11 +473,9 @@ struct BceLogitsOp {
     static constexpr bool weighted = (MODE & 1) != 0, pos_weighted = (MODE & 2) != 0;
     using Params = NoParams;
     // The logit's logistic pieces are fixed terms (pointwise.cu's FixedTerms), as
-    // sigmoid_focal_loss's: formed once before the loop where x is fixed (CONST bit 0).  The
-    // rows kernel's loop, float32 value_and_grad, x broadcast: 637 -> 482 instructions, 8 -> 0
-    // MUFU; its time was bound by memory already (H100, row pattern 82.0% either way, the same
-    // bits).  Its 16-bit rows kernel is bounded for 2 blocks an SM (the launch table's
-    // FUNCTOR_SHAPES).
+    // sigmoid_focal_loss's: formed once before the loop where x is fixed (CONST bit 0)
+    // (docs/tuning.md, "The functors' code").  Its 16-bit rows kernel is bounded for 2 blocks
+    // an SM (the launch table's FUNCTOR_SHAPES).
     static constexpr bool fixed_terms = true;
     template <int CONST, typename A>
     struct Fixed {
@@ -657,9 +635,7 @@ struct GaussianNllOp {
     // log s is a fixed term (pointwise.cu's FixedTerms): formed once before the loop where var
     // is the same for every element a thread visits (CONST bit 2: a per-row or per-channel
     // variance), per element otherwise; libdevice's logf branches, so the compiler kept it in
-    // the loop.  H100, float32 x and t [8192, 4096], value_and_grad / forward, results bitwise
-    // the same: var (8192,) 0.2207 / 0.1375 -> 0.2178 / 0.1262 ms, var (1, 4096) 0.2135 /
-    // 0.0973 -> 0.2103 / 0.0963 (IEEE divisions by s remain per element).
+    // the loop.  IEEE divisions by s remain per element (docs/tuning.md, "The functors' code").
     static constexpr bool fixed_terms = true;
     template <int CONST, typename A>
     struct Fixed {
@@ -729,8 +705,7 @@ struct SquaredHingeOp {
 // softplus is 0), so the loss and both partials are NaN either way.
 // MODE bit 0: gamma == 2, torchvision's default (the registry's `constants`), compiled in: q^2
 // and dq = 2 q with no branch on gamma, whose powf path kept every element's other work in the
-// loop (H100, float32 value_and_grad, first array broadcast, per-channel, per-row, row, scalar:
-// 0.209, 0.140, 0.165, 0.120 ms -> 0.184, 0.122, 0.136, 0.109, results bitwise the same).
+// loop (docs/tuning.md, "The functors' code").
 template <int MODE>
 struct SigmoidFocalOp {
     static constexpr int K = 2;  // input, target
@@ -773,14 +748,9 @@ struct SigmoidFocalOp {
     // The logit's logistic pieces are fixed terms (pointwise.cu's FixedTerms): formed once
     // before the loop where x is the same for every element a thread visits (CONST bit 0), per
     // element otherwise.  Left to the compiler, the rows kernel kept half of a broadcast x's
-    // exps and reciprocals in its loop (sm_90 SASS, float32 value_and_grad, x broadcast: 653 ->
-    // 501 instructions a loop of 8 elements, 12 -> 0 MUFU; H100, one run, three rounds, row
-    // pattern 79.7 -> 81.9% of the read+write limit, the other patterns within 0.3, the same bits).
-    // In 16-bit the rows kernel holds them for vectors of 8 elements, which at the heavy table's
-    // 3 blocks an SM (80 registers) spilled 352 bytes (152 without them): bounded for 2 blocks
-    // instead (the launch table's FUNCTOR_SHAPES), 136.  H100, float16 row pattern
-    // value_and_grad, one run, two rounds: 237 -> 118 us (2 blocks without the fixed terms 132,
-    // 1 block with them 139).
+    // exps and reciprocals in its loop.  In 16-bit the rows kernel holds them for vectors of 8
+    // elements, which spill at the heavy knobs' 3 blocks an SM: bounded for 2 blocks instead
+    // (the launch table's FUNCTOR_SHAPES; the runs of both: docs/tuning.md, "The functors' code").
     static constexpr bool fixed_terms = true;
     template <int CONST, typename A>
     struct Fixed {
@@ -823,11 +793,9 @@ struct SigmoidFocalOp {
 //   elements usually take different branches.  cosh z - 1 = z^2/2! + z^4/4! + ... is its Taylor
 //   polynomial in y = z^2, the y tanh's polynomial takes too (truncation below 4e-9 relative in
 //   float, 2e-21 in double).  It replaced 2 sinh(z / 2)^2 with sinh's polynomial, and |d| a
-//   select (absv): sm_90 SASS, float32 value_and_grad loops with x broadcast, rows 672 -> 631
-//   instructions, reduce 1098 -> 1023, in a kernel bound by issuing them (ncu: 81% of issue
-//   slots in the rows kernel).  H100, one run, 2-3 rounds, per-channel / per-row / row / scalar:
-//   80.9-81.5 / 80.4-81.0 / 80.0-80.2 / 81.7-82.1 -> 81.8 / 81.0-82.2 / 81.4-81.5 / 82.4-82.7% of
-//   the read+write limit.  The loss against float64, 4M d in each of N(0, 0.1), N(0, 1),
+//   select (absv), in a kernel bound by issuing instructions (docs/tuning.md, "The functors'
+//   code").
+//   The loss against float64, 4M d in each of N(0, 0.1), N(0, 1),
 //   U(0, 1.2), N(0, 5): at most 3.64 ulp (3.57 before), above 1 ulp 15.1 / 9.3 / 11.1 / 2.1% of
 //   them (19.5 / 12.0 / 14.5 / 2.8 before).
 //   dl/dx = tanh(d) = -dl/dt
@@ -836,9 +804,8 @@ struct SigmoidFocalOp {
 // e = exp(-2 z), which a value_and_grad pass then takes once for both; 1 + e is in [1, 2], so its
 // reciprocal is rcp_unit_rn's.  tanhf branches on |d|, which kept its work apart from the
 // value's.  Against float64 over 12M d (H100): at most 1.69 ulp, mean signed error within
-// 0.013 ulp in each set (tanhf: 1.81 ulp, and +0.60 ulp on average for d near 0.5); float32
-// value_and_grad, first array broadcast, per-channel / per-row / row / scalar: 65.9 / 64.9 /
-// 66.6 / 74.0 -> 67.2 / 66.3 / 66.5 / 76.8% of the read+write limit.
+// 0.013 ulp in each set (tanhf: 1.81 ulp, and +0.60 ulp on average for d near 0.5; the runs:
+// docs/tuning.md, "The functors' code").
 struct LogCoshOp {
     static constexpr int K = 2;  // input, target
     using Params = NoParams;
