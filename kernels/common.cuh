@@ -78,8 +78,7 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 // The VEC values of v in the accumulator type.  bfloat16 pairs are taken apart with a shift and
 // a mask a 32-bit word (its bits are a float's upper half), where element-wise extraction takes
 // three instructions a pair.  Used where it was measured to help (cross_entropy's loops); jsd's
-// loop, widened the same way, lost 6% (H100, bfloat16 8192 x 128256 value_and_grad 4.41 ->
-// 4.67 ms, bitwise the same).
+// loop, widened the same way, lost (docs/tuning.md, "The kernels' code").
 template <typename T, int VEC>
 __device__ __forceinline__ void widen(const Vec<T, VEC>& v, acc_t<T> (&out)[VEC]) {
     if constexpr (IsBf16<T>::value && VEC % 2 == 0) {

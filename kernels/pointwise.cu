@@ -52,14 +52,11 @@
 // in a conditional block the compiler did not share a log between the gradient and the loss
 // (kl_div took lg_fine twice), and the loop carried every path's code and registers.
 // (libdevice's logf and log1pf keep branches of their own, which the compiler leaves in the
-// loop: binary_cross_entropy forms them as fixed terms, FixedTerms below.)  H100, float32,
-// value_and_grad with the first array broadcast (bench_broadcast's patterns, per-channel,
-// per-row, row, scalar; with KlDivOp taking its log once), per-element choice -> the loss
-// formed unconditionally: kl_div 0.227, 0.150, 0.152, 0.132 ms -> 0.184, 0.122, 0.121, 0.111;
-// binary_cross_entropy row 0.193 -> 0.145, scalar 0.122 -> 0.114; sigmoid_focal_loss scalar
-// 0.130 -> 0.120; the rest within 2%.
+// loop: binary_cross_entropy forms them as fixed terms, FixedTerms below.)  The runs:
+// docs/tuning.md, "The kernels' code".
 // All loop over 64-bit indices (grid-stride, except that value-only flat gives each block one
-// contiguous chunk, and flat's grid grows past one wave for large inputs: the launch table's FLAT_STEPS_*);
+// contiguous chunk, and flat's grid grows past one wave for large inputs: the launch table's
+// FLAT_STEPS_*);
 // every sum has an order fixed by the shapes
 // (fixed trees in common.cuh, fixed chunk order in reduce.cu), so a given device and shape give
 // bitwise the same results on every run.  No float atomics.
@@ -177,8 +174,7 @@ CUPYLOSS_FUNCTOR_SHAPES()
 // It counts the clear bits of CONST below k in straight-line arithmetic: with a loop over the
 // bits, the reduce kernel of margin_ranking_loss (float32, input1 broadcast) kept the loop at run
 // time inside its whole-steps loop, once per element, and read the streamed values back from a
-// 64-byte stack array at the slot it computed (H100, float32 value_and_grad, input1 broadcast,
-// % of the read+write limit, per-channel / per-row: 78.9 / 79.9 -> 88.8 / 89.6, the same bits).
+// 64-byte stack array at the slot it computed (docs/tuning.md, "The kernels' code").
 template <int K>
 __host__ __device__ constexpr int stream_slot(int constant, int k) {
     unsigned int x = ~(unsigned int)constant & ((1u << k) - 1u);
@@ -348,11 +344,8 @@ __device__ __forceinline__ acc_t<T> upstream_scalar(const T* __restrict__ go, do
 // gradients and the loss (the gradient ones, which the host launches only when a gradient is
 // wanted).  A gradient launch that wants no loss (backward) still forms it, right after the
 // partials, whose logs and exps it shares, and drops it at the store: one loop per kernel.  Two
-// loops, one per kind of work, compiled each kernel's body twice (NVRTC's time on a gradient
-// kernel, 2-core CPU, sm_90: mse_loss's reduce kernel 0.88 -> 0.52 s with one, bce_with_logits'
-// 1.28 -> 0.79), and the extra arithmetic cost backward calls nothing measurable (H100, float32,
-// every pointwise loss: backward at 32768^2, bench --family, and at bench_broadcast's four
-// patterns, --family: one loop / two loops 0.994-1.001, as for forward and value_and_grad).
+// loops, one per kind of work, compiled each kernel's body twice, and the extra arithmetic cost
+// backward calls nothing measurable (docs/tuning.md, "The kernels' code").
 template <bool GRADS>
 struct Work {
     static constexpr bool grads = GRADS;
@@ -533,15 +526,9 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
             // already: two steps at once cost them registers and resident warps, e.g.
             // bce_with_logits float 77 -> 109 and bfloat16 121 -> 171.)  The gradient kernel
             // counts the operands it streams (stride-0 ones compiled in hold no loads), up to
-            // K * VEC = 24 values a step in all.  H100, value_and_grad of a 0-d first operand
-            // against [8192, 4096], ms, one run, old rule (K * VEC <= 8) -> this one, results
-            // bitwise the same: float32 bce_with_logits 0.1109 -> 0.1056; bfloat16 bce 0.0909 ->
-            // 0.0855, log_cosh 0.0983 -> 0.0916, kl_div 0.0890 -> 0.0854, soft_margin 0.0729 ->
-            // 0.0700, poisson_nll 0.0596 -> 0.0572, smooth_l1 0.0725 -> 0.0706; the rest within
-            // 1%, but bfloat16 bce_with_logits (K * VEC = 32) 0.0635 -> 0.0748, so it stays out.
-            // The same count in the rows and reduce kernels' steps (2 -> 4 for bce and
-            // bce_with_logits with a broadcast input) spilled: float32 bce per-channel / per-row /
-            // row 78.1 / 69.5 / 68.5 -> 62.4 / 57.5 / 57.1% of the read+write limit.
+            // K * VEC = 24 values a step in all (at 32, bfloat16 bce_with_logits lost); the same
+            // count in the rows and reduce kernels' steps spilled (docs/tuning.md, "The kernels'
+            // code").
             // Value-only, float32 functors marked cheap (a compare or two and a product a value)
             // take more steps at once than the rest, whose registers the extra steps would crowd.
             constexpr int U = GRAD ? (stream_slot<K>(CONST, K) * VEC <= 8 && K * VEC <= 24
@@ -1016,13 +1003,9 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                 // The groups of whole steps first (while the group's last step is in the row),
                 // then what is left of the row step by step; the steps keep their order, so the
                 // sums are bitwise the same either way.  The whole groups' loop holds a load and a
-                // store a vector and the functor's arithmetic, little else: log_cosh_loss's (float,
-                // 2 steps of 4) 776 -> 568 instructions, mse_loss's (4 steps) 681 -> 315.  H100,
-                // float32 value_and_grad, first array broadcast, % of the read+write limit, one
-                // run: log_cosh per-channel 74.8 -> 79.5, per-row 73.4 -> 79.8; kl_div
-                // per-channel 76.6 -> 78.2; binary_cross_entropy per-row 79.2 -> 80.4; mse 84.6
-                // -> 84.9 and 83.7 -> 84.7.  (The same split of the rows kernel's loop lost
-                // 0.5-2 points on the row pattern, and was left out.)
+                // store a vector and the functor's arithmetic, little else.  (The same split of the
+                // rows kernel's loop lost on the row pattern, and was left out; the runs:
+                // docs/tuning.md, "The kernels' code".)
                 long long e0 = m - row + q * VEC;
                 bool fast = !go_elem && red.stride[OUT][inner] == 1;
                 #pragma unroll
@@ -1034,8 +1017,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                     if constexpr (PIPE) {
                         // Written out rather than through pipelined(): there its integer
                         // bookkeeping came out otherwise, and binary_cross_entropy's per-channel
-                        // and per-row patterns lost 2.5 points of the read+write limit (H100,
-                        // float32).
+                        // and per-row patterns lost (docs/tuning.md, "The kernels' code").
                         A fv[UNROLL][F][VEC];
                         if (in_row(e0)) load_steps(whole, e0, fv);
                         #pragma unroll 1

@@ -57,20 +57,9 @@ constexpr int PAIR_STAGES = 2;       // units in shared memory at once (_launch.
 // fit an SM without spilling (double's triplet does spill a little, for its general-p pow).
 constexpr int PAIR_STREAM_REGS = 32;
 // The wide form of the loss alone (WIDE: a block a row) takes its tile's registers and its
-// blocks an SM from the loss (Op::WIDE_REGS, Op::WIDE_BLOCKS), measured on KernelBench 99's rows
-// (ms, rounds alike; the loss alone of three / two 32768 x 8192 float32 arrays):
-//
-//   regs / blocks an SM         triplet H100  H200    cosine H100  H200
-//   64 / 2 (128 registers)      1.014         0.710   0.677        0.518
-//   36 / 3 (80 registers)       1.020         0.707   0.679        0.475
-//   96 / 2 (24 bytes of spill)  1.042                 0.679
-//   48 / 2                      1.015                 0.769
-//   persistent form             1.037         0.718   0.694        0.484
-//   torch.compile               1.021         0.706   0.680        0.474
-//
-// (96 / 2 also ran at 1.014 / 0.679 in another build of the same source.)  So the triplet,
-// three arrays, takes 64 / 2 (tiles of 5 chunks of each array), and cosine, two, 36 / 3
-// (tiles of 4).
+// blocks an SM from the loss (Op::WIDE_REGS, Op::WIDE_BLOCKS), measured on KernelBench 99's
+// rows: the triplet, three arrays, 64 / 2 (tiles of 5 chunks of each array), and cosine, two,
+// 36 / 3 (tiles of 4) (docs/tuning.md, "The kernels' code").
 constexpr int PAIR_WARPS = 32;       // at most 1024 threads a block
 constexpr int PAIR_FINISH_BLOCK = 1024;  // threads of rowpair_finish (_launch.PAIR_FINISH_BLOCK)
 
@@ -374,33 +363,14 @@ __device__ __forceinline__ void copies_wait() {
 // Else the loss alone: nothing is held, and the row streams through registers in tiles of NS
 // chunks of each array a thread, all of a tile's loads in flight at once, with 4 blocks an SM
 // (64 registers a thread); with 16-bit inputs the next tile is prefetched into L2 meanwhile.
-// H100, KernelBench 99's loss alone (torch.compile 1.021 ms), separate runs: this 1.036-1.050;
-// the staged path with no gradient 1.096 (hv 8), 1.114 (4), 1.125 (2); a warp a row standing
-// for the team's threads 1.047; 3 or 4 chunks a tile at 3 blocks an SM, or 8 at 2, within 1%
-// (more spill); 6 or 8 blocks an SM spill and lose 2-20%; load cache hints change nothing.  In
-// later runs (torch.compile 1.020): this 1.037-1.042; 6 blocks an SM of one chunk a tile
-// 1.048-1.052, 3 of 3 1.056; a loop of 16-byte loads alone where every array allows them (82
-// instructions a tile against 244) 1.046-1.047, so the loop's integer work is not what holds it;
-// the next row's first tile fetched into L2 before the team's sums 1.041; plain, .nc and
-// L1::no_allocate loads for ld.global.cs 1.036-1.038, as it (1.037).  A standalone kernel of
-// Triton's shape (a block of 1024 threads a row, one block a row, plain float sums, the rows'
-// losses stored) ran in 1.010 (512 threads a row, 3 blocks an SM: 1.016); the same shape for the
-// 0-d loss alone, its rows' losses meeting through grid_sum_out's ticket (a kernel of its own,
-// 32 registers, no spill in float): 1.060, 1.028-1.045 with the grid capped at 2-32 blocks an
-// SM, and cosine_embedding_loss and bfloat16 13-45% slower than this one.  With the rows'
-// losses stored instead and added by a second, one-block launch, the team's total formed in its
-// first thread alone: float32 triplet 1.078-1.088 with or without the second launch (with a
-// thread's sums split over its chunk's 4 lanes 1.111-1.136), against bfloat16 triplet 0.517
-// (this kernel 0.532), cosine float32 0.684 (0.695) and bfloat16 0.352 at 512 threads a row
-// (0.371): the standalone kernel's float32 speed did not carry over, so none was taken.
+// The shapes tried against this one, Triton's among them: docs/tuning.md, "The kernels' code".
 // Either way a thread adds its head element, its tail element, then its chunks in increasing
 // order, so the loss's sums are bitwise value_and_grad's.
 // WIDE (the loss alone of long float32 rows, _launch.pair_wide): a block a row group (the
 // grid-stride loop only past the grid's limit), tiles of Op::WIDE_REGS, each row's loss written
-// to partials[r] for rowpair_finish instead of a block's sum and a last-block ticket.  H100,
-// KernelBench 99's loss alone, one run: 1.014 ms (1.011 with reduction 'none', where nothing is
-// finished) against 1.037 for the persistent form and 1.021 for torch.compile.  The rows' sums
-// are the persistent form's, in the same order: the rows' losses are bitwise the same.
+// to partials[r] for rowpair_finish instead of a block's sum and a last-block ticket (the runs:
+// docs/tuning.md, "The kernels' code").  The rows' sums are the persistent form's, in the same
+// order: the rows' losses are bitwise the same.
 template <typename T, typename Op, bool GRAD, bool WIDE>
 __global__ void __launch_bounds__(PAIR_BLOCK, GRAD ? 2 : WIDE ? Op::WIDE_BLOCKS : 4)
 rowpair_rows(
@@ -432,10 +402,8 @@ rowpair_rows(
     constexpr int VEC = 16 / sizeof(T);
     constexpr int NS = cmax(1, (WIDE ? Op::WIDE_REGS : PAIR_STREAM_REGS)
                                    / (N * VEC * (int)sizeof(A) / 4));              // chunks
-    // 16-bit inputs: the next tile's lines are fetched into L2 while this one loads.  H100, the
-    // loss alone of 32768 x 8192 arrays, one run: triplet bfloat16 0.550 -> 0.530 ms (94.7% ->
-    // 98.2% of the read bandwidth), float16 0.553 -> 0.533, cosine bfloat16 0.408 -> 0.369
-    // (85.1% -> 94.0%); triplet float32 (KernelBench 99) lost 3-5% with it in other runs.
+    // 16-bit inputs: the next tile's lines are fetched into L2 while this one loads (float32
+    // lost with it; docs/tuning.md, "The kernels' code").
     constexpr bool PREFETCH = !GRAD && sizeof(T) == 2;
     using V = Vec<T, VEC>;
     __shared__ A red[PAIR_WARPS][S];
@@ -651,8 +619,7 @@ rowpair_rows(
 // of them: the sum carries far less than one unit of the result); then block_sum, a fixed order,
 // so the result depends on the rows alone.  The persistent launches add each thread's rows, then
 // blocks' partials, also in double: the two agree to within the rounding of the result.
-// KernelBench 99: 3-4 us more than the loss alone with reduction 'none' (no finish), H100 and
-// H200; a compensated loop of one scalar load at a time a thread took 9.5 us (H200).
+// About 3-4 us (docs/tuning.md, "The kernels' code").
 constexpr int PAIR_FINISH_LOADS = 8;
 
 template <typename T>

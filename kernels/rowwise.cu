@@ -612,11 +612,8 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                      ra.track ? elem_u<T, A>(weight, c_tail, ra.prob ? to_acc(tr[c_tail]) : A(0),
                                              ra) : A(0), ra.track);
             }
-            // The kept tiles reach shared memory through registers.  Copying them in with
-            // cp.async instead, all of a row's in flight at once, was slower (H100, 8192 x 128256
-            // bfloat16 value_and_grad, one run: 1.662 -> 2.384 ms, 2.153 with the register
-            // tile's loads after the copies; prefetching the next row's whole share into L2
-            // rather than its first tile made it slower still).
+            // The kept tiles reach shared memory through registers: cp.async copies of all of a
+            // row's tiles at once were slower (docs/tuning.md, "The kernels' code").
             for (int ti = 0; ti < ntiles; ++ti) {
                 const int vb = v0 + ti * span + lane;
                 const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
@@ -701,13 +698,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         // logits (an H100 scheduler issued on 62% of cycles at 8192 x 128256 bfloat16): per
         // vector one compare for the target (jy, ey below), kept tiles at constant offsets,
         // bfloat16 widened by shift and mask, pairs rounded by one conversion (store_any), and
-        // no selects where the target is not in the vector.  H100, bfloat16 value_and_grad, one
-        // run: 8192 x 128256 1.681 -> 1.626 ms (83.1 -> 86.0% of the copy limit), 4096 x 32768
-        // 0.224 -> 0.213, 2048 x 65536 0.235 -> 0.225; float32 as before; label smoothing 3.70
-        // -> 3.03 ms.  Results bitwise as before (the plain loss, z-loss, 'none', weights,
-        // smoothing), except with a softcap (likely c tanh(x / c) contracted into the next
-        // operation otherwise): 810 of the 1.05e9 bfloat16 gradient values (12 rows) came out
-        // an ulp apart, values on a rounding boundary, both sides as near float64.
+        // no selects where the target is not in the vector (docs/tuning.md, "The kernels' code").
         // The target's vector among the row's (-1: none of them) and its place there.
         const long long yv = rt.y - h;
         const int jy = yv >= 0 && yv < (long long)nv * VEC ? (int)(yv / VEC) : -1;
@@ -782,8 +773,8 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
 
 // Resident blocks per SM: four for the forward and nll variants (64 registers), three with a
 // gradient (80: a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an
-// H100), two for the general, smoothing and probability ones.  Several blocks per SM overlap one row's loads
-// with another's stores.
+// H100), two for the general, smoothing and probability ones.  Several blocks per SM overlap one
+// row's loads with another's stores.
 #define CUPYLOSS_ROWS_BLOCKS(MODE) \
     (MODE == MODE_FORWARD || MODE == MODE_NLL ? 4 : MODE == MODE_GRAD ? 3 : 2)
 
