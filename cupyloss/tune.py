@@ -5,7 +5,8 @@
 
 The knobs of cupyloss._tuning (launch choices that are not the losses' math) are tried one at a
 time, in the table's order: each candidate value is set for this GPU in this process, the
-kernels it changes compiled, and the workloads that run those kernels timed (device time,
+kernels it changes compiled (all of a knob's candidates at once, in a process a core: the
+kernels recorded from one call of each workload), and the workloads that run those kernels timed (device time,
 cupyloss._timing, medians of --reps).  A candidate takes a knob's place only where its mean
 time ratio to the value in force beats 1 - --margin (default 2%, about the spread of one run);
 the knobs after it are tried with it.
@@ -34,15 +35,18 @@ value, workload, ms, GB/s, chosen.  Never a test.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import dataclasses
+import multiprocessing
+import os
 import pathlib
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["choose", "tags", "summarize", "main"]
+__all__ = ["choose", "tags", "summarize", "record", "candidate_jobs", "main"]
 
 
 def tags(knob: str) -> set[str]:
@@ -193,6 +197,56 @@ def _reset() -> None:
         engine._PLANS.clear()
 
 
+def record(work: list[Workload]) -> dict[str, set[tuple[str, str]]]:
+    """{tag: {(file, name expression)}}: the kernels each tag's workloads load, from one call of
+    each with the knobs in force (what a candidate of a compile-time knob must build)."""
+    import cupy
+
+    from cupyloss import _source
+
+    seen: dict[str, set[tuple[str, str]]] = {}
+    real = _source.function
+
+    def spy(file, expression):
+        seen[tag].add((file, expression))
+        return real(file, expression)
+
+    _source.function = spy
+    try:
+        for w in work:
+            tag = w.tag
+            seen.setdefault(tag, set())
+            call = w.make()
+            call()
+            del call
+            cupy.get_default_memory_pool().free_all_blocks()
+    finally:
+        _source.function = real
+    return seen
+
+
+def _build(job) -> None:
+    """Worker: one kernel (file, name, arch, gpu, {knob: value}) into the cache, with those
+    values of the knobs for that GPU."""
+    from cupyloss import _source, _tuning
+
+    file, name, arch, gpu, values = job
+    _tuning._OVERRIDES[gpu] = dict(values)
+    _source.cached(file, [name], arch, gpu)
+
+
+def candidate_jobs(knob: str, kernels: set, arch: str, gpu: str, values: dict) -> list:
+    """The _build jobs of a compile-time knob's candidates: `kernels` ({(file, name)}) of
+    pointwise.cu with the values in force (`values`) and the knob at each candidate."""
+    from cupyloss import _tuning
+
+    spec = _tuning.KNOBS[knob]
+    if not spec.compiled:
+        return []
+    return [(file, name, arch, gpu, {**values, knob: v}) for v in spec.candidates
+            for file, name in sorted(kernels) if file == "pointwise.cu"]
+
+
 def _measure(work: list[Workload], reps: int) -> dict[str, float]:
     """{workload: ms} with the knobs in force, each workload's arrays made and freed in turn."""
     import cupy
@@ -288,6 +342,11 @@ def main(argv=None) -> dict[str, int]:
     print(f"{name.decode() if isinstance(name, bytes) else name} (table key {gpu}); knobs in "
           f"force: its row of {_tuning.TABLE.name}, else the defaults", flush=True)
     work = _workloads(args.scale)
+    # Each candidate's kernels are compiled ahead of its timing, all at once in a pool of
+    # processes (one at a time on first use they would take most of the run).
+    kernels = record([w for w in work if any(w.tag in tags(k) for k in knobs)])
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max(1, len(os.sched_getaffinity(0))), mp_context=multiprocessing.get_context("spawn"))
     out = pathlib.Path(args.out or f"benchmarks/results/tune-{gpu}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
     chosen = {}
@@ -302,6 +361,10 @@ def main(argv=None) -> dict[str, int]:
                 break
             mine = [w for w in work if w.tag in tags(knob)]
             current = _tuning.value(knob, gpu)
+            used = set().union(*(kernels.get(tag, set()) for tag in tags(knob)))
+            in_force = dict(_tuning._OVERRIDES.get(gpu, {}))
+            list(pool.map(_build, candidate_jobs(knob, used, device.compute_capability, gpu,
+                                                  in_force), chunksize=2))
             times = {}
             for v in _tuning.KNOBS[knob].candidates:
                 _tuning._OVERRIDES.setdefault(gpu, {})[knob] = v
@@ -320,6 +383,7 @@ def main(argv=None) -> dict[str, int]:
             summary = ", ".join(f"{v}: {r:.3f}" for v, r in ratios.items())
             print(f"{knob}: {current} -> {best}  (mean time ratio {summary}; "
                   f"{time.perf_counter() - start:.0f} s)", flush=True)
+    pool.shutdown()
     print("\n" + "\n".join(f"{gpu},{k},{v}" for k, v in chosen.items()))
     if args.write:
         write_rows(_tuning.TABLE, gpu, chosen)

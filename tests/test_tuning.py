@@ -167,3 +167,30 @@ def test_tune_summarizes_its_measurements(tmp_path):
                     "h200,REDUCE_STEPS,8,a,0.8,1,1\nh200,REDUCE_STEPS,8,b,2.2,1,1\n")
     table = tune.summarize(path).splitlines()
     assert table[2] == "| h200 | REDUCE_STEPS | 4 | 8 | 0.950 | 0.800 / 1.100 |"
+
+
+def test_tune_builds_each_compiled_candidate_with_the_values_in_force(tmp_path, monkeypatch):
+    """candidate_jobs: every candidate of a compile-time knob over the pointwise kernels a tag
+    loads, the values chosen so far kept (none for a run-time knob); _build compiles a job
+    with exactly those values for that GPU."""
+    from cupyloss import tune
+
+    kernels = {("pointwise.cu", "a"), ("pointwise.cu", "b"), ("rowwise.cu", "c")}
+    jobs = tune.candidate_jobs("REDUCE_STEPS", kernels, "90", "h200", {"FLAT_UNROLL_GRAD": 4})
+    cands = _tuning.KNOBS["REDUCE_STEPS"].candidates
+    assert len(jobs) == 2 * len(cands) and {j[1] for j in jobs} == {"a", "b"}
+    assert {j[4]["REDUCE_STEPS"] for j in jobs} == set(cands)
+    assert all(j[4]["FLAT_UNROLL_GRAD"] == 4 and j[2:4] == ("90", "h200") for j in jobs)
+    assert tune.candidate_jobs("FLAT_STEPS_GRAD", kernels, "90", "h200", {}) == []
+    seen = []
+
+    def fake_nvrtc(code, options, arch, names):
+        seen.append(tuple(options))
+        return b"cubin", {n: n for n in names}
+
+    monkeypatch.setattr(_source, "_nvrtc", fake_nvrtc)
+    monkeypatch.setenv("CUPYLOSS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_tuning, "_OVERRIDES", {})
+    tune._build(jobs[0])
+    assert f"-DCUPYLOSS_REDUCE_STEPS={jobs[0][4]['REDUCE_STEPS']}" in seen[0]
+    assert "-DCUPYLOSS_FLAT_UNROLL_GRAD=4" in seen[0]
