@@ -194,3 +194,29 @@ def test_tune_builds_each_compiled_candidate_with_the_values_in_force(tmp_path, 
     tune._build(jobs[0])
     assert f"-DCUPYLOSS_REDUCE_STEPS={jobs[0][4]['REDUCE_STEPS']}" in seen[0]
     assert "-DCUPYLOSS_FLAT_UNROLL_GRAD=4" in seen[0]
+
+
+@pytest.mark.parametrize("name", [b"NVIDIA H200", "NVIDIA H200"])
+def test_device_limits_key_the_gpu_by_its_cuda_name(monkeypatch, name):
+    """device_limits reads the launch table's key from the name CUDA reports (CuPy gives bytes),
+    beside the attributes the launch arithmetic uses."""
+    cupy = pytest.importorskip("cupy")
+
+    class FakeDevice:
+        def __init__(self, i):
+            self.attributes = {"MultiProcessorCount": 132, "MaxGridDimX": 2**31 - 1,
+                               "MaxGridDimY": 65535, "MaxSharedMemoryPerBlock": 49152,
+                               "MaxRegistersPerMultiprocessor": 65536,
+                               "MaxThreadsPerMultiProcessor": 2048,
+                               "MaxSharedMemoryPerMultiprocessor": 233472,
+                               "MaxSharedMemoryPerBlockOptin": 232448}
+            self.compute_capability = "90"
+
+    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda i: {"name": name})
+    _launch.device_limits.cache_clear()
+    try:
+        limits = _launch.device_limits(7)
+    finally:
+        _launch.device_limits.cache_clear()
+    assert limits.gpu == "h200" and limits.sm_count == 132 and limits.clusters
