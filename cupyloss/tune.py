@@ -247,25 +247,47 @@ def candidate_jobs(knob: str, kernels: set, arch: str, gpu: str, values: dict) -
             for file, name in sorted(kernels) if file == "pointwise.cu"]
 
 
-def _measure(work: list[Workload], reps: int) -> dict[str, float]:
-    """{workload: ms} with the knobs in force, each workload's arrays made and freed in turn."""
-    import cupy
+class _Live:
+    """The calls of the workloads being timed, their arrays kept between candidates.
 
+    Memory given back to the driver slows the kernels of the next few milliseconds (_timing.
+    SETTLE_S): made and freed per candidate, one workload timed 0.119 ms where it takes 0.104
+    (H100), and whichever value was timed there looked slower.  So a knob's workloads are made
+    once, kept while the next knob uses them, and freed then, with a settle after.
+    """
+
+    def __init__(self):
+        self.calls: dict[str, Callable] = {}
+
+    def keep(self, work: list[Workload]) -> dict[str, Callable]:
+        import cupy
+
+        from cupyloss import _timing
+
+        names = {w.name for w in work}
+        if set(self.calls) - names:
+            self.calls = {k: v for k, v in self.calls.items() if k in names}
+            cupy.get_default_memory_pool().free_all_blocks()
+        fresh = [w for w in work if w.name not in self.calls]
+        for w in fresh:
+            self.calls[w.name] = w.make()
+        if fresh:
+            time.sleep(_timing.SETTLE_S)
+        return self.calls
+
+
+def _measure(calls: dict[str, Callable], reps: int) -> dict[str, float]:
+    """{workload: ms} of `calls` with the knobs in force."""
     from cupyloss import _timing
 
-    out = {}
-    for w in work:
-        call = w.make()
-        out[w.name] = _timing.gpu_ms(call, reps)
-        del call
-        cupy.get_default_memory_pool().free_all_blocks()
-    return out
+    return {name: _timing.gpu_ms(call, reps) for name, call in calls.items()}
 
 
 def summarize(path: pathlib.Path) -> str:
     """A Markdown table of a measurements file (--out): per GPU and knob, the default, the value
-    chosen, its mean time ratio to the default's over the knob's workloads, and the best and
-    worst workload ratios (docs/tuning.md quotes it)."""
+    chosen, its mean time ratio to the default's over the knob's workloads, the best and worst
+    workload ratios, and the next best value with its mean ratio (how near the choice was;
+    docs/tuning.md quotes it)."""
     from cupyloss import _tuning
 
     with path.open(newline="") as fh:
@@ -277,16 +299,22 @@ def summarize(path: pathlib.Path) -> str:
         ms.setdefault(key, {}).setdefault(int(row["value"]), {})[row["workload"]] = float(row["ms"])
         if row["chosen"] == "1":
             chosen[key] = int(row["value"])
-    lines = ["| GPU | knob | default | chosen | mean time ratio | workloads, best / worst |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| GPU | knob | default | chosen | mean time ratio | workloads, best / worst | "
+             "next best |", "|---|---|---|---|---|---|---|"]
     for (gpu, knob), times in ms.items():
         default = _tuning.KNOBS[knob].default
         pick = chosen.get((gpu, knob), default)
         if default not in times or pick not in times:
             continue
-        ratios = [times[pick][w] / times[default][w] for w in times[default]]
-        lines.append(f"| {gpu} | {knob} | {default} | {pick} | {statistics.fmean(ratios):.3f} | "
-                     f"{min(ratios):.3f} / {max(ratios):.3f} |")
+
+        def ratios(v):
+            return [times[v][w] / times[default][w] for w in times[default]]
+
+        mine = ratios(pick)
+        rivals = sorted((statistics.fmean(ratios(v)), v) for v in times if v != pick)
+        rival = f"{rivals[0][1]} ({rivals[0][0]:.3f})" if rivals else "-"
+        lines.append(f"| {gpu} | {knob} | {default} | {pick} | {statistics.fmean(mine):.3f} | "
+                     f"{min(mine):.3f} / {max(mine):.3f} | {rival} |")
     return "\n".join(lines)
 
 
@@ -350,6 +378,7 @@ def main(argv=None) -> dict[str, int]:
     out = pathlib.Path(args.out or f"benchmarks/results/tune-{gpu}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
     chosen = {}
+    live = _Live()
     start = time.perf_counter()
     with out.open("w", newline="") as fh:
         log = csv.writer(fh, lineterminator="\n")
@@ -365,11 +394,12 @@ def main(argv=None) -> dict[str, int]:
             in_force = dict(_tuning._OVERRIDES.get(gpu, {}))
             list(pool.map(_build, candidate_jobs(knob, used, device.compute_capability, gpu,
                                                   in_force), chunksize=2))
+            calls = live.keep(mine)
             times = {}
             for v in _tuning.KNOBS[knob].candidates:
                 _tuning._OVERRIDES.setdefault(gpu, {})[knob] = v
                 _reset()
-                times[v] = _measure(mine, args.reps)
+                times[v] = _measure(calls, args.reps)
             best = choose(current, times, args.margin)
             _tuning._OVERRIDES[gpu][knob] = chosen[knob] = best
             _reset()

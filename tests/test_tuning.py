@@ -158,7 +158,7 @@ def test_functors_are_math_and_their_shapes_the_tables():
 
 def test_tune_summarizes_its_measurements(tmp_path):
     """The Markdown summary gives each knob's default, the value kept and its mean time ratio
-    to the default's over the workloads, with the best and worst workload."""
+    to the default's over the workloads, with the best and worst workload, and the runner-up."""
     from cupyloss import tune
 
     path = tmp_path / "tune.csv"
@@ -166,7 +166,7 @@ def test_tune_summarizes_its_measurements(tmp_path):
                     "h200,REDUCE_STEPS,4,a,1.0,1,0\nh200,REDUCE_STEPS,4,b,2.0,1,0\n"
                     "h200,REDUCE_STEPS,8,a,0.8,1,1\nh200,REDUCE_STEPS,8,b,2.2,1,1\n")
     table = tune.summarize(path).splitlines()
-    assert table[2] == "| h200 | REDUCE_STEPS | 4 | 8 | 0.950 | 0.800 / 1.100 |"
+    assert table[2] == "| h200 | REDUCE_STEPS | 4 | 8 | 0.950 | 0.800 / 1.100 | 4 (1.000) |"
 
 
 def test_tune_builds_each_compiled_candidate_with_the_values_in_force(tmp_path, monkeypatch):
