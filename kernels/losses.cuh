@@ -93,19 +93,6 @@ __device__ __forceinline__ float ex(float v) { return expf(v); }
 __device__ __forceinline__ double ex(double v) { return exp(v); }
 __device__ __forceinline__ float pw(float b, float e) { return powf(b, e); }
 __device__ __forceinline__ double pw(double b, double e) { return pow(b, e); }
-// 1 / v correctly rounded for v in [1, 2] (or NaN): the bits of __frcp_rn, branch-free.
-// __frcp_rn is the hardware's approximate reciprocal and one Newton step (r + r (1 - v r), both
-// FMAs), behind a test of v's exponent that sends v near the ends of the float range to an
-// out-of-line slow path; in [1, 2] the test never sends it there, but the branch and the call
-// stay in the loop, where they split the logistic losses' gradients into blocks the compiler
-// neither interleaves nor moves a broadcast operand's work out of.  Here the fast path alone
-// (tests/test_common_gpu.py compares it with __frcp_rn on every float in [1, 2]).
-__device__ __forceinline__ float rcp_unit_rn(float v) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-    return __fmaf_rn(r, -__fmaf_rn(v, r, -1.0f), r);
-}
-__device__ __forceinline__ double rcp_unit_rn(double v) { return __drcp_rn(v); }
 // 1 / v for v in [1, 2] (or NaN): float's approximate reciprocal (__fdividef, within 2 ulp for
 // a divisor in [2^-126, 2^126]), double's correctly rounded one.
 __device__ __forceinline__ float rcp_unit(float v) { return __fdividef(1.0f, v); }
@@ -798,14 +785,8 @@ struct SigmoidFocalOp {
 //   The loss against float64, 4M d in each of N(0, 0.1), N(0, 1),
 //   U(0, 1.2), N(0, 5): at most 3.64 ulp (3.57 before), above 1 ulp 15.1 / 9.3 / 11.1 / 2.1% of
 //   them (19.5 / 12.0 / 14.5 / 2.8 before).
-//   dl/dx = tanh(d) = -dl/dt
-// In float, tanh z is branch-free: z + z^3 Q(z^2) for z < 0.6 (Q of degree 4 fitted to
-// (tanh z - z) / z^3 for relative error), else 1 - 2 e / (1 + e) with the value's own
-// e = exp(-2 z), which a value_and_grad pass then takes once for both; 1 + e is in [1, 2], so its
-// reciprocal is rcp_unit_rn's.  tanhf branches on |d|, which kept its work apart from the
-// value's.  Against float64 over 12M d (H100): at most 1.69 ulp, mean signed error within
-// 0.013 ulp in each set (tanhf: 1.81 ulp, and +0.60 ulp on average for d near 0.5; the runs:
-// docs/tuning.md, "The functors' code").
+//   dl/dx = tanh(d) = -dl/dt, tanh_bf's (common.cuh): its e^(-2|d|) is value's, which a
+//   value_and_grad pass takes once for both.
 struct LogCoshOp {
     static constexpr int K = 2;  // input, target
     using Params = NoParams;
@@ -839,24 +820,9 @@ struct LogCoshOp {
         const A arg = small ? cosh_m1_small(z * z) : ex(A(-2) * z);
         return (small ? A(0) : z - A(0.69314718055994531)) + lg1p_unit(arg);
     }
-    // tanh d; float: as the comment above says, double: tanh.
-    static __device__ __forceinline__ float tanh_of(float d) {
-        const float z = absv(d);  // as value's, which shares e
-        const float e = ex(-2.0f * z);
-        const float u = z * z;
-        float q = -5.984960590e-03f;
-        q = __fmaf_rn(q, u, 2.086814865e-02f);
-        q = __fmaf_rn(q, u, -5.380356684e-02f);
-        q = __fmaf_rn(q, u, 1.333213300e-01f);
-        q = __fmaf_rn(q, u, -3.333330452e-01f);
-        const float near0 = __fmaf_rn(q, u * z, z);
-        const float far = __fmaf_rn(-2.0f * e, rcp_unit_rn(1.0f + e), 1.0f);
-        return copysignf(z < 0.6f ? near0 : far, d);
-    }
-    static __device__ __forceinline__ double tanh_of(double d) { return tanh(d); }
     template <typename A>
     static __device__ __forceinline__ void grad(const A (&v)[K], const Params&, A (&d)[K]) {
-        d[0] = tanh_of(v[0] - v[1]);
+        d[0] = tanh_bf(v[0] - v[1]);
         d[1] = -d[0];
     }
 };

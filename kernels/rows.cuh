@@ -15,8 +15,6 @@ __device__ __forceinline__ double quiet_nan(double) {
 }
 __device__ __forceinline__ float lg(float v) { return logf(v); }
 __device__ __forceinline__ double lg(double v) { return log(v); }
-__device__ __forceinline__ float th(float v) { return tanhf(v); }
-__device__ __forceinline__ double th(double v) { return tanh(v); }
 __device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
 // e^v of the softmax terms: float through exp2f (the ex2 unit: relative error about 2^-22, plus
 // the one rounding of v * log2 e), double exactly.  Once per element on every pass, so it

@@ -5,6 +5,8 @@
 // logits x_c, class weights w_c (1 without a weight), label smoothing eps and z-loss scale zs:
 //
 //   z_c = softcap * tanh(x_c / softcap) with a softcap, else x_c;   dz_c/dx_c = 1 - (z_c/softcap)^2
+//   (x_c / softcap and z_c / softcap taken as products with 1 / softcap, within an ulp of the
+//   quotients; tanh as tanh_bf)
 //   M = max_c z_c,   S = sum_c exp(z_c - M),   lse = M + log S,   p_c = exp(z_c - lse)
 //
 // class-index target y (ignored when y == ignore_index: loss 0, gradient 0):
@@ -277,7 +279,7 @@ __device__ __forceinline__ RowStat<A> cluster_merge(const RowStat<A>& v, A* exch
 template <typename A>
 struct RowArgs {
     bool prob, nll, idx64, smooth, track, zloss;
-    A eps, one_minus_eps, eps_c, cap, zs;
+    A eps, one_minus_eps, eps_c, cap, inv_cap, zs;
     long long ignore_index, cols;
 };
 
@@ -295,6 +297,7 @@ __device__ __forceinline__ RowArgs<A> row_args(long long flags, long long ignore
     ra.smooth = smoothing != 0.0 && !ra.nll;
     ra.track = ra.prob || ra.smooth;
     ra.cap = A(softcap);
+    ra.inv_cap = softcap > 0.0 ? A(1.0 / softcap) : A(0);
     ra.zs = A(zscale);
     ra.zloss = zscale != 0.0;
     ra.ignore_index = ignore_index;
@@ -304,7 +307,7 @@ __device__ __forceinline__ RowArgs<A> row_args(long long flags, long long ignore
 
 template <typename A>
 __device__ __forceinline__ A zval_acc(A v, const RowArgs<A>& ra) {
-    return ra.cap > A(0) ? ra.cap * th(v / ra.cap) : v;
+    return ra.cap > A(0) ? ra.cap * tanh_bf(v * ra.inv_cap) : v;
 }
 template <typename T, typename A>
 __device__ __forceinline__ A zval(T raw, const RowArgs<A>& ra) {
@@ -394,7 +397,7 @@ __device__ __forceinline__ A grad_input(A p, A z, bool at_y, A tv, A w, const Ro
     // holds all the target's weight): kept apart, it keeps its own relative precision.
     A gz = o.g * ((o.k * p - corr) + o.dz * p);
     if (ra.cap > A(0)) {
-        const A q = z / ra.cap;
+        const A q = z * ra.inv_cap;
         gz *= A(1) - q * q;
     }
     return gz;
