@@ -36,10 +36,9 @@ from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _redu
                       _tuning, _validate)
 from cupyloss._registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
 
-# Flag bits and operand kinds, mirrored from the enums in kernels/pointwise.cu.
-FLAG_GO_DEVICE = 1
-FLAG_GO_ELEMENTWISE = 2
-KIND_FULL, KIND_ROW, KIND_SCALAR = 0, 1, 2
+# Flag bits and operand kinds: the enums of kernels/pointwise.cu.
+FLAG_GO_DEVICE, FLAG_GO_ELEMENTWISE, KIND_FULL, KIND_ROW, KIND_SCALAR = _source.constants(
+    "pointwise.cu", "FLAG_GO_DEVICE", "FLAG_GO_ELEMENTWISE", "KIND_FULL", "KIND_ROW", "KIND_SCALAR")
 _ONE = _args.f64_word(1.0)    # the grad_output word every plan starts with
 
 

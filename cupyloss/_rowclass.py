@@ -22,16 +22,13 @@ from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _redu
                       _validate)
 from cupyloss._rowwise import Launched
 
-# The loss ids of rowclass_rows<T, LOSS> and the flag bits, mirrored from kernels/rowclass.cu.
-LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD = 0, 1, 2
-FLAG_INDEX64 = 1
-FLAG_LABELS = 2
-FLAG_LABELS64 = 4
-FLAG_GO_DEVICE = 8
-FLAG_GO_ROWS = 16
-FLAG_COUNT = 32
-FLAG_ZERO_EMPTY = 64
-FLAG_P2 = 128
+# The loss ids of rowclass_rows<T, LOSS> and the flag bits: the enums of kernels/rowclass.cu.
+LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD = _source.constants(
+    "rowclass.cu", "LOSS_MULTI_MARGIN", "LOSS_MULTILABEL", "LOSS_JSD")
+(FLAG_INDEX64, FLAG_LABELS, FLAG_LABELS64, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_COUNT,
+ FLAG_ZERO_EMPTY, FLAG_P2) = _source.constants(
+    "rowclass.cu", "RC_INDEX64", "RC_LABELS", "RC_LABELS64", "RC_GO_DEVICE", "RC_GO_ROWS",
+    "RC_COUNT", "RC_ZERO_EMPTY", "RC_P2")
 _INT64 = numpy.dtype(numpy.int64)
 
 

@@ -19,12 +19,9 @@ import math
 from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
                       _validate)
 
-# Flag bits, mirrored from the enum in kernels/rowpair.cu.
-FLAG_GO_DEVICE = 1
-FLAG_GO_ROWS = 2
-FLAG_SWAP = 4
-FLAG_T_INT32 = 8
-FLAG_T_INT64 = 16
+# Flag bits: the enum of kernels/rowpair.cu.
+FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_SWAP, FLAG_T_INT32, FLAG_T_INT64 = _source.constants(
+    "rowpair.cu", "PAIR_GO_DEVICE", "PAIR_GO_ROWS", "PAIR_SWAP", "PAIR_T_INT32", "PAIR_T_INT64")
 
 
 def _torch_size_error(a_shape, b_shape):

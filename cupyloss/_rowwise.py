@@ -23,15 +23,10 @@ import numpy
 from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
                       _validate)
 
-# Flag bits, mirrored from the enum in kernels/rowwise.cu.
-FLAG_INDEX64 = 1
-FLAG_PROB = 2
-FLAG_NLL = 4
-FLAG_GO_DEVICE = 8
-FLAG_GO_ROWS = 16
-FLAG_MEAN_W = 32
-FLAG_ACC_IO = 64
-_FIELDS = 5                   # ROW_FIELDS: a row state's accumulators in the group exchange
+# Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
+(FLAG_INDEX64, FLAG_PROB, FLAG_NLL, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_MEAN_W, FLAG_ACC_IO,
+ _FIELDS) = _source.constants("rowwise.cu", "ROW_INDEX64", "ROW_PROB", "ROW_NLL", "ROW_GO_DEVICE",
+                              "ROW_GO_ROWS", "ROW_MEAN_W", "ROW_ACC_IO", "ROW_FIELDS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +61,10 @@ SPECS = {
     "nll_loss": RowSpec("nll_loss", "nll", options=("weight", "ignore_index", "check_targets")),
 }
 
-# cross_entropy_rows<T, MODE>'s variants, mirrored from kernels/rowwise.cu.
-MODE_FORWARD, MODE_GRAD, MODE_GENERAL, MODE_NLL, MODE_SMOOTH, MODE_PROB = 0, 1, 2, 3, 4, 5
+# cross_entropy_rows<T, MODE>'s variants: kernels/rowwise.cu's.
+MODE_FORWARD, MODE_GRAD, MODE_GENERAL, MODE_NLL, MODE_SMOOTH, MODE_PROB = _source.constants(
+    "rowwise.cu", "MODE_FORWARD", "MODE_GRAD", "MODE_GENERAL", "MODE_NLL", "MODE_SMOOTH",
+    "MODE_PROB")
 
 # The kernels' parameter lists, one word each, named as kernels/rowwise.cu names them.
 ROWS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_rows"))
@@ -76,9 +73,8 @@ WSUM = _args.Layout(_source.kernel_words("rowwise.cu", "class_weight_sum"))
 SLICE = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_slice_grad"))
 STATS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_slice_stats"))
 COMBINE = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_combine"))
-# The modes whose gradient may be stored as another (16-bit) type than float32 logits
-# (_source.ROWWISE_NARROW_MODES).
-_NARROW_MODES = (MODE_GRAD, MODE_GENERAL, MODE_SMOOTH)
+# The modes whose gradient may be stored as another (16-bit) type than float32 logits.
+_NARROW_MODES = _source.ROWWISE_NARROW_MODES
 _ONE = _args.f64_word(1.0)
 
 

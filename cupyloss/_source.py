@@ -110,6 +110,42 @@ def kernel_params(source: str, kernel: str) -> tuple[tuple[str, str], ...]:
     return tuple(params)
 
 
+_ENUM = re.compile(r"\benum\s*(?::[\w\s]+)?\{([^}]*)\}\s*;")  # unscoped: `enum class` is not
+_CONSTEXPR = re.compile(r"^\s*(?:__host__\s+__device__\s+)?constexpr\s+(?:int|long long)\s+(\w+)"
+                        r"\s*=\s*(-?\d+)\s*;", re.MULTILINE)
+_DEFINE_INT = re.compile(r"^\s*#\s*define\s+(\w+)\s+(-?\d+)\s*$", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_constants(source: str) -> dict[str, int]:
+    """The integer constants kernels/`source` (its includes inlined) names: the members of its
+    unscoped enums (flag bits, loss ids, variants), its namespace-scope `constexpr int`s and its
+    `#define NAME <integer>`s.  The host reads its flag bits and ids from here, so the two sides
+    cannot disagree on a value."""
+    text = _COMMENT.sub(" ", expand(source))
+    out: dict[str, int] = {}
+    for body in _ENUM.findall(text):
+        value = -1
+        for item in filter(None, (i.strip() for i in body.split(","))):
+            name, _, literal = (part.strip() for part in item.partition("="))
+            if literal and not re.fullmatch(r"-?\d+", literal):
+                raise ValueError(f"kernels/{source}: {name} = {literal} is not an integer literal")
+            value = int(literal) if literal else value + 1
+            out[name] = value
+    for pattern in (_CONSTEXPR, _DEFINE_INT):
+        out.update((name, int(v)) for name, v in pattern.findall(text))
+    return out
+
+
+def constants(source: str, *names: str) -> tuple[int, ...]:
+    """The values of `names` among kernel_constants(source), in order."""
+    known = kernel_constants(source)
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise LookupError(f"kernels/{source} names no constant {', '.join(missing)}")
+    return tuple(known[n] for n in names)
+
+
 def kernel_words(source: str, kernel: str, sizes: dict | None = None,
                  fields: dict | None = None) -> list[tuple[str, int]]:
     """`kernel`'s parameters as _args.Layout takes them, named as the kernel names them: one
@@ -211,9 +247,13 @@ def narrow_name(ctype: str) -> str:
 ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum",
                    "cross_entropy_slice_stats", "cross_entropy_combine",
                    "cross_entropy_slice_grad")
-ROWWISE_MODES = (0, 1, 2, 3, 4, 5)     # cross_entropy_rows's MODE (_rowwise.ROW_*)
-ROWWISE_CLUSTER_MODES = (1, 2, 4, 5)   # the ones with a gradient held over a cluster's blocks
-ROWWISE_NARROW_MODES = (1, 2, 4)       # the class-index gradients, stored rounded to 16 bits
+# cross_entropy_rows's MODEs (_rowwise.MODE_*); the ones with a gradient held over a cluster's
+# blocks; the class-index gradients, which may be stored rounded to 16 bits.
+ROWWISE_MODES = constants("rowwise.cu", "MODE_FORWARD", "MODE_GRAD", "MODE_GENERAL", "MODE_NLL",
+                          "MODE_SMOOTH", "MODE_PROB")
+ROWWISE_CLUSTER_MODES = constants("rowwise.cu", "MODE_GRAD", "MODE_GENERAL", "MODE_SMOOTH",
+                                  "MODE_PROB")
+ROWWISE_NARROW_MODES = constants("rowwise.cu", "MODE_GRAD", "MODE_GENERAL", "MODE_SMOOTH")
 
 
 def rowwise_name(kernel: str, ctype: str, mode: int = 2, cluster: int = 1,

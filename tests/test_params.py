@@ -4,7 +4,9 @@ Every layout the engines pack is built from the kernel's own parameter list in k
 (_source.kernel_words), so its words carry the kernel's names in the kernel's order.  Here: the
 parser reads those lists as declared, struct parameters written field by field follow the
 struct's definition, a struct cannot pass for one word, and every name the engines write into a
-layout is one of its names (a word renamed on one side only fails here, not on the GPU).
+layout is one of its names (a word renamed on one side only fails here, not on the GPU).  The
+flag bits, loss ids and variants the engines pass are read from the kernels' enums
+(_source.constants); the sizes the launch arithmetic shares with them are checked against theirs.
 """
 
 import ast
@@ -182,3 +184,45 @@ def test_the_launch_table_sets_every_launch_shape_macro_the_kernels_need():
     assert required and required == passed
     assert not re.search(r"#ifndef CUPYLOSS_(FLAT|ROWS|REDUCE|GRAD)_",
                          _source.expand("pointwise.cu"))
+
+
+def test_kernel_constants_reads_enums_constexprs_and_defines(monkeypatch, tmp_path):
+    """Explicit and implicit enum values, a scoped enum passed over, comments ignored, namespace
+    constexprs and integer #defines; a value that is not a literal is refused, not guessed."""
+    (tmp_path / "common.cuh").write_text("")
+    (tmp_path / "k.cu").write_text(
+        "enum : long long {\n  A_ONE = 1,  // one\n  A_TWO = 2, /* 3? */ A_THREE,\n};\n"
+        "enum class Skip { x, y };\nenum : int { B0, B1, B2 = 8 };\n"
+        "constexpr int C_N = 64;  // (x there)\n#define D_MAX 16\n")
+    (tmp_path / "bad.cu").write_text("enum : int { E = 1 << 2 };\n")
+    monkeypatch.setattr(_source, "kernel_dir", lambda: tmp_path)
+    _source.expand.cache_clear()
+    _source.kernel_constants.cache_clear()
+    try:
+        got = _source.kernel_constants("k.cu")
+        assert got == {"A_ONE": 1, "A_TWO": 2, "A_THREE": 3, "B0": 0, "B1": 1, "B2": 8,
+                       "C_N": 64, "D_MAX": 16}
+        assert _source.constants("k.cu", "B2", "A_ONE") == (8, 1)
+        with pytest.raises(LookupError, match="names no constant x, A_FOUR"):
+            _source.constants("k.cu", "x", "A_FOUR")
+        with pytest.raises(ValueError, match="E = 1 << 2 is not an integer literal"):
+            _source.kernel_constants("bad.cu")
+    finally:
+        _source.expand.cache_clear()
+        _source.kernel_constants.cache_clear()
+
+
+@pytest.mark.parametrize("host, file, kernel_name", [
+    ("MAX_DIMS", "pointwise.cu", "CUPYLOSS_MAX_DIMS"),
+    ("BLOCK", "rowwise.cu", "ROW_BLOCK"),
+    ("ROW_VECS", "rowwise.cu", "ROW_VECS"),
+    ("ROW_SCRATCH", "rowwise.cu", "ROW_SCRATCH"),
+    ("PAIR_BLOCK", "rowpair.cu", "PAIR_BLOCK"),
+    ("PAIR_STAGES", "rowpair.cu", "PAIR_STAGES"),
+    ("PAIR_FINISH_BLOCK", "rowpair.cu", "PAIR_FINISH_BLOCK"),
+])
+def test_launch_arithmetic_uses_the_kernels_constants(host, file, kernel_name):
+    """The sizes the launch arithmetic shares with the kernels (block, vectors a thread, shared
+    slots, stages) have the kernels' values; the flag bits and loss ids need no such check, the
+    engines read them from the kernels (_source.constants)."""
+    assert getattr(_launch, host) == _source.kernel_constants(file)[kernel_name]
