@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import reference
 import strategies
-from gpu_util import DTYPES, assert_close, assert_same, to_device, to_host
+from gpu_util import DTYPES, RTOL, assert_close, assert_same, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -183,12 +183,20 @@ def _sum_scale(values, reduction, divisor):
     return total / divisor if divisor else total
 
 
-def _grad_scales(case, host, reduction, grad_output, grads):
-    """name -> the magnitude each gradient is summed from, or None where it is not a sum.
+# Units of the accumulator's rounding, times the sum of the partials' magnitudes, that a
+# broadcast operand's summed gradient may be off by: each partial is formed in the accumulator
+# type (float32 for 16-bit inputs) to within a few of its own units, and the sum adds no more.
+SUM_ULPS = 16
 
-    The gradient of a broadcast operand sums the partials over its broadcast axes, so it rounds
-    relative to the sum of their magnitudes: the same partials taken with every operand expanded
-    to the common shape, then |.| summed back to the operand's shape.
+
+def _grad_scales(case, host, dtype, reduction, grad_output, grads):
+    """name -> the scale assert_close takes for each gradient (None: the mean |reference|).
+
+    The gradient of a broadcast operand sums the partials over its broadcast axes; when they
+    cancel, its error is relative to the sum of their magnitudes (the same partials taken with
+    every operand expanded to the common shape, |.| summed back to the operand's shape), not to
+    the result: the scale is the larger of the mean |reference| and SUM_ULPS units of the
+    accumulator's rounding of that sum, over the dtype's relative tolerance.
     """
     scales = dict.fromkeys(grads)
     try:
@@ -197,6 +205,8 @@ def _grad_scales(case, host, reduction, grad_output, grads):
         return scales
     full = _ref(case, {k: np.ascontiguousarray(v) for k, v in expanded.items()}, reduction,
                 grad_output)
+    acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    unit = SUM_ULPS * np.finfo(acc).eps / 2 / RTOL[np.dtype(dtype)]
     for arg, ref in grads.items():
         g = np.abs(np.asarray(full[arg], np.float64))
         if g.shape == ref.shape:
@@ -204,7 +214,9 @@ def _grad_scales(case, host, reduction, grad_output, grads):
         lead = g.ndim - ref.ndim
         axes = tuple(range(lead)) + tuple(
             lead + i for i, n in enumerate(ref.shape) if n == 1 and g.shape[lead + i] != 1)
-        scales[arg] = np.nansum(g, axis=axes).reshape(ref.shape)
+        r = np.abs(np.asarray(ref, np.float64))
+        mean = np.mean(r[np.isfinite(r)]) if np.isfinite(r).any() else 0.0
+        scales[arg] = np.maximum(mean, unit * np.nansum(g, axis=axes).reshape(ref.shape))
     return scales
 
 
@@ -289,7 +301,7 @@ def test_value_and_grads_match_reference(data, pair, seed):
     grads = _call(case.name, "backward", go, *pos, reduction=reduction, **kw)
     v2, grads2 = _call(case.name, "vag", *pos, reduction=reduction, grad_output=go, **kw)
     assert len(grads) == len(ref_g) == len(grads2)
-    grad_scales = _grad_scales(case, host, reduction, ref_go, ref_g)
+    grad_scales = _grad_scales(case, host, dtype, reduction, ref_go, ref_g)
     for got, (arg, ref) in zip(grads, ref_g.items()):
         assert got.dtype == dtype and got.shape == ref.shape, arg
         assert_close(to_host(got), ref, dtype, grad_scales[arg], f"d/d{arg}")
