@@ -1,16 +1,35 @@
 """What the kernel families' engines (_pointwise, _rowwise, _rowclass, _rowpair) share: the
-current device, the last-block tickets their launches count on, and the operands they take
-(class-index targets, contiguous copies).  Each engine keeps its own plans (a _plans.Plans
-cache of packed launches keyed by metadata) and its own run; this is what none of them owns.
+current device and the building of plans on it, the last-block tickets their launches count
+on, the operands they take (class-index targets, contiguous copies) and the grad_output words
+of the row launches.  Each engine keeps its own plans (a _plans.Plans cache of packed launches
+keyed by metadata) and its own run; this is what none of them owns.
 """
 
 from __future__ import annotations
 
 import numpy
 
-from cupyloss import _dispatch
+from cupyloss import _args, _dispatch
 
 INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
+
+
+def on_device(build, *args, **kw):
+    """build(*args, **kw) with device args[-1] current: a plan holds the kernels of its device
+    (each engine's _make_plan, the miss path of its plan cache)."""
+    import cupy
+
+    with cupy.cuda.Device(args[-1]):
+        return build(*args, **kw)
+
+
+def grad_output_words(words, slot, go, go_value) -> None:
+    """grad_output into a row launch's words: the pointer of a device array, else a number other
+    than 1 (a plan's words hold 1.0 in go_value and no pointer)."""
+    if go is not None:
+        words[slot["go"]] = go.ptr
+    elif go_value != 1.0:
+        words[slot["go_value"]] = _args.f64_word(go_value)
 
 
 def current_device() -> int:

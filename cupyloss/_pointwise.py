@@ -155,11 +155,8 @@ def _resident(name: str, shared: int, limits) -> int:
 
 
 def _make_plan(*args) -> Plan:
-    """Build the plan of a call (on its device: kernels are loaded per device)."""
-    import cupy
-
-    with cupy.cuda.Device(args[-1]):
-        return _build(*args)
+    """The plan of a call, built on its device (the last argument)."""
+    return _engine.on_device(_build, *args)
 
 
 def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides,

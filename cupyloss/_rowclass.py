@@ -239,11 +239,8 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
 
 
 def _make_plan(*args) -> Plan:
-    """Build the plan of a call on its device (kernels are loaded per device)."""
-    import cupy
-
-    with cupy.cuda.Device(args[-1]):
-        return _build(*args)
+    """The plan of a call, built on its device (the last argument)."""
+    return _engine.on_device(_build, *args)
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -260,10 +257,7 @@ def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream, inplace=False
         words[slot["weight"]] = w.ptr
     if labels is not None:
         words[slot["labels"]] = labels.ptr
-    if go is not None:
-        words[slot["go"]] = go.ptr
-    elif go_value != 1.0:
-        words[slot["go_value"]] = _args.f64_word(go_value)
+    _engine.grad_output_words(words, slot, go, go_value)
     like = x.array
     dtype = plan.dtype
     out = gx = gt = None

@@ -212,11 +212,8 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
 
 
 def _make_plan(*args) -> Plan:
-    """Build the plan of a call on its device (kernels are loaded per device)."""
-    import cupy
-
-    with cupy.cuda.Device(args[-1]):
-        return _build(*args)
+    """The plan of a call, built on its device (the last argument)."""
+    return _engine.on_device(_build, *args)
 
 
 def _run(plan: Plan, frame, xs, t, go, go_value, stream):
@@ -227,10 +224,7 @@ def _run(plan: Plan, frame, xs, t, go, go_value, stream):
         words[slot["x0"] + k] = x.ptr
     if t is not None:
         words[slot["tgt"]] = t.ptr
-    if go is not None:
-        words[slot["go"]] = go.ptr
-    elif go_value != 1.0:
-        words[slot["go_value"]] = _args.f64_word(go_value)
+    _engine.grad_output_words(words, slot, go, go_value)
     like = xs[0].array
     out = None
     if plan.value:

@@ -295,12 +295,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
 
 
 def _make_plan(*args, into=None, acc_io=False) -> Plan:
-    """Build the plan of a call on its device (the last argument: kernels are loaded per
-    device)."""
-    import cupy
-
-    with cupy.cuda.Device(args[-1]):
-        return _build(*args, into=into, acc_io=acc_io)
+    """The plan of a call, built on its device (the last argument)."""
+    return _engine.on_device(_build, *args, into=into, acc_io=acc_io)
 
 
 # --- running -----------------------------------------------------------------------------------------
@@ -325,10 +321,7 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
     words[slot["tgt"]] = t.ptr
     if w is not None:
         words[slot["weight"]] = w.ptr
-    if go is not None:
-        words[slot["go"]] = go.ptr
-    elif go_value != 1.0:
-        words[slot["go_value"]] = _args.f64_word(go_value)
+    _engine.grad_output_words(words, slot, go, go_value)
     like = x.array
     dtype = plan.dtype
     out = gx = gt = lse = None

@@ -262,3 +262,33 @@ def test_vocab_parallel_steps_launch_with_the_arrays_own_pointers(device, monkey
         6, 32, 64, 100, 40, 32)
     assert g["flags"] == _rowwise.FLAG_GO_ROWS and g["wsum"] == 0
     assert grad.shape == (6, 32) and stats.shape == (6, 5) and lse.shape == (6,)
+
+
+def _row_call(family, go):
+    """One value_and_grad-like call of each row family with grad_output `go`; its main launch."""
+    if family == "rowwise":
+        x = _host(np.zeros((4, 9), np.float32))
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, _host(np.arange(4)),
+                          reduction="sum", wrt=("input",), grad_output=go)
+    elif family == "rowclass":
+        x = _host(np.zeros((4, 9), np.float32))
+        _rowclass.evaluate(_rowclass.SPECS["multi_margin_loss"], x, _host(np.arange(4)),
+                           reduction="sum", wrt=("input",), grad_output=go)
+    else:
+        a, p, n = (_host(np.full((5, 7), v, np.float32)) for v in (0.0, 1.0, 2.0))
+        _rowpair.evaluate(_rowpair.SPECS["triplet_margin_loss"], (a, p, n),
+                          (1.0, 2.0, 1e-6, False), reduction="sum", wrt=("anchor",),
+                          grad_output=go)
+
+
+@pytest.mark.parametrize("family", ["rowwise", "rowclass", "rowpair"])
+def test_row_grad_output_words(device, family):
+    """grad_output reaches each row family's launch as the kernel reads it: a number other than 1
+    in go_value (no pointer), a 0-d device array as go's pointer (go_value left at 1)."""
+    _row_call(family, 0.25)
+    words = _named(*device.launches[-1])
+    assert words["go_value"] == _args.f64_word(0.25) and words["go"] == 0
+    g = np.array(3.0, np.float32).view(HostArray)
+    _row_call(family, g)
+    words = _named(*device.launches[-1])
+    assert words["go"] == _ptr(g) and words["go_value"] == _args.f64_word(1.0)
