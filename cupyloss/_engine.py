@@ -7,6 +7,8 @@ keyed by metadata) and its own run; this is what none of them owns.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy
 
 from cupyloss import _args, _dispatch
@@ -21,6 +23,18 @@ def on_device(build, *args, **kw):
 
     with cupy.cuda.Device(args[-1]):
         return build(*args, **kw)
+
+
+@contextlib.contextmanager
+def off_path(frame, device: int, stream: int):
+    """Where a call off the hot path runs (another current device, or operands that need
+    contiguous copies): `device` current, CuPy on the caller's stream, and CuPy's allocations
+    (the copies, the slow paths' own arrays) made by the caller's allocator."""
+    import cupy
+
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
+            frame.scratch_allocator():
+        yield
 
 
 def grad_output_words(words, slot, go, go_value) -> None:
@@ -126,3 +140,11 @@ def contiguous(frame, op, name):
     itemsize = copy.dtype.itemsize
     return _dispatch.Operand(copy.data.ptr, copy.shape, tuple(s // itemsize for s in copy.strides),
                              copy.dtype, op.device, copy)
+
+
+def contiguous_input(frame, op, name):
+    """(a contiguous copy of `op` whose results are still allocated like the caller's array,
+    the copy's array): keep the second alive until the launch that reads it is queued."""
+    copy = contiguous(frame, op, name)
+    copy.array, kept = op.array, copy.array
+    return copy, kept

@@ -554,8 +554,7 @@ def _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_valu
     device = x.device
     stream = frame.stream(device)
     like = x.array
-    with cupy.cuda.Device(device), \
-            cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), frame.scratch_allocator():
+    with _engine.off_path(frame, device, stream):
         if plan.too_many_dims:
             # Contiguous copies coalesce to one dim; results still go to the caller's frame.
             cupy_frame = _dispatch.CupyFrame()

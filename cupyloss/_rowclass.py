@@ -429,13 +429,10 @@ def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args
     import cupy
 
     device = x.device
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
-            frame.scratch_allocator():
+    with _engine.off_path(frame, device, stream):
         keep = []
         if _row_strides(x.shape, x.strides) is None:
-            original = x
-            x = _engine.contiguous(frame, x, "input")
-            x.array, copy = original.array, x.array  # outputs are allocated like the input
+            x, copy = _engine.contiguous_input(frame, x, "input")
             keep.append(copy)
         if (_index_stride(t.shape, t.strides) if is_index
                 else _row_strides(t.shape, t.strides)) is None:

@@ -323,18 +323,13 @@ def _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed, want_
               go_kind):
     """Calls off the hot path: another current device, or operands whose leading dims do not
     merge (copied contiguous by CuPy on the caller's stream, with the caller's allocator)."""
-    import cupy
-
     device = xs[0].device
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
-            frame.scratch_allocator():
+    with _engine.off_path(frame, device, stream):
         keep = []
         for k, x in enumerate(xs):
             if _row_geometry(x.shape, x.strides) is None:
-                copy = _engine.contiguous(frame, x, "input")
-                keep.append(copy.array)
-                copy.array = x.array  # outputs are allocated like the caller's array
-                xs[k] = copy
+                xs[k], copy = _engine.contiguous_input(frame, x, "input")
+                keep.append(copy)
         go_rs = 0
         if go_kind == "array":
             go_rs = _launch.merged_stride(go.shape, go.strides)

@@ -500,19 +500,14 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
               want_value, want_gx, want_gt, want_lse, inplace, go_kind, into=None, acc_io=False):
     """Calls off the hot path: another current device, or operands that need contiguous copies
     (made by CuPy on the caller's stream, with the caller's allocator)."""
-    import cupy
-
     device = x.device
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
-            frame.scratch_allocator():
+    with _engine.off_path(frame, device, stream):
         if _launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None:
             if inplace or into is not None:
                 raise ValueError(f"inplace=True needs an input whose dims after the class axis "
                                  f"merge into one stride, got strides {tuple(x.strides)} for "
                                  f"shape {tuple(x.shape)}")
-            original = x
-            x = _engine.contiguous(frame, x, "input")
-            x.array, x_copy = original.array, x.array  # outputs are allocated like the input
+            x, x_copy = _engine.contiguous_input(frame, x, "input")
             t = _engine.contiguous(frame, t, "target")
         else:
             x_copy = None

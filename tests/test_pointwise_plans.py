@@ -49,6 +49,8 @@ class FakeFrame:
         a = np.empty(shape, dtype).view(HostArray)
         if self.record is not None:
             self.record.allocations.append((tuple(np.atleast_1d(shape)), np.dtype(dtype)))
+            if hasattr(self.record, "likes"):
+                self.record.likes.append(like)
         return a, a.ctypes.data
 
     def empty_like(self, a):

@@ -8,6 +8,7 @@ from kernels/, tests/test_params.py), so a pointer or option packed into its nei
 fails here.  What the kernels compute is tested on the GPU.
 """
 
+import contextlib
 import types
 
 import numpy as np
@@ -27,7 +28,7 @@ LIMITS = _launch.DeviceLimits(sm_count=H100.sm_count, max_grid_x=H100.max_grid_x
 def device(monkeypatch):
     """Launches recorded as (kernel expression, {parameter name: word or words}); the families
     run against the fake device."""
-    record = types.SimpleNamespace(launches=[], allocations=[])
+    record = types.SimpleNamespace(launches=[], allocations=[], copies=[], likes=[])
     functions = {}
 
     def resolve(file, expression):
@@ -48,6 +49,11 @@ def device(monkeypatch):
     def target_operand(frame, target):
         return frame.operand(target, "target"), target.dtype.kind in "iu"
 
+    def contiguous(frame, op, name):
+        copy = np.ascontiguousarray(op.array).view(HostArray)
+        record.copies.append(copy)
+        return frame.operand(copy, name)
+
     monkeypatch.setattr(_launch, "device_limits", lambda d: LIMITS)
     monkeypatch.setattr(_source, "function", resolve)
     monkeypatch.setattr(_source, "resident", lambda *a, **k: 2)
@@ -59,6 +65,8 @@ def device(monkeypatch):
     monkeypatch.setattr(_engine, "current_device", lambda: 0)
     monkeypatch.setattr(_engine, "ticket", lambda d, s: 0x7)
     monkeypatch.setattr(_engine, "target_operand", target_operand)
+    monkeypatch.setattr(_engine, "contiguous", contiguous)
+    monkeypatch.setattr(_engine, "off_path", lambda frame, device, stream: contextlib.nullcontext())
     monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
     record.layouts = layouts
     return record
@@ -292,3 +300,34 @@ def test_row_grad_output_words(device, family):
     _row_call(family, g)
     words = _named(*device.launches[-1])
     assert words["go"] == _ptr(g) and words["go_value"] == _args.f64_word(1.0)
+
+
+def test_slow_paths_launch_contiguous_copies(device):
+    """Operands the row kernels cannot stride through go off the hot path (_engine.off_path) as
+    contiguous copies: each family launches on the copy, the copy holds the caller's values, and
+    the results are still allocated like the caller's array (its framework and allocator)."""
+    rng = np.random.default_rng(1)
+    # rowwise: (N, C, d1, d2) whose d1 and d2 do not merge into one stride
+    x = rng.standard_normal((2, 5, 4, 4)).astype(np.float32).view(HostArray)[:, :, ::2, :]
+    t = _host(rng.integers(0, 5, (2, 2, 4)))
+    _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t, reduction="sum", wrt=("input",))
+    copy = device.copies[0]
+    assert np.array_equal(copy, x) and copy.flags.c_contiguous
+    words = _named(*device.launches[-1])
+    assert words["x"] == _ptr(copy) != _ptr(x)
+    assert device.likes and all(like is x for like in device.likes)
+    # rowclass: a transposed input, rows not at one stride of whole rows
+    xc = rng.standard_normal((9, 4)).astype(np.float32).view(HostArray).T
+    _rowclass.evaluate(_rowclass.SPECS["multi_margin_loss"], xc, _host(np.arange(4)),
+                       reduction="sum", wrt=("input",))
+    words = _named(*device.launches[-1])
+    assert words["x"] == _ptr(device.copies[-1]) and np.array_equal(device.copies[-1], xc)
+    assert words["x_rs"] == 9 and device.likes[-1] is xc
+    # rowpair: one of three inputs whose leading dims do not merge
+    a = rng.standard_normal((3, 4, 7)).astype(np.float32).view(HostArray)[:, :2, :]
+    p, n = (_host(rng.standard_normal((3, 2, 7)).astype(np.float32)) for _ in range(2))
+    _rowpair.evaluate(_rowpair.SPECS["triplet_margin_loss"], (a, p, n), (1.0, 2.0, 1e-6, False),
+                      reduction="sum", wrt=("anchor",))
+    words = _named(*device.launches[-1])
+    assert words["x0"] == _ptr(device.copies[-1]) and np.array_equal(device.copies[-1], a)
+    assert (words["x1"], words["x2"]) == (_ptr(p), _ptr(n)) and device.likes[-1] is a
