@@ -37,6 +37,18 @@ def off_path(frame, device: int, stream: int):
         yield
 
 
+def scratch(frame, plan, like, device: int, stream: int, words, slot) -> tuple[int, int]:
+    """A row launch's scratch and ticket: (the base pointer of plan.scratch_size accumulators of
+    plan.acc, 0 for none; the stream's ticket, 0 where the plan takes none), the main launch's
+    partials and ticket words filled where plan.scratch has "partials"."""
+    mine = ticket(device, stream) if plan.ticket else 0
+    base = frame.empty((plan.scratch_size,), plan.acc, like)[1] if plan.scratch_size else 0
+    if "partials" in plan.scratch:
+        words[slot["partials"]] = base + plan.acc.itemsize * plan.scratch["partials"][0]
+        words[slot["ticket"]] = mine
+    return base, mine
+
+
 def grad_output_words(words, slot, go, go_value) -> None:
     """grad_output into a row launch's words: the pointer of a device array, else a number other
     than 1 (a plan's words hold 1.0 in go_value and no pointer)."""

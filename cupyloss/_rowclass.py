@@ -271,18 +271,12 @@ def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream, inplace=False
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
     if plan.gt:
         gt, words[slot["gt"]] = frame.empty(plan.x_shape, dtype, like)
-    ticket = _engine.ticket(x.device, stream) if plan.ticket else 0
-    scratch_ptr = 0
-    if plan.scratch_size:
-        _, scratch_ptr = frame.empty((plan.scratch_size,), plan.acc, like)
+    scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words, slot)
     step = plan.acc.itemsize
 
     def at(key):
         return scratch_ptr + step * plan.scratch[key][0]
 
-    if "partials" in plan.scratch:
-        words[slot["partials"]] = at("partials")
-        words[slot["ticket"]] = ticket
     if plan.count is not None:
         cwords = array.array("Q", plan.count.words)
         cs = plan.count.slot

@@ -339,18 +339,12 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
     if plan.gt:
         gt, words[slot["gt"]] = frame.empty(plan.t_shape, dtype, like)
-    ticket = _engine.ticket(x.device, stream) if plan.ticket else 0
-    scratch_ptr = 0
-    if plan.scratch_size:
-        _, scratch_ptr = frame.empty((plan.scratch_size,), plan.acc, like)
+    scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words, slot)
     step = plan.acc.itemsize
 
     def at(name):
         return scratch_ptr + step * plan.scratch[name][0]
 
-    if "partials" in plan.scratch:
-        words[slot["partials"]] = at("partials")
-        words[slot["ticket"]] = ticket
     if "exchange" in plan.scratch:
         words[slot["exchange"]] = at("exchange")
         _, words[slot["sync"]] = frame.zeros((plan.counters,), numpy.dtype(numpy.float32), like)

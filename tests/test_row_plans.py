@@ -331,3 +331,20 @@ def test_slow_paths_launch_contiguous_copies(device):
     words = _named(*device.launches[-1])
     assert words["x0"] == _ptr(device.copies[-1]) and np.array_equal(device.copies[-1], a)
     assert (words["x1"], words["x2"]) == (_ptr(p), _ptr(n)) and device.likes[-1] is a
+
+
+@pytest.mark.parametrize("family", ["rowwise", "rowclass"])
+def test_row_partials_and_ticket_words(device, family):
+    """A 0-d loss over many blocks: the launch's partials point into the call's scratch and its
+    ticket is the stream's (_engine.ticket, 0x7 here)."""
+    x = _host(np.zeros((4096, 64), np.float32))
+    t = _host(np.arange(4096) % 64)
+    if family == "rowwise":
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t, reduction="sum",
+                          wrt=("input",))
+    else:
+        _rowclass.evaluate(_rowclass.SPECS["multi_margin_loss"], x, t, reduction="sum",
+                           wrt=("input",))
+    words = _named(*device.launches[-1])
+    assert words["ticket"] == 0x7 and words["partials"] not in (0, 0x7)
+    assert words["partials"] not in (words["x"], words["value"], words["gx"])
