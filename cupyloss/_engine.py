@@ -1,8 +1,9 @@
 """What the kernel families' engines (_pointwise, _rowwise, _rowclass, _rowpair) share: the
-current device and the building of plans on it, the last-block tickets their launches count
-on, the operands they take (class-index targets, contiguous copies) and the grad_output words
-of the row launches.  Each engine keeps its own plans (a _plans.Plans cache of packed launches
-keyed by metadata) and its own run; this is what none of them owns.
+current device and the building of plans on it, where a call off the hot path runs and the
+copies it makes, the last-block tickets their launches count on, the operands they take
+(class-index targets), and the row launches' scratch and grad_output words.  Each engine keeps
+its own plans (a _plans.Plans cache of packed launches keyed by metadata) and its own run; this
+is what none of them owns.
 """
 
 from __future__ import annotations
