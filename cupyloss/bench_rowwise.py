@@ -1,7 +1,7 @@
 """Benchmark cross_entropy, jsd and triplet_margin_loss against torch eager and torch.compile.
 
     python -m cupyloss.bench_rowwise [--reps 20] [--scale 1.0] [--json out.json] [--no-compile]
-                                     [--workloads kb95,llm,jsd,kb99]
+                                     [--workloads kb95,llm,jsd,kb99,options]
 
 Workloads (int64 targets, 'mean' reduction, about 1% of them ignore_index):
   kb95  32768 x 4096 float32 logits (KernelBench level 1, problem 95)
@@ -12,6 +12,11 @@ Workloads (int64 targets, 'mean' reduction, about 1% of them ignore_index):
   kb99  triplet_margin_loss (margin 1, p 2) of three 32768 x 8192 float32 arrays (KernelBench
         level 1, problem 99); value_and_grad writes all three inputs' gradients, so its
         compulsory traffic is the three inputs read and three gradients written
+  options  llm's logits with each option of cross_entropy in turn: class weights, z-loss
+        (lse_square_scale 1e-4), label_smoothing 0.1, softcap 30; "x cupyloss" is then each
+        one's time over the plain loss's.  torch.compile runs the same math (the z-loss as
+        1e-4 mean(logsumexp^2) added, the softcap as 30 tanh(x / 30) before the loss).  Not in
+        the default list.
 
 Passes: forward (the loss) and value_and_grad (the loss and d loss / d logits written to a new
 array; cupyloss also in place, into the logits).  torch's value_and_grad is its forward plus
@@ -158,6 +163,46 @@ def _impls(torch, x, t, compile_: bool):
     return impls
 
 
+# cross_entropy's options as the options workload times them: name -> (cupyloss keywords,
+# the same loss in torch: f(F, torch, logits, target, weight)).
+OPTIONS = {
+    "weight": ({"weight": True},
+               lambda F, torch, x, t, w: F.cross_entropy(x, t, weight=w)),
+    "z-loss": ({"lse_square_scale": 1e-4},
+               lambda F, torch, x, t, w: F.cross_entropy(x, t) + 1e-4 * (
+                   torch.logsumexp(x.float(), -1)[t != -100] ** 2).mean()),
+    "smoothing": ({"label_smoothing": 0.1},
+                  lambda F, torch, x, t, w: F.cross_entropy(x, t, label_smoothing=0.1)),
+    "softcap": ({"softcap": 30.0},
+                lambda F, torch, x, t, w: F.cross_entropy(30.0 * torch.tanh(x.float() / 30.0),
+                                                          t)),
+}
+
+
+def _option_impls(torch, x, t, compile_: bool):
+    """name -> (forward, value_and_grad) of cross_entropy plain ("cupyloss", the ratios' base)
+    and with each of OPTIONS, and torch.compile's of the same."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.rand(x.shape[1], device="cuda", generator=gen) + 0.5).to(x.dtype)
+    leaf = x.detach().clone().requires_grad_()
+    impls = {"cupyloss": (lambda: cupyloss.cross_entropy(x, t),
+                          lambda: cupyloss.cross_entropy_value_and_grad(x, t))}
+    for name, (kw, torch_form) in OPTIONS.items():
+        kw = {k: (w if v is True else v) for k, v in kw.items()}
+        impls[f"cupyloss {name}"] = (
+            lambda kw=kw: cupyloss.cross_entropy(x, t, **kw),
+            lambda kw=kw: cupyloss.cross_entropy_value_and_grad(x, t, **kw))
+        if compile_:
+            compiled = torch.compile(lambda a, b, f=torch_form: f(F, torch, a, b, w),
+                                     dynamic=False)
+            impls[f"torch.compile {name}"] = (
+                lambda c=compiled: c(x, t),
+                lambda c=compiled: torch.autograd.grad(c(leaf, t), (leaf,)))
+    return impls
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_rowwise",
                                  description=__doc__.splitlines()[0])
@@ -167,7 +212,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--workloads", default="kb95,llm,jsd,kb99",
-                    help="comma-separated subset of kb95, llm, jsd, kb99 (default: all)")
+                    help="comma-separated, of kb95, llm, jsd, kb99, options (default: all but "
+                    "options)")
     args = ap.parse_args(argv)
     _timing.need(ap.prog, torch=True)
 
@@ -186,11 +232,12 @@ def main(argv=None) -> list[dict]:
             nbytes = {"forward": read_bytes, "value_and_grad": 2 * read_bytes}
             impls = _triplet_impls(torch, t, not args.no_compile)
         else:
-            x, t = _workload(torch, name, args.scale)
+            x, t = _workload(torch, "llm" if name == "options" else name, args.scale)
             read_bytes = x.numel() * x.element_size() + t.numel() * t.element_size()
             nbytes = {"forward": read_bytes,
                       "value_and_grad": read_bytes + x.numel() * x.element_size()}
-            impls = (_jsd_impls if name == "jsd" else _impls)(torch, x, t, not args.no_compile)
+            make = {"jsd": _jsd_impls, "options": _option_impls}.get(name, _impls)
+            impls = make(torch, x, t, not args.no_compile)
         limit = {"forward": read_bw, "value_and_grad": copy_bw}
         times = {}
         for who, (fwd, vag) in impls.items():
