@@ -7,7 +7,8 @@ The knobs of cupyloss._tuning (launch choices that are not the losses' math) are
 time, in the table's order: each candidate value is set for this GPU in this process, the
 kernels it changes compiled (all of a knob's candidates at once, in a process a core: the
 kernels recorded from one call of each workload), and the workloads that run those kernels
-timed (device time, cupyloss._timing, medians of --reps).  A candidate takes a knob's place
+timed (device time, cupyloss._timing, medians of --reps; a knob's workloads are made once, after
+the previous knob's are freed and the device has settled, and kept over its candidates).  A candidate takes a knob's place
 only where its mean time ratio to the value in force beats 1 - --margin (default 2%, about the
 spread of one run); the knobs after it are tried with it.
 
