@@ -404,9 +404,7 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     smoothing = float(label_smoothing)
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
-    softcap = float(softcap)
-    if not softcap >= 0.0:
-        raise ValueError(f"softcap must be > 0 (or 0 for none), got {softcap}")
+    softcap = _validate.check_softcap(softcap, dtype)
     zscale = float(lse_square_scale)
     for name in wrt:
         if name not in spec.arrays:

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from cupyloss import _validate
+
 F = torch.nn.functional
 
 
@@ -84,6 +86,7 @@ def _kl_div(input, target, reduction="mean", log_target=False, log_input=True):
 
 def _cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
                    label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0, check_targets=False):
+    softcap = _validate.check_softcap(softcap, input.dtype)
     z = softcap * torch.tanh(input / softcap) if softcap else input
     if not lse_square_scale:
         return F.cross_entropy(z, target, weight, ignore_index=ignore_index, reduction=reduction,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cupyloss import parallel
+from cupyloss import _validate, parallel
 
 _NS = "cupyloss"
 _REDUCTIONS = ("none", "mean", "sum")
@@ -224,6 +224,13 @@ def _global(total, divisor, mean_group):
     return pair[0] / pair[1] + (total - total.detach()) / pair[1]
 
 
+def _check_options(label_smoothing, softcap, dtype):
+    """The checks every path makes (CPU tensors and traced calls included) before any work."""
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    _validate.check_softcap(softcap, dtype)
+
+
 def _check_slice(offset, cols, classes):
     if not 0 <= offset <= classes - cols:
         raise ValueError(f"this rank's classes {offset} .. {offset + cols - 1} lie outside the "
@@ -278,6 +285,7 @@ def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
+    _check_options(label_smoothing, softcap, input.dtype)
     if mean_group is not None and reduction == "none":
         raise ValueError("mean_group needs reduction 'mean' or 'sum'")
     cols = input.shape[-1] if input.dim() else 0
@@ -533,6 +541,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
+    _check_options(label_smoothing, softcap, hidden.dtype)
     if weight.dim() != 2 or weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"weight must be (classes of this rank, {hidden.shape[-1]}), got "
                          f"{tuple(weight.shape)}")

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _source
+from cupyloss import _args, _dispatch, _dtypes, _source, _validate
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
@@ -219,8 +219,7 @@ def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothin
                          f"{tuple(class_weight.shape)} {class_weight.dtype}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
+    _validate.check_softcap(softcap, hidden.dtype)
     if "bias" in names and bias is None:
         raise ValueError("wrt names 'bias' but no bias was given")
     return math.prod(hidden.shape[:-1]), h, v

@@ -36,7 +36,7 @@ import math
 
 import numpy
 
-from cupyloss import _dispatch, _dtypes, _rowwise
+from cupyloss import _dispatch, _dtypes, _rowwise, _validate
 from cupyloss.linear import _target_operand
 
 FIELDS = 5     # m, s, a, b, t (rowwise.cu's ROW_FIELDS)
@@ -74,8 +74,7 @@ def _check(x, t, w, class_offset, classes, label_smoothing=0.0, softcap=0.0):
                          f"{x.dtype}, got shape {tuple(w.shape)} dtype {w.dtype}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
-    if float(softcap) < 0.0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    _validate.check_softcap(softcap, x.dtype)
     if any(op.device != x.device for op in (t, w) if op is not None):
         raise ValueError("input, target and weight must be on one device")
 

@@ -79,7 +79,9 @@ def cross_entropy(input: Array, target: Array, weight: Array | None = None,
       reduction: 'none' | 'mean' | 'sum'.
       label_smoothing: eps in [0, 1].
       lse_square_scale: z-loss coefficient (0: none).
-      softcap: > 0 caps the logits with ``softcap * tanh(x / softcap)``; 0: no cap.
+      softcap: > 0 caps the logits with ``softcap * tanh(x / softcap)``; 0: no cap.  A cap
+        must be finite with a finite reciprocal in the accumulator (2.9e-39 to 3.4e38 for all
+        but float64 inputs); anything else raises ValueError.
       check_targets: raise IndexError for an out-of-range class index (synchronises).
 
     Returns:

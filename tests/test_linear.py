@@ -40,6 +40,7 @@ def test_check_accepts_and_returns_sizes():
     ({"reduction": "batchmean"}, ValueError, "not a valid value for reduction"),
     ({"label_smoothing": 1.5}, ValueError, "label_smoothing"),
     ({"softcap": -1.0}, ValueError, "softcap"),
+    ({"softcap": 1e-40}, ValueError, "softcap must be 0 .* finite in float32"),
     ({"names": ("bias",)}, ValueError, "no bias"),
 ])
 def test_check_refuses(kwargs, error, match):

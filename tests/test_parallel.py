@@ -272,6 +272,13 @@ def test_bad_arguments_are_refused_before_any_work():
         CF.vocab_parallel_cross_entropy(x, t, class_offset=5)
     with pytest.raises(ValueError, match="not a valid value for reduction"):
         CF.vocab_parallel_cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="softcap must be 0"):
+        CF.vocab_parallel_cross_entropy(x, t, softcap=-3.0)
+    with pytest.raises(ValueError, match="label_smoothing must be between"):
+        CF.vocab_parallel_cross_entropy(x, t, label_smoothing=2.0)
+    with pytest.raises(ValueError, match="softcap must be 0"):
+        CF.vocab_parallel_linear_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), t,
+                                               softcap=float("nan"))
     with pytest.raises(ValueError, match="needs reduction"):
         CF.vocab_parallel_cross_entropy(x, t, reduction="none", mean_group=object())
     with pytest.raises(ValueError, match="lie outside the 8 classes"):

@@ -348,3 +348,12 @@ def test_row_partials_and_ticket_words(device, family):
     words = _named(*device.launches[-1])
     assert words["ticket"] == 0x7 and words["partials"] not in (0, 0x7)
     assert words["partials"] not in (words["x"], words["value"], words["gx"])
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), 1e-40])
+def test_a_bad_softcap_is_refused_before_any_launch(device, softcap):
+    x = _host(np.zeros((4, 9), np.float32))
+    with pytest.raises(ValueError, match="softcap must be 0"):
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, _host(np.arange(4)),
+                          softcap=softcap)
+    assert device.launches == []

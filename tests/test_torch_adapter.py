@@ -316,6 +316,17 @@ def test_torch_arguments_cupyloss_lacks_are_refused_unless_default():
         CF.mse_loss(torch.randn(3), torch.randn(3), weight=torch.ones(3))
 
 
+@pytest.mark.parametrize("softcap", [-1.0, 1e-40, float("inf")])
+def test_a_bad_softcap_is_refused_on_cpu_tensors_as_on_gpus(softcap):
+    """torch's own math runs CPU tensors, with the check the kernels' path makes."""
+    x, t = torch.randn(4, 5), torch.arange(4)
+    with pytest.raises(ValueError, match=r"softcap must be 0 \(no cap\)"):
+        CF.cross_entropy(x, t, softcap=softcap)
+    with pytest.raises(ValueError, match=r"softcap must be 0 \(no cap\)"):
+        CF.linear_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), t, softcap=softcap)
+    assert torch.isfinite(CF.cross_entropy(x, t, softcap=30.0))
+
+
 def test_scale_by_grad_output_checks_its_arguments():
     with pytest.raises(ValueError, match=r"0-d"):
         CF.scale_by_grad_output(torch.ones(2), torch.ones(2))

@@ -151,3 +151,32 @@ def test_bfloat16_is_supported_with_ml_dtypes():
                                    "not a dtype"])
 def test_lookup_of_unsupported_dtypes_is_none(dtype):
     assert _dtypes.lookup(dtype) is None
+
+
+# --- cross_entropy's softcap -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.float64])
+@pytest.mark.parametrize("cap", [0.0, 30.0, 1.0, 3e-39, 1e30])
+def test_check_softcap_accepts(dtype, cap):
+    assert _validate.check_softcap(cap, dtype) == cap
+
+
+@pytest.mark.parametrize("cap, dtype", [
+    (-1.0, np.float32), (float("nan"), np.float32), (float("inf"), np.float32),
+    (1e-40, np.float32), (1e-40, "bfloat16"), (1e39, np.float32), (-1e-300, np.float64),
+    (1e-310, np.float64), (float("inf"), np.float64),
+])
+def test_check_softcap_rejects(cap, dtype):
+    """Negative, NaN, infinite, or a cap whose reciprocal (which the kernels multiply by) or
+    itself overflows the accumulator: float32 for every dtype but float64."""
+    acc = "float64" if np.dtype(dtype) == np.float64 else "float32"
+    with pytest.raises(ValueError, match=rf"^softcap must be 0 \(no cap\) or a number from .* "
+                                         rf"finite in {acc}\), got "):
+        _validate.check_softcap(cap, dtype)
+
+
+def test_check_softcap_reads_torch_dtypes():
+    torch = pytest.importorskip("torch")
+    assert _validate.check_softcap(1e-300, torch.float64) == 1e-300
+    with pytest.raises(ValueError, match="finite in float32"):
+        _validate.check_softcap(1e-300, torch.bfloat16)
