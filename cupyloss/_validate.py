@@ -11,24 +11,22 @@ import numbers
 from cupyloss import _dtypes
 
 
+# The largest finite float32 and float64.
+_FLOAT32_MAX, _FLOAT64_MAX = 3.4028234663852886e38, 1.7976931348623157e308
+
+
 def check_softcap(softcap, dtype) -> float:
     """cross_entropy's softcap as a float: 0 (no cap), or a finite positive number whose
     reciprocal the accumulator of `dtype` holds (float64 for float64 inputs, else float32: the
     kernels multiply by 1 / softcap).  ValueError for anything else (negative, NaN, infinite,
-    or below 1 / the accumulator's largest value, 2.9e-39 for float32)."""
-    import numpy
-
+    or below 1 / the accumulator's largest value, 2.9e-39 for float32).  `dtype` is a NumPy or
+    a torch dtype, read by its name alone (so that torch.compile traces through it)."""
     cap = float(softcap)
-    try:
-        name = numpy.dtype(dtype).name
-    except TypeError:            # a torch dtype: torch.float64
-        name = str(dtype).rpartition(".")[2]
-    acc = numpy.dtype(numpy.float64 if name == "float64" else numpy.float32)
-    most = float(numpy.finfo(acc).max)
+    acc, most = (("float64", _FLOAT64_MAX) if "float64" in str(dtype)
+                 else ("float32", _FLOAT32_MAX))
     if not (cap == 0.0 or 1.0 / most <= cap <= most):   # NaN fails both
         raise ValueError(f"softcap must be 0 (no cap) or a number from {1.0 / most:.3g} to "
-                         f"{most:.3g} (1 / softcap and softcap finite in {acc.name}), got "
-                         f"{softcap}")
+                         f"{most:.3g} (1 / softcap and softcap finite in {acc}), got {softcap}")
     return cap
 
 
