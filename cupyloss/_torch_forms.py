@@ -60,6 +60,8 @@ def _log_cosh(input, target, reduction="mean"):
 
 
 def _jsd(input, target, beta=0.5, shift_labels=None, ignore_index=-100, reduction="mean"):
+    if not 0.0 <= float(beta) <= 1.0:   # the kernels' path refuses it so (_rowclass)
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
     q, p = input.exp(), target.exp()
     if beta == 0:
         terms = p * (target - input)

@@ -327,6 +327,13 @@ def test_a_bad_softcap_is_refused_on_cpu_tensors_as_on_gpus(softcap):
     assert torch.isfinite(CF.cross_entropy(x, t, softcap=30.0))
 
 
+@pytest.mark.parametrize("beta", [-0.5, 2.0, float("nan")])
+def test_jsd_refuses_a_beta_outside_0_1_on_cpu_tensors_as_on_gpus(beta):
+    x = torch.log_softmax(torch.randn(4, 5), -1)
+    with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
+        CF.jsd(x, x.flip(0), beta=beta)
+
+
 def test_scale_by_grad_output_checks_its_arguments():
     with pytest.raises(ValueError, match=r"0-d"):
         CF.scale_by_grad_output(torch.ones(2), torch.ones(2))
