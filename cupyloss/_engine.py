@@ -38,16 +38,19 @@ def off_path(frame, device: int, stream: int):
         yield
 
 
-def scratch(frame, plan, like, device: int, stream: int, words, slot) -> tuple[int, int]:
-    """A row launch's scratch and ticket: (the base pointer of plan.scratch_size accumulators of
-    plan.acc, 0 for none; the stream's ticket, 0 where the plan takes none), the main launch's
-    partials and ticket words filled where plan.scratch has "partials"."""
+def scratch(frame, plan, like, device: int, stream: int, words, slot) -> tuple[object, int, int]:
+    """A row launch's scratch and ticket: (the scratch array, None for none: the caller keeps it
+    until its launch is queued, or its memory goes back to the pool for the next allocation to
+    take; its base pointer, plan.scratch_size accumulators of plan.acc, 0 for none; the stream's
+    ticket, 0 where the plan takes none), the main launch's partials and ticket words filled
+    where plan.scratch has "partials"."""
     mine = ticket(device, stream) if plan.ticket else 0
-    base = frame.empty((plan.scratch_size,), plan.acc, like)[1] if plan.scratch_size else 0
+    held, base = frame.empty((plan.scratch_size,), plan.acc, like) if plan.scratch_size \
+        else (None, 0)
     if "partials" in plan.scratch:
         words[slot["partials"]] = base + plan.acc.itemsize * plan.scratch["partials"][0]
         words[slot["ticket"]] = mine
-    return base, mine
+    return held, base, mine
 
 
 def grad_output_words(words, slot, go, go_value) -> None:

@@ -496,7 +496,7 @@ def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
         else:
             post.append((index - 1, ptr))
     if plan.partials:
-        _, words[plan.spartials] = frame.empty((plan.partials,), plan.acc, like)
+        partials, words[plan.spartials] = frame.empty((plan.partials,), plan.acc, like)
         words[plan.sticket] = _engine.ticket(x.device, stream)
     held = []
     for k, size in plan.fused:

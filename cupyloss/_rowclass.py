@@ -271,7 +271,8 @@ def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream, inplace=False
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
     if plan.gt:
         gt, words[slot["gt"]] = frame.empty(plan.x_shape, dtype, like)
-    scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words, slot)
+    held, scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words,
+                                                 slot)
     step = plan.acc.itemsize
 
     def at(key):

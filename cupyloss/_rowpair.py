@@ -236,7 +236,7 @@ def _run(plan: Plan, frame, xs, t, go, go_value, stream):
         if wanted:
             grads[k], words[slot["g0"] + k] = frame.empty(plan.x_shape, plan.dtype, like)
     if plan.partials:
-        _, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
+        partials, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
         if not plan.finish:
             words[slot["ticket"]] = _engine.ticket(xs[0].device, stream)
     _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)

@@ -339,7 +339,8 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
         gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
     if plan.gt:
         gt, words[slot["gt"]] = frame.empty(plan.t_shape, dtype, like)
-    scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words, slot)
+    held, scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words,
+                                                 slot)
     step = plan.acc.itemsize
 
     def at(name):
@@ -347,7 +348,7 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
 
     if "exchange" in plan.scratch:
         words[slot["exchange"]] = at("exchange")
-        _, words[slot["sync"]] = frame.zeros((plan.counters,), numpy.dtype(numpy.float32), like)
+        sync, words[slot["sync"]] = frame.zeros((plan.counters,), numpy.dtype(numpy.float32), like)
     if plan.wsum is not None:
         wwords = array.array("Q", plan.wsum.words)
         ws = plan.wsum.slot

@@ -11,6 +11,7 @@ its argument's shape, and a cached plan is reused.
 import contextlib
 import math
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -44,9 +45,27 @@ class FakeFrame:
 
     def __init__(self, record=None):
         self.record = record
+        # (address, bytes, weak reference) of every array it handed out; the memory itself is
+        # kept (`kept`), so no later allocation takes the address of one dropped.
+        self.made, self.kept = [], []
+
+    def _made(self, base):
+        a = base.view(HostArray)
+        self.kept.append(base)
+        self.made.append((a.ctypes.data, max(a.nbytes, 1), weakref.ref(a)))
+        return a
+
+    def check_alive(self, words):
+        """Every word that points into memory this frame allocated points into an array still
+        alive: one dropped before its launch is queued goes back to a real pool, which gives
+        it to the next allocation while the kernel still reads or writes it."""
+        for word in words:
+            dropped = [at for at, size, ref in self.made if at <= word < at + size and ref() is None]
+            assert not dropped, (
+                f"a launch word points into an array freed before the launch ({word:#x})")
 
     def empty(self, shape, dtype, like):
-        a = np.empty(shape, dtype).view(HostArray)
+        a = self._made(np.empty(shape, dtype))
         if self.record is not None:
             self.record.allocations.append((tuple(np.atleast_1d(shape)), np.dtype(dtype)))
             if hasattr(self.record, "likes"):
@@ -54,13 +73,13 @@ class FakeFrame:
         return a, a.ctypes.data
 
     def empty_like(self, a):
-        b = np.empty_like(a).view(HostArray)
+        b = self._made(np.empty_like(np.asarray(a)))
         if self.record is not None:
             self.record.allocations.append((a.shape, a.dtype))
         return b, b.ctypes.data
 
     def zeros(self, shape, dtype, like):
-        a = np.zeros(shape, dtype).view(HostArray)
+        a = self._made(np.zeros(shape, dtype))
         return a, a.ctypes.data
 
     def result(self, a):
@@ -75,6 +94,7 @@ def device(monkeypatch):
     """Record of resolved kernels and launches; the engine runs against the fake device."""
     record = types.SimpleNamespace(kernels=[], launches=[], names=[], allocations=[])
     functions = {}   # expression -> a fake function whose pointer is its index
+    frame = FakeFrame(record)
 
     def resolve(file, expression):
         record.kernels.append(expression)
@@ -86,6 +106,7 @@ def device(monkeypatch):
 
     def launch(fn, grid, block, shared, stream, words):
         name = next(e for e, f in functions.items() if f.kernel.ptr == fn)
+        frame.check_alive(words)
         record.names.append(name)
         if "sum_chunks" in name:
             record.launches.append(("sum_chunks", grid, list(words)))
@@ -104,7 +125,7 @@ def device(monkeypatch):
     monkeypatch.setattr(_engine, "col_tickets", lambda d, s: 0x70)
     monkeypatch.setattr(_pointwise, "_run_slow", slow)
     monkeypatch.setattr(_pointwise, "_PLANS", {})
-    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
+    monkeypatch.setitem(_dispatch._FRAMES, HostArray, frame)
     return record
 
 

@@ -30,6 +30,7 @@ def device(monkeypatch):
     run against the fake device."""
     record = types.SimpleNamespace(launches=[], allocations=[], copies=[], likes=[])
     functions = {}
+    frame = FakeFrame(record)
 
     def resolve(file, expression):
         if expression not in functions:
@@ -41,6 +42,7 @@ def device(monkeypatch):
 
     def launch(fn, grid, block, shared, stream, words):
         name = next(e for e, f in functions.items() if f.kernel.ptr == fn)
+        frame.check_alive(words)
         record.launches.append((name, list(words)))
 
     def cooperative(launched, words, stream):
@@ -67,7 +69,7 @@ def device(monkeypatch):
     monkeypatch.setattr(_engine, "target_operand", target_operand)
     monkeypatch.setattr(_engine, "contiguous", contiguous)
     monkeypatch.setattr(_engine, "off_path", lambda frame, device, stream: contextlib.nullcontext())
-    monkeypatch.setitem(_dispatch._FRAMES, HostArray, FakeFrame(record))
+    monkeypatch.setitem(_dispatch._FRAMES, HostArray, frame)
     record.layouts = layouts
     return record
 
