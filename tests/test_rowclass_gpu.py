@@ -490,6 +490,7 @@ def test_torch_tensors_match_torch(dtype):
                                        atol=rtol * exp.abs().mean() + tiny)
 
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())   # the inputs were made on that one
     with torch.cuda.stream(stream):
         mm = cl.multi_margin_loss_value_and_grad(x, y, p=2, margin=0.5, weight=w)
         ml = cl.multilabel_soft_margin_loss_value_and_grad(x, t, w, wrt=("input", "target"))

@@ -455,6 +455,7 @@ def test_torch_tensors_match_torch(dtype, shape):
     t[0] = -100
     w = torch.rand(shape[1], device="cuda", generator=gen).to(tdtype) + 0.5
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())   # the inputs were made on that one
     with torch.cuda.stream(stream):
         value, g = cl.cross_entropy_value_and_grad(x, t, w, label_smoothing=0.1)
     stream.synchronize()
