@@ -487,7 +487,9 @@ struct BceLogitsOp {
         const A t = v[1], w = weighted ? v[2] : A(1), q = pos_weighted ? v[3] : A(1);
         const Logistic<A> s = (CONST & 1) != 0 ? f.s : Logistic<A>(v[0], Sigmoids::exact);
         d[0] = w * ((A(1) - t) * s.sg_pos - q * t * s.sg_neg);
-        d[1] = w * (q * s.sp_neg - s.sp_pos);
+        // q softplus(-x) - softplus(x), which is -x without a pos_weight: taken as -x there (as
+        // torch takes it), exact, where the difference of the two rounds relative to softplus.
+        d[1] = w * (pos_weighted ? q * s.sp_neg - s.sp_pos : -v[0]);
         // An absent weight or pos_weight has no gradient: its slot is never read.
         d[2] = weighted ? (A(1) - t) * s.sp_pos + q * t * s.sp_neg : A(0);
         d[3] = pos_weighted ? w * t * s.sp_neg : A(0);
