@@ -39,16 +39,33 @@ class DeviceLimits:
     max_shared_optin: int = 0       # what a block may have once its kernel opts in (0: the default)
     clusters: bool = False          # thread block clusters (compute capability 9.0 and later)
     gpu: str = ""                   # its key in the launch table (_tuning.gpu_key; "": none)
+    compute_capability: int = 0     # 90 for 9.0
+    memory_gbs: int = 0             # DRAM GB/s: 2 x memory clock x bus width (0: unknown)
+
+    @property
+    def traits(self) -> dict[str, int]:
+        """Its traits as the launch table names them (_tuning.TRAITS)."""
+        return {"compute_capability": self.compute_capability, "sm_count": self.sm_count,
+                "memory_gbs": self.memory_gbs}
+
+
+def memory_gbs(attrs) -> int:
+    """DRAM bandwidth in GB/s from a device's attributes: 2 transfers a clock (kHz) of the bus's
+    width (bits); 0 where either is not reported."""
+    return 2 * attrs.get("MemoryClockRate", 0) * attrs.get("GlobalMemoryBusWidth", 0) // 8_000_000
 
 
 @functools.lru_cache(maxsize=None)
 def device_limits(device_id: int) -> DeviceLimits:
-    """Read the limits of CUDA device `device_id` once."""
+    """Read the limits of CUDA device `device_id` once; a GPU without a row of the launch table
+    adopts the nearest tuned GPU's (_tuning.adopt)."""
     import cupy
 
-    attrs = cupy.cuda.Device(device_id).attributes
+    device = cupy.cuda.Device(device_id)
+    attrs = device.attributes
     name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
-    return DeviceLimits(
+    cc = int(device.compute_capability)
+    limits = DeviceLimits(
         sm_count=attrs["MultiProcessorCount"],
         max_grid_x=attrs["MaxGridDimX"],
         max_grid_y=attrs["MaxGridDimY"],
@@ -57,9 +74,13 @@ def device_limits(device_id: int) -> DeviceLimits:
         threads_per_sm=attrs["MaxThreadsPerMultiProcessor"],
         shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
         max_shared_optin=attrs.get("MaxSharedMemoryPerBlockOptin", 0),
-        clusters=int(cupy.cuda.Device(device_id).compute_capability) >= 90,
+        clusters=cc >= 90,
         gpu=_tuning.gpu_key(name.decode() if isinstance(name, bytes) else name),
+        compute_capability=cc,
+        memory_gbs=memory_gbs(attrs),
     )
+    _tuning.adopt(limits.gpu, limits.traits)
+    return limits
 
 
 def resident_blocks(regs_per_thread: int, shared: int, limits: DeviceLimits,

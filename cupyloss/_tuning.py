@@ -9,8 +9,14 @@ reports it, normalised by gpu_key ("NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3").
 
 Compile-time knobs reach the kernels as -D macros (kernel_defines), so a GPU with its own row
 has its own cubins (the compile options are part of the cache key); run-time knobs are read by
-the launch arithmetic from DeviceLimits.gpu.  A GPU without a row takes the defaults, so a GPU
-first met runs what the H100 runs.
+the launch arithmetic from DeviceLimits.gpu.
+
+A tuned GPU's rows also give its traits (TRAITS: compute capability, SMs, DRAM bandwidth as
+its memory clock and bus width give it), and a GPU without a row of its own runs the row of
+the tuned GPU nearest to it (`nearest_row`): of its compute capability's major version, the
+closest in DRAM bandwidth per SM (the bytes an SM must keep in flight scale with it, and the
+knobs are loads in flight, blocks an SM and waves).  With none of its major version, or its
+traits unknown, it runs the defaults.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import math
 import pathlib
 import re
 
-__all__ = ["Knob", "KNOBS", "FunctorShape", "FUNCTOR_SHAPES", "gpu_key", "values", "value",
-           "kernel_defines", "functor_traits", "TABLE"]
+__all__ = ["Knob", "KNOBS", "TRAITS", "FunctorShape", "FUNCTOR_SHAPES", "gpu_key", "values",
+           "value", "kernel_defines", "functor_traits", "nearest_row", "adopt", "TABLE"]
 
 TABLE = pathlib.Path(__file__).resolve().parent / "tuning.csv"
 
@@ -202,39 +209,98 @@ def gpu_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
-def read_table(path: pathlib.Path) -> dict[str, dict[str, int]]:
-    """{gpu: {knob: value}} of a table file; a row naming an unknown knob, or a value the knob
-    cannot take, is refused with the file and line."""
+# A tuned GPU's traits, rows of the table beside its knobs (lower case where knobs are upper):
+# compute capability (90 for 9.0), SMs, DRAM bandwidth in GB/s (2 x memory clock x bus width).
+TRAITS = ("compute_capability", "sm_count", "memory_gbs")
+
+
+def _read(path: pathlib.Path) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """({gpu: {knob: value}}, {gpu: {trait: value}}) of a table file; a row naming neither a
+    knob nor a trait, or a value the knob cannot take, is refused with the file and line."""
     table: dict[str, dict[str, int]] = {}
+    traits: dict[str, dict[str, int]] = {}
     if not path.is_file():
-        return table
+        return table, traits
     with path.open(newline="") as fh:
         for line, row in enumerate(csv.DictReader(fh), 2):
             gpu, name = row["gpu"].strip(), row["knob"].strip()
+            got = int(row["value"])
+            if name in TRAITS:
+                traits.setdefault(gpu, {})[name] = got
+                continue
             knob = KNOBS.get(name)
             if knob is None:
-                raise ValueError(f"{path}:{line}: no knob {name!r} (knobs: {', '.join(KNOBS)})")
-            got = int(row["value"])
+                raise ValueError(f"{path}:{line}: no knob {name!r} (knobs: {', '.join(KNOBS)}; "
+                                 f"traits: {', '.join(TRAITS)})")
             if knob.candidates and got not in knob.candidates:
                 raise ValueError(f"{path}:{line}: {name} = {got} is not one of "
                                  f"{knob.candidates}")
             table.setdefault(gpu, {})[name] = got
-    return table
+    return table, traits
+
+
+def read_table(path: pathlib.Path) -> dict[str, dict[str, int]]:
+    """{gpu: {knob: value}} of a table file (its traits apart: read_traits)."""
+    return _read(path)[0]
+
+
+def read_traits(path: pathlib.Path) -> dict[str, dict[str, int]]:
+    """{gpu: {trait: value}} of a table file."""
+    return _read(path)[1]
 
 
 @functools.lru_cache(maxsize=None)
+def _both() -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """The shipped table's (knobs, traits), read once (cache_clear to read it again)."""
+    return _read(TABLE)
+
+
 def _table() -> dict[str, dict[str, int]]:
-    return read_table(TABLE)
+    return _both()[0]
 
 
+def nearest_row(traits: dict[str, int]) -> str:
+    """The tuned GPU whose row a GPU of `traits` (TRAITS' names) runs when it has none: of the
+    same compute capability major version, the nearest in DRAM bandwidth per SM (by ratio);
+    "" (the defaults) where none has its major version or a trait is missing or 0."""
+    def per_sm(t):
+        return t.get("memory_gbs", 0) / max(t.get("sm_count", 0), 1)
+
+    if not all(traits.get(t) for t in TRAITS):
+        return ""
+    mine = per_sm(traits)
+    best, gap = "", math.inf
+    for gpu, theirs in sorted(_both()[1].items()):
+        if gpu not in _table() or not all(theirs.get(t) for t in TRAITS) or \
+                theirs["compute_capability"] // 10 != traits["compute_capability"] // 10:
+            continue
+        d = abs(math.log(per_sm(theirs) / mine))
+        if d < gap:
+            best, gap = gpu, d
+    return best
+
+
+# GPUs met without a row of their own -> the row they run (adopt; DeviceLimits reads them).
+_ADOPTED: dict[str, str] = {}
 # In-process values for one GPU that take the place of its row (python -m cupyloss.tune).
 _OVERRIDES: dict[str, dict[str, int]] = {}
 
 
+def adopt(gpu: str, traits: dict[str, int]) -> str:
+    """Note GPU `gpu`'s traits: without a row of its own it runs nearest_row(traits)'s from
+    now on.  Returns the row it runs ("" for the defaults)."""
+    if gpu in _table():
+        _ADOPTED.pop(gpu, None)
+        return gpu
+    _ADOPTED[gpu] = row = nearest_row(traits)
+    return row
+
+
 def values(gpu: str = "") -> dict[str, int]:
-    """Every knob's value on GPU `gpu` (a gpu_key; "" for none: the defaults)."""
+    """Every knob's value on GPU `gpu` (a gpu_key; "" for none: the defaults): its row, or the
+    row it adopted, and over them what tune set for it in this process."""
     out = {name: knob.default for name, knob in KNOBS.items()}
-    out.update(_table().get(gpu, {}))
+    out.update(_table().get(_ADOPTED.get(gpu, gpu), {}))
     out.update(_OVERRIDES.get(gpu, {}))
     return out
 

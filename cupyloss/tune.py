@@ -319,14 +319,17 @@ def summarize(path: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-def write_rows(path: pathlib.Path, gpu: str, chosen: dict[str, int]) -> None:
-    """Put `chosen` ({knob: value}) in the table file at `path` as GPU `gpu`'s rows, in place of
-    the rows it had; other GPUs' rows stay as they were."""
+def write_rows(path: pathlib.Path, gpu: str, chosen: dict[str, int],
+               traits: dict[str, int] | None = None) -> None:
+    """Put `chosen` ({knob: value}) and the GPU's `traits` ({trait: value}, _tuning.TRAITS) in
+    the table file at `path` as GPU `gpu`'s rows, in place of the rows it had; other GPUs' rows
+    stay as they were."""
     rows = []
     if path.is_file():
         with path.open(newline="") as fh:
             rows = [r for r in csv.DictReader(fh) if r["gpu"] != gpu]
-    rows += [{"gpu": gpu, "knob": k, "value": str(v)} for k, v in chosen.items()]
+    rows += [{"gpu": gpu, "knob": k, "value": str(v)}
+             for k, v in {**(traits or {}), **chosen}.items()]
     with path.open("w", newline="") as fh:
         out = csv.DictWriter(fh, ["gpu", "knob", "value"], lineterminator="\n")
         out.writeheader()
@@ -366,10 +369,13 @@ def main(argv=None) -> dict[str, int]:
     import cupy
 
     device = cupy.cuda.Device()
-    gpu = _launch.device_limits(device.id).gpu
+    limits = _launch.device_limits(device.id)
+    gpu = limits.gpu
     name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
-    print(f"{name.decode() if isinstance(name, bytes) else name} (table key {gpu}); knobs in "
-          f"force: its row of {_tuning.TABLE.name}, else the defaults", flush=True)
+    row = _tuning.adopt(gpu, limits.traits)
+    name = name.decode() if isinstance(name, bytes) else name
+    print(f"{name} (table key {gpu}, {limits.traits}); knobs in force: the row of "
+          f"{row or 'none (the defaults)'} in {_tuning.TABLE.name}", flush=True)
     work = _workloads(args.scale)
     # Each candidate's kernels are compiled ahead of its timing, all at once in a pool of
     # processes (one at a time on first use they would take most of the run).
@@ -417,7 +423,7 @@ def main(argv=None) -> dict[str, int]:
     pool.shutdown()
     print("\n" + "\n".join(f"{gpu},{k},{v}" for k, v in chosen.items()))
     if args.write:
-        write_rows(_tuning.TABLE, gpu, chosen)
+        write_rows(_tuning.TABLE, gpu, chosen, limits.traits)
         print(f"written to {_tuning.TABLE}")
     print(f"measurements: {out}")
     return chosen

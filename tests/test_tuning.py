@@ -18,10 +18,10 @@ def table(tmp_path, monkeypatch):
     def write(rows):
         path.write_text("gpu,knob,value\n" + "".join(f"{g},{k},{v}\n" for g, k, v in rows))
         monkeypatch.setattr(_tuning, "TABLE", path)
-        _tuning._table.cache_clear()
+        _tuning._both.cache_clear()
 
     yield write
-    _tuning._table.cache_clear()
+    _tuning._both.cache_clear()
 
 
 @pytest.mark.parametrize("name, key", [("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"),
@@ -34,9 +34,11 @@ def test_gpu_key(name, key):
 
 def test_the_shipped_table_reads_and_every_default_is_a_candidate():
     assert _tuning.TABLE.is_file(), f"{_tuning.TABLE} is not installed with the package"
+    traits = _tuning.read_traits(_tuning.TABLE)
     for gpu, row in _tuning.read_table(_tuning.TABLE).items():
         assert gpu == _tuning.gpu_key(gpu), gpu
         assert set(row) <= set(_tuning.KNOBS)
+        assert set(traits.get(gpu, {})) == set(_tuning.TRAITS), gpu   # nearest_row reads them
     for knob in _tuning.KNOBS.values():
         assert not knob.candidates or knob.default in knob.candidates, knob
 
@@ -220,3 +222,98 @@ def test_device_limits_key_the_gpu_by_its_cuda_name(monkeypatch, name):
     finally:
         _launch.device_limits.cache_clear()
     assert limits.gpu == "h200" and limits.sm_count == 132 and limits.clusters
+
+
+# Two tuned GPUs' traits: (compute capability, SMs, DRAM GB/s), 25.4 and 37.2 GB/s an SM.
+_TUNED = [("h100-80gb-hbm3", 90, 132, 3352), ("h200", 90, 132, 4916)]
+
+
+def _traits(cc, sms, gbs):
+    return {"compute_capability": cc, "sm_count": sms, "memory_gbs": gbs}
+
+
+@pytest.fixture
+def adopted(monkeypatch):
+    """A clean record of adopted rows, restored after the test."""
+    monkeypatch.setattr(_tuning, "_ADOPTED", {})
+    monkeypatch.setattr(_tuning, "_OVERRIDES", {})
+    return _tuning._ADOPTED
+
+
+def _tuned_table(table, extra=()):
+    rows = [r for gpu, cc, sms, gbs in _TUNED for r in (
+        (gpu, "compute_capability", cc), (gpu, "sm_count", sms), (gpu, "memory_gbs", gbs))]
+    table(rows + [("h100-80gb-hbm3", "REDUCE_STEPS", 4), ("h200", "REDUCE_STEPS", 8),
+                  ("h200", "ROWS_TX_SUMMED", 16), *extra])
+
+
+@pytest.mark.parametrize("traits, row", [
+    (_traits(90, 114, 2039), "h100-80gb-hbm3"),   # an H100 PCIe: 17.9 GB/s an SM
+    (_traits(90, 132, 4000), "h100-80gb-hbm3"),   # 30.3: nearer 25.4 than 37.2 by ratio
+    (_traits(90, 78, 4000), "h200"),              # 51.3
+    (_traits(80, 108, 2039), ""),                 # an A100: no tuned GPU of its major version
+    (_traits(90, 132, 0), ""),                    # bandwidth not reported
+])
+def test_a_gpu_without_a_row_runs_the_nearest_tuned_gpus(table, adopted, traits, row):
+    _tuned_table(table)
+    assert _tuning.nearest_row(traits) == row
+    assert _tuning.adopt("new-gpu", traits) == row and adopted["new-gpu"] == row
+    assert _tuning.values("new-gpu") == _tuning.values(row)
+    assert _tuning.kernel_defines("new-gpu") == _tuning.kernel_defines(row)
+
+
+def test_a_gpus_own_row_comes_before_any_other(table, adopted):
+    _tuned_table(table)
+    assert _tuning.adopt("h100-80gb-hbm3", _traits(90, 132, 9999)) == "h100-80gb-hbm3"
+    assert "h100-80gb-hbm3" not in adopted
+    assert _tuning.value("REDUCE_STEPS", "h100-80gb-hbm3") == 4
+
+
+def test_tunes_values_stand_over_the_adopted_row(table, adopted):
+    """python -m cupyloss.tune on a GPU without a row sets its candidates on its own key: they
+    take the place of the adopted row's values for that GPU alone."""
+    _tuned_table(table)
+    _tuning.adopt("new-gpu", _traits(90, 78, 4000))
+    _tuning._OVERRIDES["new-gpu"] = {"REDUCE_STEPS": 2}
+    mine, theirs = _tuning.values("new-gpu"), _tuning.values("h200")
+    assert mine["REDUCE_STEPS"] == 2 and theirs["REDUCE_STEPS"] == 8
+    assert mine["ROWS_TX_SUMMED"] == theirs["ROWS_TX_SUMMED"] == 16
+
+
+def test_device_limits_read_the_traits_and_adopt_a_row(table, adopted, monkeypatch):
+    """device_limits reads the bandwidth from the memory clock (kHz) and bus width (bits) the
+    device reports, and a GPU the table lacks runs its nearest tuned GPU's row."""
+    import cupy
+
+    _tuned_table(table)
+    attrs = {"MultiProcessorCount": 114, "MaxGridDimX": 2**31 - 1, "MaxGridDimY": 65535,
+             "MaxSharedMemoryPerBlock": 49152, "MaxRegistersPerMultiprocessor": 65536,
+             "MaxThreadsPerMultiProcessor": 2048, "MaxSharedMemoryPerMultiprocessor": 233472,
+             "MemoryClockRate": 1593000, "GlobalMemoryBusWidth": 5120}
+
+    class FakeDevice:
+        def __init__(self, device_id=0):
+            self.attributes, self.compute_capability = attrs, "90"
+
+    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties",
+                        lambda d: {"name": b"NVIDIA H100 PCIe"})
+    _launch.device_limits.cache_clear()
+    try:
+        limits = _launch.device_limits(0)
+    finally:
+        _launch.device_limits.cache_clear()
+    assert (limits.gpu, limits.compute_capability, limits.memory_gbs) == ("h100-pcie", 90, 2039)
+    assert limits.clusters and adopted == {"h100-pcie": "h100-80gb-hbm3"}
+    assert _tuning.values(limits.gpu) == _tuning.values("h100-80gb-hbm3")
+    del attrs["MemoryClockRate"]
+    assert _launch.memory_gbs(attrs) == 0
+
+
+def test_tune_writes_its_gpus_traits_with_its_knobs(tmp_path):
+    from cupyloss import tune
+
+    path = tmp_path / "tuning.csv"
+    tune.write_rows(path, "new-gpu", {"REDUCE_STEPS": 2}, _traits(90, 78, 4000))
+    assert _tuning.read_table(path) == {"new-gpu": {"REDUCE_STEPS": 2}}
+    assert _tuning.read_traits(path) == {"new-gpu": _traits(90, 78, 4000)}
