@@ -1,20 +1,36 @@
 """What the kernel families' engines (_pointwise, _rowwise, _rowclass, _rowpair) share: the
 current device and the building of plans on it, where a call off the hot path runs and the
 copies it makes, the last-block tickets their launches count on, the operands they take
-(class-index targets), and the row launches' scratch and grad_output words.  Each engine keeps
-its own plans (a _plans.Plans cache of packed launches keyed by metadata) and its own run; this
-is what none of them owns.
+(class-index targets), the row launches' kernels (Launched), scratch and grad_output words.
+Each engine keeps its own plans (a _plans.Plans cache of packed launches keyed by metadata) and
+its own run; this is what none of them owns.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
+import dataclasses
 
 import numpy
 
 from cupyloss import _args, _dispatch
 
 INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
+
+
+@dataclasses.dataclass
+class Launched:
+    """One kernel of a row family's plan: CUfunction, launch shape, packed words (pointers left
+    zero) and their slots by parameter name, whether it is a cooperative launch."""
+
+    function: int
+    grid: tuple
+    block: tuple
+    shared: int
+    words: array.array
+    slot: dict
+    cooperative: bool = False
 
 
 def on_device(build, *args, **kw):

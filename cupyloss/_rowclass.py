@@ -20,7 +20,7 @@ import numpy
 
 from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
                       _validate)
-from cupyloss._rowwise import Launched
+from cupyloss._engine import Launched
 
 # The loss ids of rowclass_rows<T, LOSS> and the flag bits: the enums of kernels/rowclass.cu.
 LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD = _source.constants(

@@ -22,6 +22,7 @@ import numpy
 
 from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
                       _validate)
+from cupyloss._engine import Launched
 
 # Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
 (FLAG_INDEX64, FLAG_PROB, FLAG_NLL, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_MEAN_W, FLAG_ACC_IO,
@@ -76,19 +77,6 @@ COMBINE = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_combine
 # The modes whose gradient may be stored as another (16-bit) type than float32 logits.
 _NARROW_MODES = _source.ROWWISE_NARROW_MODES
 _ONE = _args.f64_word(1.0)
-
-
-@dataclasses.dataclass
-class Launched:
-    """One kernel of a plan: CUfunction, launch shape, packed words (pointers left zero)."""
-
-    function: int
-    grid: tuple
-    block: tuple
-    shared: int
-    words: array.array
-    slot: dict
-    cooperative: bool = False
 
 
 @dataclasses.dataclass
