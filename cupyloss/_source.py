@@ -75,15 +75,21 @@ def _split_top(text: str) -> list[str]:
 _SHAPES_AT = re.compile(r"^CUPYLOSS_FUNCTOR_SHAPES\(\)$", re.MULTILINE)
 
 
+def source(name: str, gpu: str = "") -> str:
+    """What NVRTC compiles of kernels/`name` for GPU `gpu` (a _tuning.gpu_key; "": the
+    defaults): its expanded source (expand), with the launch table's functor shapes on that GPU
+    (_tuning.functor_traits) written in where pointwise.cu's CUPYLOSS_FUNCTOR_SHAPES() line asks
+    for them (a line that, left in, fails to compile)."""
+    return _source(name, _tuning.own_fields(gpu))
+
+
 @functools.lru_cache(maxsize=None)
-def source(name: str) -> str:
-    """What NVRTC compiles of kernels/`name`: its expanded source (expand), with the launch
-    table's functor shapes (_tuning.functor_traits) written in where pointwise.cu's
-    CUPYLOSS_FUNCTOR_SHAPES() line asks for them (a line that, left in, fails to compile)."""
+def _source(name: str, own: tuple) -> str:
+    """source() of a GPU whose own shape fields are `own` (_tuning.own_fields)."""
     code = expand(name)
     traits = None
     if _SHAPES_AT.search(code):
-        traits = _tuning.functor_traits(_registry.functors())
+        traits = _tuning.functor_traits(_registry.functors(), own=own)
     return code if traits is None else _SHAPES_AT.sub(lambda _: traits, code, count=1)
 
 
@@ -449,7 +455,7 @@ def cached(file: str, names: list[str], arch: str, gpu: str = "") -> pathlib.Pat
 
     from cupy.cuda import nvrtc
 
-    code = source(file)
+    code = source(file, gpu)
     flags = _nvrtc_options(gpu)
     key = hashlib.sha256("\0".join(
         [code, *flags, arch, str(nvrtc.getVersion()), *names]).encode()).hexdigest()

@@ -9,7 +9,9 @@ reports it, normalised by gpu_key ("NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3").
 
 Compile-time knobs reach the kernels as -D macros (kernel_defines), so a GPU with its own row
 has its own cubins (the compile options are part of the cache key); run-time knobs are read by
-the launch arithmetic from DeviceLimits.gpu.
+the launch arithmetic from DeviceLimits.gpu.  A loss's own shape (FUNCTOR_SHAPES) is per GPU
+too: a row "gpu,<functor template>.<field>,value" (FUNCTOR_FIELDS) replaces that field of its
+entry on that GPU, in the functor traits written into pointwise.cu for it (functor_traits).
 
 A tuned GPU's rows also give its traits (TRAITS: compute capability, SMs, DRAM bandwidth as
 its memory clock and bus width give it), and a GPU without a row of its own runs the row of
@@ -28,8 +30,9 @@ import math
 import pathlib
 import re
 
-__all__ = ["Knob", "KNOBS", "TRAITS", "FunctorShape", "FUNCTOR_SHAPES", "gpu_key", "values",
-           "value", "kernel_defines", "functor_traits", "nearest_row", "adopt", "TABLE"]
+__all__ = ["Knob", "KNOBS", "TRAITS", "FunctorShape", "FUNCTOR_SHAPES", "FUNCTOR_FIELDS",
+           "gpu_key", "values", "value", "knob", "functor_knob", "functor_shapes", "own_fields",
+           "kernel_defines", "functor_traits", "nearest_row", "adopt", "TABLE"]
 
 TABLE = pathlib.Path(__file__).resolve().parent / "tuning.csv"
 
@@ -167,18 +170,85 @@ FUNCTOR_SHAPES: dict[str, FunctorShape] = {
 }
 
 
-def functor_traits(functors) -> str:
+# A loss's own shape on one GPU: a row "gpu,<Template>.<field>,value" of the table puts `value`
+# in that field of the template's FUNCTOR_SHAPES entry on that GPU alone (0, as in the entries:
+# the class's knob).  The fields and the values python -m cupyloss.tune tries; the _f32 ones are
+# shape_f32's four numbers.
+FUNCTOR_FIELDS: dict[str, tuple[int, ...]] = {
+    "rows_blocks_f32": (0, 1, 2, 3, 4), "rows_steps_f32": (0, 1, 2, 4),
+    "reduce_blocks_f32": (0, 1, 2, 3, 4), "reduce_steps_f32": (0, 1, 2, 4, 8),
+    "flat_blocks_16": (0, 2, 3, 4), "rows_blocks_16": (0, 2, 3, 4), "reduce_blocks": (0, 2, 3, 4),
+}
+_F32_FIELDS = ("rows_blocks_f32", "rows_steps_f32", "reduce_blocks_f32", "reduce_steps_f32")
+
+
+def _shape_field(shape: FunctorShape, field: str) -> int:
+    if field in _F32_FIELDS:
+        return shape.shape_f32[_F32_FIELDS.index(field)] if shape.shape_f32 else 0
+    return getattr(shape, field)
+
+
+def _with_field(shape: FunctorShape, field: str, v: int) -> FunctorShape:
+    if field not in _F32_FIELDS:
+        return dataclasses.replace(shape, **{field: v})
+    *ints, loops = shape.shape_f32 or (0, 0, 0, 0, ())
+    ints[_F32_FIELDS.index(field)] = v
+    return dataclasses.replace(shape, shape_f32=(*ints, loops))
+
+
+def functor_knob(name: str) -> Knob:
+    """The Knob of a loss's own shape field, "<Template>.<field>" ("KlDivOp.reduce_blocks_f32"):
+    its default is the FUNCTOR_SHAPES entry's value (0 where the entry has none).  ValueError for
+    a field FUNCTOR_FIELDS lacks, a malformed template name, or a cheap functor's (the cheap
+    knobs shape it whatever its entry says)."""
+    template, _, field = name.partition(".")
+    if field not in FUNCTOR_FIELDS or not re.fullmatch(r"[A-Z]\w*Op", template):
+        raise ValueError(f"{name!r} is not <functor template>.<field> with a field of "
+                         f"{', '.join(FUNCTOR_FIELDS)}")
+    shape = FUNCTOR_SHAPES.get(template, FunctorShape())
+    if shape.cheap:
+        raise ValueError(f"{name}: {template} is cheap, so the cheap functors' knobs shape it")
+    return Knob(name, _shape_field(shape, field), True, FUNCTOR_FIELDS[field],
+                f"{template}'s {field} (FunctorShape)")
+
+
+def knob(name: str) -> Knob:
+    """A knob of the table by name: KNOBS' own, or a loss's shape field (functor_knob)."""
+    return KNOBS[name] if name in KNOBS else functor_knob(name)
+
+
+def own_fields(gpu: str = "") -> tuple[tuple[str, int], ...]:
+    """GPU `gpu`'s own shape fields ((name, value), sorted): its row's, or its adopted row's,
+    and tune's in this process; () for none."""
+    return tuple(sorted((name, v) for name, v in values(gpu).items() if "." in name))
+
+
+def functor_shapes(gpu: str = "", own: tuple | None = None) -> dict[str, FunctorShape]:
+    """FUNCTOR_SHAPES with GPU `gpu`'s own fields (own_fields; or `own`, given) in place."""
+    own = own_fields(gpu) if own is None else own
+    if not own:
+        return FUNCTOR_SHAPES
+    shapes = dict(FUNCTOR_SHAPES)
+    for name, v in own:
+        template, _, field = name.partition(".")
+        shapes[template] = _with_field(shapes.get(template, FunctorShape()), field, v)
+    return shapes
+
+
+def functor_traits(functors, gpu: str = "", own: tuple | None = None) -> str:
     """C++ of pointwise.cu's functor traits for each functor name expression in `functors`
     ("KlDivOp<1>") whose template has a FUNCTOR_SHAPES entry: explicit specializations, put
-    where pointwise.cu says CUPYLOSS_FUNCTOR_SHAPES() (_source.source)."""
+    where pointwise.cu says CUPYLOSS_FUNCTOR_SHAPES() (_source.source), with GPU `gpu`'s own
+    fields (functor_shapes; or `own`, given)."""
     out = []
+    shapes = functor_shapes(gpu, own)
 
     def spec(trait, functor, ctype, value):
         out.append(f"template <> struct {trait}<{functor}> {{ static constexpr {ctype} value = "
                    f"{value}; }};")
 
     for functor in functors:
-        shape = FUNCTOR_SHAPES.get(functor.partition("<")[0])
+        shape = shapes.get(functor.partition("<")[0])
         if shape is None:
             continue
         if shape.cheap:
@@ -228,10 +298,13 @@ def _read(path: pathlib.Path) -> tuple[dict[str, dict[str, int]], dict[str, dict
             if name in TRAITS:
                 traits.setdefault(gpu, {})[name] = got
                 continue
-            knob = KNOBS.get(name)
-            if knob is None:
-                raise ValueError(f"{path}:{line}: no knob {name!r} (knobs: {', '.join(KNOBS)}; "
-                                 f"traits: {', '.join(TRAITS)})")
+            try:
+                knob = KNOBS[name] if "." not in name else functor_knob(name)
+            except (KeyError, ValueError) as exc:
+                why = exc.args[0] if isinstance(exc, ValueError) else (
+                    f"no knob {name!r} (knobs: {', '.join(KNOBS)}; traits: {', '.join(TRAITS)}; "
+                    f"a loss's shape: <functor template>.<field>)")
+                raise ValueError(f"{path}:{line}: {why}") from None
             if knob.candidates and got not in knob.candidates:
                 raise ValueError(f"{path}:{line}: {name} = {got} is not one of "
                                  f"{knob.candidates}")
@@ -306,8 +379,10 @@ def values(gpu: str = "") -> dict[str, int]:
 
 
 def value(name: str, gpu: str = "") -> int:
-    """Knob `name`'s value on GPU `gpu`."""
-    return values(gpu)[name]
+    """Knob `name`'s value on GPU `gpu` (a loss's shape field: its entry's where the GPU's row
+    has none)."""
+    got = values(gpu)
+    return got[name] if name in got else functor_knob(name).default
 
 
 def kernel_defines(gpu: str = "") -> tuple[str, ...]:

@@ -25,6 +25,11 @@ it runs:
                 8192 x 32768 bfloat16
   pair          triplet_margin_loss 3 x 32768 x 8192 (forward)
 
+A loss's own shape (_tuning.FUNCTOR_SHAPES) is tuned by naming its fields in --knobs,
+"<functor template>.<field>" ("KlDivOp.reduce_blocks_f32"; the fields: _tuning.FUNCTOR_FIELDS),
+never by default: that loss's value_and_grad in the kernel the field shapes (functor_workloads)
+is the workload, and the row written is that GPU's alone.
+
 Prints this GPU's rows; --write puts them into cupyloss/tuning.csv in place of this GPU's
 rows there.  --summarize CSV prints a measurements file as the Markdown table docs/tuning.md
 quotes.  --max-seconds stops before a knob that would start past that time, with the rows of
@@ -39,6 +44,7 @@ import argparse
 import concurrent.futures
 import csv
 import dataclasses
+import math
 import multiprocessing
 import os
 import pathlib
@@ -47,11 +53,15 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["choose", "tags", "summarize", "record", "candidate_jobs", "main"]
+__all__ = ["choose", "tags", "functor_workloads", "summarize", "record", "candidate_jobs",
+           "main"]
 
 
 def tags(knob: str) -> set[str]:
-    """The workload tags whose kernels knob `knob` changes."""
+    """The workload tags whose kernels knob `knob` changes (a loss's shape field: that loss's
+    own workloads, functor_workloads)."""
+    if "." in knob:
+        return {f"functor {knob}"}
     if knob.startswith("ROW_"):
         return {"row"}
     if knob.startswith("PAIR_"):
@@ -188,6 +198,44 @@ def _workloads(scale: float) -> list[Workload]:
     ]
 
 
+def functor_workloads(knob: str, scale: float) -> list[Workload]:
+    """The workloads of a loss's shape field "<Template>.<field>" (_tuning.functor_knob): the
+    first registered loss with that functor template, value_and_grad, in the kernel the field
+    shapes: its target a (4096,) row over (8192, 4096) for the rows fields, an (8192, 1) column
+    for the reduce ones, every operand 16384^2 for flat_blocks_16; bfloat16 for the _16 fields,
+    else float32.  Values uniform in (0.05, 0.95): within every loss's domain."""
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    import cupyloss
+    from cupyloss import _registry, _tuning
+
+    _tuning.functor_knob(knob)   # refuses what is not one
+    template, _, field = knob.partition(".")
+    spec = next(s for s in _registry.SPECS.values() if s.functor == template)
+    n, rows, cols = int(16384 * scale), int(8192 * scale), int(4096 * scale)
+    if field == "flat_blocks_16":
+        full, target = (n, n), (n, n)
+    elif field.startswith("rows"):
+        full, target = (rows, cols), (cols,)
+    else:
+        full, target = (rows, cols), (rows, 1)
+    dtype = np.dtype(ml_dtypes.bfloat16) if field.endswith("_16") else np.dtype(np.float32)
+    shapes = [target if a == "target" else full for a in spec.arrays]
+    f = getattr(cupyloss, f"{spec.name}_value_and_grad")
+
+    def make():
+        rng = cupy.random.default_rng(1)
+        arrays = [(rng.random(shape, dtype=cupy.float32) * 0.9 + 0.05).astype(dtype)
+                  for shape in shapes]
+        return lambda: f(*arrays)
+
+    nbytes = 2 * sum(math.prod(shape) for shape in shapes) * dtype.itemsize
+    return [Workload(f"{spec.name} {' x '.join(map(str, shapes))} {dtype.name}",
+                     f"functor {knob}", nbytes, make)]
+
+
 def _reset() -> None:
     """Forget every kernel and plan built with the knobs in force before."""
     from cupyloss import _pointwise, _rowclass, _rowpair, _rowwise, _source
@@ -241,7 +289,7 @@ def candidate_jobs(knob: str, kernels: set, arch: str, gpu: str, values: dict) -
     pointwise.cu with the values in force (`values`) and the knob at each candidate."""
     from cupyloss import _tuning
 
-    spec = _tuning.KNOBS[knob]
+    spec = _tuning.knob(knob)
     if not spec.compiled:
         return []
     return [(file, name, arch, gpu, {**values, knob: v}) for v in spec.candidates
@@ -303,7 +351,7 @@ def summarize(path: pathlib.Path) -> str:
     lines = ["| GPU | knob | default | chosen | mean time ratio | workloads, best / worst | "
              "next best |", "|---|---|---|---|---|---|---|"]
     for (gpu, knob), times in ms.items():
-        default = _tuning.KNOBS[knob].default
+        default = _tuning.knob(knob).default
         pick = chosen.get((gpu, knob), default)
         if default not in times or pick not in times:
             continue
@@ -343,7 +391,8 @@ def main(argv=None) -> dict[str, int]:
                                      description=__doc__.splitlines()[0])
     tunable = [k.name for k in _tuning.KNOBS.values() if k.candidates]
     parser.add_argument("--knobs", help=f"comma-separated knobs (default: all of "
-                        f"{', '.join(tunable)})")
+                        f"{', '.join(tunable)}); a loss's shape field as "
+                        f"<functor template>.<field>, for example KlDivOp.reduce_blocks_f32")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--margin", type=float, default=0.02)
     parser.add_argument("--scale", type=float, default=1.0, help="side lengths x this")
@@ -363,9 +412,18 @@ def main(argv=None) -> dict[str, int]:
 
     _timing.need(parser.prog)
     knobs = args.knobs.split(",") if args.knobs else tunable
-    unknown = [k for k in knobs if k not in tunable]
+    unknown = []
+    for k in knobs:
+        if k in tunable:
+            continue
+        try:
+            _tuning.functor_knob(k)
+        except ValueError:
+            unknown.append(k)
     if unknown:
-        parser.error(f"no tunable knobs {', '.join(unknown)}; choose from {', '.join(tunable)}")
+        parser.error(f"no tunable knobs {', '.join(unknown)}; choose from {', '.join(tunable)}, "
+                     f"or a loss's shape field <functor template>.<field> of "
+                     f"{', '.join(_tuning.FUNCTOR_FIELDS)}")
     import cupy
 
     device = cupy.cuda.Device()
@@ -376,7 +434,8 @@ def main(argv=None) -> dict[str, int]:
     name = name.decode() if isinstance(name, bytes) else name
     print(f"{name} (table key {gpu}, {limits.traits}); knobs in force: the row of "
           f"{row or 'none (the defaults)'} in {_tuning.TABLE.name}", flush=True)
-    work = _workloads(args.scale)
+    work = _workloads(args.scale) + [w for k in knobs if "." in k
+                                     for w in functor_workloads(k, args.scale)]
     # Each candidate's kernels are compiled ahead of its timing, all at once in a pool of
     # processes (one at a time on first use they would take most of the run).
     kernels = record([w for w in work if any(w.tag in tags(k) for k in knobs)])
@@ -403,7 +462,7 @@ def main(argv=None) -> dict[str, int]:
                                                   in_force), chunksize=2))
             calls = live.keep(mine)
             times = {}
-            for v in _tuning.KNOBS[knob].candidates:
+            for v in _tuning.knob(knob).candidates:
                 _tuning._OVERRIDES.setdefault(gpu, {})[knob] = v
                 _reset()
                 times[v] = _measure(calls, args.reps)

@@ -317,3 +317,72 @@ def test_tune_writes_its_gpus_traits_with_its_knobs(tmp_path):
     tune.write_rows(path, "new-gpu", {"REDUCE_STEPS": 2}, _traits(90, 78, 4000))
     assert _tuning.read_table(path) == {"new-gpu": {"REDUCE_STEPS": 2}}
     assert _tuning.read_traits(path) == {"new-gpu": _traits(90, 78, 4000)}
+
+
+def test_a_losses_own_shape_has_a_row_per_gpu(table, adopted):
+    """A row "gpu,<Template>.<field>,value" changes that field of that functor's traits in the
+    source NVRTC compiles for that GPU alone (so its cubins are its own), and GPUs adopting its
+    row take it too; every other GPU compiles the source it compiled before."""
+    import re
+
+    plain = _source.source("pointwise.cu")
+    table([("h200", "compute_capability", 90), ("h200", "sm_count", 132),
+           ("h200", "memory_gbs", 4916), ("h200", "KlDivOp.rows_blocks_f32", 4),
+           ("h200", "BceOp.flat_blocks_16", 2)])
+    assert _source.source("pointwise.cu") == plain == _source.source("pointwise.cu", "a100")
+    mine = _source.source("pointwise.cu", "h200")
+    gone = set(plain.splitlines()) - set(mine.splitlines())
+    came = set(mine.splitlines()) - set(plain.splitlines())
+    assert gone and all(re.search(r"OwnShape32<KlDivOp<\d>>.*Shape32\{3, 2, 2, 4, ", g) or
+                        re.search(r"FlatBlocks16<BceOp<\d>>.* = 3;", g) for g in gone), gone
+    assert {c.replace("Shape32{4, 2, 2, 4, ", "Shape32{3, 2, 2, 4, ").replace(" = 2;", " = 3;")
+            for c in came} == gone
+    assert _tuning.value("KlDivOp.rows_blocks_f32", "h200") == 4
+    assert _tuning.value("KlDivOp.rows_blocks_f32") == 3          # its entry's, elsewhere
+    _tuning.adopt("h20", _traits(90, 78, 4000))
+    assert _source.source("pointwise.cu", "h20") == mine
+
+
+@pytest.mark.parametrize("row, match", [
+    (("h200", "KlDivOp.rows_blocks", 2), "is not <functor template>.<field>"),
+    (("h200", "klDiv.rows_blocks_f32", 2), "is not <functor template>.<field>"),
+    (("h200", "MseOp.reduce_blocks", 2), "MseOp is cheap"),
+    (("h200", "KlDivOp.rows_steps_f32", 3), r"is not one of \(0, 1, 2, 4\)"),
+])
+def test_a_bad_shape_row_is_refused_with_its_line(table, row, match):
+    table([row])
+    with pytest.raises(ValueError, match=match) as err:
+        _tuning.values("h200")
+    assert "tuning.csv:2" in str(err.value)
+
+
+def test_every_shape_field_in_the_shipped_table_names_a_registered_functor():
+    from cupyloss import _registry
+
+    families = {f.partition("<")[0] for f in _registry.functors()}
+    for gpu, row in _tuning.read_table(_tuning.TABLE).items():
+        for name in row:
+            if "." in name:
+                assert name.partition(".")[0] in families, (gpu, name)
+
+
+def test_tune_takes_a_shape_field_with_its_own_workload():
+    """A shape field's workload runs its loss in the kernel the field shapes, and its candidates
+    are built as a compile-time knob's are."""
+    from cupyloss import _registry, tune
+
+    for knob, shapes in (("KlDivOp.rows_blocks_f32", [(8192, 4096), (4096,)]),
+                         ("BceLogitsOp.reduce_blocks", [(8192, 4096), (8192, 1)]),
+                         ("SigmoidFocalOp.flat_blocks_16", [(16384, 16384)] * 2)):
+        (work,) = tune.functor_workloads(knob, 1.0)
+        template = knob.partition(".")[0]
+        spec = next(s for s in _registry.SPECS.values() if s.functor == template)
+        assert work.name.startswith(spec.name + " ") and tune.tags(knob) == {work.tag}
+        assert work.name.split(" ", 1)[1].startswith(" x ".join(map(str, shapes)))
+        assert ("bfloat16" in work.name) == knob.endswith("_16")
+        jobs = tune.candidate_jobs(knob, {("pointwise.cu", "k"), ("rowwise.cu", "r")}, "90",
+                                   "h200", {})
+        assert [j[4] for j in jobs] == [{knob: v} for v in _tuning.FUNCTOR_FIELDS[
+            knob.partition(".")[2]]]
+    with pytest.raises(ValueError, match="cheap"):
+        tune.functor_workloads("HingeOp.reduce_blocks", 1.0)
