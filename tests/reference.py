@@ -758,14 +758,22 @@ def _scale(reduction, count, batch):
 
 
 def _sum_to(a, shape):
-    """Sum ``a`` over the dimensions that broadcasting added to ``shape`` (torch's sum_to_size)."""
-    lead = a.ndim - len(shape)
-    if lead:
-        a = a.sum(axis=tuple(range(lead)))
-    axes = tuple(i for i, size in enumerate(shape) if size == 1 and a.shape[i] != 1)
+    """Sum ``a`` over the dimensions that broadcasting added to ``shape`` (torch's sum_to_size).
+
+    The summed dims are moved last and made one contiguous axis, along which NumPy adds
+    pairwise (error O(eps log n) of the sum of |terms|); over any other axis it adds row by row,
+    O(eps n), which for 10^5 equal terms is 2e-12 of the sum: more than the float64 tests allow
+    a kernel whose sums are compensated.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    padded = (1,) * (a.ndim - len(shape)) + tuple(shape)
+    axes = tuple(i for i, size in enumerate(padded) if size == 1 and a.shape[i] != 1)
     if axes:
-        a = a.sum(axis=axes, keepdims=True)
-    return np.asarray(a, dtype=np.float64).reshape(shape)
+        kept = tuple(i for i in range(a.ndim) if i not in axes)
+        moved = np.ascontiguousarray(a.transpose(kept + axes))
+        m = math.prod(a.shape[i] for i in axes)
+        a = moved.reshape(moved.shape[:len(kept)] + (m,)).sum(axis=-1)
+    return a.reshape(shape)
 
 
 def grads(name, *args, **kwargs):
