@@ -373,10 +373,6 @@ def split_reduced(shape: tuple, strides: list[tuple], operand: int) -> ReduceSpl
 #            [chunks, n_o] with chunks <= resident warps / units, bounded by the device.
 #   REDUCE_MIN_STEPS: each lane makes at least this many VEC steps per unit; below it the
 #            unit's butterfly and partial write cost more than they save.
-#   REDUCE_BALANCE_STEPS (0: off): with more units than resident warps (8192 rows of a per-row
-#            operand on 5280 warps: a second wave 55% full), m is split into the chunks (of at
-#            least this many steps, 16 at most) that fill the last wave best, a chunk costing
-#            0.5% of a wave; the partials then go through sum_chunks.
 #
 # Every other choice of the pointwise kernels' schedule is a knob of the launch table
 # (_tuning.KNOBS: one value per GPU, the defaults measured on an H100): pointwise_reduce's steps
@@ -419,19 +415,6 @@ def reduce_lanes(n_o: int, inner: int, inner_reduced: bool, vec: int) -> int:
     return min(WARP, max(lanes, spare))
 
 
-def wave_fill(units: int, warps: int) -> float:
-    """The share of `warps` x waves busy when `units` equal units run on them: units / (warps x
-    ceil(units / warps))."""
-    return units / (warps * _cdiv(units, warps))
-
-
-def balanced_chunks(units_o: int, warps: int, most: int) -> int:
-    """Chunks of m (1 to min(most, 16)) whose units_o x chunks units fill `warps` best, each
-    chunk charged 0.5% of a wave (REDUCE_BALANCE_STEPS above); the fewest among equals."""
-    return max(range(1, max(1, min(most, 16)) + 1),
-               key=lambda c: (round(wave_fill(units_o * c, warps) - 0.005 * c, 9), -c))
-
-
 def reduce_launch(split: ReduceSplit, vec: int, limits: DeviceLimits,
                   blocks_per_sm: int = BLOCKS_PER_SM) -> ReduceLaunch:
     """Launch for pointwise_reduce over `split` with VEC-element steps (see the table above)."""
@@ -443,9 +426,6 @@ def reduce_launch(split: ReduceSplit, vec: int, limits: DeviceLimits,
     knob = _tuning.values(limits.gpu)
     least = knob["REDUCE_MIN_STEPS"]
     nchunks = max(1, min(resident // units_o, _cdiv(n_m, step * least)))
-    if units_o > resident and knob["REDUCE_BALANCE_STEPS"]:
-        most = _cdiv(n_m, step * knob["REDUCE_BALANCE_STEPS"])
-        nchunks = balanced_chunks(units_o, resident, most)
     chunk = _cdiv(_cdiv(n_m, nchunks), step) * step
     nchunks = _cdiv(n_m, chunk)
     grid = max(1, min(_cdiv(units_o * nchunks, BLOCK // WARP), limits.sm_count * blocks_per_sm,

@@ -320,7 +320,16 @@ def units() -> list[tuple[str, list[str]]]:
     rowpair = [name for op in ROWPAIR_OPS for info in infos for name in rowpair_names(info, op)]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
             ("rowwise.cu", rowwise), ("rowclass.cu", list(dict.fromkeys(rowclass))),
-            ("rowpair.cu", list(dict.fromkeys(rowpair))), ("bench.cu", ["cupyloss::hold_stream"])]
+            ("rowpair.cu", list(dict.fromkeys(rowpair))), ("bench.cu", ["cupyloss::hold_stream",
+                                          *(bench_streams_name(r, w) for r, w in BENCH_STREAMS)])]
+
+
+BENCH_STREAMS = ((1, 1), (2, 2), (2, 0))   # bench_bandwidth's mixes: arrays read, written
+
+
+def bench_streams_name(reads: int, writes: int) -> str:
+    """Name expression of bench.cu's streams<reads, writes> (bench_bandwidth)."""
+    return f"cupyloss::streams<{reads}, {writes}>"
 
 
 def rowwise_names(info) -> list[str]:

@@ -100,9 +100,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "pointwise_rows summed launches: threads a block of the row axis"),
     Knob("REDUCE_MIN_STEPS", 16, False, (8, 16, 32),
          "pointwise_reduce: VEC steps a lane makes at least in a unit"),
-    Knob("REDUCE_BALANCE_STEPS", 0, False, (0, 4, 8),
-         "pointwise_reduce with more units than resident warps: m split to fill the last wave, "
-         "chunks of at least this many steps (0: off)"),
     Knob("ROW_MAX_SPLIT", 4, False, (2, 4, 8),
          "cross_entropy_rows with a gradient: blocks a row shares at most"),
     Knob("ROW_STASH_TILES", 3, False, (1, 2, 3, 4),

@@ -74,6 +74,8 @@ def tags(knob: str) -> set[str]:
         return {"flat value"}
     if knob.startswith("FLAT") and knob.endswith("HEAVY"):
         return {"flat heavy"}
+    if knob == "FLAT_STEPS_GRAD":
+        return {"flat grad", "flat heavy"}
     return {"flat grad"}
 
 
@@ -186,7 +188,7 @@ def _workloads(scale: float) -> list[Workload]:
                  256 * 64 * 56 * 56 * f4, pair(vag, (1, 64, 1, 1), (256, 64, 56, 56))),
         Workload("mse_loss (8192, 1) over (8192, 4096)", "reduce", 8192 * 4096 * f4,
                  pair(vag, (8192, 1), (8192, 4096))),
-        Workload("mse_loss () over (8192, 4096)", "reduce", 8192 * 4096 * f4,
+        Workload("mse_loss () over (8192, 4096)", "flat grad", 8192 * 4096 * f4,
                  pair(vag, (), (8192, 4096))),
         Workload("cross_entropy 8192 x 128256 bfloat16", "row", 2 * 8192 * 128256 * 2,
                  cross_entropy(8192, 128256, bf16, True)),

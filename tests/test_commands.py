@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-COMMANDS = ("bench", "bench_accuracy", "bench_broadcast", "bench_firstcall", "bench_rowwise",
+COMMANDS = ("bench", "bench_accuracy", "bench_bandwidth", "bench_broadcast", "bench_firstcall", "bench_rowwise",
             "bench_torch", "precompile", "tune")
 # Runs a module as `python -m` would, with the named top-level packages made unimportable.
 _BLOCKED = ("import runpy, sys\n"
@@ -47,7 +47,7 @@ def test_help_names_the_workloads():
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "precompile"])
 def test_benchmarks_say_what_is_missing_in_one_line(command):
     if _gpu():
-        if command in ("bench", "bench_firstcall", "tune"):
+        if command in ("bench", "bench_bandwidth", "bench_firstcall", "tune"):
             pytest.skip(f"cupyloss.{command} runs without torch where there is a GPU")
         done = _run(f"cupyloss.{command}", blocked="torch")
         want = "needs PyTorch: pip install 'cupyloss[torch]'"
@@ -78,3 +78,17 @@ def test_benchmarks_save_their_results_as_json(tmp_path):
     path = tmp_path / "out.json"
     assert _timing.save(str(path), rows) is rows
     assert json.loads(path.read_text()) == rows
+
+
+def test_bandwidth_schedules_cover_the_arrays():
+    """bench_bandwidth's one-pass grid gives every vector a thread in one pass; its grid-stride
+    grid holds at most GRID_WAVES waves of resident blocks, and one pass where that is fewer."""
+    from cupyloss import _launch, bench_bandwidth as bw
+
+    tile = _launch.BLOCK * bw.STEPS
+    for n_vec in (1, tile - 1, tile, tile + 1, 8192 * 4096 // 4, 16384 * 16384 // 4):
+        grids = bw.schedules(n_vec, 132)
+        assert (grids["one pass"] - 1) * tile < n_vec <= grids["one pass"] * tile
+        assert grids["grid-stride"] == min(grids["one pass"],
+                                           132 * _launch.BLOCKS_PER_SM * bw.GRID_WAVES)
+    assert bw.schedules(16384 * 16384 // 4, 132)["grid-stride"] == 16896

@@ -509,44 +509,6 @@ def test_reduce_launch_of_the_benchmarked_patterns():
     assert (cfg.lanes_m, cfg.nchunks, cfg.chunk) == (32, 1, 4096)   # written directly
 
 
-@pytest.mark.parametrize("steps", [4, 8])
-@pytest.mark.parametrize("per_sm", [2, 5, BLOCKS_PER_SM])
-@pytest.mark.parametrize("out_shape,operand_shape", [((8192, 4096), (8192, 1)),
-                                                     ((4096, 7000), (4096, 1)),
-                                                     ((3, 20000, 2048), (3, 20000, 1)),
-                                                     ((256, 64, 56, 56), (1, 64, 1, 1))])
-def test_reduce_balance_fills_the_last_wave(monkeypatch, out_shape, operand_shape, per_sm, steps):
-    """REDUCE_BALANCE_STEPS on: with more units than resident warps, m is chunked so the waves
-    are at least as full as one chunk leaves them (a chunk charged 0.5% of a wave), each chunk
-    of at least `steps` steps, 16 chunks at most; with fewer units, or off, nothing changes."""
-    split = _split_of(out_shape, operand_shape)
-    plain = _launch.reduce_launch(split, 4, H100, per_sm)
-    monkeypatch.setitem(_tuning._OVERRIDES, "", {"REDUCE_BALANCE_STEPS": steps})
-    cfg = _launch.reduce_launch(split, 4, H100, per_sm)
-    units_o = _cdiv(split.n_o, WARP // cfg.lanes_m)
-    warps = H100.sm_count * per_sm * BLOCK // WARP
-    step = cfg.lanes_m * 4
-    assert (cfg.nchunks - 1) * cfg.chunk < split.n_m <= cfg.nchunks * cfg.chunk
-    if units_o <= warps:
-        assert cfg == plain
-        return
-    fill = _launch.wave_fill(units_o * cfg.nchunks, warps) - 0.005 * cfg.nchunks
-    assert fill >= _launch.wave_fill(units_o, warps) - 0.005
-    assert cfg.nchunks <= 16 and (cfg.nchunks == 1 or cfg.chunk >= step * steps * 3 // 4)
-    assert cfg.grid == (min(_cdiv(units_o * cfg.nchunks, BLOCK // WARP), H100.sm_count * per_sm),)
-
-
-def test_reduce_balance_of_the_per_row_pattern(monkeypatch):
-    """8192 rows on 660 blocks (5280 warps): one chunk leaves the second wave 55% full; balanced,
-    7 chunks of 640 fill 57344 units into 11 waves 98.7% full."""
-    per_row = _split_of((8192, 4096), (8192, 1))
-    assert _launch.wave_fill(8192, 5280) == pytest.approx(0.776, abs=1e-3)
-    monkeypatch.setitem(_tuning._OVERRIDES, "", {"REDUCE_BALANCE_STEPS": 4})
-    cfg = _launch.reduce_launch(per_row, 4, H100, 5)
-    assert (cfg.nchunks, cfg.chunk, cfg.grid) == (7, 640, (660,))
-    assert _launch.wave_fill(8192 * 7, 5280) == pytest.approx(0.987, abs=1e-3)
-
-
 # --- row-wise launches (cross_entropy_rows and friends) -------------------------------------------
 
 ITEMSIZES = (2, 4, 8)  # 16-bit, float32, float64: 8, 4 and 2 elements a 16-byte vector
