@@ -116,7 +116,7 @@ def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
 
 
 def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = None,
-         weight_grad: bool = True, rows: int | None = None) -> Plan:
+         weight_grad: bool = True, rows: int | None = None, most: int | None = None) -> Plan:
     """The plan of a call on n rows, `classes` logits a row and `hidden` features, inputs of
     `itemsize` bytes, within `budget` bytes (default DEFAULT_WORKSPACE_BYTES): keep every row's
     16-bit dZ where it fits, else a float32 weight-gradient sum, else class slices (see the
@@ -130,7 +130,7 @@ def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = 
     chunk = classes * (logit + narrow)
 
     def fit(room, per_row):
-        return _fit(room, per_row, n) if rows is None else max(1, min(rows, n))
+        return _fit(room, per_row, n, most) if rows is None else max(1, min(rows, n))
 
     if not narrow or not weight_grad:
         r = fit(budget, chunk)
@@ -161,11 +161,13 @@ def shard_plan(n: int, v: int, hidden: int, itemsize: int, budget: int | None,
                weight_grad: bool, shard: Shard | None) -> Plan:
     """plan() of a call on v classes; for a rank's slice (`shard`) with the rows a chunk of an
     even share's plan, the same on every rank: each chunk is one gather, and all ranks must
-    make the same ones."""
+    make the same ones.  A share's chunks may hold CHUNK_ROWS_MAX rows a rank, so that a
+    chunk's products are as large as one GPU's (fewer, taller gathers and hidden-gradient sums;
+    tuning.md has the k = 4 figures)."""
     rows = None
     if shard is not None:
         rows = plan(n, -(-shard.classes // shard.ranks), hidden, itemsize, budget,
-                    weight_grad).rows
+                    weight_grad, most=CHUNK_ROWS_MAX * shard.ranks).rows
     return plan(n, v, hidden, itemsize, budget, weight_grad, rows)
 
 

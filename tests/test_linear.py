@@ -100,7 +100,7 @@ def test_uneven_slices_chunk_their_rows_alike():
             shard = linear.Shard(0, 5000, None, 3)
             plans.append(linear.shard_plan(n, v, 64, itemsize, budget, True, shard))
         assert len({p.rows for p in plans}) == 1, plans
-        even = linear.plan(n, 1667, 64, itemsize, budget)
+        even = linear.plan(n, 1667, 64, itemsize, budget, most=3 * linear.CHUNK_ROWS_MAX)
         assert plans[0].rows == even.rows
         for v, p in zip((1, 1900, 3099), plans):
             alone = linear.plan(n, v, 64, itemsize, budget)
@@ -111,6 +111,19 @@ def test_uneven_slices_chunk_their_rows_alike():
                                                              else 0)
                 assert p.bytes - p.rows * per_row == alone.bytes - alone.rows * per_row
     assert linear.shard_plan(300, 1900, 64, 2, None, True, None) == linear.plan(300, 1900, 64, 2)
+
+
+def test_a_shards_chunks_hold_as_many_logits_as_one_gpus():
+    """k ranks' chunks take up to k * CHUNK_ROWS_MAX rows (as many logits as one GPU's chunk of
+    all classes), where the budget holds them; one GPU keeps CHUNK_ROWS_MAX."""
+    n, v, h = 8192, 128256, 4096
+    assert linear.shard_plan(n, v, h, 2, None, True, None).rows == linear.CHUNK_ROWS_MAX
+    for k in (2, 4, 8):
+        p = linear.shard_plan(n, v // k, h, 2, None, True, linear.Shard(0, v, None, k))
+        assert p.rows == min(n, k * linear.CHUNK_ROWS_MAX), (k, p)
+        assert p.bytes <= linear.DEFAULT_WORKSPACE_BYTES
+    tight = linear.shard_plan(n, v // 4, h, 2, 64 << 20, True, linear.Shard(0, v, None, 4))
+    assert tight.rows < 4 * linear.CHUNK_ROWS_MAX and tight.bytes <= 64 << 20
 
 
 def test_wrt_names():
