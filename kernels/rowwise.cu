@@ -77,7 +77,6 @@ constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_
 constexpr int ROW_BLOCK = 256;     // threads a block of every launch (_launch.BLOCK)
 constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
 constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
-constexpr int SLICE_LOADS = 4;     // 16-byte vectors a thread of the slice kernels loads at once
 constexpr int ROW_EXCHANGE = 8 * ROW_FIELDS;  // scratch slot of a cluster's exchange (after the
                                               // 8 warps' states of team_merge): [2][ROW_FIELDS]
 // cross_entropy_rows variants (MODE), each holding only its own code, so each but the general one
@@ -984,46 +983,33 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
         const bool g_vec =
             (reinterpret_cast<unsigned long long>(gr) & (sizeof(Vec<G, VEC>) - 1)) == 0;
         const long long step = (long long)blockDim.x * VEC;
-        // SLICE_LOADS vectors of a thread loaded before any is used: one at a time leaves each
-        // load's latency exposed, which the H200's bandwidth an SM does not hide
-        for (long long c1 = (long long)threadIdx.x * VEC; c1 < cols; c1 += SLICE_LOADS * step) {
-            Vec<T, VEC> xv[SLICE_LOADS];
-            if (!rt.ignored) {
+        for (long long c = (long long)threadIdx.x * VEC; c < cols; c += step) {
+            const int n = (int)min((long long)VEC, cols - c);
+            A gi[VEC];
+            if (rt.ignored) {
                 #pragma unroll
-                for (int i = 0; i < SLICE_LOADS; ++i) {
-                    const long long c = c1 + i * step;
-                    if (c + VEC <= cols && x_vec) {
-                        xv[i] = load16<T, VEC>(xr + c, false);
-                    } else if (c < cols) {
-                        #pragma unroll
-                        for (int e = 0; e < VEC; ++e) xv[i].v[e] = c + e < cols ? xr[c + e] : T(0);
-                    }
+                for (int e = 0; e < VEC; ++e) gi[e] = A(0);
+            } else {
+                Vec<T, VEC> xv;
+                if (n == VEC && x_vec) {
+                    xv = load16<T, VEC>(xr + c, false);
+                } else {
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) xv.v[e] = e < n ? xr[c + e] : T(0);
+                }
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const long long cls = c0 + c + e;
+                    const A z = zval(xv.v[e], ra);
+                    const A w = weight != nullptr && ra.smooth && e < n ? to_acc(weight[cls])
+                                                                        : A(1);
+                    gi[e] = grad_input(fexp(z - o.lse), z, cls == rt.y, A(0), w, o, rt, ra);
                 }
             }
-            #pragma unroll
-            for (int i = 0; i < SLICE_LOADS; ++i) {
-                const long long c = c1 + i * step;
-                if (c >= cols) break;
-                const int n = (int)min((long long)VEC, cols - c);
-                A gi[VEC];
-                if (rt.ignored) {
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) gi[e] = A(0);
-                } else {
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        const long long cls = c0 + c + e;
-                        const A z = zval(xv[i].v[e], ra);
-                        const A w = weight != nullptr && ra.smooth && e < n ? to_acc(weight[cls])
-                                                                            : A(1);
-                        gi[e] = grad_input(fexp(z - o.lse), z, cls == rt.y, A(0), w, o, rt, ra);
-                    }
-                }
-                if (n == VEC && g_vec) {
-                    store_any<G, VEC>(gr + c, gi, true);
-                } else {
-                    for (int e = 0; e < n; ++e) gr[c + e] = from_acc<G>(gi[e]);
-                }
+            if (n == VEC && g_vec) {
+                store_any<G, VEC>(gr + c, gi, true);
+            } else {
+                for (int e = 0; e < n; ++e) gr[c + e] = from_acc<G>(gi[e]);
             }
         }
     }
@@ -1052,6 +1038,7 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
         acc_t<T>* __restrict__ stats) {
     using A = acc_t<T>;
     constexpr int VEC = 16 / sizeof(T);
+    constexpr int SLICE_LOADS = 4;   // vectors in flight a thread (see the loop)
     __shared__ A scratch[8 * ROW_FIELDS];
     const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, 0.0, softcap, classes);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -1075,18 +1062,6 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
                         absorb(st, xv[i], (int)(c0 + c + i * step),
                                static_cast<const T*>(nullptr), false, weight, ra);
                 }
-                // the thread's last whole vectors (fewer than SLICE_LOADS), also in flight
-                // together: a slice of a row is often shorter than one pass of the loop above
-                Vec<T, VEC> xv[SLICE_LOADS - 1];
-                #pragma unroll
-                for (int i = 0; i < SLICE_LOADS - 1; ++i)
-                    if (c + i * step + VEC <= cols) xv[i] = load16<T, VEC>(xr + c + i * step, false);
-                #pragma unroll
-                for (int i = 0; i < SLICE_LOADS - 1; ++i)
-                    if (c + i * step + VEC <= cols)
-                        absorb(st, xv[i], (int)(c0 + c + i * step),
-                               static_cast<const T*>(nullptr), false, weight, ra);
-                while (c + VEC <= cols) c += step;
             }
             for (; c < cols; c += step) {
                 const int n = (int)min((long long)VEC, cols - c);
