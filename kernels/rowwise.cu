@@ -330,19 +330,36 @@ struct RowTarget {
     A wy;
 };
 
+// A row's target from its class index y.  The slice kernels read y a row ahead: a row's reads
+// wait on whether it is ignored, and a load issued a row early hides the latency that one issued
+// at the row's start exposes once a row (docs/tuning.md, "The kernels' code"; the rows kernel,
+// whose rows are longer, measured the same either way).
 template <typename T, typename A>
-__device__ __forceinline__ RowTarget<A> row_target(const void* tgt, long long off,
-                                                   const T* __restrict__ weight,
-                                                   const RowArgs<A>& ra) {
+__device__ __forceinline__ RowTarget<A> target_of(long long y, const T* __restrict__ weight,
+                                                  const RowArgs<A>& ra) {
     RowTarget<A> rt{-1, false, false, A(1)};
     if (ra.prob) return rt;
-    rt.y = read_index<T>(tgt, off, ra.idx64);
+    rt.y = y;
     rt.ignored = rt.y == ra.ignore_index;
     rt.oor = !rt.ignored && (rt.y < 0 || rt.y >= ra.cols);
     rt.wy = rt.ignored ? A(0)
           : rt.oor ? quiet_nan(A(0))
           : weight != nullptr ? to_acc(weight[rt.y]) : A(1);
     return rt;
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ RowTarget<A> row_target(const void* tgt, long long off,
+                                                   const T* __restrict__ weight,
+                                                   const RowArgs<A>& ra) {
+    return target_of<T, A>(ra.prob ? 0 : read_index<T>(tgt, off, ra.idx64), weight, ra);
+}
+
+// The class index of row `r` (at r * rs) if r < rows and targets are indices, else 0.
+template <typename T, typename A>
+__device__ __forceinline__ long long index_ahead(const void* tgt, long long r, long long rows,
+                                                 long long rs, const RowArgs<A>& ra) {
+    return !ra.prob && r < rows ? read_index<T>(tgt, r * rs, ra.idx64) : 0;
 }
 
 // A row's loss and the factors of its gradient, from its merged state.
@@ -969,8 +986,10 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
     const A g_all = go_rows ? A(0)
         : ((flags & ROW_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
     const A w_sum = ra.smooth ? (wsum != nullptr ? wsum[0] : A(classes)) : A(0);
+    long long y_next = index_ahead<T, A>(tgt, blockIdx.x, rows, 1, ra);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const RowTarget<A> rt = row_target<T, A>(tgt, r, weight, ra);
+        const RowTarget<A> rt = target_of<T, A>(y_next, weight, ra);
+        y_next = index_ahead<T, A>(tgt, r + gridDim.x, rows, 1, ra);
         RowResult<A> o;
         o.lse = lse[r];
         o.g = go_rows ? to_acc(go[r]) * A(grad_scale) : g_all;
@@ -1041,9 +1060,15 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
     constexpr int SLICE_LOADS = 4;   // vectors in flight a thread (see the loop)
     __shared__ A scratch[8 * ROW_FIELDS];
     const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, 0.0, softcap, classes);
+    long long y_next = index_ahead<T, A>(tgt, blockIdx.x, rows, 1, ra);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const RowTarget<A> rt = row_target<T, A>(tgt, r, weight, ra);
+        const RowTarget<A> rt = target_of<T, A>(y_next, weight, ra);
+        y_next = index_ahead<T, A>(tgt, r + gridDim.x, rows, 1, ra);
         const T* xr = x + r * x_rs;
+        // z_y's load issued before the row's (its value is wanted after the merge)
+        const long long j = rt.y - c0;
+        const bool has_y = threadIdx.x == 0 && !rt.ignored && !rt.oor && j >= 0 && j < cols;
+        const T xy = has_y ? xr[j] : T(0);
         RowStat<A> st = empty_stat<A>();
         if (!rt.ignored) {
             const long long step = (long long)blockDim.x * VEC;
@@ -1074,8 +1099,7 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
         }
         st = team_merge(st, (int)blockDim.x, scratch);
         if (threadIdx.x == 0) {
-            const long long j = rt.y - c0;
-            if (!rt.ignored && !rt.oor && j >= 0 && j < cols) st.t = zval(xr[j], ra);
+            if (has_y) st.t = zval(xy, ra);
             store_stat(stats + r * ROW_FIELDS, st);
         }
     }
