@@ -164,7 +164,8 @@ struct MseOp {
 //                      dl/dt = xlogy(t != 0, t) + t / t - x    (NaN at t == 0, as torch's autograd)
 //   log_target=True:   l = e^t (t - x),   dl/dx = -e^t,   dl/dt = e^t (t - x) + e^t
 // log_input=False takes probabilities p and uses x = log p inside, so dl/dp = (dl/dx) / p.
-// There, for ordinary values (t and p positive normal numbers below 2^126) the kernel evaluates
+// There, for probabilities (t and p normal numbers at most 1, so that t / p is normal too) the
+// kernel evaluates
 //   l = t log(t / p),   dl/dt = log(t / p) + 1,   dl/dp = -(t / p)
 // with one log and one fast division (div_fast) instead of two logs (the forward pass is
 // otherwise bound by logf's instructions, not by memory).  For t / p in (1/2, 2) the loss's log
@@ -187,12 +188,13 @@ struct KlDivOp {
         if constexpr (log_input) return x;
         else return lg(x);
     }
-    // The ratio form's operands: positive, normal and below 2^126 (div_fast's range); every
-    // other value takes the literal formula.
+    // The ratio form's operands: probabilities, normal (at least 2^-126) and at most 1, so that
+    // t / x is a normal number too (between 2^-126 and 2^126: div_fast's and lg's exact range;
+    // a wider ratio would round to 0 or inf there); every other value takes the literal formula.
     template <typename A>
     static __device__ __forceinline__ bool ratio_form(A x, A t, const Params&) {
-        const A lo = A(1.1754943508222875e-38), hi = A(8.507059173023462e37);  // 2^-126, 2^126
-        return !log_input && !log_target && t >= lo && t < hi && x >= lo && x < hi;
+        const A lo = A(1.1754943508222875e-38);  // 2^-126
+        return !log_input && !log_target && t >= lo && t <= A(1) && x >= lo && x <= A(1);
     }
     // The loss's log(t / p) in the ratio form.  Near 1, log r = log w + (u - (w - 1)) / w with
     // u = (t - p) / p and w = 1 + u rounded: the second term restores what rounding w lost (one

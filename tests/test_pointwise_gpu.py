@@ -517,6 +517,20 @@ def test_kl_log_input_false_equals_log_input():
     assert_close(to_host(g2), to_host(g1) / pr, np.float64, None, "grad")
 
 
+def test_kl_log_input_false_ratios_past_float32_take_the_literal_formula():
+    """kl_div(p, t, log_input=False) for values beyond probabilities whose ratio t / p over- or
+    underflows float32: the loss and d/dt stay finite and as torch's (t (log t - log p), log t -
+    log p + 1), not log(0) or log(inf) of a rounded ratio."""
+    x, xr = to_device([5e37, 2e-38, 1e10, 0.5, 3.0], np.float32)
+    t, tr = to_device([1.2e-38, 3e37, 1e-30, 0.25, 2e-38], np.float32)
+    v, (gx, gt) = _call("kl_div", "vag", x, t, reduction="none", log_input=False)
+    assert np.all(np.isfinite(to_host(gt))), to_host(gt)
+    # past float32's range the reference rounds to inf, as the kernel and torch do
+    assert_close(to_host(v), tr * (np.log(tr) - np.log(xr)), np.float32, None, "value")
+    assert_close(to_host(gt), np.log(tr) - np.log(xr) + 1, np.float32, None, "d/dt")
+    assert_close(to_host(gx), -tr / xr, np.float32, None, "d/dp")
+
+
 def test_fp16_sum_of_4096_ones_is_exact():
     """4096 ones in fp16 sum to 4096 exactly (fp32 accumulation; fp16 alone would stall at 2048)."""
     import cupy
