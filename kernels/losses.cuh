@@ -24,14 +24,8 @@ struct NoParams {
 // Division by a divisor known to be a normal number of magnitude below 2^126 (or NaN):
 // __fdividef's 2 ulp in fp32, for any dividend, instead of the IEEE division's longer sequence
 // and its out-of-line slow path, which bound kl_div's forward and binary_cross_entropy's
-// gradient by instructions rather than memory.  Written as __fdividef's own reciprocal and
-// product, without the scaling it puts in front for divisors below 2^-126 (five instructions
-// a division that no divisor here needs): the same bits for every divisor in that range.
-__device__ __forceinline__ float div_fast(float a, float b) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-    return __fmul_rn(a, r);
-}
+// gradient by instructions rather than memory.
+__device__ __forceinline__ float div_fast(float a, float b) { return __fdividef(a, b); }
 __device__ __forceinline__ double div_fast(double a, double b) { return a / b; }
 __device__ __forceinline__ float lg(float v) { return logf(v); }
 __device__ __forceinline__ double lg(double v) { return log(v); }
