@@ -24,11 +24,39 @@ struct NoParams {
 // Division by a divisor known to be a normal number of magnitude below 2^126 (or NaN):
 // __fdividef's 2 ulp in fp32, for any dividend, instead of the IEEE division's longer sequence
 // and its out-of-line slow path, which bound kl_div's forward and binary_cross_entropy's
-// gradient by instructions rather than memory.
-__device__ __forceinline__ float div_fast(float a, float b) { return __fdividef(a, b); }
+// gradient by instructions rather than memory.  Written as __fdividef's own reciprocal and
+// product, without the scaling it puts in front for divisors below 2^-126 (five instructions
+// a division that no divisor here needs): the same bits for every divisor in that range.
+__device__ __forceinline__ float div_fast(float a, float b) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+    return __fmul_rn(a, r);
+}
 __device__ __forceinline__ double div_fast(double a, double b) { return a / b; }
 __device__ __forceinline__ float lg(float v) { return logf(v); }
 __device__ __forceinline__ double lg(double v) { return log(v); }
+// logf of a positive normal finite v, bitwise: logf's own steps for such v (v = 2^n m with m in
+// [2/3, 4/3), log m = f + f^2 P(f) at f = m - 1, then n ln 2 added) without its tests for
+// subnormal, zero, infinite and NaN arguments, eight instructions of its thirty.  For arguments
+// known to be normal (kl_div's ratio form); tests/test_common_gpu.py compares it with logf on
+// every positive normal float.
+__device__ __forceinline__ float lg_normal(float v) {
+    const int i = __float_as_int(v);
+    const int e = (i - 0x3f2aaaab) & (int)0xff800000;
+    const float f = __fadd_rn(__int_as_float(i - e), -1.0f);
+    const float n = __fmul_rn(__int2float_rn(e), 1.1920928955078125e-07f);  // exact: e / 2^23
+    float p = __fmaf_rn(f, -__int_as_float(0x3e055027), __int_as_float(0x3e1039f6));
+    p = __fmaf_rn(f, p, __int_as_float(0xbdf8cdcc));
+    p = __fmaf_rn(f, p, __int_as_float(0x3e0f2955));
+    p = __fmaf_rn(f, p, __int_as_float(0xbe2ad8b9));
+    p = __fmaf_rn(f, p, __int_as_float(0x3e4ced0b));
+    p = __fmaf_rn(f, p, __int_as_float(0xbe7fff22));
+    p = __fmaf_rn(f, p, __int_as_float(0x3eaaaa78));
+    p = __fmaf_rn(f, p, -0.5f);
+    p = __fmul_rn(f, p);
+    return __fmaf_rn(n, __int_as_float(0x3f317218), __fmaf_rn(f, p, f));
+}
+__device__ __forceinline__ double lg_normal(double v) { return log(v); }
 // log v within about an ulp and without logf's lean, for v whose t log t terms are summed by the
 // million.  logf is within 1 ulp, but libdevice's ln 2 (0x3f317218, ln 2 + 1.9e-9, times the
 // exponent it splits off) makes it lean the same way for neighbouring v: -0.029 ulp on average
@@ -206,7 +234,7 @@ struct KlDivOp {
         const A u = div_fast(t - x, x);
         const A w = near ? add_rn(A(1), u) : r;
         const A lost = near ? div_fast(add_rn(u, -add_rn(w, A(-1))), w) : A(0);
-        return add_rn(lg(w), lost);
+        return add_rn(lg_normal(w), lost);  // w: in (1/2, 2), or r, normal (ratio_form)
     }
     template <typename A>
     static __device__ __forceinline__ A value(const A (&v)[K], const Params& p) {
@@ -229,7 +257,7 @@ struct KlDivOp {
             // than a second log (docs/tuning.md, "The functors' code").
             const A ratio = div_fast(t, x);
             d[0] = -ratio;
-            d[1] = lg(ratio) + A(1);
+            d[1] = lg_normal(ratio) + A(1);
             return;
         }
         const A dx = log_target ? -ex(t) : -t;

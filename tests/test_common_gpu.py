@@ -57,6 +57,19 @@ extern "C" __global__ void rcp_pairs(const float* v, long long n, float* ours, f
     ours[i] = cupyloss::rcp_unit_rn(v[i]);
     ref[i] = __frcp_rn(v[i]);
 }
+extern "C" __global__ void lg_normal_misses(long long n, unsigned long long* misses,
+                                            unsigned int* first) {
+    // every positive normal float 2^-126 .. below inf: bit patterns 0x00800000 + i
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const unsigned int bits = 0x00800000u + (unsigned int)i;
+        const float v = __uint_as_float(bits);
+        if (__float_as_uint(cupyloss::lg_normal(v)) != __float_as_uint(logf(v))) {
+            atomicAdd(misses, 1ull);
+            atomicMin(first, bits);
+        }
+    }
+}
 extern "C" __global__ void tanh_pairs(const float* v, long long n, float* ours, float* ref) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -88,6 +101,23 @@ def test_rcp_unit_rn_is_frcp_rn_on_every_float_in_1_2():
     assert np.array_equal(ours[:-1].view(np.int32), ref[:-1].view(np.int32))
     assert np.isnan(ours[-1])
 
+
+
+def test_lg_normal_is_logf_on_every_positive_normal_float():
+    """kl_div's ratio form takes logs of normal numbers with lg_normal, logf's steps without its
+    tests for other arguments: the same bits as logf on all 2^31 - 2^24 - 2^23 positive normal
+    floats."""
+    import cupy
+
+    from cupyloss import _source
+
+    module = cupy.RawModule(code=_source.expand("common.cuh") + _source.expand("losses.cuh")
+                            + _MATH, options=_source.OPTIONS)
+    misses = cupy.zeros(1, cupy.uint64)
+    first = cupy.full(1, 0xFFFFFFFF, cupy.uint32)
+    n = 0x7F800000 - 0x00800000
+    module.get_function("lg_normal_misses")((4096,), (256,), (np.int64(n), misses, first))
+    assert int(misses.get()[0]) == 0, (int(misses.get()[0]), hex(int(first.get()[0])))
 
 
 def _ulps(got, want):
