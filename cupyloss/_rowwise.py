@@ -63,9 +63,9 @@ SPECS = {
 }
 
 # cross_entropy_rows<T, MODE>'s variants: kernels/rowwise.cu's.
-MODE_FORWARD, MODE_GRAD, MODE_GENERAL, MODE_NLL, MODE_SMOOTH, MODE_PROB = _source.constants(
-    "rowwise.cu", "MODE_FORWARD", "MODE_GRAD", "MODE_GENERAL", "MODE_NLL", "MODE_SMOOTH",
-    "MODE_PROB")
+(MODE_FORWARD, MODE_GRAD, MODE_GENERAL, MODE_NLL, MODE_SMOOTH, MODE_PROB,
+ MODE_CAP) = _source.constants("rowwise.cu", "MODE_FORWARD", "MODE_GRAD", "MODE_GENERAL",
+                               "MODE_NLL", "MODE_SMOOTH", "MODE_PROB", "MODE_CAP")
 
 # The kernels' parameter lists, one word each, named as kernels/rowwise.cu names them.
 ROWS = _args.Layout(_source.kernel_words("rowwise.cu", "cross_entropy_rows"))
@@ -222,7 +222,9 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
 
     counters = 0
     if geo.contiguous_classes:
-        mode = (MODE_NLL if spec.kind == "nll" else MODE_GENERAL if softcap != 0.0
+        mode = (MODE_NLL if spec.kind == "nll"
+                else MODE_CAP if softcap != 0.0 and is_index and smoothing == 0.0
+                else MODE_GENERAL if softcap != 0.0
                 else MODE_PROB if not is_index else MODE_SMOOTH if smoothing != 0.0
                 else MODE_GRAD if want_g else MODE_FORWARD)
         if gtype is not None and mode not in _NARROW_MODES:

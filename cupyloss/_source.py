@@ -256,17 +256,19 @@ ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum
 # cross_entropy_rows's MODEs (_rowwise.MODE_*); the ones with a gradient held over a cluster's
 # blocks; the class-index gradients, which may be stored rounded to 16 bits.
 ROWWISE_MODES = constants("rowwise.cu", "MODE_FORWARD", "MODE_GRAD", "MODE_GENERAL", "MODE_NLL",
-                          "MODE_SMOOTH", "MODE_PROB")
+                          "MODE_SMOOTH", "MODE_PROB", "MODE_CAP")
 ROWWISE_CLUSTER_MODES = constants("rowwise.cu", "MODE_GRAD", "MODE_GENERAL", "MODE_SMOOTH",
-                                  "MODE_PROB")
-ROWWISE_NARROW_MODES = constants("rowwise.cu", "MODE_GRAD", "MODE_GENERAL", "MODE_SMOOTH")
+                                  "MODE_PROB", "MODE_CAP")
+ROWWISE_NARROW_MODES = constants("rowwise.cu", "MODE_GRAD", "MODE_GENERAL", "MODE_SMOOTH",
+                                 "MODE_CAP")
 
 
 def rowwise_name(kernel: str, ctype: str, mode: int = 2, cluster: int = 1,
                  gtype: str | None = None) -> str:
     """Name expression of a rowwise.cu kernel: cross_entropy_rows<ctype, mode> (0 the class-index
-    loss alone, 1 with its gradient, 2 anything with a softcap, 3 nll_loss, 4 class indices with
-    label smoothing, 5 probability targets), or with cluster > 1
+    loss alone, 1 with its gradient, 2 a softcap with label smoothing or probability targets,
+    3 nll_loss, 4 class indices with label smoothing, 5 probability targets, 6 class indices
+    with a softcap), or with cluster > 1
     cross_entropy_rows_cluster<ctype, mode, cluster> (a cluster of that many blocks a row), either
     with a last argument gtype when the gradient is stored as another type (float32 logits, a
     16-bit gradient); cross_entropy_slice_grad<ctype, gtype>; the others <ctype>."""

@@ -6,7 +6,7 @@
 //
 //   z_c = softcap * tanh(x_c / softcap) with a softcap, else x_c;   dz_c/dx_c = 1 - (z_c/softcap)^2
 //   (x_c / softcap and z_c / softcap taken as products with 1 / softcap, within an ulp of the
-//   quotients; tanh as tanh_bf)
+//   quotients; tanh as tanh_ap)
 //   M = max_c z_c,   S = sum_c exp(z_c - M),   lse = M + log S,   p_c = exp(z_c - lse)
 //
 // class-index target y (ignored when y == ignore_index: loss 0, gradient 0):
@@ -81,12 +81,13 @@ constexpr int ROW_EXCHANGE = 8 * ROW_FIELDS;  // scratch slot of a cluster's exc
                                               // 8 warps' states of team_merge): [2][ROW_FIELDS]
 // cross_entropy_rows variants (MODE), each holding only its own code, so each but the general one
 // compiles in about a second: the class-index loss alone (no gradient code, half the vectors a
-// tile, so twice the resident blocks), with its gradient, everything with a softcap (its tanh
-// in every element triples the compile time), nll_loss (one element a row read; no softmax),
-// class-index targets with label smoothing, and probability targets.
+// tile, so twice the resident blocks), with its gradient, a softcap with label smoothing or
+// probability targets (its tanh in every element triples the compile time), nll_loss (one
+// element a row read; no softmax), class-index targets with label smoothing, probability
+// targets, and class-index targets with a softcap (MODE_GRAD's loop and its tanh).
 enum : int {
     MODE_FORWARD = 0, MODE_GRAD = 1, MODE_GENERAL = 2, MODE_NLL = 3, MODE_SMOOTH = 4,
-    MODE_PROB = 5
+    MODE_PROB = 5, MODE_CAP = 6
 };
 
 
@@ -307,7 +308,7 @@ __device__ __forceinline__ RowArgs<A> row_args(long long flags, long long ignore
 
 template <typename A>
 __device__ __forceinline__ A zval_acc(A v, const RowArgs<A>& ra) {
-    return ra.cap > A(0) ? ra.cap * tanh_bf(v * ra.inv_cap) : v;
+    return ra.cap > A(0) ? ra.cap * tanh_ap(v * ra.inv_cap) : v;
 }
 template <typename T, typename A>
 __device__ __forceinline__ A zval(T raw, const RowArgs<A>& ra) {
@@ -463,18 +464,19 @@ __device__ __forceinline__ void prefetch_l2_span(const void* p, int vectors) {
 }
 
 // Add one 16-byte vector of a row (classes c0 .. c0 + VEC - 1) to the state: rebase on the
-// vector's max if it is new (softcap is increasing, so the max of z is the softcap of the max of
-// x), then add its terms.  tr: the row's probability targets (prob), read at the same classes.
+// vector's max if it is new, then add its terms.  tr: the row's probability targets (prob), read
+// at the same classes.
 template <typename T, typename A, int VEC>
 __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, int c0,
                                        const T* tr, bool t_vec, const T* __restrict__ weight,
                                        const RowArgs<A>& ra) {
-    A xa[VEC];
-    widen(xv, xa);
-    A vmax = xa[0];
+    A za[VEC];
+    widen(xv, za);
     #pragma unroll
-    for (int e = 1; e < VEC; ++e) vmax = amax(vmax, xa[e]);
-    const A zmax = zval_acc(vmax, ra);
+    for (int e = 0; e < VEC; ++e) za[e] = zval_acc(za[e], ra);
+    A zmax = za[0];
+    #pragma unroll
+    for (int e = 1; e < VEC; ++e) zmax = amax(zmax, za[e]);
     if (zmax > st.m) rebase(st, zmax);
     // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
     const A mref = st.m == neg_inf(A(0)) ? A(0) : st.m;
@@ -485,9 +487,8 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
         const bool none = st.m == neg_inf(A(0));
         #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-            const A z = zval_acc(xa[e], ra);
-            st.s += fexp_sum(z - mref);
-            st.a += none ? -neg_inf(A(0)) : st.m - z;
+            st.s += fexp_sum(za[e] - mref);
+            st.a += none ? -neg_inf(A(0)) : st.m - za[e];
         }
         st.b += A(VEC);
         return;
@@ -496,7 +497,7 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
     if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
     #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-        const A z = zval_acc(xa[e], ra);
+        const A z = za[e];
         st.s += fexp_sum(z - mref);
         if (ra.track) {
             const A u = elem_u<T, A>(weight, c0 + e, ra.prob ? to_acc(tv.v[e]) : A(0), ra);
@@ -560,7 +561,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, softcap, cols);
     // Constants from here on for every variant but the run-time options it exists for.
     if (MODE != MODE_GENERAL) {
-        ra.cap = A(0);
+        if (MODE != MODE_CAP) ra.cap = A(0);
         ra.prob = MODE == MODE_PROB;
         if (MODE != MODE_SMOOTH) ra.smooth = false;
         ra.track = ra.prob || ra.smooth;
@@ -754,12 +755,18 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 #pragma unroll
                 for (int e = 0; e < VEC; ++e) z[e] = zval_acc(z[e], ra);
                 probs(z, o.lse, p);
-                if (PLAIN && ye < 0) {
-                    // Not the target's vector: k p_c (+ dz p_c), grad_input's value without
-                    // its selects (k p - 0 is k p; without a z-loss nothing is added).
+                if ((PLAIN || MODE == MODE_CAP) && ye < 0) {
+                    // Not the target's vector: k p_c (+ dz p_c) (times dz_c/dx_c with a
+                    // softcap), grad_input's value without its selects (k p - 0 is k p; without
+                    // a z-loss nothing is added).
                     #pragma unroll
-                    for (int e = 0; e < VEC; ++e)
+                    for (int e = 0; e < VEC; ++e) {
                         gi[e] = o.g * (ra.zloss ? fma_rn(o.dz, p[e], o.k * p[e]) : o.k * p[e]);
+                        if (MODE == MODE_CAP) {
+                            const A q = z[e] * ra.inv_cap;
+                            gi[e] *= A(1) - q * q;
+                        }
+                    }
                 } else if (MODE == MODE_SMOOTH && weight == nullptr && ye < 0) {
                     // Label smoothing without class weights, not the target's vector: w_c = 1,
                     // no per-element loads or compares
@@ -793,8 +800,8 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
 
 // Resident blocks per SM: four for the forward and nll variants (64 registers), three with a
 // gradient (80: a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an
-// H100), two for the general, smoothing and probability ones.  Several blocks per SM overlap one
-// row's loads with another's stores.
+// H100), two for the general, smoothing, probability and softcap ones.  Several blocks per SM
+// overlap one row's loads with another's stores.
 #define CUPYLOSS_ROWS_BLOCKS(MODE) \
     (MODE == MODE_FORWARD || MODE == MODE_NLL ? 4 : MODE == MODE_GRAD ? 3 : 2)
 

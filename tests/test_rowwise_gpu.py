@@ -205,21 +205,25 @@ def test_z_loss_gradient_keeps_its_precision_when_softmax_cancels(reduction):
     np.testing.assert_allclose(to_host(gx), gx_want, rtol=4e-7, atol=0)
 
 
+# The plain class-index variant, label smoothing's, and the softcap's (MODE_CAP).
+OPTION_SETS = [{}, {"label_smoothing": 0.1}, {"softcap": 20.0}]
+
+
 @pytest.mark.parametrize("dtype, cols, rows", [
     (np.float32, 8193, 5),          # just past a block's registers: 2 blocks a row
     (np.float32, 20000, 7),         # 3 blocks a row, rows looping over fewer groups
     (BFLOAT16, 128256, 24),         # an LLM vocabulary: 8 blocks a row
     (np.float32, 2**21 + 5, 2),     # past every resident block's registers: streamed in tiles
 ])
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_long_rows_split_over_blocks(dtype, cols, rows, smoothing):
+@pytest.mark.parametrize("extra", OPTION_SETS)
+def test_long_rows_split_over_blocks(dtype, cols, rows, extra):
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(cols)
     x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
     tr = _targets(rng, rows, cols, 0.2)
     t = cp.asarray(tr)
-    opts = dict(label_smoothing=smoothing, lse_square_scale=1e-4)
+    opts = dict(lse_square_scale=1e-4, **extra)
     want = ref.cross_entropy(xr, tr, **opts)
     gx_want, _ = ref.cross_entropy_grads(xr, tr, grad_output=1.0, **opts)
     per_row = ref.cross_entropy(xr, tr, reduction="none", **opts)
@@ -230,7 +234,7 @@ def test_long_rows_split_over_blocks(dtype, cols, rows, smoothing):
                  "value")
     assert_close(to_host(gx), gx_want, dtype, None, "gradient")
     assert lse.dtype == np.float32 and lse.shape == (rows,)
-    assert_close(to_host(lse), ref.lse(xr), np.float32, None, "lse")
+    assert_close(to_host(lse), ref.lse(xr, extra.get("softcap", 0.0)), np.float32, None, "lse")
     # Bitwise reproducible: the blocks' states merge in a fixed order.
     value2, gx2 = cl.cross_entropy_value_and_grad(x, t, **opts)
     assert cp.array_equal(value, value2) and cp.array_equal(gx, gx2)
@@ -242,9 +246,8 @@ def test_long_rows_split_over_blocks(dtype, cols, rows, smoothing):
     (np.float16, 100003, 3),        # odd length: head and tail elements
     (np.float64, 30000, 5),         # double states
 ])
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, cols, rows,
-                                                         smoothing):
+@pytest.mark.parametrize("extra", OPTION_SETS)
+def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, cols, rows, extra):
     """The blocks sharing a row as a thread block cluster (sm_90) and as a cooperative launch
     merge their states in one order: bitwise the same value, gradient and lse."""
     cp = _cupy()
@@ -257,7 +260,7 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
     rng = np.random.default_rng(cols + rows)
     x, _ = _put(rng.standard_normal((rows, cols)) * 4, dtype)
     t = cp.asarray(_targets(rng, rows, cols, 0.2))
-    opts = dict(label_smoothing=smoothing, lse_square_scale=1e-4, return_lse=True)
+    opts = dict(lse_square_scale=1e-4, return_lse=True, **extra)
     got = {}
     for clusters in (True, False):
         monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_CLUSTERS": int(clusters)})
