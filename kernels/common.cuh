@@ -246,6 +246,45 @@ __device__ __forceinline__ float tanh_ap(float d) {
     return copysignf(z < 0.6f ? near0 : far, d);
 }
 __device__ __forceinline__ double tanh_ap(double d) { return tanh(d); }
+// tanh_ap of each of N values, bitwise: the polynomial for all, then the exponential's form
+// only if one of them has |d| >= 0.6 (or is NaN).  Logits capped at c below 0.6 c in magnitude,
+// most of a real model's, then cost the polynomial alone, about half of tanh_ap's instructions.
+template <int N>
+__device__ __forceinline__ void tanh_ap_each(float (&d)[N]) {
+    float t[N];
+    bool far = false;
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float z = absv(d[i]);
+        const float u = z * z;
+        float q = -5.984960590e-03f;
+        q = __fmaf_rn(q, u, 2.086814865e-02f);
+        q = __fmaf_rn(q, u, -5.380356684e-02f);
+        q = __fmaf_rn(q, u, 1.333213300e-01f);
+        q = __fmaf_rn(q, u, -3.333330452e-01f);
+        t[i] = __fmaf_rn(q, u * z, z);
+        far |= !(z < 0.6f);
+    }
+    if (far) {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const float z = absv(d[i]);
+            if (!(z < 0.6f)) {
+                float e, r;
+                asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -2.8853900817779268f));
+                asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+                t[i] = __fmaf_rn(-2.0f * e, r, 1.0f);
+            }
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < N; ++i) d[i] = copysignf(t[i], d[i]);
+}
+template <int N>
+__device__ __forceinline__ void tanh_ap_each(double (&d)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) d[i] = tanh(d[i]);
+}
 
 // A running sum that carries the rounding error of each addition into the next (Kahan's
 // compensated summation): n additions in sequence lose O(eps) instead of O(n eps) of the

@@ -314,6 +314,16 @@ template <typename T, typename A>
 __device__ __forceinline__ A zval(T raw, const RowArgs<A>& ra) {
     return zval_acc(to_acc(raw), ra);
 }
+// zval_acc of a vector's values, bitwise (tanh_ap_each).
+template <typename A, int VEC>
+__device__ __forceinline__ void zval_each(A (&v)[VEC], const RowArgs<A>& ra) {
+    if (!(ra.cap > A(0))) return;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) v[e] *= ra.inv_cap;
+    tanh_ap_each(v);
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) v[e] *= ra.cap;
+}
 
 // u_c: the weight of (lse - z_c) in the loss (w_c for smoothing, w_c t'_c for probabilities).
 template <typename T, typename A>
@@ -472,8 +482,7 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
                                        const RowArgs<A>& ra) {
     A za[VEC];
     widen(xv, za);
-    #pragma unroll
-    for (int e = 0; e < VEC; ++e) za[e] = zval_acc(za[e], ra);
+    zval_each(za, ra);
     A zmax = za[0];
     #pragma unroll
     for (int e = 1; e < VEC; ++e) zmax = amax(zmax, za[e]);
@@ -752,8 +761,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 const int ye = j == jy ? ey : -1;  // the target's place in this vector, or -1
                 A z[VEC], p[VEC], gi[VEC];
                 widen(xv[i], z);
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) z[e] = zval_acc(z[e], ra);
+                zval_each(z, ra);
                 probs(z, o.lse, p);
                 if ((PLAIN || MODE == MODE_CAP) && ye < 0) {
                     // Not the target's vector: k p_c (+ dz p_c) (times dz_c/dx_c with a
