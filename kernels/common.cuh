@@ -204,29 +204,33 @@ __device__ __forceinline__ float rcp_unit_rn(float v) {
     return __fmaf_rn(r, -__fmaf_rn(v, r, -1.0f), r);
 }
 __device__ __forceinline__ double rcp_unit_rn(double v) { return __drcp_rn(v); }
-// tanh d, branch-free in float: z + z^3 Q(z^2) for z = |d| < 0.6 (Q of degree 4 fitted to
-// (tanh z - z) / z^3 for relative error), else 1 - 2 e / (1 + e) with e = exp(-2 z); 1 + e is
-// in [1, 2], so its reciprocal is rcp_unit_rn's.  tanhf branches on |d|, which keeps its work
-// apart from the rest of a loop (log_cosh's value shares e with it; a softcapped logit's
-// exponential follows it).  Against float64 over 12M d (H100): at most 1.69 ulp, mean signed
-// error within 0.013 ulp in each set (tanhf: 1.81 ulp, and +0.60 ulp on average for d near
-// 0.5; the runs: docs/tuning.md, "The functors' code").  Double: tanh.
-__device__ __forceinline__ float tanh_bf(float d) {
-    const float z = absv(d);
-    const float e = expf(-2.0f * z);
+// tanh z for 0 <= z < 0.6: z + z^3 Q(z^2), Q of degree 4 fitted to (tanh z - z) / z^3 for
+// relative error.
+__device__ __forceinline__ float tanh_poly(float z) {
     const float u = z * z;
     float q = -5.984960590e-03f;
     q = __fmaf_rn(q, u, 2.086814865e-02f);
     q = __fmaf_rn(q, u, -5.380356684e-02f);
     q = __fmaf_rn(q, u, 1.333213300e-01f);
     q = __fmaf_rn(q, u, -3.333330452e-01f);
-    const float near0 = __fmaf_rn(q, u * z, z);
+    return __fmaf_rn(q, u * z, z);
+}
+// tanh d, branch-free in float: tanh_poly for z = |d| < 0.6, else 1 - 2 e / (1 + e) with
+// e = exp(-2 z); 1 + e is in [1, 2], so its reciprocal is rcp_unit_rn's.  tanhf branches on |d|,
+// which keeps its work apart from the rest of a loop (log_cosh's value shares e with it).
+// Against float64 over 12M d (H100): at most 1.69 ulp, mean signed error within 0.013 ulp in each
+// set (tanhf: 1.81 ulp, and +0.60 ulp on average for d near 0.5; the runs: docs/tuning.md, "The
+// functors' code").  Double: tanh.
+__device__ __forceinline__ float tanh_bf(float d) {
+    const float z = absv(d);
+    const float e = expf(-2.0f * z);
+    const float near0 = tanh_poly(z);
     const float far = __fmaf_rn(-2.0f * e, rcp_unit_rn(1.0f + e), 1.0f);
     return copysignf(z < 0.6f ? near0 : far, d);
 }
 __device__ __forceinline__ double tanh_bf(double d) { return tanh(d); }
-// tanh_bf with e^(-2z) from the ex2 unit (ex2.approx of -2 z log2 e) and 1 / (1 + e) from
-// the approximate reciprocal: nine instructions fewer than expf and rcp_unit_rn, at most 1.81 ulp
+// tanh_bf with e^(-2z) from the ex2 unit (ex2.approx of -2 z log2 e) and 1 / (1 + e) from the
+// approximate reciprocal: nine instructions fewer than expf and rcp_unit_rn, at most 1.81 ulp
 // against float64 (tanhf: 1.81) and +0.07 ulp on average for d in (0.45, 0.75) (tanhf +0.18,
 // tanh_bf 0.01; H200, tests/test_common_gpu.py).  The softcap's tanh, twice in every logit of
 // cross entropy, where it bounds the kernel by instructions.  Double: tanh.
@@ -235,13 +239,7 @@ __device__ __forceinline__ float tanh_ap(float d) {
     float e, r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -2.8853900817779268f));
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-    const float u = z * z;
-    float q = -5.984960590e-03f;
-    q = __fmaf_rn(q, u, 2.086814865e-02f);
-    q = __fmaf_rn(q, u, -5.380356684e-02f);
-    q = __fmaf_rn(q, u, 1.333213300e-01f);
-    q = __fmaf_rn(q, u, -3.333330452e-01f);
-    const float near0 = __fmaf_rn(q, u * z, z);
+    const float near0 = tanh_poly(z);
     const float far = __fmaf_rn(-2.0f * e, r, 1.0f);
     return copysignf(z < 0.6f ? near0 : far, d);
 }
@@ -256,13 +254,7 @@ __device__ __forceinline__ void tanh_ap_each(float (&d)[N]) {
     #pragma unroll
     for (int i = 0; i < N; ++i) {
         const float z = absv(d[i]);
-        const float u = z * z;
-        float q = -5.984960590e-03f;
-        q = __fmaf_rn(q, u, 2.086814865e-02f);
-        q = __fmaf_rn(q, u, -5.380356684e-02f);
-        q = __fmaf_rn(q, u, 1.333213300e-01f);
-        q = __fmaf_rn(q, u, -3.333330452e-01f);
-        t[i] = __fmaf_rn(q, u * z, z);
+        t[i] = tanh_poly(z);
         far |= !(z < 0.6f);
     }
     if (far) {

@@ -132,18 +132,23 @@ def _ulps(got, want):
     return (got.astype(np.float64) - want) / spacing
 
 
+def _tanh_arguments(seed):
+    """float32 d on both sides of the tanh helpers' switch at 0.6, near 0 and far out."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([
+        rng.uniform(-3, 3, 2_000_000), rng.uniform(0.45, 0.75, 1_000_000),
+        rng.uniform(-12, 12, 500_000),
+        np.exp(rng.uniform(np.log(1e-37), np.log(20), 1_000_000)) * rng.choice([-1, 1], 1_000_000),
+    ]).astype(np.float32)
+
+
 def test_branch_free_tanh_is_within_two_ulps_and_unbiased():
     """The branch-free tanh of log_cosh_loss and the softcap (tanh_bf) against float64 on both
     sides of its switch at 0.6, near 0 and far out: within 2 ulp (tanhf: 1.8 in the same sets) and
     unbiased (mean signed error under 0.02 ulp for |d| in (0.45, 0.55), where tanhf's is
     +0.6).  (The test kernel is built by RawModule, which flushes subnormals; the edge values
     of the next test go through the loss's own kernels, which keep them.)"""
-    rng = np.random.default_rng(11)
-    d = np.concatenate([
-        rng.uniform(-3, 3, 2_000_000), rng.uniform(0.45, 0.75, 1_000_000),
-        rng.uniform(-12, 12, 500_000),
-        np.exp(rng.uniform(np.log(1e-37), np.log(20), 1_000_000)) * rng.choice([-1, 1], 1_000_000),
-    ]).astype(np.float32)
+    d = _tanh_arguments(11)
     ours, theirs = _math("tanh_pairs", d)
     want = np.tanh(d.astype(np.float64))
     err, err_tanhf = _ulps(ours, want), _ulps(theirs, want)
@@ -157,12 +162,7 @@ def test_softcap_tanh_is_within_two_ulps_as_tanhf():
     against float64: within 2 ulp everywhere, and leaning less than tanhf near its switch
     (mean signed error under 0.1 ulp for |d| in (0.45, 0.75), where tanhf's is about +0.18);
     tanh(+-0) = +-0, tanh(+-inf) = +-1, NaN stays NaN, a tiny d is d."""
-    rng = np.random.default_rng(12)
-    d = np.concatenate([
-        rng.uniform(-3, 3, 2_000_000), rng.uniform(0.45, 0.75, 1_000_000),
-        rng.uniform(-12, 12, 500_000),
-        np.exp(rng.uniform(np.log(1e-37), np.log(20), 1_000_000)) * rng.choice([-1, 1], 1_000_000),
-    ]).astype(np.float32)
+    d = _tanh_arguments(12)
     ours, _ = _math("tanh_ap_pairs", d)
     err = _ulps(ours, np.tanh(d.astype(np.float64)))
     assert np.abs(err).max() <= 2.0, (np.abs(err).max(), d[np.argmax(np.abs(err))])
