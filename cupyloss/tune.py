@@ -8,9 +8,10 @@ time, in the table's order: each candidate value is set for this GPU in this pro
 kernels it changes compiled (all of a knob's candidates at once, in a process a core: the
 kernels recorded from one call of each workload), and the workloads that run those kernels
 timed (device time, cupyloss._timing, medians of --reps; a knob's workloads are made once, after
-the previous knob's are freed and the device has settled, and kept over its candidates).  A candidate takes a knob's place
-only where its mean time ratio to the value in force beats 1 - --margin (default 2%, about the
-spread of one run); the knobs after it are tried with it.
+the previous knob's are freed and the device has settled, and kept over its candidates).  A
+candidate takes a knob's place only where its mean time ratio to the value in force beats
+1 - --margin (default 2%, about the spread of one run), or where one workload's does and none
+is slower by a quarter of the margin; the knobs after it are tried with it.
 
 Workloads (value_and_grad unless marked; float32 unless marked), each tagged with the kernels
 it runs:
@@ -81,14 +82,19 @@ def tags(knob: str) -> set[str]:
 
 def choose(current: int, times: dict[int, dict[str, float]], margin: float) -> int:
     """The value to keep from `times` ({value: {workload: ms}}, the current value among them):
-    the one with the least mean ratio of its time to the current value's over the workloads,
-    where that mean is below 1 - margin; else `current`."""
+    of the values whose mean ratio of time to the current value's over the workloads is below
+    1 - margin, or that take one workload below 1 - margin and none above 1 + margin / 4 (a gain
+    only one workload can show, the others unharmed), the one with the least mean ratio; else
+    `current`."""
     base = times[current]
-    best, best_ratio = current, 1.0 - margin
+    best, best_ratio = current, 1.0
     for v, row in times.items():
-        ratio = statistics.fmean(row[w] / base[w] for w in base)
-        if ratio < best_ratio:
-            best, best_ratio = v, ratio
+        ratios = [row[w] / base[w] for w in base]
+        mean = statistics.fmean(ratios)
+        gains = mean < 1.0 - margin or (min(ratios) < 1.0 - margin and
+                                        max(ratios) < 1.0 + margin / 4)
+        if v != current and gains and mean < best_ratio:
+            best, best_ratio = v, mean
     return best
 
 
