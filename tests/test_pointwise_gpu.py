@@ -199,21 +199,26 @@ def _grad_scales(case, host, dtype, reduction, grad_output, grads):
     accumulator's rounding of that sum, over the dtype's relative tolerance.
     """
     scales = dict.fromkeys(grads)
+    views = {k: np.shape(v) for k, v in host.items()}
+    if case.name == "gaussian_nll_loss" and "var" in views:  # var's own rule, then broadcasting
+        views["var"] = reference.gaussian_var_shape(views["input"], views["var"])
     try:
-        expanded = dict(zip(host, np.broadcast_arrays(*host.values())))
-    except ValueError:  # operands that do not broadcast together (gaussian var's own rule)
+        expanded = dict(zip(host, np.broadcast_arrays(
+            *(np.reshape(v, views[k]) for k, v in host.items()))))
+    except ValueError:  # operands that do not broadcast together
         return scales
     full = _ref(case, {k: np.ascontiguousarray(v) for k, v in expanded.items()}, reduction,
                 grad_output)
     acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     unit = SUM_ULPS * np.finfo(acc).eps / 2 / RTOL[np.dtype(dtype)]
     for arg, ref in grads.items():
-        g = np.abs(np.asarray(full[arg], np.float64))
-        if g.shape == ref.shape:
+        g = np.abs(np.asarray(full[arg], np.float64)).reshape(expanded[arg].shape)
+        view = views[arg]
+        if g.shape == view:
             continue
-        lead = g.ndim - ref.ndim
+        lead = g.ndim - len(view)
         axes = tuple(range(lead)) + tuple(
-            lead + i for i, n in enumerate(ref.shape) if n == 1 and g.shape[lead + i] != 1)
+            lead + i for i, n in enumerate(view) if n == 1 and g.shape[lead + i] != 1)
         r = np.abs(np.asarray(ref, np.float64))
         mean = np.mean(r[np.isfinite(r)]) if np.isfinite(r).any() else 0.0
         scales[arg] = np.maximum(mean, unit * np.nansum(g, axis=axes).reshape(ref.shape))
