@@ -454,7 +454,10 @@ ROW_MAX_COLS = 2**31 - 1    # classes a row may have (in-row indices are 32-bit)
 # exchange their row states through distributed shared memory with one cluster barrier a row,
 # instead of through global memory and a counter each waits on; bitwise the same results.
 # Without a gradient nothing is held, and a team of ROW_FORWARD_TEAM threads a row reads fastest
-# when there are rows for a quarter of the resident teams at least.
+# when there are rows for a quarter of the resident teams at least.  With a gradient and a row
+# one block holds, ROW_GRAD_TILES tiles a thread: a team 1 / ROW_GRAD_TILES the size (a warp at
+# least) keeps one tile in registers and reads the others again from L2, which spreads a row's
+# fixed cost (its target, merges and barriers) over more elements a thread.
 # The cluster sizes compiled (only pairs: clusters of 4 are resident too few at once).
 ROW_CLUSTER_SIZES = (2,)
 
@@ -478,12 +481,15 @@ class RowLaunch:
         return self.k > 1 and not self.cluster
 
 
-def row_team(cols: int, itemsize: int) -> tuple[int, int]:
-    """(threads per row, blocks per row) that hold a row of `cols` elements in registers."""
+def row_team(cols: int, itemsize: int, tiles: int = 1) -> tuple[int, int]:
+    """(threads per row, blocks per row) that hold a row of `cols` elements in registers; with
+    tiles > 1, where one block holds the row, the smallest team (a warp at least, or the holding
+    team where that is smaller) that takes it in `tiles` tiles a thread."""
     vectors = max(1, cols // (16 // itemsize))
     for tpr in ROW_TEAMS:
         if tpr * ROW_VECS >= vectors:
-            return tpr, 1
+            taken = next(t for t in ROW_TEAMS if t * ROW_VECS * tiles >= vectors)
+            return max(taken, min(tpr, WARP)), 1
     return BLOCK, _cdiv(vectors, BLOCK * ROW_VECS)
 
 
@@ -520,7 +526,9 @@ def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: boo
     """
     if cols > ROW_MAX_COLS:
         raise ValueError(f"rows of {cols} classes exceed the {ROW_MAX_COLS} a row may have")
-    tpr, k = (ROW_TEAMS[0], 1) if light and not grad else row_team(cols, itemsize)
+    knob = _tuning.values(limits.gpu)
+    tiles = knob["ROW_GRAD_TILES"] if grad and not light else 1
+    tpr, k = (ROW_TEAMS[0], 1) if light and not grad else row_team(cols, itemsize, tiles)
     if light:
         k = 1   # no row state: a team of a block writes a gradient row of any length
     stash = 0
@@ -530,7 +538,6 @@ def row_launch(rows: int, cols: int, itemsize: int, acc_itemsize: int, grad: boo
                           "cross_entropy_rows", optin=True)
     # A row split over a cluster's blocks runs the cluster kernel: its occupancy is asked, so a
     # call compiles only the kernel it launches.
-    knob = _tuning.values(limits.gpu)
     cluster = (grad and k > 1 and limits.clusters and bool(knob["ROW_CLUSTERS"])
                and k in ROW_CLUSTER_SIZES)
     resident = max(1, limits.sm_count * occupancy(shared, k if cluster else 1))

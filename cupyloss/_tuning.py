@@ -106,6 +106,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "cross_entropy_rows with a gradient: tiles a block keeps in shared memory at most"),
     Knob("ROW_CLUSTERS", 1, False, (0, 1),
          "cross_entropy_rows: a row's blocks as a thread block cluster where k is a cluster size"),
+    Knob("ROW_GRAD_TILES", 1, False, (1, 2),
+         "cross_entropy_rows with a gradient, a row one block holds: tiles a thread takes (one "
+         "kept in registers, the others read again)"),
     Knob("ROW_FORWARD_TEAM", 32, False, (16, 32, 64, 128),
          "cross_entropy_rows without a gradient, rowclass_rows: threads a row where rows are "
          "plenty"),

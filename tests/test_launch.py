@@ -529,6 +529,22 @@ def test_row_team_holds_the_row_with_the_smallest_team(itemsize, cols):
         assert tpr == BLOCK and (k - 1) * BLOCK * _launch.ROW_VECS < vectors
 
 
+@pytest.mark.parametrize("itemsize", ITEMSIZES)
+@pytest.mark.parametrize("cols", [1, 7, 64, 255, 1000, 2048, 4096, 8191, 8192, 16384, 16385,
+                                  128256])
+def test_row_team_in_two_tiles_halves_teams_past_a_warp(itemsize, cols):
+    # Two tiles a thread: a team past a warp that holds the row becomes half as large, and still
+    # covers the row in two tiles; a warp or less, or a row past a block, keeps its team.
+    vectors = max(1, cols // (16 // itemsize))
+    held, k = _launch.row_team(cols, itemsize)
+    tpr, k2 = _launch.row_team(cols, itemsize, 2)
+    assert k2 == k and tpr in _launch.ROW_TEAMS
+    if k > 1 or held <= 32:
+        assert tpr == held
+    else:
+        assert tpr == held // 2 >= 32 and 2 * tpr * _launch.ROW_VECS >= vectors
+
+
 # An H100 whose kernels may opt in to 227 KiB of shared memory a block.
 H100_OPTIN = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
                           max_shared_per_block=49152, max_shared_optin=232448)
@@ -575,7 +591,8 @@ def test_row_launch_stays_within_resident_blocks(rows, cols, itemsize, grad, per
     assert asked == [(cfg.shared, cfg.k if cfg.cluster else 1)]
     assert cfg.shared == _launch.ROW_SCRATCH * 4 + cfg.stash * 16 * BLOCK * _launch.ROW_VECS
     assert cfg.shared <= _launch.shared_limit(limits, True)
-    tpr, k = _launch.row_team(cols, itemsize)
+    tpr, k = _launch.row_team(cols, itemsize,
+                              _tuning.value("ROW_GRAD_TILES", limits.gpu) if grad else 1)
     if grad and k > 1:
         # A gradient holds its row on chip whatever rows is, over the blocks row_hold gives.
         assert (cfg.k, cfg.stash) == (min(_launch.row_hold(cols, itemsize, 4, limits)[0],
@@ -632,6 +649,15 @@ def test_row_launch_light_rows_and_limits(monkeypatch):
     # A 32000-class bfloat16 row fits one block with a tile of shared memory: no cooperation.
     mid = _launch.row_launch(8192, 32000, 2, 4, True, False, H100_OPTIN, per_sm(3))
     assert (mid.k, mid.stash, mid.cooperative) == (1, 1, False)
+    # Two tiles a thread (ROW_GRAD_TILES): KernelBench 95's gradient on 64 threads a row; its
+    # forward, nll_loss's gradient and the rows past a block as before.
+    monkeypatch.setitem(_tuning._OVERRIDES, "", {"ROW_GRAD_TILES": 2})
+    assert _launch.row_launch(32768, 4096, 4, 4, True, False, H100, per_sm(3)).tpr == 64
+    assert _launch.row_launch(32768, 4096, 4, 4, False, False, H100, per_sm(4)).tpr == 32
+    assert (_launch.row_launch(1000, 4096, 4, 4, True, True, H100, per_sm(3)).tpr
+            == _launch.row_team(4096, 4)[0])
+    mid = _launch.row_launch(8192, 32000, 2, 4, True, False, H100_OPTIN, per_sm(3))
+    assert (mid.tpr, mid.k, mid.stash) == (BLOCK, 1, 1)
     with pytest.raises(ValueError, match="2147483648 classes"):
         _launch.row_launch(1, 2**31, 2, 4, True, False, H100, per_sm(2))
     small = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,

@@ -241,6 +241,57 @@ def test_long_rows_split_over_blocks(dtype, cols, rows, extra):
 
 
 @pytest.mark.parametrize("dtype, cols, rows", [
+    (np.float32, 4096, 300),        # 128 threads hold a row; 64 take it in two tiles
+    (BFLOAT16, 16384, 40),          # a block holds it; 128 threads take it
+    (np.float16, 2049 * 8 + 3, 9),  # odd length past a block's registers: unchanged (k > 1)
+    (np.float32, 1000, 70),         # a warp holds it: unchanged
+    (np.float64, 3001, 33),         # head, tail and double states
+])
+@pytest.mark.parametrize("extra", OPTION_SETS + [{"weights": True}, {"prob": True}])
+def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, extra):
+    """ROW_GRAD_TILES 2: a gradient's team half the holding one (a warp at least) keeps one tile
+    in registers and reads the other again; value, gradient and lse against float64, the
+    gradient written into the logits bitwise the same as into a new array."""
+    cp = _cupy()
+    cl = _cl()
+    from cupyloss import _launch, _rowwise, _tuning
+
+    limits = _launch.device_limits(cp.cuda.Device().id)
+    monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_GRAD_TILES": 2})
+    monkeypatch.setattr(_rowwise, "_PLANS", {})
+    rng = np.random.default_rng(cols + rows)
+    x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
+    opts = {k: v for k, v in extra.items() if k not in ("weights", "prob")}
+    w = wr = None
+    if extra.get("weights"):
+        w, wr = _put(rng.uniform(0.2, 2.0, cols), dtype)
+    if extra.get("prob"):
+        p = rng.random((rows, cols))
+        t, tr = _put(p / p.sum(axis=1, keepdims=True), dtype)
+        count = rows
+    else:
+        tr = _targets(rng, rows, cols, 0.2)
+        t = cp.asarray(tr)
+        count = np.sum([wr[y] if wr is not None else 1 for y in tr if y != -100])
+    want = ref.cross_entropy(xr, tr, wr, **opts)
+    per_row = ref.cross_entropy(xr, tr, wr, reduction="none", **opts)
+    gx_want, _ = ref.cross_entropy_grads(xr, tr, wr, grad_output=1.0, **opts)
+    value, gx, lse = cl.cross_entropy_value_and_grad(x, t, w, return_lse=True, **opts)
+    held, k = _launch.row_team(cols, np.dtype(dtype).itemsize)
+    (plan,) = _rowwise._PLANS.values()
+    tpr = plan.main.words[plan.main.slot["tpr"]]
+    assert tpr == (held if k > 1 or held <= 32 else held // 2)
+    assert_close(to_host(value), want, dtype,
+                 _value_scale(_terms(xr, per_row, wr, opts), "mean", count), "value")
+    assert_close(to_host(gx), gx_want, dtype, None, "gradient")
+    assert_close(to_host(lse), ref.lse(xr, opts.get("softcap", 0.0)), np.float32, None, "lse")
+    if not extra.get("prob"):
+        xin = x.copy()
+        value2, gx2 = cl.cross_entropy_value_and_grad(xin, t, w, inplace=True, **opts)
+        assert gx2 is xin and cp.array_equal(gx2, gx) and cp.array_equal(value2, value)
+
+
+@pytest.mark.parametrize("dtype, cols, rows", [
     (np.float32, 40000, 300),       # 2 blocks a row, more rows than resident groups
     (BFLOAT16, 128256, 24),         # an LLM vocabulary: 2 blocks a row with 3 tiles each
     (np.float16, 100003, 3),        # odd length: head and tail elements
