@@ -434,14 +434,16 @@ __device__ __forceinline__ A grad_input(A p, A z, bool at_y, A tv, A w, const Ro
 // p_c = e^(z_c - lse) of a vector's classes, bitwise as fexp gives them: the ex2 unit without
 // exp2f's subnormal handling when no result can be subnormal (every scaled argument >= -126, as
 // for any row whose logits span less than 87), else fexp.  Saves three instructions of about 16
-// an element of the bfloat16 gradient.
-template <int VEC>
+// an element of the bfloat16 gradient.  FUSED (16-bit logits): the argument as fexp_sum_from's,
+// z log2 e - lse log2 e in one instruction (one less an element).
+template <bool FUSED, int VEC>
 __device__ __forceinline__ void probs(const float (&z)[VEC], float lse, float (&p)[VEC]) {
     float v[VEC];
     float lo = 0.0f;
+    const float nl = -lse * 1.4426950408889634f;
     #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-        v[e] = (z[e] - lse) * 1.4426950408889634f;
+        v[e] = FUSED ? fmaf(z[e], 1.4426950408889634f, nl) : (z[e] - lse) * 1.4426950408889634f;
         lo = fminf(lo, v[e]);  // a NaN argument is passed over: ex2 gives NaN either way
     }
     if (lo >= -126.0f) {
@@ -452,7 +454,7 @@ __device__ __forceinline__ void probs(const float (&z)[VEC], float lse, float (&
         for (int e = 0; e < VEC; ++e) p[e] = exp2f(v[e]);
     }
 }
-template <int VEC>
+template <bool FUSED, int VEC>
 __device__ __forceinline__ void probs(const double (&z)[VEC], double lse, double (&p)[VEC]) {
     #pragma unroll
     for (int e = 0; e < VEC; ++e) p[e] = fexp(z[e] - lse);
@@ -489,6 +491,12 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
     if (zmax > st.m) rebase(st, zmax);
     // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
     const A mref = st.m == neg_inf(A(0)) ? A(0) : st.m;
+    // The sum term e^(z - mref): fused for 16-bit logits (fexp_sum_from).
+    const A nm = -mref * A(1.4426950408889634);
+    auto term = [&](A z) {
+        if constexpr (sizeof(T) == 2) return fexp_sum_from(z, nm);
+        else return fexp_sum(z - mref);
+    };
     if (ra.track && !ra.prob && weight == nullptr) {
         // u_c = 1 (label smoothing without class weights): the terms below with u = 1, bitwise,
         // in two instructions an element instead of five; m - z is dist_to's value wherever m
@@ -496,7 +504,7 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
         const bool none = st.m == neg_inf(A(0));
         #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-            st.s += fexp_sum(za[e] - mref);
+            st.s += term(za[e]);
             st.a += none ? -neg_inf(A(0)) : st.m - za[e];
         }
         st.b += A(VEC);
@@ -507,7 +515,7 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
     #pragma unroll
     for (int e = 0; e < VEC; ++e) {
         const A z = za[e];
-        st.s += fexp_sum(z - mref);
+        st.s += term(z);
         if (ra.track) {
             const A u = elem_u<T, A>(weight, c0 + e, ra.prob ? to_acc(tv.v[e]) : A(0), ra);
             st.a += u * dist_to(st.m, z);
@@ -693,6 +701,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         if (!want_g || !active) continue;
 
         o.g = go_rows ? read_io(go, r * go_rs, acc_io) * A(grad_scale) : g_all;
+        const A gk = o.g * o.k;   // a non-target element's g k p_c: one multiply an element
         G* gr = gx != nullptr ? gx + r * g_rs : nullptr;
         T* gtr = gt != nullptr ? gt + r * cols : nullptr;
         const bool g_vec = gr != nullptr &&
@@ -762,14 +771,14 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 A z[VEC], p[VEC], gi[VEC];
                 widen(xv[i], z);
                 zval_each(z, ra);
-                probs(z, o.lse, p);
+                probs<sizeof(T) == 2>(z, o.lse, p);
                 if ((PLAIN || MODE == MODE_CAP) && ye < 0) {
-                    // Not the target's vector: k p_c (+ dz p_c) (times dz_c/dx_c with a
-                    // softcap), grad_input's value without its selects (k p - 0 is k p; without
-                    // a z-loss nothing is added).
+                    // Not the target's vector: g k p_c (g (k p_c + dz p_c) with a z-loss;
+                    // times dz_c/dx_c with a softcap), grad_input's value without its selects
+                    // (k p - 0 is k p), g k formed once a row.
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
-                        gi[e] = o.g * (ra.zloss ? fma_rn(o.dz, p[e], o.k * p[e]) : o.k * p[e]);
+                        gi[e] = ra.zloss ? o.g * fma_rn(o.dz, p[e], o.k * p[e]) : gk * p[e];
                         if (MODE == MODE_CAP) {
                             const A q = z[e] * ra.inv_cap;
                             gi[e] *= A(1) - q * q;
