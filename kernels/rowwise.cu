@@ -121,14 +121,25 @@ __device__ __forceinline__ A exp_from(A z, A m) {
 template <typename A>
 __device__ __forceinline__ A dist_to(A m, A z) { return z == neg_inf(A(0)) ? -neg_inf(A(0)) : m - z; }
 
-template <typename A>
+// TRACK false, for a variant whose a and b stay 0 (no per-class terms) and whose z_y is held by
+// the row's first thread alone: only m and s merge, and a, b and t are x's.  Every merge of such
+// a variant takes the first thread's state as x (team_merge, group_merge and cluster_merge merge
+// in thread and member order), so t reaches the thread that forms the loss; where t may sit in
+// any state (slices of a row), TRACK stays true.
+template <bool TRACK = true, typename A>
 __device__ __forceinline__ RowStat<A> merge(const RowStat<A>& x, const RowStat<A>& o) {
     RowStat<A> r;
     r.m = amax(x.m, o.m);
     r.s = rescaled(x.s, x.m, r.m) + rescaled(o.s, o.m, r.m);
-    r.a = (x.a + shifted(x.b, x.m, r.m)) + (o.a + shifted(o.b, o.m, r.m));
-    r.b = x.b + o.b;
-    r.t = x.t + o.t;
+    if constexpr (TRACK) {
+        r.a = (x.a + shifted(x.b, x.m, r.m)) + (o.a + shifted(o.b, o.m, r.m));
+        r.b = x.b + o.b;
+        r.t = x.t + o.t;
+    } else {
+        r.a = x.a;
+        r.b = x.b;
+        r.t = x.t;
+    }
     return r;
 }
 
@@ -150,8 +161,12 @@ __device__ __forceinline__ void push(RowStat<A>& st, A z, A u, bool track) {
     }
 }
 
-template <typename A>
+// The state of lane ^ o (TRACK false: its m and s, what merge<false> reads of it).
+template <bool TRACK = true, typename A>
 __device__ __forceinline__ RowStat<A> shfl_xor(const RowStat<A>& v, int o) {
+    if constexpr (!TRACK)
+        return {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o),
+                A(0), A(0), A(0)};
     return {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o),
             __shfl_xor_sync(0xffffffffu, v.a, o), __shfl_xor_sync(0xffffffffu, v.b, o),
             __shfl_xor_sync(0xffffffffu, v.t, o)};
@@ -175,10 +190,10 @@ __device__ __forceinline__ RowStat<A> load_stat_cg(const A* p) {  // written by 
 // The merged state of each team of tpr consecutive threads, in every thread of the team.  Every
 // thread of the block calls it.  Within a warp a fixed butterfly; across the warps of a team the
 // warps' states in warp order.  scratch: [8 warps][ROW_FIELDS].
-template <typename A>
+template <bool TRACK = true, typename A>
 __device__ __forceinline__ RowStat<A> team_merge(RowStat<A> v, int tpr, A* scratch) {
     const int width = tpr < 32 ? tpr : 32;
-    for (int o = width >> 1; o > 0; o >>= 1) v = merge(v, shfl_xor(v, o));
+    for (int o = width >> 1; o > 0; o >>= 1) v = merge<TRACK>(v, shfl_xor<TRACK>(v, o));
     if (tpr <= 32) {
         __syncwarp();  // the team's loads of this row precede any lane's stores (in-place)
         return v;
@@ -191,7 +206,7 @@ __device__ __forceinline__ RowStat<A> team_merge(RowStat<A> v, int tpr, A* scrat
     const int first = warp / per_team * per_team;
     RowStat<A> r = load_stat(scratch + first * ROW_FIELDS);
     for (int w = first + 1; w < first + per_team; ++w)
-        r = merge(r, load_stat(scratch + w * ROW_FIELDS));
+        r = merge<TRACK>(r, load_stat(scratch + w * ROW_FIELDS));
     return r;
 }
 
@@ -200,7 +215,7 @@ __device__ __forceinline__ RowStat<A> team_merge(RowStat<A> v, int tpr, A* scrat
 // waits until all k have, then every block merges the k states in member order: the same result
 // in every block.  exchange is double-buffered by row parity: a block can be at most one row ahead
 // of the slowest, so the buffer it writes was read by all.  `it` counts this group's rows.
-template <typename A>
+template <bool TRACK = true, typename A>
 __device__ __forceinline__ RowStat<A> group_merge(const RowStat<A>& v, A* exchange,
                                                   unsigned int* counter, int k, int member,
                                                   long long it) {
@@ -215,7 +230,7 @@ __device__ __forceinline__ RowStat<A> group_merge(const RowStat<A>& v, A* exchan
     }
     __syncthreads();
     RowStat<A> r = load_stat_cg(slot);
-    for (int j = 1; j < k; ++j) r = merge(r, load_stat_cg(slot + j * ROW_FIELDS));
+    for (int j = 1; j < k; ++j) r = merge<TRACK>(r, load_stat_cg(slot + j * ROW_FIELDS));
     return r;
 }
 
@@ -260,7 +275,7 @@ __device__ __forceinline__ A load_cluster(const A* p, unsigned int rank) {
 // cluster synchronises once, and every block merges the KC states in rank order, as group_merge
 // does (so both give bitwise the same state).  A block writes slot parity again only after the
 // next row's barrier, which every block passes only once it has read this row's states.
-template <typename A, int KC>
+template <typename A, int KC, bool TRACK = true>
 __device__ __forceinline__ RowStat<A> cluster_merge(const RowStat<A>& v, A* exchange,
                                                     long long it) {
     A* slot = exchange + (it & 1) * ROW_FIELDS;
@@ -272,7 +287,7 @@ __device__ __forceinline__ RowStat<A> cluster_merge(const RowStat<A>& v, A* exch
     };
     RowStat<A> r = state(0);
     #pragma unroll
-    for (int j = 1; j < KC; ++j) r = merge(r, state(j));
+    for (int j = 1; j < KC; ++j) r = merge<TRACK>(r, state(j));
     return r;
 }
 
@@ -568,6 +583,8 @@ template <typename T, int MODE, int KC, typename G>
 __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     using A = acc_t<T>;
     constexpr bool PLAIN = MODE == MODE_FORWARD || MODE == MODE_GRAD;  // no per-class terms
+    // a and b stay 0 and z_y sits in the row's first thread: merges of m and s alone (merge)
+    constexpr bool TRACK = !(PLAIN || MODE == MODE_NLL || MODE == MODE_CAP);
     constexpr int VEC = 16 / sizeof(T);
     constexpr int NV = MODE == MODE_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile a thread
     extern __shared__ unsigned char smem_raw[];
@@ -603,6 +620,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     const long long unit = kk > 1 ? blockIdx.x / kk : blockIdx.x;
     const long long units = kk > 1 ? gridDim.x / kk : gridDim.x;
     const int span = t * NV;  // vectors of a tile
+    const int span_log2 = __ffs(span) - 1;  // span is a power of two: a row's tiles by a shift
     const long long step = (long long)t * VEC;  // elements from a thread's vector to its next
     A lacc = A(0), wacc = A(0);
 
@@ -622,10 +640,10 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         const int h = mis ? min(ncols, VEC - mis) : 0;
         const int nv = (ncols - h) / VEC;
         const int tail = ncols - h - nv * VEC;
-        const int cv = (nv + kk - 1) / kk;
+        const int cv = kk == 1 ? nv : (nv + kk - 1) / kk;  // no division a row where k == 1
         const int v0 = min(nv, member * cv);
         const int v1 = min(nv, v0 + cv);
-        const int ntiles = (v1 - v0 + span - 1) / span;
+        const int ntiles = (v1 - v0 + span - 1) >> span_log2;
         // Tiles 0 .. kept - 1 go to shared memory, the last stays in registers, the ones between
         // are read again from global memory for the gradient (kept in L2 meanwhile).
         const int kept = MODE == MODE_FORWARD ? 0 : min((int)stash, max(ntiles - 1, 0));
@@ -683,11 +701,11 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         // z_y from one thread (the group's first block), read before any block of the row stores.
         if (active && lane == 0 && member == 0 && !ra.prob && !rt.ignored && !rt.oor)
             st.t = ra.nll ? to_acc(xr[rt.y]) : zval(xr[rt.y], ra);
-        st = team_merge(st, t, scratch);
+        st = team_merge<TRACK>(st, t, scratch);
         if constexpr (KC > 1) {
-            st = cluster_merge<A, KC>(st, scratch + ROW_EXCHANGE, it);
+            st = cluster_merge<A, KC, TRACK>(st, scratch + ROW_EXCHANGE, it);
         } else if (kk > 1) {
-            st = group_merge(st, exchange + unit * 2 * kk * ROW_FIELDS, sync + unit, kk, member,
+            st = group_merge<TRACK>(st, exchange + unit * 2 * kk * ROW_FIELDS, sync + unit, kk, member,
                              it);
         }
         RowResult<A> o = finalize(st, rt, ra);
