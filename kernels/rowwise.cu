@@ -490,11 +490,21 @@ __device__ __forceinline__ void prefetch_l2_span(const void* p, int vectors) {
         prefetch_l2(b + o);
 }
 
+// The reference absorb's sum terms take from a state's max m: mref = m, 0 while m is -inf
+// (z - mref is then -inf, not NaN, for z = -inf); for 16-bit logits -mref log2 e, the constant
+// of fexp_sum_from, formed where m changes, not for every vector.
+template <typename T, typename A>
+__device__ __forceinline__ A sum_ref(A m) {
+    const A mref = m == neg_inf(A(0)) ? A(0) : m;
+    if constexpr (sizeof(T) == 2) return -mref * A(1.4426950408889634);
+    else return mref;
+}
+
 // Add one 16-byte vector of a row (classes c0 .. c0 + VEC - 1) to the state: rebase on the
 // vector's max if it is new, then add its terms.  tr: the row's probability targets (prob), read
-// at the same classes.
+// at the same classes.  ref: sum_ref<T>(st.m), kept up to date here for 16-bit logits.
 template <typename T, typename A, int VEC>
-__device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, int c0,
+__device__ __forceinline__ void absorb(RowStat<A>& st, A& ref, const Vec<T, VEC>& xv, int c0,
                                        const T* tr, bool t_vec, const T* __restrict__ weight,
                                        const RowArgs<A>& ra) {
     A za[VEC];
@@ -503,13 +513,16 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, const Vec<T, VEC>& xv, in
     A zmax = za[0];
     #pragma unroll
     for (int e = 1; e < VEC; ++e) zmax = amax(zmax, za[e]);
-    if (zmax > st.m) rebase(st, zmax);
-    // z - mref is -inf, not NaN, for z = -inf even while m is -inf.
-    const A mref = st.m == neg_inf(A(0)) ? A(0) : st.m;
-    // The sum term e^(z - mref): fused for 16-bit logits (fexp_sum_from).
-    const A nm = -mref * A(1.4426950408889634);
+    if (zmax > st.m) {
+        rebase(st, zmax);
+        if constexpr (sizeof(T) == 2) ref = sum_ref<T>(st.m);
+    }
+    // The sum term e^(z - mref): fused for 16-bit logits (fexp_sum_from).  Float and double form
+    // mref here: one register fewer across the row's loop (the float gradient variant's 80 are
+    // all taken).
+    const A mref = sizeof(T) == 2 ? A(0) : sum_ref<T>(st.m);
     auto term = [&](A z) {
-        if constexpr (sizeof(T) == 2) return fexp_sum_from(z, nm);
+        if constexpr (sizeof(T) == 2) return fexp_sum_from(z, ref);
         else return fexp_sum(z - mref);
     };
     if (ra.track && !ra.prob && weight == nullptr) {
@@ -601,6 +614,9 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         ra.track = ra.prob || ra.smooth;
     }
     ra.nll = MODE == MODE_NLL;
+    // gt (the target's gradient) is given only with probability targets (PROB_T): the other
+    // variants with a gradient always have gx.
+    constexpr bool PROB_T = MODE == MODE_GENERAL || MODE == MODE_PROB;
     const bool want_g = MODE != MODE_FORWARD && (gx != nullptr || gt != nullptr);
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
@@ -668,6 +684,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                      ra.track ? elem_u<T, A>(weight, c_tail, ra.prob ? to_acc(tr[c_tail]) : A(0),
                                              ra) : A(0), ra.track);
             }
+            A ref = sum_ref<T>(st.m);
             // The kept tiles reach shared memory through registers: cp.async copies of all of a
             // row's tiles at once were slower (docs/tuning.md, "The kernels' code").
             for (int ti = 0; ti < ntiles; ++ti) {
@@ -689,7 +706,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
                     const int j = vb + i * t;
-                    if (j < v1) absorb(st, xv[i], h + j * VEC, tr, t_vec, weight, ra);
+                    if (j < v1) absorb(st, ref, xv[i], h + j * VEC, tr, t_vec, weight, ra);
                 }
             }
         }
@@ -785,12 +802,12 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 const int c0 = h + j * VEC;
                 Vec<T, VEC> tv;
                 if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
-                const int ye = j == jy ? ey : -1;  // the target's place in this vector, or -1
+                const bool y_here = j == jy;  // jy >= 0 then: ey is the target's place
                 A z[VEC], p[VEC], gi[VEC];
                 widen(xv[i], z);
                 zval_each(z, ra);
                 probs<sizeof(T) == 2>(z, o.lse, p);
-                if ((PLAIN || MODE == MODE_CAP) && ye < 0) {
+                if ((PLAIN || MODE == MODE_CAP) && !y_here) {
                     // Not the target's vector: g k p_c (g (k p_c + dz p_c) with a z-loss;
                     // times dz_c/dx_c with a softcap), grad_input's value without its selects
                     // (k p - 0 is k p), g k formed once a row.
@@ -802,7 +819,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                             gi[e] *= A(1) - q * q;
                         }
                     }
-                } else if (MODE == MODE_SMOOTH && weight == nullptr && ye < 0) {
+                } else if (MODE == MODE_SMOOTH && weight == nullptr && !y_here) {
                     // Label smoothing without class weights, not the target's vector: w_c = 1,
                     // no per-element loads or compares
                     #pragma unroll
@@ -812,12 +829,12 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
-                        gi[e] = grad_input(p[e], z[e], ye == e, ra.prob ? to_acc(tv.v[e]) : A(0),
-                                           w, o, rt, ra);
+                        gi[e] = grad_input(p[e], z[e], y_here && ey == e,
+                                           ra.prob ? to_acc(tv.v[e]) : A(0), w, o, rt, ra);
                     }
                 }
-                if (gr != nullptr) store_any<G, VEC>(gr + c0, gi, g_vec);
-                if ((MODE == MODE_GENERAL || MODE == MODE_PROB) && gtr != nullptr) {
+                if (!PROB_T || gr != nullptr) store_any<G, VEC>(gr + c0, gi, g_vec);
+                if (PROB_T && gtr != nullptr) {
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
@@ -1116,6 +1133,7 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
             const long long step = (long long)blockDim.x * VEC;
             long long c = (long long)threadIdx.x * VEC;
             if (aligned16(xr)) {
+                A ref = sum_ref<T>(st.m);
                 // SLICE_LOADS vectors in flight a thread: one at a time leaves the loop waiting
                 // on each load's latency
                 for (; c + (SLICE_LOADS - 1) * step + VEC <= cols; c += SLICE_LOADS * step) {
@@ -1126,7 +1144,7 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
                     // a vector at a time, as cross_entropy_rows' threads (classes < 2^31)
                     #pragma unroll
                     for (int i = 0; i < SLICE_LOADS; ++i)
-                        absorb(st, xv[i], (int)(c0 + c + i * step),
+                        absorb(st, ref, xv[i], (int)(c0 + c + i * step),
                                static_cast<const T*>(nullptr), false, weight, ra);
                 }
             }
