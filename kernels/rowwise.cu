@@ -91,6 +91,11 @@ enum : int {
 };
 
 
+template <bool B>
+struct Flag {   // a compile-time bool as an argument (a generic lambda's instance)
+    static constexpr bool value = B;
+};
+
 template <typename A>
 struct RowStat {
     A m, s, a, b, t;
@@ -474,6 +479,52 @@ __device__ __forceinline__ void probs(const double (&z)[VEC], double lse, double
     #pragma unroll
     for (int e = 0; e < VEC; ++e) p[e] = fexp(z[e] - lse);
 }
+// probs of 16-bit logits where no p can be subnormal: the ex2 form alone.
+template <int VEC>
+__device__ __forceinline__ void probs_normal(const float (&z)[VEC], float lse, float (&p)[VEC]) {
+    const float nl = -lse * 1.4426950408889634f;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) p[e] = ex2_ftz(fmaf(z[e], 1.4426950408889634f, nl));
+}
+template <int VEC>
+__device__ __forceinline__ void probs_normal(const double (&z)[VEC], double lse,
+                                             double (&p)[VEC]) {
+    probs<false>(z, lse, p);
+}
+
+// The pairwise smaller of lo's and a vector's 16-bit values (two to a 32-bit word; a NaN passed
+// over, as fminf), and the smaller of the pair at the end.  Other types: unused.
+__device__ __forceinline__ unsigned min_word(unsigned a, unsigned b, __nv_bfloat16) {
+    const __nv_bfloat162 r = __hmin2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+__device__ __forceinline__ unsigned min_word(unsigned a, unsigned b, __half) {
+    const __half2 r = __hmin2(*reinterpret_cast<const __half2*>(&a),
+                              *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+template <typename T, int VEC>
+__device__ __forceinline__ unsigned min_words(unsigned lo, const Vec<T, VEC>& v) {
+    if constexpr (sizeof(T) == 2) {
+        const unsigned* w = reinterpret_cast<const unsigned*>(v.v);
+        return min_word(lo, min_word(min_word(w[0], w[1], T()), min_word(w[2], w[3], T()), T()),
+                        T());
+    } else {
+        return lo;
+    }
+}
+template <typename T>
+__device__ __forceinline__ float min_of_words(unsigned lo) {
+    if constexpr (sizeof(T) == 2) {
+        T a, b;
+        a = *reinterpret_cast<const T*>(&lo);
+        b = *(reinterpret_cast<const T*>(&lo) + 1);
+        return fminf(to_acc(a), to_acc(b));
+    } else {
+        return 0.0f;
+    }
+}
 
 // dloss/dt_c times g (probability targets).
 template <typename A>
@@ -617,6 +668,10 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     // gt (the target's gradient) is given only with probability targets (PROB_T): the other
     // variants with a gradient always have gx.
     constexpr bool PROB_T = MODE == MODE_GENERAL || MODE == MODE_PROB;
+    // The variants whose gradient is mostly one form, and 16-bit ones of them without a softcap,
+    // which keep their vectors' smallest logit (both: see grad_vec).
+    constexpr bool DEFER = MODE == MODE_GRAD || MODE == MODE_CAP || MODE == MODE_SMOOTH;
+    constexpr bool ROW_MIN = DEFER && MODE != MODE_CAP && sizeof(T) == 2;
     const bool want_g = MODE != MODE_FORWARD && (gx != nullptr || gt != nullptr);
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
@@ -671,6 +726,8 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         RowStat<A> st = empty_stat<A>();
         Vec<T, VEC> xv[NV];
         T xh = T(), xt = T();
+        // ROW_MIN: the smallest logits of this thread's vectors, in pairs (from +inf)
+        unsigned lo2 = IsBf16<T>::value ? 0x7f807f80u : 0x7c007c00u;
         if (read) {
             if (has_head) {
                 xh = xr[lane];
@@ -706,7 +763,10 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
                     const int j = vb + i * t;
-                    if (j < v1) absorb(st, ref, xv[i], h + j * VEC, tr, t_vec, weight, ra);
+                    if (j < v1) {
+                        absorb(st, ref, xv[i], h + j * VEC, tr, t_vec, weight, ra);
+                        if constexpr (ROW_MIN) lo2 = min_words(lo2, xv[i]);
+                    }
                 }
             }
         }
@@ -777,6 +837,95 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         const long long yv = rt.y - h;
         const int jy = yv >= 0 && yv < (long long)nv * VEC ? (int)(yv / VEC) : -1;
         const int ey = jy >= 0 ? (int)(yv - (long long)jy * VEC) : -1;
+        // A vector's gradient (classes from h + j VEC).  COMMON: the form of a row's vectors
+        // but the target's where none of its p is subnormal and the gradient row is 16-byte
+        // aligned (`common`, below), and only that form's code.  For DEFER variants such rows
+        // take COMMON in the tiles' loop (NV copies) and the target's vector the whole form once
+        // after it; other rows take the whole form in a loop that is not unrolled, so the
+        // variants' code stays small for the instruction cache (docs/tuning.md, "The kernels'
+        // code").  Other variants take the whole form in the tiles' loop.
+        auto grad_vec = [&](const Vec<T, VEC>& xi, int j, auto form) {
+            constexpr bool COMMON = decltype(form)::value;
+            const int c0 = h + j * VEC;
+            const bool y_here = !COMMON && j == jy;  // jy >= 0 then: ey is the target's place
+            Vec<T, VEC> tv;
+            if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
+            A z[VEC], p[VEC], gi[VEC];
+            widen(xi, z);
+            zval_each(z, ra);
+            if constexpr (COMMON && sizeof(T) == 2) {
+                probs_normal(z, o.lse, p);
+            } else {
+                probs<sizeof(T) == 2>(z, o.lse, p);
+            }
+            if ((PLAIN || MODE == MODE_CAP) && !y_here) {
+                // Not the target's vector: g k p_c (g (k p_c + dz p_c) with a z-loss; times
+                // dz_c/dx_c with a softcap), grad_input's value without its selects (k p - 0 is
+                // k p), g k formed once a row.
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    gi[e] = ra.zloss ? o.g * fma_rn(o.dz, p[e], o.k * p[e]) : gk * p[e];
+                    if (MODE == MODE_CAP) {
+                        const A q = z[e] * ra.inv_cap;
+                        gi[e] *= A(1) - q * q;
+                    }
+                }
+            } else if (MODE == MODE_SMOOTH && !y_here) {
+                // Label smoothing, not the target's vector: no compares; w_c only with weights.
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
+                    gi[e] = grad_input(p[e], z[e], false, A(0), w, o, rt, ra);
+                }
+            } else if (!COMMON) {
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
+                    gi[e] = grad_input(p[e], z[e], y_here && ey == e,
+                                       ra.prob ? to_acc(tv.v[e]) : A(0), w, o, rt, ra);
+                }
+            }
+            if (!PROB_T || gr != nullptr) store_any<G, VEC>(gr + c0, gi, COMMON || g_vec);
+            if (PROB_T && gtr != nullptr) {
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
+                    gi[e] = grad_target(zval(xi.v[e], ra), w, o, ra);
+                }
+                store_any<T, VEC>(gtr + c0, gi, gt_vec);
+            }
+        };
+        // A row whose vectors take the common form: its gradient row 16-byte aligned, and for
+        // 16-bit logits no p below 2^-126 (e^(z - lse) with z log2 e - lse log2 e >= -126, the
+        // fused argument being monotonic in z): z >= the row's smallest (ROW_MIN), or with a
+        // softcap z >= -c.  Float32 and float64 rows test each vector (probs).
+        bool common = DEFER && g_vec;
+        if constexpr (DEFER && sizeof(T) == 2) {
+            const A low = ROW_MIN ? min_of_words<T>(lo2) : -ra.cap;
+            common = common && fmaf(low, 1.4426950408889634f, -o.lse * 1.4426950408889634f) >= -126.0f;
+        }
+        if (DEFER && !common) {
+            // The whole form, a vector at a time, each read again from shared or global memory
+            // (no class of the row has been written yet).
+            #pragma unroll 1
+            for (int ti = 0; ti < ntiles; ++ti) {
+                #pragma unroll 1
+                for (int i = 0; i < NV; ++i) {
+                    const int j = v0 + ti * span + lane + i * t;
+                    if (j >= v1) break;
+                    Vec<T, VEC> xi;
+                    if (ti < kept) {
+                        const int4 raw = held[(ti * NV + i) * ROW_BLOCK + threadIdx.x];
+                        xi = *reinterpret_cast<const Vec<T, VEC>*>(&raw);
+                    } else {
+                        xi = load16<T, VEC>(xr + h + (long long)j * VEC, false);
+                    }
+                    grad_vec(xi, j, Flag<false>{});
+                }
+            }
+            continue;
+        }
+        bool y_mine = false;
         // The last tile first, from the registers; then the others from shared or global memory.
         for (int q = 0; q < ntiles; ++q) {
             const int ti = q == 0 ? ntiles - 1 : q - 1;
@@ -799,51 +948,16 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
             for (int i = 0; i < NV; ++i) {
                 const int j = vb + i * t;
                 if (j >= v1) continue;
-                const int c0 = h + j * VEC;
-                Vec<T, VEC> tv;
-                if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
-                const bool y_here = j == jy;  // jy >= 0 then: ey is the target's place
-                A z[VEC], p[VEC], gi[VEC];
-                widen(xv[i], z);
-                zval_each(z, ra);
-                probs<sizeof(T) == 2>(z, o.lse, p);
-                if ((PLAIN || MODE == MODE_CAP) && !y_here) {
-                    // Not the target's vector: g k p_c (g (k p_c + dz p_c) with a z-loss;
-                    // times dz_c/dx_c with a softcap), grad_input's value without its selects
-                    // (k p - 0 is k p), g k formed once a row.
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        gi[e] = ra.zloss ? o.g * fma_rn(o.dz, p[e], o.k * p[e]) : gk * p[e];
-                        if (MODE == MODE_CAP) {
-                            const A q = z[e] * ra.inv_cap;
-                            gi[e] *= A(1) - q * q;
-                        }
-                    }
-                } else if (MODE == MODE_SMOOTH && weight == nullptr && !y_here) {
-                    // Label smoothing without class weights, not the target's vector: w_c = 1,
-                    // no per-element loads or compares
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e)
-                        gi[e] = grad_input(p[e], z[e], false, A(0), A(1), o, rt, ra);
-                } else {
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
-                        gi[e] = grad_input(p[e], z[e], y_here && ey == e,
-                                           ra.prob ? to_acc(tv.v[e]) : A(0), w, o, rt, ra);
-                    }
+                if (DEFER && j == jy) {
+                    y_mine = true;   // done after the row's tiles
+                    continue;
                 }
-                if (!PROB_T || gr != nullptr) store_any<G, VEC>(gr + c0, gi, g_vec);
-                if (PROB_T && gtr != nullptr) {
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
-                        gi[e] = grad_target(zval(xv[i].v[e], ra), w, o, ra);
-                    }
-                    store_any<T, VEC>(gtr + c0, gi, gt_vec);
-                }
+                grad_vec(xv[i], j, Flag<DEFER>{});
             }
         }
+        // The target's vector, with DEFER: read again (nothing has written its classes yet).
+        if (DEFER && y_mine) grad_vec(load16<T, VEC>(xr + h + (long long)jy * VEC, false), jy,
+                                      Flag<false>{});
     }
     // A block's shared memory must outlive its cluster's last reads of it.
     if constexpr (KC > 1) cluster_sync();

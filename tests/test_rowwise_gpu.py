@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import reference_rowwise as ref
-from gpu_util import BFLOAT16, DTYPES, TINY, assert_close, to_host
+from gpu_util import BFLOAT16, DTYPES, RTOL, TINY, assert_close, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -321,6 +321,48 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
         assert plan.main.cooperative is not clusters
     for a, b in zip(got[True], got[False]):
         assert a.dtype == b.dtype and cp.array_equal(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, np.float16, np.float32])
+@pytest.mark.parametrize("cols", [1000, 50257])     # a team's row; a cluster's (2 blocks)
+@pytest.mark.parametrize("extra", [{}, {"label_smoothing": 0.1}, {"softcap": 100.0}])
+@pytest.mark.parametrize("layout", ["contiguous", "offset"])
+def test_gradients_that_reach_the_subnormals(dtype, cols, extra, layout):
+    """Rows whose softmax has p below 2^-126 beside rows whose p are all normal, and gradient rows
+    off 16-byte boundaries (offset): the rows the common form of the gradient's loop leaves to
+    the whole one.  Against float64; the subnormal gradients kept, not flushed (plain and
+    softcap); the gradient written into the logits bitwise the same as into a new array."""
+    cp = _cupy()
+    cl = _cl()
+    rng = np.random.default_rng(cols)
+    rows = 6
+    cap = extra.get("softcap", 0.0)
+    # The (capped) logits: most classes of rows 0, 2, 4 at -100..-88, a few near 0 setting the
+    # lse, so most p are float32 subnormals; rows 1, 3, 5 normal.
+    zc = rng.uniform(-100.0, -88.0, (rows, cols))
+    zc[:, ::37] = rng.uniform(-1.0, 1.0, zc[:, ::37].shape)
+    zc[1::2] = rng.standard_normal((rows // 2, cols)) * 3
+    x64 = cap * np.arctanh(zc / cap) if cap else zc
+    x, xr = _put(x64, dtype)
+    x = _layout(x, layout)
+    tr = _targets(rng, rows, cols, 0.0)
+    tr[1] = -100
+    t = cp.asarray(tr)
+    gx_want, _ = ref.cross_entropy_grads(xr, tr, reduction="sum", grad_output=1.0, **extra)
+    value, gx = cl.cross_entropy_value_and_grad(x, t, reduction="sum", **extra)
+    got = to_host(gx)
+    assert_close(got, gx_want, dtype, None, "gradient")
+    if np.dtype(dtype).itemsize > 2 or dtype == BFLOAT16:
+        small = (np.abs(gx_want) < 2.0**-126) & (gx_want != 0)
+        if not extra.get("label_smoothing"):
+            assert np.count_nonzero(small) > cols   # the case this test is for
+        np.testing.assert_allclose(got[small], gx_want[small], rtol=RTOL[np.dtype(dtype)],
+                                   atol=TINY[np.dtype(dtype)])
+    # In place the gradient rows share the logits' alignment: the common form where the new
+    # array's rows (offset) took the whole one.
+    xin = _layout(x.copy(), layout)
+    value2, gx2 = cl.cross_entropy_value_and_grad(xin, t, reduction="sum", inplace=True, **extra)
+    assert gx2 is xin and cp.array_equal(value2, value) and cp.array_equal(gx2, gx)
 
 
 @pytest.mark.parametrize("dtype, rows, cols", [
