@@ -204,7 +204,7 @@ __device__ __forceinline__ float rcp_unit_rn(float v) {
     return __fmaf_rn(r, -__fmaf_rn(v, r, -1.0f), r);
 }
 __device__ __forceinline__ double rcp_unit_rn(double v) { return __drcp_rn(v); }
-// tanh z for 0 <= z < 0.6: z + z^3 Q(z^2), Q of degree 4 fitted to (tanh z - z) / z^3 for
+// tanh z for |z| < 0.6: z + z^3 Q(z^2), Q of degree 4 fitted to (tanh z - z) / z^3 for
 // relative error.
 __device__ __forceinline__ float tanh_poly(float z) {
     const float u = z * z;
@@ -247,16 +247,17 @@ __device__ __forceinline__ double tanh_ap(double d) { return tanh(d); }
 // tanh_ap of each of N values, bitwise: the polynomial for all, then the exponential's form
 // only if one of them has |d| >= 0.6 (or is NaN).  Logits capped at c below 0.6 c in magnitude,
 // most of a real model's, then cost the polynomial alone, about half of tanh_ap's instructions.
+// The polynomial is odd and its roundings symmetric, so tanh_poly(d) is copysign(tanh_poly(|d|),
+// d) bit for bit but at d = -0, where it gives +0 (-0 + +0): only the exponential's form takes
+// d's sign afterwards.  (The softcap's sums, lse and gradients are the same for either zero.)
 template <int N>
 __device__ __forceinline__ void tanh_ap_each(float (&d)[N]) {
-    float t[N];
     bool far = false;
     #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const float z = absv(d[i]);
-        t[i] = tanh_poly(z);
-        far |= !(z < 0.6f);
-    }
+    for (int i = 0; i < N; ++i) far |= !(absv(d[i]) < 0.6f);
+    float t[N];
+    #pragma unroll
+    for (int i = 0; i < N; ++i) t[i] = tanh_poly(d[i]);
     if (far) {
         #pragma unroll
         for (int i = 0; i < N; ++i) {
@@ -265,12 +266,12 @@ __device__ __forceinline__ void tanh_ap_each(float (&d)[N]) {
                 float e, r;
                 asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -2.8853900817779268f));
                 asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-                t[i] = __fmaf_rn(-2.0f * e, r, 1.0f);
+                t[i] = copysignf(__fmaf_rn(-2.0f * e, r, 1.0f), d[i]);
             }
         }
     }
     #pragma unroll
-    for (int i = 0; i < N; ++i) d[i] = copysignf(t[i], d[i]);
+    for (int i = 0; i < N; ++i) d[i] = t[i];
 }
 template <int N>
 __device__ __forceinline__ void tanh_ap_each(double (&d)[N]) {

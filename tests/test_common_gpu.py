@@ -57,6 +57,19 @@ extern "C" __global__ void rcp_pairs(const float* v, long long n, float* ours, f
     ours[i] = cupyloss::rcp_unit_rn(v[i]);
     ref[i] = __frcp_rn(v[i]);
 }
+extern "C" __global__ void tanh_each_pairs(const float* v, long long n, float* ours,
+                                           float* ref) {
+    // eight values a thread (n a multiple of 8): tanh_ap_each on them, tanh_ap on each
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= n) return;
+    float d[8];
+    for (int k = 0; k < 8; ++k) d[k] = v[i + k];
+    cupyloss::tanh_ap_each(d);
+    for (int k = 0; k < 8; ++k) {
+        ours[i + k] = d[k];
+        ref[i + k] = cupyloss::tanh_ap(v[i + k]);
+    }
+}
 extern "C" __global__ void lg_normal_misses(long long n, unsigned long long* misses,
                                             unsigned int* first) {
     // every positive normal float 2^-126 .. below inf: bit patterns 0x00800000 + i
@@ -172,6 +185,36 @@ def test_softcap_tanh_is_within_two_ulps_as_tanhf():
     got, _ = _math("tanh_ap_pairs", edges)
     assert np.array_equal(got[:4], [0.0, -0.0, 1.0, -1.0]) and np.signbit(got[1])
     assert np.isnan(got[4]) and np.array_equal(got[5:], edges[5:])
+
+
+def test_softcap_tanh_of_a_vector_is_tanh_ap_bit_for_bit():
+    """tanh_ap_each (the softcap's vectors: the polynomial on signed d, the exponential's form
+    only where |d| >= 0.6, its sign then copied) gives tanh_ap's bits element by element, in
+    vectors all near 0, all far, mixed, and with the edge values (+-inf, NaN's sign aside), but
+    for a zero's sign: -0 gives +0 (0 either way)."""
+    import cupy
+
+    from cupyloss import _source
+
+    rng = np.random.default_rng(13)
+    d = _tanh_arguments(13)
+    d = d[: d.size // 8 * 8]
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -3e-20, 0.6, -0.6,
+                      np.nextafter(np.float32(0.6), np.float32(0)), -np.float32(0.59999996),
+                      2.0**-149, -2.0**-149, 0.3, -0.7, 5.0], np.float32)
+    mixed = np.concatenate([d, rng.permutation(edges), edges])
+    module = cupy.RawModule(code=_source.expand("common.cuh") + _source.expand("losses.cuh")
+                            + _MATH, options=_source.OPTIONS)
+    xd = cupy.asarray(mixed)
+    ours, ref = cupy.empty_like(xd), cupy.empty_like(xd)
+    module.get_function("tanh_each_pairs")(((xd.size // 8 + 255) // 256,), (256,),
+                                           (xd, np.int64(xd.size), ours, ref))
+    ours, ref = ours.get(), ref.get()
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours[~nan], ref[~nan])
+    bits = ~nan & (ref != 0)
+    assert np.array_equal(ours[bits].view(np.int32), ref[bits].view(np.int32))
 
 
 def test_log_cosh_gradient_at_edge_values():
