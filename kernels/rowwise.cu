@@ -902,7 +902,8 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         bool common = DEFER && g_vec;
         if constexpr (DEFER && sizeof(T) == 2) {
             const A low = ROW_MIN ? min_of_words<T>(lo2) : -ra.cap;
-            common = common && fmaf(low, 1.4426950408889634f, -o.lse * 1.4426950408889634f) >= -126.0f;
+            const float nl = -o.lse * 1.4426950408889634f;   // as probs forms it
+            common = common && fmaf(low, 1.4426950408889634f, nl) >= -126.0f;
         }
         if (DEFER && !common) {
             // The whole form, a vector at a time, each read again from shared or global memory
