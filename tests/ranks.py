@@ -7,8 +7,10 @@ import time
 
 def run_ranks(worker, world, timeout):
     """worker(rank, world, rendezvous path, queue) in a process a rank; the failures they
-    report.  Never hangs: ranks that report nothing within `timeout` seconds are a failure, and
-    processes still alive after reporting (a stuck teardown) are killed."""
+    report.  Never hangs: ranks that exit without reporting, or report nothing within `timeout`
+    seconds, are a failure, and processes still alive after reporting (a stuck teardown) are
+    killed.  A rank that exits is found at once, so a slow start under load is not taken for
+    silence."""
     import queue
 
     import torch.multiprocessing as mp
@@ -24,15 +26,28 @@ def run_ranks(worker, world, timeout):
         deadline = time.monotonic() + timeout
         try:
             while len(seen) < world:
-                rank, got = results.get(timeout=max(1.0, deadline - time.monotonic()))
+                try:
+                    rank, got = results.get(timeout=0.5)
+                except queue.Empty:
+                    missing = [r for r in range(world) if r not in seen]
+                    exited = all(procs[r].exitcode is not None for r in missing)
+                    if exited:
+                        # what a rank put before exiting may still be in the pipe
+                        rank, got = results.get(timeout=2.0)
+                    elif time.monotonic() > deadline:
+                        raise
+                    else:
+                        continue
                 seen.add(rank)
                 failures += got
         except queue.Empty:
-            failures.append(f"ranks {sorted(set(range(world)) - seen)} reported nothing in "
-                            f"{timeout} s (exit codes {[p.exitcode for p in procs]})")
+            missing = sorted(set(range(world)) - seen)
+            failures.append(f"ranks {missing} reported nothing (exit codes "
+                            f"{[p.exitcode for p in procs]}, limit {timeout} s)")
         finally:
-            for p in procs:
-                p.join(60)
+            for rank, p in enumerate(procs):
+                p.join(60 if rank in seen else 0)
                 if p.is_alive():
                     p.kill()
+                    p.join()
     return failures

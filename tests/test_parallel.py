@@ -3,6 +3,8 @@ against torch's cross_entropy on the whole logits (float64), on NumPy and torch 
 torch adapter over several gloo processes (uneven slices, every option, a data-parallel global
 mean, torch.compile).  The kernels' side is tests/test_parallel_gpu.py."""
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -302,6 +304,17 @@ def _silent_worker(rank, world, path, results):
         results.put((rank, ["rank 0: wrong"]))
 
 
+def _stuck_worker(rank, world, path, results):
+    if rank == 0:
+        results.put((rank, []))
+    else:
+        time.sleep(600)
+
+
 def test_the_rank_harness_reports_failures_and_silent_ranks_without_hanging():
-    failures = run_ranks(_silent_worker, 2, timeout=6)
+    started = time.monotonic()
+    failures = run_ranks(_silent_worker, 2, timeout=120)
     assert failures[0] == "rank 0: wrong" and "ranks [1] reported nothing" in failures[1]
+    assert time.monotonic() - started < 100    # an exited rank is found without the limit
+    failures = run_ranks(_stuck_worker, 2, timeout=3)
+    assert len(failures) == 1 and "ranks [1] reported nothing" in failures[0], failures
