@@ -10,6 +10,7 @@
 //   Geometry<N>       the coalesced broadcast shape and N operands' strides, passed by value
 //   Compensated       a per-thread running sum with Kahan's error compensation
 //   block_sum         deterministic block-wide sum (fixed shuffle tree, then fixed smem order)
+//   block_sums        NQ such sums at once, by the same trees, sharing their barriers
 //   grid_sum_out      deterministic grid-wide sums written to 0-d outputs in the same launch
 //   finish_ratio      the same for a 0-d L / D whose divisor D may itself be a grid sum
 //
@@ -330,6 +331,50 @@ __device__ __forceinline__ double* wide_scratch() {
     return wide;
 }
 
+// block_sums' [NQ][32]: wide_scratch where NQ is 1 (no more static shared memory than before).
+template <int NQ>
+__device__ __forceinline__ double* sums_scratch() {
+    __shared__ double wide[NQ * 32];
+    return wide;
+}
+template <>
+__device__ __forceinline__ double* sums_scratch<1>() { return wide_scratch(); }
+
+// block_sum of NQ values at once, each by the same tree, the NQ trees sharing their barriers and
+// their shuffles interleaved.  Results valid in thread 0.  Every thread of the block must call it.
+template <int NQ>
+__device__ __forceinline__ void block_sums(const double (&v)[NQ], double (&total)[NQ]) {
+    double* scratch = sums_scratch<NQ>();  // [NQ][32]
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned warp = threadIdx.x >> 5;
+    const unsigned nwarps = (blockDim.x + 31u) >> 5;
+    double w[NQ];
+    #pragma unroll
+    for (int q = 0; q < NQ; ++q) w[q] = v[q];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        #pragma unroll
+        for (int q = 0; q < NQ; ++q) w[q] += __shfl_xor_sync(0xffffffffu, w[q], o);
+    }
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) {
+        #pragma unroll
+        for (int q = 0; q < NQ; ++q) scratch[q * 32 + warp] = w[q];
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int q = 0; q < NQ; ++q) total[q] = 0.0;
+    if (warp == 0) {
+        #pragma unroll
+        for (int q = 0; q < NQ; ++q) total[q] = lane < nwarps ? scratch[q * 32 + lane] : 0.0;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            #pragma unroll
+            for (int q = 0; q < NQ; ++q) total[q] += __shfl_xor_sync(0xffffffffu, total[q], o);
+        }
+    }
+}
+
 // Grid-wide sums of per-thread values v[q], written as out[q][0] = from_acc(sum / div[q]) for
 // every q whose out[q] is not null (null-ness is uniform across the grid).  Across threads and
 // blocks the sums are carried in double: each thread's (compensated) value is exact in double,
@@ -348,25 +393,23 @@ __device__ __forceinline__ void grid_sum_out(const double (&v)[NQ], T* const (&o
                                              unsigned int* __restrict__ ticket,
                                              long long block, long long nblocks) {
     using A = acc_t<T>;
-    double* scratch = wide_scratch();
     bool any = false;
     #pragma unroll
     for (int q = 0; q < NQ; ++q) any |= out[q] != nullptr;
     if (!any) return;
+    double total[NQ];
+    block_sums(v, total);
     if (nblocks == 1) {
         #pragma unroll
-        for (int q = 0; q < NQ; ++q) {
-            if (out[q] == nullptr) continue;
-            const double total = block_sum(v[q], scratch);
-            if (threadIdx.x == 0) out[q][0] = from_acc<T>(A(total / div[q]));
-        }
+        for (int q = 0; q < NQ; ++q)
+            if (out[q] != nullptr && threadIdx.x == 0)
+                out[q][0] = from_acc<T>(A(total[q] / div[q]));
         return;
     }
-    #pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        if (out[q] == nullptr) continue;
-        const double total = block_sum(v[q], scratch);
-        if (threadIdx.x == 0) partials[q * nblocks + block] = A(total);
+    if (threadIdx.x == 0) {
+        #pragma unroll
+        for (int q = 0; q < NQ; ++q)
+            if (out[q] != nullptr) partials[q * nblocks + block] = A(total[q]);
     }
     __shared__ unsigned int is_last;
     if (threadIdx.x == 0) {
@@ -376,15 +419,35 @@ __device__ __forceinline__ void grid_sum_out(const double (&v)[NQ], T* const (&o
     __syncthreads();
     if (!is_last) return;
     __threadfence();
+    // Each thread adds partials j = threadIdx.x, + blockDim.x, ... in that order; LOADS of them
+    // are loaded at once, for every q, before any is added (the loads are L2 round trips).
+    constexpr int LOADS = 4;
+    double acc[NQ];
     #pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        if (out[q] == nullptr) continue;
-        double acc = 0.0;
-        for (long long j = threadIdx.x; j < nblocks; j += blockDim.x)
-            acc += double(__ldcg(partials + q * nblocks + j));  // L2: written by other blocks
-        const double total = block_sum(acc, scratch);
-        if (threadIdx.x == 0) out[q][0] = from_acc<T>(A(total / div[q]));
+    for (int q = 0; q < NQ; ++q) acc[q] = 0.0;
+    for (long long j = threadIdx.x; j < nblocks; j += LOADS * blockDim.x) {
+        A got[NQ][LOADS];
+        #pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+            #pragma unroll
+            for (int u = 0; u < LOADS; ++u) {
+                const long long i = j + (long long)u * blockDim.x;
+                // L2: written by other blocks
+                got[q][u] = out[q] != nullptr && i < nblocks ? __ldcg(partials + q * nblocks + i)
+                                                             : A(0);
+            }
+        }
+        #pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+            #pragma unroll
+            for (int u = 0; u < LOADS; ++u)
+                if (j + (long long)u * blockDim.x < nblocks) acc[q] += double(got[q][u]);
+        }
     }
+    block_sums(acc, total);
+    #pragma unroll
+    for (int q = 0; q < NQ; ++q)
+        if (out[q] != nullptr && threadIdx.x == 0) out[q][0] = from_acc<T>(A(total[q] / div[q]));
 }
 
 // value[0] = L / D for a 0-d loss whose divisor may itself be a sum over the grid: L sums every
