@@ -672,6 +672,8 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     // which keep their vectors' smallest logit (both: see grad_vec).
     constexpr bool DEFER = MODE == MODE_GRAD || MODE == MODE_CAP || MODE == MODE_SMOOTH;
     constexpr bool ROW_MIN = DEFER && MODE != MODE_CAP && sizeof(T) == 2;
+    // The plain gradient of a cluster's row takes its kept tiles' loads ahead (see the loop).
+    constexpr bool PIPE = MODE == MODE_GRAD && KC > 1;
     const bool want_g = MODE != MODE_FORWARD && (gx != nullptr || gt != nullptr);
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
@@ -744,28 +746,86 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
             A ref = sum_ref<T>(st.m);
             // The kept tiles reach shared memory through registers: cp.async copies of all of a
             // row's tiles at once were slower (docs/tuning.md, "The kernels' code").
-            for (int ti = 0; ti < ntiles; ++ti) {
-                const int vb = v0 + ti * span + lane;
-                const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
-                const T* src = xr + h + (long long)vb * VEC;  // vector i at src + i * step
-                #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    if (vb + i * t < v1) xv[i] = load16<T, VEC>(src + i * step, again);
-                }
-                if (ti < kept) {
+            if constexpr (PIPE) {
+                auto fetch = [&](int ti) {
+                    const int vb = v0 + ti * span + lane;
+                    const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
+                    const T* src = xr + h + (long long)vb * VEC;  // vector i at src + i * step
+                    #pragma unroll
+                    for (int i = 0; i < NV; ++i) {
+                        if (vb + i * t < v1) xv[i] = load16<T, VEC>(src + i * step, again);
+                    }
+                };
+                auto keep = [&](int ti) {
+                    const int vb = v0 + ti * span + lane;
                     int4* dst = held + ti * NV * ROW_BLOCK + threadIdx.x;
                     #pragma unroll
                     for (int i = 0; i < NV; ++i) {
                         if (vb + i * t < v1)
                             dst[i * ROW_BLOCK] = *reinterpret_cast<const int4*>(&xv[i]);
                     }
+                };
+                // Adds tile ti up, from xv or (HELD) from its kept copy.
+                auto add_tile = [&](int ti, auto from_held) {
+                    constexpr bool HELD = decltype(from_held)::value;
+                    const int vb = v0 + ti * span + lane;
+                    const int4* mine = held + ti * NV * ROW_BLOCK + threadIdx.x;
+                    #pragma unroll
+                    for (int i = 0; i < NV; ++i) {
+                        const int j = vb + i * t;
+                        if (j < v1) {
+                            Vec<T, VEC> xi;
+                            if constexpr (HELD)
+                                *reinterpret_cast<int4*>(&xi) = mine[i * ROW_BLOCK];
+                            else xi = xv[i];
+                            absorb(st, ref, xi, h + j * VEC, tr, t_vec, weight, ra);
+                            if constexpr (ROW_MIN) lo2 = min_words(lo2, xi);
+                        }
+                    }
+                };
+                // A kept tile, once stored, is added up from shared memory, so that the next
+                // tile's loads are in flight meanwhile (in the loop below a thread's loads wait
+                // for its adds).  The H200's 8192 x 128256 bf16 row, which waits on memory with
+                // 4 warps a scheduler, gains 7%; the variants whose adds are long (smoothing,
+                // softcap) and the rows one block holds gained nothing or lost with it, so they
+                // keep the loop below (docs/tuning.md, "The kernels' code").
+                if (ntiles > 0) fetch(0);
+                for (int ti = 0; ti < ntiles; ++ti) {
+                    if (ti < kept) {
+                        keep(ti);
+                        if (ti + 1 < ntiles) fetch(ti + 1);
+                        add_tile(ti, Flag<true>{});
+                    } else {
+                        add_tile(ti, Flag<false>{});
+                        if (ti + 1 < ntiles) fetch(ti + 1);
+                    }
                 }
-                #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    const int j = vb + i * t;
-                    if (j < v1) {
-                        absorb(st, ref, xv[i], h + j * VEC, tr, t_vec, weight, ra);
-                        if constexpr (ROW_MIN) lo2 = min_words(lo2, xv[i]);
+            } else {
+                // The same steps written out: with the lambdas above, the softcap's kernel took
+                // 114 registers instead of 96.
+                for (int ti = 0; ti < ntiles; ++ti) {
+                    const int vb = v0 + ti * span + lane;
+                    const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
+                    const T* src = xr + h + (long long)vb * VEC;  // vector i at src + i * step
+                    #pragma unroll
+                    for (int i = 0; i < NV; ++i) {
+                        if (vb + i * t < v1) xv[i] = load16<T, VEC>(src + i * step, again);
+                    }
+                    if (ti < kept) {
+                        int4* dst = held + ti * NV * ROW_BLOCK + threadIdx.x;
+                        #pragma unroll
+                        for (int i = 0; i < NV; ++i) {
+                            if (vb + i * t < v1)
+                                dst[i * ROW_BLOCK] = *reinterpret_cast<const int4*>(&xv[i]);
+                        }
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < NV; ++i) {
+                        const int j = vb + i * t;
+                        if (j < v1) {
+                            absorb(st, ref, xv[i], h + j * VEC, tr, t_vec, weight, ra);
+                            if constexpr (ROW_MIN) lo2 = min_words(lo2, xv[i]);
+                        }
                     }
                 }
             }
