@@ -638,6 +638,27 @@ __device__ __forceinline__ void absorb(RowStat<A>& st, A& ref, const Vec<T, VEC>
     smoothing, zscale, softcap, go_value, grad_scale, tpr, k, stash, loss, lse, gx, gt, value, \
     partials, ticket, divisor, sync, exchange
 
+// A tile's vectors of one thread (NV of them, t vectors apart from vb; those from v1 on are
+// outside the block's share) loaded into xv, and stored from xv to its kept copy (dst, one
+// vector every ROW_BLOCK int4).
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_tile(Vec<T, VEC> (&xv)[NV], const T* src, long long step,
+                                          int vb, int t, int v1, bool again) {
+    #pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        if (vb + i * t < v1) xv[i] = load16<T, VEC>(src + i * step, again);
+    }
+}
+
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void keep_tile(const Vec<T, VEC> (&xv)[NV], int4* dst, int vb, int t,
+                                          int v1) {
+    #pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        if (vb + i * t < v1) dst[i * ROW_BLOCK] = *reinterpret_cast<const int4*>(&xv[i]);
+    }
+}
+
 // The body of every cross_entropy_rows kernel.  KC > 1: a thread block cluster of KC blocks
 // takes each row (sm_90 and later), exchanging the row states through distributed shared memory
 // instead of global memory and a counter.  G: the gradient's type, T's, or a 16-bit type for
@@ -750,20 +771,11 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 auto fetch = [&](int ti) {
                     const int vb = v0 + ti * span + lane;
                     const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
-                    const T* src = xr + h + (long long)vb * VEC;  // vector i at src + i * step
-                    #pragma unroll
-                    for (int i = 0; i < NV; ++i) {
-                        if (vb + i * t < v1) xv[i] = load16<T, VEC>(src + i * step, again);
-                    }
+                    load_tile(xv, xr + h + (long long)vb * VEC, step, vb, t, v1, again);
                 };
                 auto keep = [&](int ti) {
                     const int vb = v0 + ti * span + lane;
-                    int4* dst = held + ti * NV * ROW_BLOCK + threadIdx.x;
-                    #pragma unroll
-                    for (int i = 0; i < NV; ++i) {
-                        if (vb + i * t < v1)
-                            dst[i * ROW_BLOCK] = *reinterpret_cast<const int4*>(&xv[i]);
-                    }
+                    keep_tile(xv, held + ti * NV * ROW_BLOCK + threadIdx.x, vb, t, v1);
                 };
                 // Adds tile ti up, from xv or (HELD) from its kept copy.
                 auto add_tile = [&](int ti, auto from_held) {
@@ -801,24 +813,14 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                     }
                 }
             } else {
-                // The same steps written out: with the lambdas above, the softcap's kernel took
-                // 114 registers instead of 96.
+                // No lambdas here: with the ones above, the softcap's kernel took 114 registers
+                // instead of 96.
                 for (int ti = 0; ti < ntiles; ++ti) {
                     const int vb = v0 + ti * span + lane;
                     const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
-                    const T* src = xr + h + (long long)vb * VEC;  // vector i at src + i * step
-                    #pragma unroll
-                    for (int i = 0; i < NV; ++i) {
-                        if (vb + i * t < v1) xv[i] = load16<T, VEC>(src + i * step, again);
-                    }
-                    if (ti < kept) {
-                        int4* dst = held + ti * NV * ROW_BLOCK + threadIdx.x;
-                        #pragma unroll
-                        for (int i = 0; i < NV; ++i) {
-                            if (vb + i * t < v1)
-                                dst[i * ROW_BLOCK] = *reinterpret_cast<const int4*>(&xv[i]);
-                        }
-                    }
+                    load_tile(xv, xr + h + (long long)vb * VEC, step, vb, t, v1, again);
+                    if (ti < kept)
+                        keep_tile(xv, held + ti * NV * ROW_BLOCK + threadIdx.x, vb, t, v1);
                     #pragma unroll
                     for (int i = 0; i < NV; ++i) {
                         const int j = vb + i * t;
