@@ -453,6 +453,11 @@ ROW_MAX_COLS = 2**31 - 1    # classes a row may have (in-row indices are 32-bit)
 # cluster where the device has them (sm_90 and later) and k is one of ROW_CLUSTER_SIZES: they
 # exchange their row states through distributed shared memory with one cluster barrier a row,
 # instead of through global memory and a counter each waits on; bitwise the same results.
+# A pair's blocks keep fewer tiles each, so more of them are resident (96 KiB of kept tiles
+# leave room for two blocks an SM, 32 KiB for three, the registers' limit), and a pair exchanges
+# its states through one cluster barrier, where more blocks of a cooperative launch wait on
+# global memory: so a row a block would hold with more than ROW_ALONE_STASH kept tiles goes to
+# a pair, and a pair that would read ROW_PAIR_REREAD tiles again still beats a wider split.
 # Without a gradient nothing is held, and a team of ROW_FORWARD_TEAM threads a row reads fastest
 # when there are rows for a quarter of the resident teams at least.  With a gradient and a row
 # one block holds, ROW_GRAD_TILES tiles a thread: a team 1 / ROW_GRAD_TILES the size (a warp at
@@ -497,16 +502,24 @@ def row_hold(cols: int, itemsize: int, acc_itemsize: int, limits: DeviceLimits) 
     """(blocks per row, stash tiles a block) that hold a row too long for one block's registers:
     the fewest blocks (at most ROW_MAX_SPLIT) whose registers and up to ROW_STASH_TILES tiles of
     shared memory each (as many as the device's opt-in limit allows) hold it; at ROW_MAX_SPLIT
-    blocks with the most tiles, what is left over streams twice."""
+    blocks with the most tiles, what is left over streams twice.  Where a cluster of two blocks
+    may take a row (`pair`), one block keeps at most ROW_ALONE_STASH tiles before the row goes to
+    a pair, and a pair whose blocks would read at most ROW_PAIR_REREAD tiles again takes the row
+    rather than more blocks of a cooperative launch."""
     knob = _tuning.values(limits.gpu)
     tile = BLOCK * ROW_VECS
     vectors = max(1, cols // (16 // itemsize))
     room = shared_limit(limits, True) - ROW_SCRATCH * acc_itemsize
     most = max(0, min(knob["ROW_STASH_TILES"], room // (16 * tile)))
+    pair = (limits.clusters and bool(knob["ROW_CLUSTERS"]) and 2 in ROW_CLUSTER_SIZES
+            and knob["ROW_MAX_SPLIT"] >= 2)
     for k in range(1, knob["ROW_MAX_SPLIT"] + 1):
         tiles = _cdiv(_cdiv(vectors, k), tile)
-        if tiles - 1 <= most:
+        keep = min(most, knob["ROW_ALONE_STASH"]) if k == 1 and pair else most
+        if tiles - 1 <= keep:
             return k, tiles - 1
+        if k == 2 and pair and tiles - 1 - most <= knob["ROW_PAIR_REREAD"]:
+            return 2, most
     return knob["ROW_MAX_SPLIT"], most
 
 

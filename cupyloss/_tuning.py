@@ -104,6 +104,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "cross_entropy_rows with a gradient: blocks a row shares at most"),
     Knob("ROW_STASH_TILES", 3, False, (1, 2, 3, 4),
          "cross_entropy_rows with a gradient: tiles a block keeps in shared memory at most"),
+    Knob("ROW_ALONE_STASH", 3, False, (1, 2, 3),
+         "cross_entropy_rows with a gradient, where a cluster of two blocks may take a row: "
+         "tiles a block keeps in shared memory at most when it holds a row alone (a longer row "
+         "goes to a pair)"),
+    Knob("ROW_PAIR_REREAD", 0, False, (0, 1, 2),
+         "cross_entropy_rows with a gradient, a cluster of two blocks a row: tiles a block may "
+         "read again from L2 rather than split the row over more blocks"),
     Knob("ROW_CLUSTERS", 1, False, (0, 1),
          "cross_entropy_rows: a row's blocks as a thread block cluster where k is a cluster size"),
     Knob("ROW_GRAD_TILES", 1, False, (1, 2),

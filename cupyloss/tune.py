@@ -22,8 +22,10 @@ it runs:
                 mse_loss with a (4096,) row input over (8192, 4096)
   reduce        mse_loss with a per-channel (1, 64, 1, 1), a per-row (8192, 1) and a 0-d
                 input over its target
-  row           cross_entropy 8192 x 128256 bfloat16 and 32768 x 4096 (forward), jsd
-                8192 x 32768 bfloat16
+  row           cross_entropy 8192 x 16384, 40000, 65536, 128256, 152064 and 180224
+                bfloat16 (one block a row with one and two kept tiles, a pair, a pair with
+                one and two tiles read again), 32768 x 4096 (forward and value_and_grad),
+                jsd 8192 x 32768 bfloat16
   pair          triplet_margin_loss 3 x 32768 x 8192 (forward)
 
 A loss's own shape (_tuning.FUNCTOR_SHAPES) is tuned by naming its fields in --knobs,
@@ -31,12 +33,14 @@ A loss's own shape (_tuning.FUNCTOR_SHAPES) is tuned by naming its fields in --k
 never by default: that loss's value_and_grad in the kernel the field shapes (functor_workloads)
 is the workload, and the row written is that GPU's alone.
 
-Prints this GPU's rows; --write puts them into cupyloss/tuning.csv in place of this GPU's
-rows there.  --summarize CSV prints a measurements file as the Markdown table docs/tuning.md
-quotes.  --max-seconds stops before a knob that would start past that time, with the rows of
-the knobs done (a run split over several calls: name the rest with --knobs).  Every
-measurement goes to --out (default benchmarks/results/tune-<gpu>.csv) as data: gpu, knob,
-value, workload, ms, GB/s, chosen.  Never a test.
+Prints this GPU's rows of the knobs tried; --write puts them into cupyloss/tuning.csv in place
+of this GPU's values of those knobs there (its other rows stay; a GPU without a row of its own
+gets the values it ran, those of the row it adopted, for the rest).  --summarize CSV prints a
+measurements file as the Markdown table docs/tuning.md quotes.  --max-seconds stops before a
+knob that would start past that time, with the rows of the knobs done (a run split over
+several calls: name the rest with --knobs).  Every measurement goes to --out (default
+benchmarks/results/tune-<gpu>.csv) as data: gpu, knob, value, workload, ms, GB/s, chosen.
+Never a test.
 """
 
 from __future__ import annotations
@@ -204,6 +208,14 @@ def _workloads(scale: float) -> list[Workload]:
                  cross_entropy(32768, 4096, cupy.float32, True)),
         Workload("cross_entropy 8192 x 16384 bfloat16", "row", 2 * 8192 * 16384 * 2,
                  cross_entropy(8192, 16384, bf16, True)),
+        Workload("cross_entropy 8192 x 40000 bfloat16", "row", 2 * 8192 * 40000 * 2,
+                 cross_entropy(8192, 40000, bf16, True)),
+        Workload("cross_entropy 8192 x 65536 bfloat16", "row", 2 * 8192 * 65536 * 2,
+                 cross_entropy(8192, 65536, bf16, True)),
+        Workload("cross_entropy 8192 x 152064 bfloat16", "row", 2 * 8192 * 152064 * 2,
+                 cross_entropy(8192, 152064, bf16, True)),
+        Workload("cross_entropy 8192 x 180224 bfloat16", "row", 2 * 8192 * 180224 * 2,
+                 cross_entropy(8192, 180224, bf16, True)),
         Workload("jsd 8192 x 32768 bfloat16", "row", 3 * 8192 * 32768 * 2, jsd()),
         Workload("triplet_margin_loss 3 x 32768 x 8192, forward", "pair", 3 * big * 8192 * f4,
                  triplet()),
@@ -380,16 +392,26 @@ def summarize(path: pathlib.Path) -> str:
 
 
 def write_rows(path: pathlib.Path, gpu: str, chosen: dict[str, int],
-               traits: dict[str, int] | None = None) -> None:
+               traits: dict[str, int] | None = None,
+               base: dict[str, int] | None = None) -> None:
     """Put `chosen` ({knob: value}) and the GPU's `traits` ({trait: value}, _tuning.TRAITS) in
-    the table file at `path` as GPU `gpu`'s rows, in place of the rows it had; other GPUs' rows
-    stay as they were."""
-    rows = []
+    the table file at `path` as GPU `gpu`'s values of them; its rows of knobs not in `chosen`
+    stay (a run of some knobs leaves the others as they were), or with `base` (the row a GPU
+    without one of its own ran: _tuning.adopt) they come from there.  Other GPUs' rows stay as
+    they were."""
+    new = {k: str(v) for k, v in {**(base or {}), **(traits or {}), **chosen}.items()}
+    rows: list[dict[str, str]] = []
     if path.is_file():
         with path.open(newline="") as fh:
-            rows = [r for r in csv.DictReader(fh) if r["gpu"] != gpu]
-    rows += [{"gpu": gpu, "knob": k, "value": str(v)}
-             for k, v in {**(traits or {}), **chosen}.items()]
+            for r in csv.DictReader(fh):
+                if r["gpu"] == gpu:
+                    if base is not None and r["knob"] not in new:
+                        continue
+                    r = {**r, "value": new.pop(r["knob"], r["value"])}
+                rows.append(r)
+    # The GPU's new knobs after its last row (its rows stay where they were: a small diff).
+    at = max((i + 1 for i, r in enumerate(rows) if r["gpu"] == gpu), default=len(rows))
+    rows[at:at] = [{"gpu": gpu, "knob": k, "value": v} for k, v in new.items()]
     with path.open("w", newline="") as fh:
         out = csv.DictWriter(fh, ["gpu", "knob", "value"], lineterminator="\n")
         out.writeheader()
@@ -442,10 +464,10 @@ def main(argv=None) -> dict[str, int]:
     limits = _launch.device_limits(device.id)
     gpu = limits.gpu
     name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
-    row = _tuning.adopt(gpu, limits.traits)
+    ran = _tuning.adopt(gpu, limits.traits)
     name = name.decode() if isinstance(name, bytes) else name
     print(f"{name} (table key {gpu}, {limits.traits}); knobs in force: the row of "
-          f"{row or 'none (the defaults)'} in {_tuning.TABLE.name}", flush=True)
+          f"{ran or 'none (the defaults)'} in {_tuning.TABLE.name}", flush=True)
     work = _workloads(args.scale) + [w for k in knobs if "." in k
                                      for w in functor_workloads(k, args.scale)]
     # Each candidate's kernels are compiled ahead of its timing, all at once in a pool of
@@ -494,7 +516,8 @@ def main(argv=None) -> dict[str, int]:
     pool.shutdown()
     print("\n" + "\n".join(f"{gpu},{k},{v}" for k, v in chosen.items()))
     if args.write:
-        write_rows(_tuning.TABLE, gpu, chosen, limits.traits)
+        write_rows(_tuning.TABLE, gpu, chosen, limits.traits,
+                   None if ran == gpu else _tuning.values(ran))
         print(f"written to {_tuning.TABLE}")
     print(f"measurements: {out}")
     return chosen

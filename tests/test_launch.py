@@ -571,6 +571,36 @@ def test_row_hold_takes_the_fewest_blocks_that_hold_the_row(limits, cols, itemsi
         assert (k, stash) == (split, min(tiles, room))
 
 
+@pytest.mark.parametrize("alone, reread", [(3, 0), (2, 1), (1, 2)])
+@pytest.mark.parametrize("cols, itemsize", [(16385, 2), (32000, 2), (40000, 2), (65536, 2),
+                                            (128256, 2), (152064, 2), (256000, 2), (128256, 4)])
+def test_row_hold_gives_a_pair_the_rows_its_knobs_say(monkeypatch, alone, reread, cols,
+                                                      itemsize):
+    tile = BLOCK * _launch.ROW_VECS
+    vectors = cols // (16 // itemsize)
+    sm90 = dataclasses.replace(H100_OPTIN, clusters=True)
+    monkeypatch.setitem(_tuning._OVERRIDES, "", {"ROW_ALONE_STASH": alone,
+                                                 "ROW_PAIR_REREAD": reread})
+    plain = _launch.row_hold(cols, itemsize, 4, H100_OPTIN)
+    k, stash = _launch.row_hold(cols, itemsize, 4, sm90)
+    most = _tuning.value("ROW_STASH_TILES")
+    alone_tiles = _cdiv(vectors, tile)
+    pair_tiles = _cdiv(_cdiv(vectors, 2), tile)
+    # Without clusters the knobs change nothing.
+    monkeypatch.setitem(_tuning._OVERRIDES, "", {})
+    assert plain == _launch.row_hold(cols, itemsize, 4, H100_OPTIN)
+    if alone_tiles - 1 <= alone:
+        assert (k, stash) == (1, alone_tiles - 1)
+    elif pair_tiles - 1 <= most:
+        assert (k, stash) == (2, pair_tiles - 1)
+    elif pair_tiles - 1 - most <= reread:
+        # Past a pair's shared memory by at most `reread` tiles: still a pair, the rest read
+        # again from L2.
+        assert (k, stash) == (2, most)
+    else:
+        assert k > 2 and (k, stash) == plain
+
+
 @pytest.mark.parametrize("rows", [0, 1, 3, 131, 1000, 8192, 32768, 10**7])
 @pytest.mark.parametrize("cols, itemsize", [(10, 4), (4096, 4), (128256, 2), (2**21, 4)])
 @pytest.mark.parametrize("grad", [False, True])

@@ -323,6 +323,55 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
         assert a.dtype == b.dtype and cp.array_equal(a, b, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype, cols, rows, pair", [
+    (BFLOAT16, 65536, 40, True),     # four tiles: a pair, not one block with three kept
+    (BFLOAT16, 40000, 40, False),    # three tiles: one block with two kept
+    (BFLOAT16, 152064, 20, True),    # past a pair's shared memory by one tile: read again
+    (np.float32, 30003, 20, True),   # four tiles, odd length: head and tail elements
+])
+@pytest.mark.parametrize("extra", OPTION_SETS + [{"prob": True}])
+def test_rows_a_pair_takes_match_the_reference(monkeypatch, dtype, cols, rows, pair, extra):
+    """ROW_ALONE_STASH 2, ROW_PAIR_REREAD 1 (a cluster of two blocks for rows of four tiles, and
+    for rows a pair holds but for a tile): value, gradient and lse against float64; the
+    gradient written into the logits bitwise the same as into a new array."""
+    cp = _cupy()
+    cl = _cl()
+    from cupyloss import _launch, _rowwise, _tuning
+
+    limits = _launch.device_limits(cp.cuda.Device().id)
+    if not limits.clusters:
+        pytest.skip("this GPU has no thread block clusters (sm_90 and later)")
+    monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_ALONE_STASH": 2,
+                                                         "ROW_PAIR_REREAD": 1})
+    monkeypatch.setattr(_rowwise, "_PLANS", {})
+    rng = np.random.default_rng(cols + rows)
+    x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
+    opts = {k: v for k, v in extra.items() if k != "prob"}
+    if extra.get("prob"):
+        p = rng.random((rows, cols))
+        t, tr = _put(p / p.sum(axis=1, keepdims=True), dtype)
+        count = rows
+    else:
+        tr = _targets(rng, rows, cols, 0.2)
+        t = cp.asarray(tr)
+        count = int(np.sum(tr != -100))
+    want = ref.cross_entropy(xr, tr, None, **opts)
+    per_row = ref.cross_entropy(xr, tr, None, reduction="none", **opts)
+    gx_want, _ = ref.cross_entropy_grads(xr, tr, None, grad_output=1.0, **opts)
+    value, gx, lse = cl.cross_entropy_value_and_grad(x, t, return_lse=True, **opts)
+    (plan,) = _rowwise._PLANS.values()
+    k = plan.main.words[plan.main.slot["k"]]
+    assert (k == 2 and not plan.main.cooperative) is pair and (k == 1) is not pair
+    assert_close(to_host(value), want, dtype,
+                 _value_scale(_terms(xr, per_row, None, opts), "mean", count), "value")
+    assert_close(to_host(gx), gx_want, dtype, None, "gradient")
+    assert_close(to_host(lse), ref.lse(xr, opts.get("softcap", 0.0)), np.float32, None, "lse")
+    if not extra.get("prob"):
+        xin = x.copy()
+        value2, gx2 = cl.cross_entropy_value_and_grad(xin, t, inplace=True, **opts)
+        assert gx2 is xin and cp.array_equal(gx2, gx) and cp.array_equal(value2, value)
+
+
 @pytest.mark.parametrize("dtype", [BFLOAT16, np.float16, np.float32])
 @pytest.mark.parametrize("cols", [1000, 50257])     # a team's row; a cluster's (2 blocks)
 @pytest.mark.parametrize("extra", [{}, {"label_smoothing": 0.1}, {"softcap": 100.0}])

@@ -124,14 +124,25 @@ def test_every_tunable_knob_has_workloads():
             assert tune.tags(knob.name) <= have and tune.tags(knob.name), knob.name
 
 
-def test_tune_writes_its_gpus_rows_in_place_of_the_old(tmp_path, monkeypatch):
+def test_tune_writes_its_gpus_values_of_the_knobs_it_tried(tmp_path, monkeypatch):
     from cupyloss import tune
 
     path = tmp_path / "tuning.csv"
     path.write_text("gpu,knob,value\nh200,REDUCE_STEPS,8\nh200,FLAT_STEPS_GRAD,32\n"
                     "a100,REDUCE_STEPS,2\n")
-    tune.write_rows(path, "h200", {"REDUCE_STEPS": 1})
-    assert _tuning.read_table(path) == {"a100": {"REDUCE_STEPS": 2}, "h200": {"REDUCE_STEPS": 1}}
+    tune.write_rows(path, "h200", {"REDUCE_STEPS": 1, "ROW_PAIR_REREAD": 1})
+    # The knobs not tried keep their rows: a run of some knobs leaves the rest of the row.
+    assert _tuning.read_table(path) == {
+        "a100": {"REDUCE_STEPS": 2},
+        "h200": {"REDUCE_STEPS": 1, "FLAT_STEPS_GRAD": 32, "ROW_PAIR_REREAD": 1}}
+    # In place: the GPU's rows where they were, a new knob after them.
+    assert path.read_text().splitlines() == [
+        "gpu,knob,value", "h200,REDUCE_STEPS,1", "h200,FLAT_STEPS_GRAD,32",
+        "h200,ROW_PAIR_REREAD,1", "a100,REDUCE_STEPS,2"]
+    # A GPU that ran another's row (no row of its own) gets that row's values for the rest.
+    tune.write_rows(path, "h20", {"REDUCE_STEPS": 4}, None, {"REDUCE_STEPS": 8,
+                                                            "FLAT_STEPS_GRAD": 32})
+    assert _tuning.read_table(path)["h20"] == {"REDUCE_STEPS": 4, "FLAT_STEPS_GRAD": 32}
 
 
 def test_functors_are_math_and_their_shapes_the_tables():
