@@ -240,25 +240,15 @@ def test_long_rows_split_over_blocks(dtype, cols, rows, extra):
     assert cp.array_equal(value, value2) and cp.array_equal(gx, gx2)
 
 
-@pytest.mark.parametrize("dtype, cols, rows", [
-    (np.float32, 4096, 300),        # 128 threads hold a row; 64 take it in two tiles
-    (BFLOAT16, 16384, 40),          # a block holds it; 128 threads take it
-    (np.float16, 2049 * 8 + 3, 9),  # odd length past a block's registers: unchanged (k > 1)
-    (np.float32, 1000, 70),         # a warp holds it: unchanged
-    (np.float64, 3001, 33),         # head, tail and double states
-])
-@pytest.mark.parametrize("extra", OPTION_SETS + [{"weights": True}, {"prob": True}])
-def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, extra):
-    """ROW_GRAD_TILES 2: a gradient's team half the holding one (a warp at least) keeps one tile
-    in registers and reads the other again; value, gradient and lse against float64, the
-    gradient written into the logits bitwise the same as into a new array."""
+def _rows_match_the_reference(dtype, cols, rows, extra, check_plan):
+    """value_and_grad of random rows (extra: options, and "weights" or "prob" for class weights
+    or probability targets) in one plan, which check_plan is given: value, gradient and lse
+    against float64, the gradient written into the logits bitwise the same as into a new
+    array.  The caller sets the knobs and an empty plan cache."""
     cp = _cupy()
     cl = _cl()
-    from cupyloss import _launch, _rowwise, _tuning
+    from cupyloss import _rowwise
 
-    limits = _launch.device_limits(cp.cuda.Device().id)
-    monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_GRAD_TILES": 2})
-    monkeypatch.setattr(_rowwise, "_PLANS", {})
     rng = np.random.default_rng(cols + rows)
     x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
     opts = {k: v for k, v in extra.items() if k not in ("weights", "prob")}
@@ -277,10 +267,8 @@ def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, 
     per_row = ref.cross_entropy(xr, tr, wr, reduction="none", **opts)
     gx_want, _ = ref.cross_entropy_grads(xr, tr, wr, grad_output=1.0, **opts)
     value, gx, lse = cl.cross_entropy_value_and_grad(x, t, w, return_lse=True, **opts)
-    held, k = _launch.row_team(cols, np.dtype(dtype).itemsize)
     (plan,) = _rowwise._PLANS.values()
-    tpr = plan.main.words[plan.main.slot["tpr"]]
-    assert tpr == (held if k > 1 or held <= 32 else held // 2)
+    check_plan(plan)
     assert_close(to_host(value), want, dtype,
                  _value_scale(_terms(xr, per_row, wr, opts), "mean", count), "value")
     assert_close(to_host(gx), gx_want, dtype, None, "gradient")
@@ -289,6 +277,33 @@ def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, 
         xin = x.copy()
         value2, gx2 = cl.cross_entropy_value_and_grad(xin, t, w, inplace=True, **opts)
         assert gx2 is xin and cp.array_equal(gx2, gx) and cp.array_equal(value2, value)
+
+
+@pytest.mark.parametrize("dtype, cols, rows", [
+    (np.float32, 4096, 300),        # 128 threads hold a row; 64 take it in two tiles
+    (BFLOAT16, 16384, 40),          # a block holds it; 128 threads take it
+    (np.float16, 2049 * 8 + 3, 9),  # odd length past a block's registers: unchanged (k > 1)
+    (np.float32, 1000, 70),         # a warp holds it: unchanged
+    (np.float64, 3001, 33),         # head, tail and double states
+])
+@pytest.mark.parametrize("extra", OPTION_SETS + [{"weights": True}, {"prob": True}])
+def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, extra):
+    """ROW_GRAD_TILES 2: a gradient's team half the holding one (a warp at least) keeps one tile
+    in registers and reads the other again; value, gradient and lse against float64, the
+    gradient written into the logits bitwise the same as into a new array."""
+    cp = _cupy()
+    from cupyloss import _launch, _rowwise, _tuning
+
+    limits = _launch.device_limits(cp.cuda.Device().id)
+    monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_GRAD_TILES": 2})
+    monkeypatch.setattr(_rowwise, "_PLANS", {})
+    held, k = _launch.row_team(cols, np.dtype(dtype).itemsize)
+
+    def check_plan(plan):
+        tpr = plan.main.words[plan.main.slot["tpr"]]
+        assert tpr == (held if k > 1 or held <= 32 else held // 2)
+
+    _rows_match_the_reference(dtype, cols, rows, extra, check_plan)
 
 
 @pytest.mark.parametrize("dtype, cols, rows", [
@@ -335,7 +350,6 @@ def test_rows_a_pair_takes_match_the_reference(monkeypatch, dtype, cols, rows, p
     for rows a pair holds but for a tile): value, gradient and lse against float64; the
     gradient written into the logits bitwise the same as into a new array."""
     cp = _cupy()
-    cl = _cl()
     from cupyloss import _launch, _rowwise, _tuning
 
     limits = _launch.device_limits(cp.cuda.Device().id)
@@ -344,32 +358,12 @@ def test_rows_a_pair_takes_match_the_reference(monkeypatch, dtype, cols, rows, p
     monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_ALONE_STASH": 2,
                                                          "ROW_PAIR_REREAD": 1})
     monkeypatch.setattr(_rowwise, "_PLANS", {})
-    rng = np.random.default_rng(cols + rows)
-    x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
-    opts = {k: v for k, v in extra.items() if k != "prob"}
-    if extra.get("prob"):
-        p = rng.random((rows, cols))
-        t, tr = _put(p / p.sum(axis=1, keepdims=True), dtype)
-        count = rows
-    else:
-        tr = _targets(rng, rows, cols, 0.2)
-        t = cp.asarray(tr)
-        count = int(np.sum(tr != -100))
-    want = ref.cross_entropy(xr, tr, None, **opts)
-    per_row = ref.cross_entropy(xr, tr, None, reduction="none", **opts)
-    gx_want, _ = ref.cross_entropy_grads(xr, tr, None, grad_output=1.0, **opts)
-    value, gx, lse = cl.cross_entropy_value_and_grad(x, t, return_lse=True, **opts)
-    (plan,) = _rowwise._PLANS.values()
-    k = plan.main.words[plan.main.slot["k"]]
-    assert (k == 2 and not plan.main.cooperative) is pair and (k == 1) is not pair
-    assert_close(to_host(value), want, dtype,
-                 _value_scale(_terms(xr, per_row, None, opts), "mean", count), "value")
-    assert_close(to_host(gx), gx_want, dtype, None, "gradient")
-    assert_close(to_host(lse), ref.lse(xr, opts.get("softcap", 0.0)), np.float32, None, "lse")
-    if not extra.get("prob"):
-        xin = x.copy()
-        value2, gx2 = cl.cross_entropy_value_and_grad(xin, t, inplace=True, **opts)
-        assert gx2 is xin and cp.array_equal(gx2, gx) and cp.array_equal(value2, value)
+
+    def check_plan(plan):
+        k = plan.main.words[plan.main.slot["k"]]
+        assert (k == 2 and not plan.main.cooperative) is pair and (k == 1) is not pair
+
+    _rows_match_the_reference(dtype, cols, rows, extra, check_plan)
 
 
 @pytest.mark.parametrize("dtype", [BFLOAT16, np.float16, np.float32])
