@@ -16,11 +16,15 @@ the caller has imported them.
                     handshake orders it after JAX's producer); results are jax.Arrays.
   other DLPack      any object with __dlpack__ and a CUDA __dlpack_device__; results are
                     cupy.ndarrays.
+  given memory      GivenArrays (a cupy.ndarray subclass) on CuPy's current stream; results are
+                    placed in buffers the caller owns and scratch is carved from one buffer it
+                    gives (a Region: how cupyloss.jax fills XLA's result buffers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import sys
 
@@ -250,6 +254,150 @@ def _jax_back(a):
     import jax.dlpack
 
     return jax.dlpack.from_dlpack(a)
+
+
+# --- given memory: results written into buffers the caller owns --------------------------------------
+
+ALIGN = 256     # bytes: every piece carved from a scratch buffer starts on this boundary
+
+
+def carve(used: int, nbytes: int) -> tuple[int, int]:
+    """(offset of a piece of `nbytes` bytes placed after `used` bytes, the bytes used after it):
+    pieces start on ALIGN-byte boundaries."""
+    offset = -(-used // ALIGN) * ALIGN
+    return offset, offset + nbytes
+
+
+class Region:
+    """The memory a call may use (Quack's *_out pattern): its result buffers, in the order the
+    caller declared them, and one scratch buffer of `size` bytes at `base` that every other
+    allocation of the call is carved from.
+
+    A result the engine allocates takes the first unclaimed buffer of its shape and dtype; what
+    matches none is carved from scratch, or, past its end, taken from CuPy's pool and counted in
+    `pooled` (the caller sized scratch too small; the numbers are still right).  `dry`: nothing
+    behind the pointers (a measuring run whose launches are captured, never run): zeros are not
+    written and `used` grows past any size, so that it measures the scratch a call needs."""
+
+    __slots__ = ("outs", "claimed", "base", "size", "used", "device", "owner", "dry", "pooled")
+
+    def __init__(self, outs, base: int, size: int, device: int, owner=None, dry=False):
+        self.outs = list(outs)      # cupy.ndarrays over the result buffers
+        self.claimed = [False] * len(self.outs)
+        self.base, self.size, self.used = base, size, 0
+        self.device, self.owner, self.dry = device, owner, dry
+        self.pooled = 0
+
+    def take(self, shape, dtype):
+        """A result buffer of this shape and dtype, or None."""
+        for k, out in enumerate(self.outs):
+            if not self.claimed[k] and out.shape == shape and out.dtype == dtype:
+                self.claimed[k] = True
+                return out
+        return None
+
+    def piece(self, nbytes: int):
+        """A cupy MemoryPointer to `nbytes` bytes of scratch (CuPy's pool past its end)."""
+        import cupy
+
+        offset, end = carve(self.used, nbytes)
+        if not self.dry and end > self.size:
+            self.pooled += 1
+            return cupy.get_default_memory_pool().malloc(nbytes)
+        self.used = end
+        memory = cupy.cuda.UnownedMemory(self.base + offset, max(nbytes, 1), self.owner,
+                                         self.device)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+
+class GivenFrame(CupyFrame):
+    """CuPy arrays of the GivenArray type in; results placed in the current thread's Region
+    (`given`), so that a caller that owns its output memory (XLA) gets results written straight
+    into it and nothing is allocated beside it.  Launches go to CuPy's current stream."""
+
+    _local = None
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        GivenFrame._local = threading.local()
+
+    @classmethod
+    def region(cls) -> Region:
+        region = getattr(cls._local, "region", None)
+        if region is None:
+            raise RuntimeError("cupyloss: GivenArray operands are read only inside "
+                               "_dispatch.given(region)")
+        return region
+
+    def empty(self, shape, dtype, like):
+        region = self.region()
+        out = region.take(tuple(shape), dtype)
+        if out is None:
+            out = self._ndarray(shape, dtype, region.piece(math.prod(shape) * dtype.itemsize))
+        return out, out.data.ptr
+
+    def empty_like(self, a):
+        return self.empty(a.shape, a.dtype, a)
+
+    def zeros(self, shape, dtype, like):
+        a, ptr = self.empty(shape, dtype, like)
+        if not self.region().dry and a.nbytes:
+            self._cupy.cuda.runtime.memsetAsync(ptr, 0, a.nbytes,
+                                                self._get_stream().ptr)
+        return a, ptr
+
+    def scratch_allocator(self):
+        """CuPy allocations inside the block are carved from the region's scratch."""
+        return self._cupy.cuda.using_allocator(self.region().piece)
+
+
+_GIVEN: list = []       # [the GivenArray type], made on first use
+
+
+def given_array_type():
+    """The cupy.ndarray subclass whose instances the engines read through GivenFrame."""
+    if not _GIVEN:
+        import cupy
+
+        class GivenArray(cupy.ndarray):
+            """A CuPy array whose call writes its results into a given Region."""
+
+        _FRAMES[GivenArray] = GivenFrame()
+        _GIVEN.append(GivenArray)
+    return _GIVEN[0]
+
+
+def given_view(ptr: int, shape, dtype, device: int, owner=None):
+    """A GivenArray over `ptr` (C-contiguous, not owned: `owner` is kept alive with it)."""
+    import cupy
+
+    dtype = numpy.dtype(dtype)
+    memory = cupy.cuda.UnownedMemory(ptr, max(1, math.prod(shape)) * dtype.itemsize, owner,
+                                     device)
+    return given_array_type()(tuple(shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+class given:
+    """Calls on GivenArrays inside the block place their results in `region` (nests; one
+    region per thread)."""
+
+    __slots__ = ("region", "outer")
+
+    def __init__(self, region: Region):
+        given_array_type()
+        self.region = region
+
+    def __enter__(self) -> Region:
+        local = GivenFrame._local
+        self.outer = getattr(local, "region", None)
+        local.region = self.region
+        return self.region
+
+    def __exit__(self, *exc):
+        GivenFrame._local.region = self.outer
+        return False
 
 
 # --- finding the frame ------------------------------------------------------------------------------

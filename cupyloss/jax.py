@@ -13,11 +13,13 @@ be wrapped is left out with a RuntimeWarning and its reason in ``cupyloss.jax.SK
 How it runs: each call is a ``jax.experimental.buffer_callback`` (JAX 0.7 or later): under jit
 it is a node of the XLA program that hands the callback XLA's device buffers and XLA's CUDA
 stream, and the kernels are launched on that stream, so the loss is ordered with the rest of
-the program and the host never waits.  Inputs are read in place (zero-copy); results are
-allocated from CuPy's memory pool and copied into XLA's result buffers with one device-to-device
-memcpy each (the engine has no entry point yet that writes into given buffers).  With
-XLA_PYTHON_CLIENT_PREALLOCATE unset JAX keeps 75% of the GPU for itself: give CuPy room with
-XLA_PYTHON_CLIENT_PREALLOCATE=false or XLA_PYTHON_CLIENT_MEM_FRACTION.
+the program and the host never waits.  Inputs are read in place and the kernels write their
+results straight into XLA's result buffers (_dispatch.GivenFrame); the few bytes of scratch a
+call needs (per-block partial sums, counters) are one more XLA result of the callback, sized
+when the call is traced by a run of the same code on fake pointers whose launches are captured
+into a CUDA graph and thrown away (which also compiles the kernels, so the first call does not).
+Nothing comes from CuPy's memory pool, so JAX's default preallocation (75% of the GPU) needs no
+setting; the only memory outside XLA's is the last-block tickets, 4 MiB a GPU, allocated once.
 
 Gradients (jax.custom_vjp, symbolic_zeros=True, so only the arguments being differentiated get
 one): for a reduced loss the forward pass runs value_and_grad once and the backward multiplies
@@ -47,6 +49,7 @@ import numpy
 
 import cupyloss
 from cupyloss import _dispatch, _dtypes, _reduction, _validate
+from cupyloss import _engine as _core_engine
 from cupyloss._registry import all_losses
 
 try:
@@ -62,48 +65,91 @@ SPECS = all_losses()
 
 
 class _Kernels:
-    """What the callbacks run: CuPy views of XLA's buffers, cupyloss's functions, copies back."""
+    """What the callbacks run: cupyloss's functions on views of XLA's buffers, their results
+    placed in XLA's result buffers and their scratch carved from one XLA-allocated buffer
+    (_dispatch.Region), measured for each call signature by a run whose launches are captured
+    and thrown away."""
 
-    def view(self, buffer):
-        """A cupy.ndarray over an XLA buffer's device memory (no copy)."""
+    def __init__(self):
+        self.copies = 0         # results copied into XLA's buffer instead of written there
+        self.pooled = 0         # allocations that fell back to CuPy's pool
+        self._streams = {}      # CUDA ordinal -> the stream measuring runs are captured on
+        self._external = {}     # (XLA's stream, device) -> its cupy.cuda.Stream
+        self._views = {}        # (pointer, shape, dtype, device) -> GivenArray
+
+    def view(self, buffer, dtype, device):
+        """A GivenArray of `dtype` over an XLA buffer's memory on CUDA device `device` (no
+        copy; XLA hands the same addresses out again and again, so views are kept by address,
+        shape and dtype).  bfloat16 travels as uint16 (`_call`): __cuda_array_interface__
+        cannot spell it, and reading an address through DLPack waits for XLA's stream."""
+        ptr = buffer.__cuda_array_interface__["data"][0]
+        key = (ptr, buffer.shape, dtype, device)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            view = self._views[key] = _dispatch.given_view(ptr, buffer.shape, dtype, device)
+        return view
+
+    def call(self, ctx, first, outs, dtypes, scratch):
+        """The context of one callback: XLA's stream and its device current for CuPy, and the
+        engine's results placed in XLA's result buffers `outs` (of `dtypes`) with its scratch
+        carved from the byte buffer `scratch` (None for none).  Entering gives the device and
+        the targets `place` fills."""
         import cupy
 
-        device = _cuda_device(buffer)
-        dtype = numpy.dtype(buffer.dtype)
-        try:
-            ptr = buffer.__cuda_array_interface__["data"][0]
-        except Exception:  # dtypes the interface cannot spell (bfloat16) go through DLPack
-            return cupy.from_dlpack(buffer)
-        shape = tuple(buffer.shape)
-        memory = cupy.cuda.UnownedMemory(ptr, max(1, math.prod(shape)) * dtype.itemsize, buffer,
-                                         device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+        device = _cuda_device(first)
+        key = (ctx.stream, device)
+        stream = self._external.get(key)
+        if stream is None:
+            with cupy.cuda.Device(device):
+                stream = self._external[key] = cupy.cuda.Stream.from_external(
+                    _dispatch.RawStream(ctx.stream))
+        targets = [self.view(b, d, device) for b, d in zip(outs, dtypes)]
+        base, size = (self.view(scratch, _BYTE, device).data.ptr, scratch.shape[0]) \
+            if scratch is not None else (0, 0)
+        return _Call(self, cupy.cuda.Device(device), stream,
+                     _dispatch.Region(targets, base, size, device))
 
-    def stream(self, ctx, buffer):
-        """A context manager making XLA's stream (and the buffer's device) current for CuPy."""
-        import contextlib
-
+    def place(self, target, result) -> None:
+        """Make sure XLA's buffer `target` holds `result`: written there by the kernels, or else
+        copied (counted in `copies`)."""
         import cupy
 
-        device = _cuda_device(buffer)
-        stack = contextlib.ExitStack()
-        stack.enter_context(cupy.cuda.Device(device))
-        stack.enter_context(cupy.cuda.Stream.from_external(_dispatch.RawStream(ctx.stream)))
-        return stack
-
-    def write(self, out, result) -> None:
-        """Copy a CuPy result into an XLA result buffer on the current stream."""
-        import cupy
-
-        if result.size == 0:
+        if result.size == 0 or result.data.ptr == target.data.ptr:
             return
-        target = self.view(out)
         if target.shape != result.shape or target.dtype != result.dtype:
             raise ValueError(f"cupyloss.jax: the kernels gave {result.dtype}{result.shape} for "
                              f"a result declared {target.dtype}{target.shape}")
+        self.copies += 1
         cupy.cuda.runtime.memcpyAsync(target.data.ptr, result.data.ptr, result.nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToDevice,
                                       cupy.cuda.get_current_stream().ptr)
+
+    def scratch_bytes(self, run, arrays, results) -> int:
+        """The scratch bytes `run(views)` needs for arguments and results of these shapes and
+        dtypes: the most over the kinds of GPU JAX has, each measured by one run on fake
+        pointers (a dry Region) whose launches are captured into a CUDA graph and thrown away.
+        Plans are built and kernels compiled on the way, so the first real call finds them."""
+        import cupy
+
+        need = 0
+        for ordinal in _ordinals():
+            with cupy.cuda.Device(ordinal):
+                stream = self._streams.get(ordinal)
+                if stream is None:
+                    stream = self._streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
+                _core_engine.ticket(ordinal, stream.ptr)    # allocated before the capture
+                address = iter(_fake_addresses([*arrays, *results]))
+                views = [_dispatch.given_view(next(address), a.shape, a.dtype, ordinal)
+                         for a in arrays]
+                outs = [_dispatch.given_view(next(address), r.shape, r.dtype, ordinal)
+                        for r in results]
+                region = _dispatch.Region(outs, next(address), 0, ordinal, dry=True)
+                if not _captured(stream, run, views, region):
+                    return 0
+            need = max(need, region.used)
+        return need
 
     def value(self, name, arrays, reduction, options):
         return getattr(cupyloss, name)(*arrays, reduction=reduction, **options)
@@ -115,6 +161,93 @@ class _Kernels:
     def backward(self, name, grad_output, arrays, reduction, options, wrt):
         return getattr(cupyloss, name + "_backward")(grad_output, *arrays, reduction=reduction,
                                                      wrt=wrt, **options)
+
+
+class _Call:
+    """_Kernels.call's context: device, stream and Region entered and left together."""
+
+    __slots__ = ("kernels", "device", "stream", "region", "given")
+
+    def __init__(self, kernels, device, stream, region):
+        self.kernels, self.device, self.stream, self.region = kernels, device, stream, region
+        self.given = _dispatch.given(region)
+
+    def __enter__(self):
+        self.device.__enter__()
+        self.stream.__enter__()
+        self.given.__enter__()
+        return self.region.device, self.region.outs
+
+    def __exit__(self, *exc):
+        self.given.__exit__(*exc)
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+        self.kernels.pooled += self.region.pooled
+        return False
+
+
+_BYTE = numpy.dtype(numpy.uint8)
+# What a dtype travels as through the callback: bfloat16 as its bits (see _Kernels.view).
+_WIRE = {numpy.dtype(_dtypes._BFLOAT16): numpy.dtype(numpy.uint16)} if _dtypes._BFLOAT16 \
+    is not None else {}
+
+
+def _captured(stream, run, views, region) -> bool:
+    """run(views) in `region` with its launches captured on `stream` and thrown away: True, or
+    False with a RuntimeWarning when the run did something capture forbids (a call that reads
+    values back, such as an opt-in check: its scratch then comes from CuPy's pool).  Errors of
+    the call itself (bad shapes, options) are raised: they surface while tracing."""
+    from cupy_backends.cuda.api import driver, runtime
+
+    with stream:
+        runtime.streamBeginCapture(stream.ptr, runtime.streamCaptureModeRelaxed)
+        try:
+            with _dispatch.given(region):
+                run(views)
+        except (runtime.CUDARuntimeError, driver.CUDADriverError) as exc:
+            _end_capture(stream)
+            warnings.warn(f"cupyloss.jax could not measure this call's scratch ({exc}); it "
+                          f"will take its scratch from CuPy's pool", RuntimeWarning,
+                          stacklevel=2)
+            return False
+        except BaseException:
+            _end_capture(stream)
+            raise
+        _end_capture(stream)
+    return True
+
+
+def _end_capture(stream) -> None:
+    """End `stream`'s capture and destroy what it recorded (nothing, when it was invalidated)."""
+    from cupy_backends.cuda.api import runtime
+
+    try:
+        graph = runtime.streamEndCapture(stream.ptr)
+    except runtime.CUDARuntimeError:
+        return
+    if graph:
+        runtime.graphDestroy(graph)
+
+
+def _ordinals() -> list:
+    """One CUDA ordinal per kind of GPU among JAX's local devices."""
+    kinds = {}
+    for d in jax.local_devices():
+        if d.platform == "gpu":
+            ordinal = getattr(d, "local_hardware_id", None)
+            kinds.setdefault(d.device_kind, d.id if ordinal is None else ordinal)
+    return list(kinds.values())
+
+
+def _fake_addresses(structs):
+    """Addresses no memory is behind, one per struct and one for scratch, ALIGN-aligned and
+    apart, that a measuring run's captured launches name."""
+    at = 1 << 46
+    for s in structs:
+        yield at
+        at = _dispatch.carve(at, max(1, math.prod(s.shape)) * numpy.dtype(s.dtype).itemsize)[1]
+        at = _dispatch.carve(at, 0)[0]
+    yield at
 
 
 def _cuda_device(buffer) -> int:
@@ -138,36 +271,85 @@ def _split(name, options, extra, views):
     return views[:n], {**dict(options), **dict(zip(extra, views[n:]))}
 
 
-def _value_callback(name, reduction, options, extra):
-    def callback(ctx, out, *arrays):
-        with _engine.stream(ctx, arrays[0]):
-            views, kw = _split(name, options, extra, [_engine.view(a) for a in arrays])
-            _engine.write(out, _engine.value(name, views, reduction, kw))
+def _body(kind, name, reduction, options, extra, wrt):
+    """run(views) -> the results in declared order, for one kind of call: "value" (the loss),
+    "value_and_grad" (the loss, then the gradients of `wrt`) or "backward" (grad_output first
+    among the views; the gradients of `wrt`)."""
+    def run(views):
+        go = None
+        if kind == "backward":
+            go, views = views[0], views[1:]
+        arrays, kw = _split(name, options, extra, views)
+        if kind == "value":
+            return [_engine.value(name, arrays, reduction, kw)]
+        if kind == "value_and_grad":
+            value, grads = _engine.value_and_grad(name, arrays, reduction, kw, wrt)
+            return [value, *grads]
+        return list(_engine.backward(name, go, arrays, reduction, kw, wrt))
 
-    return callback
-
-
-def _value_and_grad_callback(name, reduction, options, extra, wrt):
-    def callback(ctx, out, *arrays):
-        with _engine.stream(ctx, arrays[0]):
-            views, kw = _split(name, options, extra, [_engine.view(a) for a in arrays])
-            value, grads = _engine.value_and_grad(name, views, reduction, kw, wrt)
-            _engine.write(out[0], value)
-            for buffer, grad in zip(out[1], grads):
-                _engine.write(buffer, grad)
-
-    return callback
+    return run
 
 
-def _backward_callback(name, reduction, options, extra, wrt):
-    def callback(ctx, out, grad_output, *arrays):
-        with _engine.stream(ctx, arrays[0]):
-            views, kw = _split(name, options, extra, [_engine.view(a) for a in arrays])
-            grads = _engine.backward(name, _engine.view(grad_output), views, reduction, kw, wrt)
-            for buffer, grad in zip(out, grads):
-                _engine.write(buffer, grad)
+@functools.lru_cache(maxsize=4096)
+def _scratch(kind, name, reduction, options, extra, wrt, arrays, results, engine) -> int:
+    """_engine.scratch_bytes of one call signature (arrays, results: (shape, dtype) pairs),
+    measured once."""
+    return _engine.scratch_bytes(_body(kind, name, reduction, options, extra, wrt),
+                                 [_struct(*a) for a in arrays], [_struct(*r) for r in results])
 
-    return callback
+
+def _call(kind, name, reduction, options, extra, wrt, arrays, results):
+    """The results (jax.Arrays of `results`' shapes and dtypes) of one buffer_callback running
+    `kind` on `arrays`; any scratch it needs is one more XLA result, dropped here."""
+    run = _body(kind, name, reduction, options, extra, wrt)
+    dtypes = [numpy.dtype(a.dtype) for a in arrays]
+    out_dtypes = [numpy.dtype(r.dtype) for r in results]
+    scratch = _scratch(kind, name, reduction, options, extra, wrt,
+                       tuple((tuple(a.shape), d) for a, d in zip(arrays, dtypes)),
+                       tuple((tuple(r.shape), d) for r, d in zip(results, out_dtypes)),
+                       id(_engine))
+    structs = tuple(_struct(r.shape, _WIRE.get(d, d)) for r, d in zip(results, out_dtypes))
+    structs += (_struct((scratch,), _BYTE),) if scratch else ()
+    n = len(results)
+
+    def callback(ctx, out, *buffers):
+        engine = _engine
+        with engine.call(ctx, buffers[0], out[:n], out_dtypes,
+                         out[n] if scratch else None) as (device, targets):
+            got = run([engine.view(b, d, device) for b, d in zip(buffers, dtypes)])
+            for target, result in zip(targets, got):
+                engine.place(target, result)
+
+    wired = [jax.lax.bitcast_convert_type(a, _WIRE[d]) if d in _WIRE else a
+             for a, d in zip(arrays, dtypes)]
+    # vmap runs the callback once per element ("sequential").
+    got = buffer_callback(callback, structs, vmap_method="sequential")(*wired)[:n]
+    got = [jax.lax.bitcast_convert_type(r, d) if d in _WIRE else r
+           for r, d in zip(got, out_dtypes)]
+    # Inside shard_map the results vary over the mesh axes their arguments vary over (each
+    # device computes its own shard's); the callback's results do not say so themselves.
+    axes = tuple(sorted(frozenset().union(*map(_vma, arrays))))
+    return [_varying(r, axes) for r in got] if axes else got
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes `x` varies over inside shard_map (its type's vma; empty outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:     # JAX versions that keep it in the manual axis type
+        vma = getattr(getattr(aval, "mat", None), "varying", ())
+    return frozenset(vma)
+
+
+def _varying(x, axes):
+    """`x` marked as varying over the mesh axes `axes` (jax.lax.pcast; pvary before it)."""
+    have = _vma(x)
+    axes = tuple(a for a in axes if a not in have)
+    if not axes:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
 
 
 def _struct(shape, dtype):
@@ -197,9 +379,13 @@ def _loss_shape(name, arrays, reduction):
 
 
 @functools.lru_cache(maxsize=None)
-def _function(name, reduction, options, extra=()):
+def _function(name, reduction, options, extra=(), symbolic=True):
     """The custom_vjp function of the arrays for one loss, reduction and options: the required
-    arrays, then the array options named in `extra` (weight, pos_weight), which get no gradient."""
+    arrays, then the array options named in `extra` (weight, pos_weight), which get no gradient.
+
+    symbolic: the forward pass learns which arrays are differentiated (symbolic zeros) and
+    computes only their gradients.  JAX refuses that inside shard_map; there (False) every
+    floating array the loss differentiates gets its gradient, and the array options a zero one."""
     names = SPECS[name].arrays
     # Arrays without a gradient (a registry entry's `differentiable` leaves them out) get a zero
     # cotangent.
@@ -209,17 +395,22 @@ def _function(name, reduction, options, extra=()):
 
     def value(*arrays):
         shape = _loss_shape(name, arrays[:n], reduction)
-        call = buffer_callback(_value_callback(name, reduction, options, extra),
-                               _struct(shape, arrays[0].dtype), vmap_method="sequential")
-        return call(*arrays)
+        return _call("value", name, reduction, options, extra, (), arrays,
+                     (_struct(shape, arrays[0].dtype),))[0]
 
     def forward(*primals):
-        arrays = tuple(p.value for p in primals)
-        for option, p in zip(extra, primals[n:]):
-            if p.perturbed:
-                raise NotImplementedError(f"cupyloss.jax.{name} has no gradient with respect to "
-                                          f"{option}; pass it through jax.lax.stop_gradient")
-        wrt = tuple(a for a, p in zip(names, primals) if p.perturbed and a in differentiable)
+        if symbolic:
+            arrays = tuple(p.value for p in primals)
+            for option, p in zip(extra, primals[n:]):
+                if p.perturbed:
+                    raise NotImplementedError(f"cupyloss.jax.{name} has no gradient with respect "
+                                              f"to {option}; pass it through "
+                                              f"jax.lax.stop_gradient")
+            wrt = tuple(a for a, p in zip(names, primals) if p.perturbed and a in differentiable)
+        else:
+            arrays = primals
+            wrt = tuple(a for a, x in zip(names, arrays)
+                        if a in differentiable and jnp.issubdtype(x.dtype, jnp.floating))
         if reduction == "none" or not wrt:
             markers = tuple(jnp.zeros((0,), jnp.bool_) if a in wrt else None
                             for a in names)
@@ -227,16 +418,15 @@ def _function(name, reduction, options, extra=()):
         shape = _loss_shape(name, arrays[:n], reduction)
         index = {a: k for k, a in enumerate(names)}
         structs = (_struct(shape, arrays[0].dtype),
-                   tuple(_struct(arrays[index[w]].shape, arrays[0].dtype) for w in wrt))
-        call = buffer_callback(_value_and_grad_callback(name, reduction, options, extra, wrt),
-                               structs, vmap_method="sequential")
-        loss, grads = call(*arrays)
+                   *[_struct(arrays[index[w]].shape, arrays[0].dtype) for w in wrt])
+        loss, *grads = _call("value_and_grad", name, reduction, options, extra, wrt, arrays,
+                             structs)
         grads = iter(grads)
         return loss, (tuple(next(grads) if a in wrt else None for a in names), None, None)
 
     def backward(residuals, g):
         saved, arrays, markers = residuals
-        if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        if symbolic and isinstance(g, jax.custom_derivatives.SymbolicZero):
             return (None,) * total
         if saved is not None:
             return (*[None if s is None else g * s for s in saved], *[None] * len(extra))
@@ -245,14 +435,13 @@ def _function(name, reduction, options, extra=()):
             return (None,) * total
         structs = tuple(_struct(a.shape, a.dtype) for a, m in zip(arrays, markers)
                         if m is not None)
-        call = buffer_callback(_backward_callback(name, reduction, options, extra, wrt), structs,
-                               vmap_method="sequential")
-        grads = iter(call(g, *arrays))
+        grads = iter(_call("backward", name, reduction, options, extra, wrt, (g, *arrays),
+                           structs))
         return (*[next(grads) if m is not None else None for m in markers],
                 *[None] * len(extra))
 
     function = jax.custom_vjp(value)
-    function.defvjp(forward, backward, symbolic_zeros=True)
+    function.defvjp(forward, backward, symbolic_zeros=symbolic)
     return function
 
 
@@ -284,8 +473,13 @@ def _make(name):
                                 f"{type(v).__name__}")
             options.append((option, v))
         arrays = [jnp.asarray(values[a]) for a in spec.arrays]
-        return _function(name, values["reduction"], tuple(options), tuple(extra))(*arrays,
-                                                                                  *extras)
+        key = (name, values["reduction"], tuple(options), tuple(extra))
+        try:
+            return _function(*key)(*arrays, *extras)
+        except NotImplementedError as exc:
+            if "shard_map" not in str(exc):
+                raise
+            return _function(*key, symbolic=False)(*arrays, *extras)
 
     loss.__name__ = loss.__qualname__ = name
     loss.__module__ = __name__

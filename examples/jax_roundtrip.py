@@ -1,19 +1,19 @@
 """cupyloss losses inside JAX programs: jax.jit, jax.grad and a small training loop.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python examples/jax_roundtrip.py
+    python examples/jax_roundtrip.py
 
-For each loss and reduction, the value and both gradients of cupyloss.jax under
-jax.jit(jax.value_and_grad(...)) are checked against the same expression written in jax.numpy;
-then a linear model is fitted by gradient descent twice, once with cupyloss.jax.mse_loss and once
-with the jnp formula, and the two final losses are compared.  Prints what it checked and exits
-non-zero if a check fails.
+Runs with JAX's own memory settings (it preallocates 75% of the GPU): the kernels write into
+XLA's buffers and take nothing from CuPy's memory pool, which the example checks.  For each loss
+and reduction, the value and both gradients of cupyloss.jax under jax.jit(jax.value_and_grad(...))
+are checked against the same expression written in jax.numpy; then a linear model is fitted by
+gradient descent twice, once with cupyloss.jax.mse_loss and once with the jnp formula, and the
+two final losses are compared; last, the three losses' jit(value_and_grad) on [8192, 8192]
+float32 are timed against XLA's fused jnp versions (cupyloss.bench_jax has every loss).  Prints
+what it checked and exits non-zero if a check fails.
 """
 
 import os
 import sys
-
-# The kernels' results come from CuPy's pool beside XLA's: keep JAX from preallocating the GPU.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _setup():
@@ -96,6 +96,30 @@ def main() -> int:
     ok &= good
     print(f"linear fit, 200 steps of gradient descent: final loss {final_ours:.6g} (cupyloss) "
           f"{final_theirs:.6g} (jnp) {'ok' if good else 'MISMATCH'}")
+
+    import cupy
+
+    from cupyloss import bench_jax
+
+    setting = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "unset: JAX preallocated")
+    limit = jax.devices()[0].memory_stats().get("bytes_limit", 0)
+    pooled = cupy.get_default_memory_pool().total_bytes()
+    copies = JL._engine.copies + JL._engine.pooled
+    good = pooled == 0 and copies == 0
+    ok &= good
+    print(f"memory: XLA_PYTHON_CLIENT_PREALLOCATE {setting}, XLA's pool {limit / 2**30:.1f} GiB; "
+          f"CuPy's pool {pooled} bytes, results copied or pooled {copies} "
+          f"{'ok' if good else 'MISMATCH'}")
+    bw = bench_jax.copy_bandwidth(reps=5, calls=10)
+    print(f"jit(value_and_grad) on [8192, 8192] float32, ms per call (XLA copy {bw:.0f} GB/s):")
+    print(f"{'case':46} {'cupyloss':>8} {'XLA':>8} {'XLA/ours':>8} {'%lim':>6} {'XLA%':>6}")
+    elementwise = bench_jax._jnp_losses()
+    for name in inputs:
+        arrays = bench_jax._pointwise_arrays(name, 8192, jnp.float32, jax.random.key(0))
+        bench_jax._case(name, name, arrays, bench_jax._ours(name),
+                        bench_jax._theirs_pointwise(elementwise[name]),
+                        sum(a.nbytes for a in arrays) + arrays[0].nbytes, bw, reps=5, calls=10)
+        del arrays
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -203,3 +203,22 @@ def ref_grads(name, arrays, reduction, grad_output=1.0, **options) -> tuple:
     every = reference.grads(name, *arrays, reduction=reduction, grad_output=grad_output,
                             **_numeric(options))
     return tuple(every[:len(SPECS[name].arrays)])
+
+
+def float32_arguments(name, shape=(4, 5), target_shape=None, seed=0, with_optional=False):
+    """(the loss's required arrays, keyword arrays) as float32 NumPy arrays inside each loss's
+    smooth region (`operands`); class indices as int32 (JAX's default integer)."""
+    arrays, extras = operands(name, shape, target_shape, with_optional, seed)
+
+    def cast(a):
+        return a.astype(np.float32 if np.issubdtype(a.dtype, np.floating) else np.int32)
+
+    return tuple(map(cast, arrays)), {k: cast(v) for k, v in extras.items()}
+
+
+def floating_argnums(args, name=None):
+    """Indices of the arrays jax.grad can differentiate (not class indices) and, given the loss's
+    name, that the loss gives a gradient (cosine_embedding_loss's target has none)."""
+    every = has_gradient(name) if name else (True,) * len(args)
+    return tuple(i for i, (a, g) in enumerate(zip(args, every))
+                 if np.issubdtype(a.dtype, np.floating) and g)

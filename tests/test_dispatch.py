@@ -141,3 +141,23 @@ def test_unsupported_dtype_names_the_argument_and_the_supported_ones():
     err = _validate.unsupported_dtype("target", "int64")
     assert isinstance(err, TypeError)
     assert str(err).startswith("target has dtype int64; cupyloss supports float16")
+
+
+def test_given_region_hands_out_results_in_declared_order_then_scratch():
+    """A Region (how cupyloss.jax fills XLA's buffers): each result takes the first unclaimed
+    buffer of its shape and dtype; pieces of scratch start on ALIGN-byte boundaries."""
+    from cupyloss import _dispatch
+
+    f32 = np.dtype(np.float32)
+    outs = [np.empty((), f32), np.empty((4, 5), f32), np.empty((4, 5), f32)]
+    region = _dispatch.Region(outs, base=4096, size=1000, device=0)
+    assert region.take((4, 5), f32) is outs[1]
+    assert region.take((), np.dtype(np.float64)) is None          # a dtype of none of them
+    assert region.take((4, 5), f32) is outs[2]
+    assert region.take((4, 5), f32) is None                       # both taken
+    assert region.take((), f32) is outs[0]
+    align = _dispatch.ALIGN
+    assert _dispatch.carve(0, 10) == (0, 10)
+    assert _dispatch.carve(10, 5) == (align, align + 5)
+    assert _dispatch.carve(align, 0) == (align, align)
+    assert _dispatch.carve(align + 1, 8) == (2 * align, 2 * align + 8)

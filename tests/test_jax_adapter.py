@@ -34,17 +34,27 @@ class ReferenceEngine:
 
     def __init__(self):
         self.calls = []
+        self.measured = []      # (argument shapes, result shapes) of each measuring run
+        self.scratch = []       # the scratch buffer's shape each callback got
 
-    def view(self, buffer):
-        return np.asarray(buffer)
+    def view(self, buffer, dtype, device):
+        return np.asarray(buffer).view(dtype)
 
-    def stream(self, ctx, buffer):
+    def call(self, ctx, first, outs, dtypes, scratch):
         import contextlib
 
-        return contextlib.nullcontext()
+        self.scratch.append(None if scratch is None else np.asarray(scratch).shape)
+        return contextlib.nullcontext((None, [self.view(b, d, None) for b, d in
+                                              zip(outs, dtypes)]))
 
-    def write(self, out, result):
+    def place(self, out, result):
         np.asarray(out)[...] = np.asarray(result).astype(np.asarray(out).dtype)
+
+    def scratch_bytes(self, run, arrays, results):
+        """A measured size the wiring must pass through: one byte per result."""
+        self.measured.append(([tuple(a.shape) for a in arrays],
+                              [tuple(r.shape) for r in results]))
+        return len(results)
 
     def value(self, name, arrays, reduction, options):
         self.calls.append(("value", name, ()))
@@ -70,26 +80,12 @@ def engine(monkeypatch):
     e = ReferenceEngine()
     monkeypatch.setattr(JL, "_engine", e)
     JL._function.cache_clear()
+    JL._scratch.cache_clear()
     return e
 
 
-def _arguments(name, shape=(4, 5), target_shape=None, seed=0, with_optional=False):
-    """(the loss's required arrays, keyword arrays) as float32 NumPy arrays inside each loss's
-    smooth region (tests/operands.py); class indices as int32 (JAX's default integer)."""
-    arrays, extras = operands.operands(name, shape, target_shape, with_optional, seed)
-
-    def cast(a):
-        return a.astype(np.float32 if np.issubdtype(a.dtype, np.floating) else np.int32)
-
-    return tuple(map(cast, arrays)), {k: cast(v) for k, v in extras.items()}
-
-
-def _floating(args, name=None):
-    """Indices of the arrays jax.grad can differentiate (not class indices) and, given the loss's
-    name, that the loss gives a gradient (cosine_embedding_loss's target has none)."""
-    every = operands.has_gradient(name) if name else (True,) * len(args)
-    return tuple(i for i, (a, g) in enumerate(zip(args, every))
-                 if np.issubdtype(a.dtype, np.floating) and g)
+_arguments = operands.float32_arguments
+_floating = operands.floating_argnums
 
 
 CASES = [(n, r) for n in SPECS for r in SPECS[n].reductions]
@@ -192,3 +188,81 @@ def test_cpu_arrays_are_refused_by_the_kernels():
     (x, t), _ = _arguments("mse_loss")
     with pytest.raises(Exception, match=r"runs on CUDA devices"):
         JL.mse_loss(jnp.asarray(x), jnp.asarray(t)).block_until_ready()
+
+
+_SHARD_MAP = """
+import functools, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import cupyloss.jax as JL
+import test_jax_adapter as T
+import operands
+from operands import ref_grads, ref_loss
+JL._engine = T.ReferenceEngine()
+mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+for name in ("mse_loss", "cross_entropy", "triplet_margin_loss"):
+    args, _ = operands.float32_arguments(name, shape=(8, 5))
+    argnums = operands.floating_argnums(args, name)
+    spec = tuple(P("batch") for _ in args)
+
+    @functools.partial(shard_map, mesh=mesh, in_specs=spec, out_specs=P())
+    def sharded(*a):
+        return jax.lax.pmean(JL.LOSSES[name](*a, reduction="mean"), "batch")
+
+    placed = [jax.device_put(a, NamedSharding(mesh, P("batch"))) for a in args]
+    value, grads = jax.jit(jax.value_and_grad(sharded, argnums=argnums))(*placed)
+    np.testing.assert_allclose(np.asarray(value), ref_loss(name, list(args), "mean"), rtol=1e-6)
+    want = ref_grads(name, list(args), "mean")
+    for g, k in zip(grads, argnums):
+        np.testing.assert_allclose(np.asarray(g), want[k], rtol=1e-5, atol=1e-8)
+    print(name, "ok")
+"""
+
+
+def test_inside_shard_map_over_two_devices():
+    """shard_map over two (CPU) devices: each runs the callback on its shard, pmean combines the
+    shards' means, and value and gradients are those of the whole batch (JAX refuses symbolic
+    zeros there: the adapter falls back to computing every floating array's gradient)."""
+    import os
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run([sys.executable, "-c", _SHARD_MAP.format(tests=tests)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split() == ["mse_loss", "ok", "cross_entropy", "ok",
+                                  "triplet_margin_loss", "ok"]
+
+
+def test_scratch_is_measured_once_per_signature_and_handed_to_the_callback(engine):
+    """The engine's measured scratch (here one byte per result) becomes one more XLA result of
+    that many bytes, which each callback gets and the caller never sees."""
+    (x, t), _ = _arguments("mse_loss")
+    f = jax.jit(jax.value_and_grad(JL.mse_loss))
+    for _ in range(2):
+        loss, g = f(x, t)
+        assert g.shape == x.shape
+    assert np.shape(JL.mse_loss(x, t)) == ()
+    assert np.shape(JL.mse_loss(x, t)) == ()       # eager: traced again, measured once
+    assert engine.measured == [([(4, 5), (4, 5)], [(), (4, 5)]), ([(4, 5), (4, 5)], [()])]
+    assert engine.scratch == [(2,), (2,), (1,), (1,)]
+
+
+def test_bfloat16_travels_as_its_bits(engine):
+    """bfloat16 arguments and results cross the callback as uint16 (bitcasts XLA does not
+    copy for) and come back as bfloat16 with the reference's values."""
+    (x, t), _ = _arguments("mse_loss", shape=(6, 7))
+    a, b = jnp.asarray(x, jnp.bfloat16), jnp.asarray(t, jnp.bfloat16)
+    loss, g = jax.jit(jax.value_and_grad(JL.mse_loss))(a, b)
+    assert loss.dtype == g.dtype == jnp.bfloat16
+    wide = [np.asarray(a, np.float64), np.asarray(b, np.float64)]
+    np.testing.assert_allclose(np.float64(loss), ref_loss("mse_loss", wide, "mean"), rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(g, np.float64), ref_grads("mse_loss", wide, "mean")[0],
+                               rtol=1e-2, atol=1e-4)
+    assert "u16" in str(jax.make_jaxpr(jax.value_and_grad(JL.mse_loss))(a, b))

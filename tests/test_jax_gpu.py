@@ -1,13 +1,18 @@
 """cupyloss.jax on a GPU: values and gradients under jax.jit and jax.grad against jax.grad of
-jnp references, on XLA's stream, inside larger jitted programs."""
+jnp references, on XLA's stream, inside larger jitted programs, written into XLA's buffers with
+nothing from CuPy's pool, and inside shard_map over two GPUs.
 
+The suite shares each GPU between processes, so JAX does not preallocate here (conftest.py);
+test_default_memory_settings runs the example with JAX's defaults in a process of its own."""
+
+import contextlib
+import functools
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-
-# CuPy allocates the kernels' results beside XLA: keep JAX from taking 75% of the GPU up front.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 jax = pytest.importorskip("jax")
 
@@ -17,7 +22,9 @@ import cupyloss  # noqa: E402
 import cupyloss.jax as JL  # noqa: E402
 import operands  # noqa: E402
 from operands import SPECS  # noqa: E402
-from test_jax_adapter import _arguments, _floating  # noqa: E402
+
+_arguments = operands.float32_arguments
+_floating = operands.floating_argnums
 
 pytestmark = pytest.mark.gpu
 
@@ -155,3 +162,133 @@ def test_inside_a_larger_program_on_xlas_stream():
     h = jax.jit(jax.grad(lambda a, b: reference(a, b)[0]))(x, t)
     np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4,
                                atol=1e-5 * float(jnp.max(jnp.abs(h))))
+
+
+@contextlib.contextmanager
+def _nothing_beside_xla():
+    """Inside: every CuPy allocation, from any thread, is counted (yielded list of sizes); the
+    adapter's copies and pool fallbacks are counted in the engine."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    sizes = []
+
+    def allocate(nbytes):
+        sizes.append(nbytes)
+        return pool.malloc(nbytes)
+
+    before = (JL._engine.copies, JL._engine.pooled)
+    cupy.cuda.set_allocator(allocate)
+    try:
+        yield sizes
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+        sizes.append(("copies and pool fallbacks", JL._engine.copies - before[0],
+                      JL._engine.pooled - before[1]))
+
+
+def _in_xla_memory(name, shape, target_shape=None, with_optional=False):
+    """jit(value_and_grad) of the reduced loss and jit(grad) through reduction='none' (value
+    then backward), with every CuPy allocation counted; then the same numbers from the core on
+    CuPy, bit for bit."""
+    import cupy
+
+    args, kw = _arguments(name, shape=shape, target_shape=target_shape,
+                          with_optional=with_optional)
+    argnums = _floating(args, name)
+    reduction = SPECS[name].reductions[-1]
+    jargs, jkw = list(map(_gpu, args)), {k: _gpu(v) for k, v in kw.items()}
+    loss = JL.LOSSES[name]
+    f = jax.jit(jax.value_and_grad(lambda *a: loss(*a, reduction=reduction, **jkw),
+                                   argnums=argnums))
+    w = _gpu(np.random.default_rng(3).standard_normal(
+        np.shape(loss(*jargs, reduction="none", **jkw))).astype(np.float32))
+    g = jax.jit(jax.grad(lambda *a: jnp.sum(loss(*a, reduction="none", **jkw) * w),
+                         argnums=argnums))
+    jax.block_until_ready((f(*jargs), g(*jargs)))              # traced and measured
+    with _nothing_beside_xla() as allocations:
+        value, grads = jax.block_until_ready(f(*jargs))
+        elementwise = jax.block_until_ready(g(*jargs))
+    assert allocations == [("copies and pool fallbacks", 0, 0)]
+    wrt = tuple(SPECS[name].arrays[k] for k in argnums)
+    cargs, ckw = list(map(cupy.asarray, args)), {k: cupy.asarray(v) for k, v in kw.items()}
+    v, core = getattr(cupyloss, name + "_value_and_grad")(*cargs, reduction=reduction, wrt=wrt,
+                                                          **ckw)
+    assert np.asarray(value) == cupy.asnumpy(v)
+    for a, b in zip(grads, core):
+        assert np.array_equal(np.asarray(a), cupy.asnumpy(b))
+    back = getattr(cupyloss, name + "_backward")(cupy.asarray(np.asarray(w)), *cargs,
+                                                 reduction="none", wrt=wrt, **ckw)
+    for a, b in zip(elementwise, back):
+        assert np.array_equal(np.asarray(a), cupy.asnumpy(b))
+
+
+@pytest.mark.parametrize("name, with_optional",
+                         [(n, False) for n in SPECS] + [(n, True) for n in SPECS
+                                                        if operands.optional(n)])
+def test_results_are_written_into_xlas_buffers(name, with_optional):
+    """Every loss: no CuPy allocation, no copy, the core's bits (33 rows: not a multiple of a
+    warp; 1025 columns: one past a power of two)."""
+    _in_xla_memory(name, (33, 1025), with_optional=with_optional)
+
+
+@pytest.mark.parametrize("name, shape, target_shape", [
+    ("mse_loss", (4096, 257), (257,)),        # a per-column target: its gradient's partials
+    ("mse_loss", (64, 3, 33), (3, 1)),        # a per-channel target: pointwise_reduce's partials
+    ("hinge_loss", (1 << 20,), None),         # one long row: many blocks' partials
+    ("cross_entropy", (4, 1 << 18), None),    # few rows of many classes: rows split over blocks
+])
+def test_scratch_comes_from_xla(name, shape, target_shape):
+    """Calls whose launches need scratch (partial sums, counters): carved from the one byte
+    buffer XLA allocates beside the results."""
+    _in_xla_memory(name, shape, target_shape)
+
+
+def _devices(n):
+    devices = jax.devices("gpu")
+    if len(devices) < n:
+        pytest.skip(f"needs {n} GPUs; JAX sees {len(devices)}")
+    return devices[:n]
+
+
+@pytest.mark.parametrize("name", ["mse_loss", "cross_entropy", "triplet_margin_loss"])
+def test_inside_shard_map_over_two_gpus(name):
+    """The batch split over two GPUs with shard_map: each runs its shard's loss on its own
+    stream, pmean combines the means, and value and gradients match one GPU's."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = _devices(2)
+    mesh = Mesh(np.array(devices), ("batch",))
+    args, _ = _arguments(name, shape=(64, 1000))
+    argnums = _floating(args, name)
+    loss = JL.LOSSES[name]
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    spec = tuple(P("batch") for _ in args)
+
+    @functools.partial(shard_map, mesh=mesh, in_specs=spec, out_specs=P())
+    def sharded(*a):
+        return jax.lax.pmean(loss(*a, reduction="mean"), "batch")
+
+    placed = [jax.device_put(a, NamedSharding(mesh, P("batch"))) for a in args]
+    value, grads = jax.jit(jax.value_and_grad(sharded, argnums=argnums))(*placed)
+    whole = [jax.device_put(a, devices[0]) for a in args]
+    want, want_grads = jax.jit(jax.value_and_grad(
+        lambda *a: loss(*a, reduction="mean"), argnums=argnums))(*whole)
+    np.testing.assert_allclose(np.asarray(value), np.asarray(want), rtol=1e-6)
+    for g, h in zip(grads, want_grads):
+        assert {d.id for d in g.sharding.device_set} == {d.id for d in devices}
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_default_memory_settings():
+    """The example with JAX's own memory settings (it preallocates 75% of the GPU): every check
+    passes, so nothing needed room beside XLA's.  Slow-marked: it runs alone in the suite."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "jax_roundtrip.py")],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "preallocated" in out.stdout and "all checks passed" in out.stdout
