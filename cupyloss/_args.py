@@ -80,3 +80,15 @@ def launch(function_ptr: int, grid: tuple, block: tuple, shared: int, stream: in
     gy = grid[1] if len(grid) > 1 else 1
     _driver.launchKernel(function_ptr, gx, gy, 1, block[0], 1, 1, shared, stream, 0,
                         extra_address)
+
+
+def launch_cooperative(function_ptr: int, grid: tuple, block: tuple, shared: int, stream: int,
+                       words: array.array) -> None:
+    """cuLaunchCooperativeKernel: every block of the grid resident at once (the groups of blocks
+    that share a row wait for each other); `words` as for `launch`."""
+    from cupy_backends.cuda.api import driver
+
+    base = words.buffer_info()[0]
+    params = array.array("Q", (base + 8 * i for i in range(len(words))))
+    driver.launchCooperativeKernel(function_ptr, grid[0], 1, 1, block[0], 1, 1, shared, stream,
+                                   params.buffer_info()[0])

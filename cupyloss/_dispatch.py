@@ -279,7 +279,8 @@ class Region:
     behind the pointers (a measuring run whose launches are captured, never run): zeros are not
     written and `used` grows past any size, so that it measures the scratch a call needs."""
 
-    __slots__ = ("outs", "claimed", "base", "size", "used", "device", "owner", "dry", "pooled")
+    __slots__ = ("outs", "claimed", "base", "size", "used", "device", "owner", "dry", "pooled",
+                 "ops")
 
     def __init__(self, outs, base: int, size: int, device: int, owner=None, dry=False):
         self.outs = list(outs)      # cupy.ndarrays over the result buffers
@@ -287,6 +288,7 @@ class Region:
         self.base, self.size, self.used = base, size, 0
         self.device, self.owner, self.dry = device, owner, dry
         self.pooled = 0
+        self.ops = None             # inside `recording`: the call's launches and zeroings
 
     def take(self, shape, dtype):
         """A result buffer of this shape and dtype, or None."""
@@ -343,7 +345,10 @@ class GivenFrame(CupyFrame):
 
     def zeros(self, shape, dtype, like):
         a, ptr = self.empty(shape, dtype, like)
-        if not self.region().dry and a.nbytes:
+        region = self.region()
+        if region.ops is not None:
+            region.ops.append(("zeros", ptr, a.nbytes))
+        elif not region.dry and a.nbytes:
             self._cupy.cuda.runtime.memsetAsync(ptr, 0, a.nbytes,
                                                 self._get_stream().ptr)
         return a, ptr
@@ -397,6 +402,52 @@ class given:
 
     def __exit__(self, *exc):
         GivenFrame._local.region = self.outer
+        return False
+
+
+class recording:
+    """Inside, on this thread, the engines' launches (_args.launch, _args.launch_cooperative) and
+    GivenFrame's zeroings are appended to `region.ops` instead of made: ("launch", function,
+    grid, block, shared memory, cooperative, words) and ("zeros", pointer, bytes), in order.
+    Other threads' launches go through.  One recording at a time."""
+
+    _lock = None
+
+    def __init__(self, region: Region):
+        import threading
+
+        if recording._lock is None:
+            recording._lock = threading.Lock()
+        self.region = region
+
+    def __enter__(self):
+        import array
+        import threading
+
+        from cupyloss import _args
+
+        recording._lock.acquire()
+        me, ops = threading.get_ident(), []
+        self.saved = launch, cooperative = _args.launch, _args.launch_cooperative
+
+        def recorder(real, is_cooperative):
+            def record(function, grid, block, shared, stream, words):
+                if threading.get_ident() != me:
+                    return real(function, grid, block, shared, stream, words)
+                ops.append(("launch", function, tuple(grid), tuple(block), shared,
+                            is_cooperative, array.array("Q", words)))
+            return record
+
+        _args.launch = recorder(launch, False)
+        _args.launch_cooperative = recorder(cooperative, True)
+        self.region.ops = ops
+        return ops
+
+    def __exit__(self, *exc):
+        from cupyloss import _args
+
+        _args.launch, _args.launch_cooperative = self.saved
+        recording._lock.release()
         return False
 
 

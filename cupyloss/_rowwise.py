@@ -291,17 +291,6 @@ def _make_plan(*args, into=None, acc_io=False) -> Plan:
 
 # --- running -----------------------------------------------------------------------------------------
 
-def _launch_cooperative(launched: Launched, words: array.array, stream: int) -> None:
-    """cuLaunchCooperativeKernel: every block of the grid resident at once (the groups of blocks
-    that share a row wait for each other)."""
-    from cupy_backends.cuda.api import driver
-
-    base = words.buffer_info()[0]
-    params = array.array("Q", (base + 8 * i for i in range(len(words))))
-    driver.launchCooperativeKernel(launched.function, launched.grid[0], 1, 1, launched.block[0],
-                                   1, 1, launched.shared, stream, params.buffer_info()[0])
-
-
 def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
     """Allocate the outputs, fill the pointer words, launch.  Returns (value or loss, gx, gt, lse)."""
     main = plan.main
@@ -352,7 +341,8 @@ def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
         _args.launch(plan.wsum.function, plan.wsum.grid, plan.wsum.block, plan.wsum.shared,
                      stream, wwords)
     if main.cooperative:
-        _launch_cooperative(main, words, stream)
+        _args.launch_cooperative(main.function, main.grid, main.block, main.shared, stream,
+                                 words)
     else:
         _args.launch(main.function, main.grid, main.block, main.shared, stream, words)
     result = frame.result

@@ -33,6 +33,7 @@ except array options (weight, pos_weight), which are operands without a gradient
 
 from __future__ import annotations
 
+import array
 import functools
 import inspect
 import math
@@ -76,6 +77,7 @@ class _Kernels:
         self._streams = {}      # CUDA ordinal -> the stream measuring runs are captured on
         self._external = {}     # (XLA's stream, device) -> its cupy.cuda.Stream
         self._views = {}        # (pointer, shape, dtype, device) -> GivenArray
+        self.replayed = 0       # calls made by replaying a traced call's launches
 
     def view(self, buffer, dtype, device):
         """A GivenArray of `dtype` over an XLA buffer's memory on CUDA device `device` (no
@@ -126,30 +128,80 @@ class _Kernels:
                                       cupy.cuda.runtime.memcpyDeviceToDevice,
                                       cupy.cuda.get_current_stream().ptr)
 
-    def scratch_bytes(self, run, arrays, results) -> int:
-        """The scratch bytes `run(views)` needs for arguments and results of these shapes and
-        dtypes: the most over the kinds of GPU JAX has, each measured by one run on fake
-        pointers (a dry Region) whose launches are captured into a CUDA graph and thrown away.
-        Plans are built and kernels compiled on the way, so the first real call finds them."""
+    def measure(self, run, arrays, results):
+        """(the scratch bytes `run(views)` needs for arguments and results of these shapes and
+        dtypes, {CUDA ordinal: its replay or None}).  On every GPU JAX has, one run on fake
+        addresses (a dry Region) with the engines' launches recorded (_dispatch.recording) and
+        anything else captured into a CUDA graph that is thrown away; scratch is the most any
+        GPU needed.  A run whose every effect was recorded (its graph is empty) and whose results
+        went into the result buffers becomes that GPU's replay (`replay`).  Plans are built and
+        kernels compiled on the way, so the first real call finds them."""
         import cupy
 
-        need = 0
+        need, replays = 0, {}
         for ordinal in _ordinals():
             with cupy.cuda.Device(ordinal):
                 stream = self._streams.get(ordinal)
                 if stream is None:
                     stream = self._streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
-                _core_engine.ticket(ordinal, stream.ptr)    # allocated before the capture
-                address = iter(_fake_addresses([*arrays, *results]))
-                views = [_dispatch.given_view(next(address), a.shape, a.dtype, ordinal)
-                         for a in arrays]
-                outs = [_dispatch.given_view(next(address), r.shape, r.dtype, ordinal)
-                        for r in results]
-                region = _dispatch.Region(outs, next(address), 0, ordinal, dry=True)
-                if not _captured(stream, run, views, region):
-                    return 0
+                tickets = (_core_engine.ticket(ordinal, stream.ptr),   # before the capture
+                           _core_engine.col_tickets(ordinal, stream.ptr))
+                bases = list(_fake_addresses([*arrays, *results]))
+                views = [_dispatch.given_view(b, a.shape, a.dtype, ordinal)
+                         for b, a in zip(bases, arrays)]
+                outs = [_dispatch.given_view(b, r.shape, r.dtype, ordinal)
+                        for b, r in zip(bases[len(arrays):], results)]
+                region = _dispatch.Region(outs, bases[-1], 0, ordinal, dry=True)
+                ran = _captured(stream, run, views, region)
+                if ran is None:
+                    return 0, {}
+                got, empty = ran
             need = max(need, region.used)
-        return need
+            placed = len(got) == len(outs) and all(
+                g.data.ptr == o.data.ptr for g, o in zip(got, outs))
+            replays[ordinal] = _replay(region.ops, bases, tickets) if empty and placed else None
+        return need, replays
+
+    def replay(self, ctx, buffers, outs, replays) -> bool:
+        """Make the launches of `replays`' entry for this device with this call's addresses
+        (no engine, no validation: both ran when the call was traced): True, or False where
+        there is none or an address is not 16-byte aligned as the traced plans assume."""
+        from cupyloss import _args
+
+        device = _cuda_device(buffers[0])
+        ops = replays.get(device)
+        if ops is None:
+            return False
+        ptrs = [b.__cuda_array_interface__["data"][0] for b in buffers]
+        ptrs += [o.__cuda_array_interface__["data"][0] for o in outs]
+        bits = 0
+        for p in ptrs:
+            bits |= p
+        if bits & 15:
+            return False
+        stream = ctx.stream
+        ptrs.append(_core_engine.ticket(device, stream))
+        ptrs.append(_core_engine.col_tickets(device, stream))
+        runtime = _runtime()
+        current = runtime.getDevice()
+        if current != device:
+            runtime.setDevice(device)
+        try:
+            for op in ops:
+                if op[0] == "zeros":
+                    runtime.memsetAsync(ptrs[op[1]] + op[2], 0, op[3], stream)
+                    continue
+                _, function, grid, block, shared, cooperative, template, patches = op
+                words = array.array("Q", template)
+                for slot, which, offset in patches:
+                    words[slot] = ptrs[which] + offset
+                (_args.launch_cooperative if cooperative else _args.launch)(
+                    function, grid, block, shared, stream, words)
+        finally:
+            if current != device:
+                runtime.setDevice(current)
+        self.replayed += 1
+        return True
 
     def value(self, name, arrays, reduction, options):
         return getattr(cupyloss, name)(*arrays, reduction=reduction, **options)
@@ -192,57 +244,122 @@ _WIRE = {numpy.dtype(_dtypes._BFLOAT16): numpy.dtype(numpy.uint16)} if _dtypes._
     is not None else {}
 
 
-def _captured(stream, run, views, region) -> bool:
-    """run(views) in `region` with its launches captured on `stream` and thrown away: True, or
-    False with a RuntimeWarning when the run did something capture forbids (a call that reads
+def _captured(stream, run, views, region):
+    """run(views) in `region`, the engines' launches recorded in region.ops and anything else
+    captured on `stream` and thrown away: (what run returned, whether the capture was empty),
+    or None with a RuntimeWarning when the run did something capture forbids (a call that reads
     values back, such as an opt-in check: its scratch then comes from CuPy's pool).  Errors of
     the call itself (bad shapes, options) are raised: they surface while tracing."""
-    from cupy_backends.cuda.api import driver, runtime
+    runtime = _runtime()
+    from cupy_backends.cuda.api import driver
 
     with stream:
         runtime.streamBeginCapture(stream.ptr, runtime.streamCaptureModeRelaxed)
         try:
-            with _dispatch.given(region):
-                run(views)
+            with _dispatch.given(region), _dispatch.recording(region):
+                got = run(views)
         except (runtime.CUDARuntimeError, driver.CUDADriverError) as exc:
             _end_capture(stream)
             warnings.warn(f"cupyloss.jax could not measure this call's scratch ({exc}); it "
                           f"will take its scratch from CuPy's pool", RuntimeWarning,
                           stacklevel=2)
-            return False
+            return None
         except BaseException:
             _end_capture(stream)
             raise
-        _end_capture(stream)
-    return True
+        return got, _end_capture(stream) == 0
 
 
-def _end_capture(stream) -> None:
-    """End `stream`'s capture and destroy what it recorded (nothing, when it was invalidated)."""
-    from cupy_backends.cuda.api import runtime
-
+def _end_capture(stream):
+    """End `stream`'s capture and destroy what it recorded: the number of nodes it had (None
+    when it was invalidated or could not be counted)."""
+    runtime = _runtime()
     try:
         graph = runtime.streamEndCapture(stream.ptr)
     except runtime.CUDARuntimeError:
-        return
-    if graph:
-        runtime.graphDestroy(graph)
+        return None
+    nodes = _graph_nodes(graph)
+    runtime.graphDestroy(graph)
+    return nodes
+
+
+def _graph_nodes(graph):
+    """cuGraphGetNodes's count of a CUDA graph's nodes, or None where the driver library cannot
+    be reached."""
+    import ctypes
+
+    try:
+        library = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count = ctypes.c_size_t(0)
+    if library.cuGraphGetNodes(ctypes.c_void_p(graph), None, ctypes.byref(count)) != 0:
+        return None
+    return count.value
+
+
+def _replay(ops, bases, tickets):
+    """A recorded call (region.ops) as replay ops: each word that held an address inside one of
+    the call's fake buffers (`bases`: arguments, results, scratch last, which ends nowhere)
+    becomes a patch (slot, buffer index, offset), and the measuring stream's tickets
+    (`tickets`) the replaying stream's (indices -2 and -1)."""
+    spans = [(b, bases[k + 1] if k + 1 < len(bases) else _FAKE_END, k)
+             for k, b in enumerate(bases)]
+    ticket, col = tickets
+
+    def where(value):
+        if value == ticket:
+            return -2, 0
+        if value == col:
+            return -1, 0
+        if _FAKE_BASE <= value < _FAKE_END:
+            for begin, end, k in spans:
+                if begin <= value < end:
+                    return k, value - begin
+        return None
+
+    out = []
+    for op in ops:
+        if op[0] == "zeros":
+            which, offset = where(op[1])
+            out.append(("zeros", which, offset, op[2]))
+            continue
+        kind, function, grid, block, shared, cooperative, words = op
+        patches = []
+        for slot, value in enumerate(words):
+            at = where(value)
+            if at is not None:
+                patches.append((slot, *at))
+                words[slot] = 0
+        out.append((kind, function, grid, block, shared, cooperative, words, tuple(patches)))
+    return tuple(out)
+
+
+def _runtime():
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
 
 
 def _ordinals() -> list:
-    """One CUDA ordinal per kind of GPU among JAX's local devices."""
-    kinds = {}
+    """The CUDA ordinals of JAX's local GPUs."""
+    ordinals = []
     for d in jax.local_devices():
         if d.platform == "gpu":
             ordinal = getattr(d, "local_hardware_id", None)
-            kinds.setdefault(d.device_kind, d.id if ordinal is None else ordinal)
-    return list(kinds.values())
+            ordinals.append(d.id if ordinal is None else ordinal)
+    return ordinals
+
+
+# Where measuring runs' fake buffers lie: far above any device address, and as words read as
+# doubles below 1e-300, a value no kernel parameter takes.
+_FAKE_BASE, _FAKE_END = 1 << 56, 1 << 57
 
 
 def _fake_addresses(structs):
     """Addresses no memory is behind, one per struct and one for scratch, ALIGN-aligned and
-    apart, that a measuring run's captured launches name."""
-    at = 1 << 46
+    apart, that a measuring run's launches name."""
+    at = _FAKE_BASE
     for s in structs:
         yield at
         at = _dispatch.carve(at, max(1, math.prod(s.shape)) * numpy.dtype(s.dtype).itemsize)[1]
@@ -291,11 +408,11 @@ def _body(kind, name, reduction, options, extra, wrt):
 
 
 @functools.lru_cache(maxsize=4096)
-def _scratch(kind, name, reduction, options, extra, wrt, arrays, results, engine) -> int:
-    """_engine.scratch_bytes of one call signature (arrays, results: (shape, dtype) pairs),
-    measured once."""
-    return _engine.scratch_bytes(_body(kind, name, reduction, options, extra, wrt),
-                                 [_struct(*a) for a in arrays], [_struct(*r) for r in results])
+def _measured(kind, name, reduction, options, extra, wrt, arrays, results, engine):
+    """_engine.measure of one call signature (arrays, results: (shape, dtype) pairs), once:
+    (scratch bytes, {CUDA ordinal: replay})."""
+    return _engine.measure(_body(kind, name, reduction, options, extra, wrt),
+                           [_struct(*a) for a in arrays], [_struct(*r) for r in results])
 
 
 def _call(kind, name, reduction, options, extra, wrt, arrays, results):
@@ -304,16 +421,18 @@ def _call(kind, name, reduction, options, extra, wrt, arrays, results):
     run = _body(kind, name, reduction, options, extra, wrt)
     dtypes = [numpy.dtype(a.dtype) for a in arrays]
     out_dtypes = [numpy.dtype(r.dtype) for r in results]
-    scratch = _scratch(kind, name, reduction, options, extra, wrt,
-                       tuple((tuple(a.shape), d) for a, d in zip(arrays, dtypes)),
-                       tuple((tuple(r.shape), d) for r, d in zip(results, out_dtypes)),
-                       id(_engine))
+    scratch, replays = _measured(kind, name, reduction, options, extra, wrt,
+                                 tuple((tuple(a.shape), d) for a, d in zip(arrays, dtypes)),
+                                 tuple((tuple(r.shape), d) for r, d in zip(results, out_dtypes)),
+                                 id(_engine))
     structs = tuple(_struct(r.shape, _WIRE.get(d, d)) for r, d in zip(results, out_dtypes))
     structs += (_struct((scratch,), _BYTE),) if scratch else ()
     n = len(results)
 
     def callback(ctx, out, *buffers):
         engine = _engine
+        if replays and engine.replay(ctx, buffers, out, replays):
+            return
         with engine.call(ctx, buffers[0], out[:n], out_dtypes,
                          out[n] if scratch else None) as (device, targets):
             got = run([engine.view(b, d, device) for b, d in zip(buffers, dtypes)])

@@ -50,11 +50,11 @@ class ReferenceEngine:
     def place(self, out, result):
         np.asarray(out)[...] = np.asarray(result).astype(np.asarray(out).dtype)
 
-    def scratch_bytes(self, run, arrays, results):
-        """A measured size the wiring must pass through: one byte per result."""
+    def measure(self, run, arrays, results):
+        """A measured size the wiring must pass through (one byte per result); no replays."""
         self.measured.append(([tuple(a.shape) for a in arrays],
                               [tuple(r.shape) for r in results]))
-        return len(results)
+        return len(results), {}
 
     def value(self, name, arrays, reduction, options):
         self.calls.append(("value", name, ()))
@@ -80,7 +80,7 @@ def engine(monkeypatch):
     e = ReferenceEngine()
     monkeypatch.setattr(JL, "_engine", e)
     JL._function.cache_clear()
-    JL._scratch.cache_clear()
+    JL._measured.cache_clear()
     return e
 
 
@@ -266,3 +266,25 @@ def test_bfloat16_travels_as_its_bits(engine):
     np.testing.assert_allclose(np.asarray(g, np.float64), ref_grads("mse_loss", wide, "mean")[0],
                                rtol=1e-2, atol=1e-4)
     assert "u16" in str(jax.make_jaxpr(jax.value_and_grad(JL.mse_loss))(a, b))
+
+
+def test_replay_patches_every_address_of_a_recorded_call():
+    """A measuring run's recorded launch becomes its replay: each word inside a fake buffer is
+    patched with that buffer's index and offset, the measuring stream's tickets become the
+    replaying stream's (-2, -1); everything else is kept."""
+    import array
+
+    structs = [jax.ShapeDtypeStruct((4, 5), jnp.float32)] * 2 + [
+        jax.ShapeDtypeStruct((), jnp.float32)]
+    bases = list(JL._fake_addresses(structs))        # two arguments, one result, scratch
+    assert len(bases) == 4 and bases == sorted(bases)
+    assert all(b % 256 == 0 and JL._FAKE_BASE <= b < JL._FAKE_END for b in bases)
+    ticket, col = 0x7F0000001000, 0x7F0000002000
+    words = array.array("Q", [bases[0], 7, bases[1] + 16, bases[2], bases[3] + 512, ticket, col,
+                              bases[0] - 1])
+    ops = [("launch", 11, (3,), (256,), 0, False, words), ("zeros", bases[3] + 256, 64)]
+    (launch, zeros) = JL._replay(ops, bases, (ticket, col))
+    assert launch[:6] == ("launch", 11, (3,), (256,), 0, False)
+    assert list(launch[6]) == [0, 7, 0, 0, 0, 0, 0, bases[0] - 1]
+    assert launch[7] == ((0, 0, 0), (2, 1, 16), (3, 2, 0), (4, 3, 512), (5, -2, 0), (6, -1, 0))
+    assert zeros == ("zeros", 3, 256, 64)

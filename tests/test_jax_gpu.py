@@ -187,11 +187,17 @@ def _nothing_beside_xla():
                       JL._engine.pooled - before[1]))
 
 
-def _in_xla_memory(name, shape, target_shape=None, with_optional=False):
+def _in_xla_memory(name, shape, target_shape=None, with_optional=False, replay=True,
+                   monkeypatch=None):
     """jit(value_and_grad) of the reduced loss and jit(grad) through reduction='none' (value
     then backward), with every CuPy allocation counted; then the same numbers from the core on
-    CuPy, bit for bit."""
+    CuPy, bit for bit.  replay: the three callbacks replay the launches recorded when they were
+    traced (else the engine runs each call, as where no replay could be recorded)."""
     import cupy
+
+    if not replay:
+        monkeypatch.setattr(JL._engine, "replay", lambda *a: False)
+    replayed = JL._engine.replayed
 
     args, kw = _arguments(name, shape=shape, target_shape=target_shape,
                           with_optional=with_optional)
@@ -210,6 +216,7 @@ def _in_xla_memory(name, shape, target_shape=None, with_optional=False):
         value, grads = jax.block_until_ready(f(*jargs))
         elementwise = jax.block_until_ready(g(*jargs))
     assert allocations == [("copies and pool fallbacks", 0, 0)]
+    assert JL._engine.replayed - replayed == (6 if replay else 0)   # both runs of the three
     wrt = tuple(SPECS[name].arrays[k] for k in argnums)
     cargs, ckw = list(map(cupy.asarray, args)), {k: cupy.asarray(v) for k, v in kw.items()}
     v, core = getattr(cupyloss, name + "_value_and_grad")(*cargs, reduction=reduction, wrt=wrt,
@@ -226,10 +233,12 @@ def _in_xla_memory(name, shape, target_shape=None, with_optional=False):
 @pytest.mark.parametrize("name, with_optional",
                          [(n, False) for n in SPECS] + [(n, True) for n in SPECS
                                                         if operands.optional(n)])
-def test_results_are_written_into_xlas_buffers(name, with_optional):
-    """Every loss: no CuPy allocation, no copy, the core's bits (33 rows: not a multiple of a
-    warp; 1025 columns: one past a power of two)."""
-    _in_xla_memory(name, (33, 1025), with_optional=with_optional)
+@pytest.mark.parametrize("replay", [True, False], ids=["replayed", "engine"])
+def test_results_are_written_into_xlas_buffers(name, with_optional, replay, monkeypatch):
+    """Every loss, replayed and run by the engine: no CuPy allocation, no copy, the core's bits
+    (33 rows: not a multiple of a warp; 1025 columns: one past a power of two)."""
+    _in_xla_memory(name, (33, 1025), with_optional=with_optional, replay=replay,
+                   monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("name, shape, target_shape", [
@@ -238,10 +247,11 @@ def test_results_are_written_into_xlas_buffers(name, with_optional):
     ("hinge_loss", (1 << 20,), None),         # one long row: many blocks' partials
     ("cross_entropy", (4, 1 << 18), None),    # few rows of many classes: rows split over blocks
 ])
-def test_scratch_comes_from_xla(name, shape, target_shape):
-    """Calls whose launches need scratch (partial sums, counters): carved from the one byte
-    buffer XLA allocates beside the results."""
-    _in_xla_memory(name, shape, target_shape)
+@pytest.mark.parametrize("replay", [True, False], ids=["replayed", "engine"])
+def test_scratch_comes_from_xla(name, shape, target_shape, replay, monkeypatch):
+    """Calls whose launches need scratch (partial sums, counters, zeroed in the call): carved
+    from the one byte buffer XLA allocates beside the results."""
+    _in_xla_memory(name, shape, target_shape, replay=replay, monkeypatch=monkeypatch)
 
 
 def _devices(n):

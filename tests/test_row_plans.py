@@ -45,8 +45,8 @@ def device(monkeypatch):
         frame.check_alive(words)
         record.launches.append((name, list(words)))
 
-    def cooperative(launched, words, stream):
-        launch(launched.function, launched.grid, launched.block, launched.shared, stream, words)
+    def cooperative(fn, grid, block, shared, stream, words):
+        launch(fn, grid, block, shared, stream, words)
 
     def target_operand(frame, target):
         return frame.operand(target, "target"), target.dtype.kind in "iu"
@@ -60,7 +60,7 @@ def device(monkeypatch):
     monkeypatch.setattr(_source, "function", resolve)
     monkeypatch.setattr(_source, "resident", lambda *a, **k: 2)
     monkeypatch.setattr(_args, "launch", launch)
-    monkeypatch.setattr(_rowwise, "_launch_cooperative", cooperative)
+    monkeypatch.setattr(_args, "launch_cooperative", cooperative)
     for module in (_rowwise, _rowclass, _rowpair):
         monkeypatch.setattr(module, "_make_plan", getattr(module, "_build"))
         monkeypatch.setattr(module, "_PLANS", {})
