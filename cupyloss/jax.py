@@ -5,7 +5,7 @@
     jax.value_and_grad(JL.kl_div, argnums=(0, 1))(jnp.log(p), q, "batchmean")
 
 Generated from cupyloss's registry of every family (`cupyloss._registry.all_losses()`: the
-pointwise losses and the row-wise cross_entropy and nll_loss) when this module is imported: each
+pointwise, row-wise, row-class and row-pair losses) when this module is imported: each
 loss ``f`` is ``cupyloss.jax.f`` with the core function's signature (``f(input, target, ...,
 reduction=...)``), so a loss registered later needs no code here.  A registered loss that cannot
 be wrapped is left out with a RuntimeWarning and its reason in ``cupyloss.jax.SKIPPED``.
@@ -15,11 +15,17 @@ it is a node of the XLA program that hands the callback XLA's device buffers and
 stream, and the kernels are launched on that stream, so the loss is ordered with the rest of
 the program and the host never waits.  Inputs are read in place and the kernels write their
 results straight into XLA's result buffers (_dispatch.GivenFrame); the few bytes of scratch a
-call needs (per-block partial sums, counters) are one more XLA result of the callback, sized
-when the call is traced by a run of the same code on fake pointers whose launches are captured
-into a CUDA graph and thrown away (which also compiles the kernels, so the first call does not).
+call needs (per-block partial sums, counters) are one more XLA result of the callback.  When a
+call is traced, the engine runs it once on every GPU JAX has, on fake addresses, its launches
+recorded rather than made (and anything else captured into a CUDA graph that is thrown away):
+that sizes the scratch, compiles the kernels, and gives each GPU a record that later calls
+replay with their own addresses, without the engine or its checks (they ran when tracing).
 Nothing comes from CuPy's memory pool, so JAX's default preallocation (75% of the GPU) needs no
 setting; the only memory outside XLA's is the last-block tickets, 4 MiB a GPU, allocated once.
+Inside ``jax.shard_map`` each device runs its shard on its own stream; the results vary over
+the mesh axes their arguments vary over, to be combined with ``jax.lax.pmean`` or ``psum`` as
+jnp's would (JAX refuses symbolic zeros there, so every floating argument gets its gradient,
+and the array options weight and pos_weight a zero one).
 
 Gradients (jax.custom_vjp, symbolic_zeros=True, so only the arguments being differentiated get
 one): for a reduced loss the forward pass runs value_and_grad once and the backward multiplies
@@ -78,6 +84,7 @@ class _Kernels:
         self._external = {}     # (XLA's stream, device) -> its cupy.cuda.Stream
         self._views = {}        # (pointer, shape, dtype, device) -> GivenArray
         self.replayed = 0       # calls made by replaying a traced call's launches
+        self.ran = 0            # calls the engine ran
 
     def view(self, buffer, dtype, device):
         """A GivenArray of `dtype` over an XLA buffer's memory on CUDA device `device` (no
@@ -100,6 +107,7 @@ class _Kernels:
         the targets `place` fills."""
         import cupy
 
+        self.ran += 1
         device = _cuda_device(first)
         key = (ctx.stream, device)
         stream = self._external.get(key)
