@@ -65,9 +65,9 @@ def release(torch=None) -> None:
     time.sleep(SETTLE_S)
 
 
-def need(prog: str, torch: bool = False) -> None:
+def need(prog: str, torch: bool = False, jax: bool = False) -> None:
     """Exit with one line saying what is missing when a benchmark cannot run here: a CUDA GPU
-    (through CuPy), or torch with CUDA when `torch`."""
+    (through CuPy), torch with CUDA when `torch`, JAX with a GPU backend when `jax`."""
     try:
         import cupy
 
@@ -83,6 +83,18 @@ def need(prog: str, torch: bool = False) -> None:
         if not torch_module.cuda.is_available():
             raise SystemExit(f"{prog} needs a CUDA build of PyTorch; torch "
                              f"{torch_module.__version__} sees no GPU")
+    if jax:
+        try:
+            import jax as jax_module
+        except ImportError:
+            raise SystemExit(f"{prog} needs JAX: pip install 'cupyloss[jax]'") from None
+        try:
+            gpus = jax_module.devices("gpu")
+        except RuntimeError as exc:
+            raise SystemExit(f"{prog} needs JAX with a GPU backend; JAX "
+                             f"{jax_module.__version__} has none ({exc})") from None
+        if not gpus:
+            raise SystemExit(f"{prog} needs JAX with a GPU backend; JAX sees no GPU")
 
 
 def save(path, data):

@@ -22,10 +22,11 @@ with JAX's default memory settings.  Never used as a test.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
+
+from cupyloss import _timing
 
 
 def _jnp_losses():
@@ -174,13 +175,15 @@ def _case(label, name, args, ours, theirs, traffic, bw, reps, calls):
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=8192)
+    parser = argparse.ArgumentParser(prog="python -m cupyloss.bench_jax",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=8192, help="side of the pointwise arrays")
     parser.add_argument("--only", default="", help="comma-separated loss names")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--json", default="")
+    parser.add_argument("--reps", type=int, default=7, help="rounds a median is taken of")
+    parser.add_argument("--calls", type=int, default=50, help="back-to-back calls a round")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args(argv)
+    _timing.need(parser.prog, jax=True)
     import jax
     import jax.numpy as jnp
 
@@ -227,10 +230,7 @@ def main(argv=None) -> list[dict]:
         del a, p, q
     for r in rows:
         r.update(device=device, copy_gbps=bw)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return rows
+    return _timing.save(args.json, rows)
 
 
 if __name__ == "__main__":

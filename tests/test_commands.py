@@ -7,7 +7,7 @@ import sys
 import pytest
 
 COMMANDS = ("bench", "bench_accuracy", "bench_bandwidth", "bench_broadcast", "bench_firstcall", "bench_rowwise",
-            "bench_torch", "precompile", "tune")
+            "bench_torch", "bench_jax", "precompile", "tune")
 # Runs a module as `python -m` would, with the named top-level packages made unimportable.
 _BLOCKED = ("import runpy, sys\n"
             "for name in sys.argv[2].split(','):\n"
@@ -47,7 +47,7 @@ def test_help_names_the_workloads():
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "precompile"])
 def test_benchmarks_say_what_is_missing_in_one_line(command):
     if _gpu():
-        if command in ("bench", "bench_bandwidth", "bench_firstcall", "tune"):
+        if command in ("bench", "bench_bandwidth", "bench_firstcall", "bench_jax", "tune"):
             pytest.skip(f"cupyloss.{command} runs without torch where there is a GPU")
         done = _run(f"cupyloss.{command}", blocked="torch")
         want = "needs PyTorch: pip install 'cupyloss[torch]'"
