@@ -178,6 +178,16 @@ def _jobs(pool, lib, include, file, arch):
     return fast + full
 
 
+def _pool():
+    """A process pool of up to 16 workers forked from a fresh server process (forkserver, this
+    module preloaded there), not from this one: JAX, which other test modules import, runs
+    threads here that a fork would copy mid-lock."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return concurrent.futures.ProcessPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), 16)),
+                                                  mp_context=context)
+
+
 @pytest.fixture(scope="module")
 def compiled(request):
     """{(file, arch): [futures of _compile]} for the selected tests, all submitted at once."""
@@ -186,9 +196,7 @@ def compiled(request):
                 for item in request.session.items
                 if getattr(item, "originalname", None) == "test_kernels_compile"
                 and item.module.__name__ == __name__}
-    workers = max(1, min(len(os.sched_getaffinity(0)), 16))
-    context = multiprocessing.get_context("fork")  # the worker needs no re-import of this file
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    with _pool() as pool:
         # The slow optimised builds first, so the pool ends on short jobs.
         jobs = {key: _jobs(pool, lib, include, *key)
                 for key in sorted(selected, key=lambda key: key[0] != "rowwise.cu")}
@@ -402,9 +410,7 @@ def test_every_knob_candidate_compiles():
     candidate values: every one of them builds (NVRTC, sm_90, the most general instantiation of
     each pointwise kernel of a cheap, an own-shape and a heavy streaming functor)."""
     lib, include = _need_toolchain()
-    workers = max(1, min(len(os.sched_getaffinity(0)), 16))
-    context = multiprocessing.get_context("fork")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    with _pool() as pool:
         jobs = _candidate_jobs(pool, lib, include)
         failed = []
         for (knob, v), futures in jobs.items():
