@@ -74,8 +74,8 @@ SPECS = all_losses()
 class _Kernels:
     """What the callbacks run: cupyloss's functions on views of XLA's buffers, their results
     placed in XLA's result buffers and their scratch carved from one XLA-allocated buffer
-    (_dispatch.Region), measured for each call signature by a run whose launches are captured
-    and thrown away."""
+    (_dispatch.Region); each call signature measured once when traced (`measure`), by a run
+    whose launches are recorded, and later calls replaying that record (`replay`)."""
 
     def __init__(self):
         self.copies = 0         # results copied into XLA's buffer instead of written there
