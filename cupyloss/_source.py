@@ -446,75 +446,240 @@ def _nvrtc(code: str, options: tuple, arch: str, names: list[str]) -> tuple[byte
         nvrtc.destroyProgram(program)
 
 
-def cached(file: str, names: list[str], arch: str, gpu: str = "") -> pathlib.Path:
-    """The cubin of kernels/`file` holding `names` for sm_`arch` with GPU `gpu`'s knobs of the
-    launch table (options(gpu)), compiled into the on-disk cache (cache_dir) unless it is there
-    already; a .json beside it maps the names to their mangled symbols.
+@functools.lru_cache(maxsize=None)
+def nvrtc_build() -> str:
+    """The NVRTC this process compiles with: its version and the loaded library's file (path,
+    size, modification time), so that an update of the library within one major.minor (a new
+    wheel, a new toolkit) keys new cache entries."""
+    import os
 
-    The kernels are compiled with the NVRTC CuPy uses but with OPTIONS alone: CuPy's RawModule
-    appends -ftz=true, which would read and write float32 subnormals as zero where torch keeps
-    them (a bfloat16 loss of 3e-39 would be 0).  The key is the source (source()), the options, the
-    architecture, the NVRTC version and the names.  Each file is written under a temporary name
-    and renamed into place, the mapping last, so processes sharing one cache folder may race on
-    an entry and each finds it whole.  A cache folder that cannot be written (a read-only one
-    filled by precompile) is still read; what it lacks goes to _private_dir().
-    """
+    from cupy.cuda import nvrtc
+
+    version = ".".join(map(str, nvrtc.getVersion()))
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split(None, 5)[-1].strip() for line in maps
+                            if "libnvrtc" in line and "builtins" not in line})
+    except OSError:
+        paths = []
+    for path in paths[:1]:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        return f"{version} {path} {st.st_size} {st.st_mtime_ns}"
+    return version
+
+
+class CacheWarning(UserWarning):
+    """A kernel cache folder or entry was passed over (not owned by this user or root, or
+    writable by others)."""
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread):
+    /proc/self/status, else the common 0o022."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _safe(st, uid: int) -> bool:
+    """A file or folder status that only its owner can write: owned by this user or root, and
+    neither group- nor world-writable."""
+    import stat
+
+    return st.st_uid in (uid, 0) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+_WARNED: set = set()
+
+
+def trusted(folder: pathlib.Path) -> bool | None:
+    """Whether kernels may be loaded from and written to `folder`: True where it is a folder
+    owned by this user or root that no one else can write, None where it does not exist yet
+    (this process may make it), False (with a CacheWarning, once a folder) otherwise: a folder
+    another user could have planted code in."""
+    import os
+    import stat
+    import warnings
+
+    try:
+        st = os.stat(folder)   # a link to a folder: the folder's own owner and mode decide
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    if stat.S_ISDIR(st.st_mode) and _safe(st, os.getuid()):
+        return True
+    if folder not in _WARNED:
+        _WARNED.add(folder)
+        warnings.warn(f"cupyloss: kernel cache folder {folder} is not used: it must be a folder "
+                      f"owned by you or root that no one else can write (owner uid {st.st_uid}, "
+                      f"mode {stat.filemode(st.st_mode)})", CacheWarning, stacklevel=3)
+    return False
+
+
+def _read_entry(folder: pathlib.Path, key: str) -> tuple[bytes, dict] | None:
+    """(cubin, {name: mangled}) of entry `key` in the trusted `folder`, read once each and
+    verified against the hash its mapping holds; None where it is absent, unreadable, not a
+    plain file owned by this user or root and closed to others' writes, or damaged (a
+    truncated or half-written file): the caller compiles it again and rewrites it."""
+    import hashlib
+    import json
+    import os
+    import stat
+
+    uid = os.getuid()
+    record = None
+    try:
+        for path in (folder / f"{key}.json", folder / f"{key}.cubin"):
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or not _safe(st, uid):
+                return None
+        record = json.loads((folder / f"{key}.json").read_bytes())
+        binary = (folder / f"{key}.cubin").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("names"), dict) or \
+            record.get("sha256") != hashlib.sha256(binary).hexdigest():
+        return None
+    return binary, record["names"]
+
+
+def _write_entry(folder: pathlib.Path, key: str, binary: bytes, mangled: dict) -> None:
+    """Entry `key` into `folder`: each file written under a temporary name, flushed to disk and
+    renamed into place, the mapping (with the binary's hash) last, so that processes sharing the
+    folder find an entry whole or not at all; read by every user the umask lets read it, written
+    by its owner alone.  A temporary file left by an error is removed."""
     import hashlib
     import json
     import os
     import tempfile
 
-    from cupy.cuda import nvrtc
+    mode = 0o666 & ~_umask() & ~0o022
+    if trusted(folder) is None:
+        folder.mkdir(parents=True, exist_ok=True, mode=mode | 0o111 & ~_umask())
+    if not trusted(folder):
+        raise PermissionError(13, "not a folder only its owner can write", str(folder))
+    record = {"names": mangled, "sha256": hashlib.sha256(binary).hexdigest()}
+    for path, data in ((folder / f"{key}.cubin", binary),
+                       (folder / f"{key}.json", json.dumps(record).encode())):
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fchmod(fh.fileno(), mode)
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+
+def _key(file: str, names: list[str], arch: str, gpu: str) -> tuple[str, str, tuple]:
+    """(the cache key, the code, its flags) of kernels/`file` holding `names` for sm_`arch`."""
+    import hashlib
 
     code = source(file, gpu)
     flags = _nvrtc_options(gpu)
-    key = hashlib.sha256("\0".join(
-        [code, *flags, arch, str(nvrtc.getVersion()), *names]).encode()).hexdigest()
-    folders = [cache_dir(), _private_dir()]
-    for folder in folders:
-        cubin = folder / f"{key}.cubin"
-        if cubin.is_file() and cubin.with_suffix(".json").is_file():
-            return cubin
+    key = hashlib.sha256("\0".join([code, *flags, arch, nvrtc_build(), *names]).encode())
+    return key.hexdigest(), code, flags
+
+
+def load(file: str, names: list[str], arch: str, gpu: str = "", *,
+         fresh: bool = False) -> tuple[pathlib.Path, bytes, dict]:
+    """(where it is kept, the cubin, {name: mangled symbol}) of kernels/`file` holding `names`
+    for sm_`arch` with GPU `gpu`'s knobs of the launch table (options(gpu)): read from the cache
+    (cache_dir, then private_dir) where a verified entry is there, else compiled and written to
+    the first of the two that takes it.  `fresh`: compile and rewrite even where an entry
+    verifies (one the driver failed to load).
+
+    The kernels are compiled with the NVRTC CuPy uses but with OPTIONS alone: CuPy's RawModule
+    appends -ftz=true, which would read and write float32 subnormals as zero where torch keeps
+    them (a bfloat16 loss of 3e-39 would be 0).  The key is the source (source()), the options,
+    the architecture, the NVRTC build (nvrtc_build) and the names.  Only folders this user or
+    root owns and no one else can write are read or written (trusted); a cache folder that
+    cannot be written (a read-only one filled by precompile) is still read, and what it lacks
+    goes to private_dir().
+    """
+    key, code, flags = _key(file, names, arch, gpu)
+    folders = [f for f in (cache_dir(), private_dir()) if trusted(f) is not False]
+    if not fresh:
+        for folder in folders:
+            found = _read_entry(folder, key)
+            if found is not None:
+                return folder / f"{key}.cubin", *found
     binary, mangled = _nvrtc(code, flags, arch, names)
     for folder in folders:   # a shared folder this process cannot write: its own instead
-        cubin = folder / f"{key}.cubin"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            for path, data in ((cubin, binary),
-                               (cubin.with_suffix(".json"), json.dumps(mangled).encode())):
-                fd, tmp = tempfile.mkstemp(dir=folder)
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                os.replace(tmp, path)
-            return cubin
+            _write_entry(folder, key, binary, mangled)
+            return folder / f"{key}.cubin", binary, mangled
         except OSError:
             if folder is folders[-1]:
                 raise
-    raise AssertionError("unreachable")
+    raise PermissionError(13, "no kernel cache folder this user alone can write",
+                          str(private_dir()))
 
 
-def _private_dir() -> pathlib.Path:
-    """This user's folder for kernels that cache_dir() cannot take (read-only, say a folder an
-    image was built with): under the temporary directory."""
+def cached(file: str, names: list[str], arch: str, gpu: str = "") -> pathlib.Path:
+    """Where the cubin of kernels/`file` holding `names` for sm_`arch` is kept, compiled into
+    the cache unless a verified entry is there (load); a .json beside it maps the names to
+    their mangled symbols and holds the cubin's hash."""
+    return load(file, names, arch, gpu)[0]
+
+
+_PRIVATE: list = []
+
+
+def private_dir() -> pathlib.Path:
+    """This user's own folder for kernels that cache_dir() cannot take (read-only, say a folder
+    an image was built with): $XDG_CACHE_HOME/cupyloss (default ~/.cache/cupyloss), or, where
+    that is not this user's to write, a folder made for this process by mkdtemp."""
     import os
     import tempfile
 
-    return pathlib.Path(tempfile.gettempdir()) / f"cupyloss-{os.getuid()}"
+    if _PRIVATE:
+        return _PRIVATE[0]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = pathlib.Path(base) / "cupyloss"
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ok = trusted(folder) and os.access(folder, os.W_OK)
+    except OSError:
+        ok = False
+    if not ok:
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="cupyloss-"))
+    _PRIVATE.append(folder)
+    return folder
 
 
 @functools.lru_cache(maxsize=None)
 def _function(name: str, expression: str, device_id: int):
     """One instantiation on device `device_id`, compiled on demand as its own NVRTC program (a
     call compiles only the kernels it runs) and loaded from the cache."""
-    import json
-
     import cupy
 
     with cupy.cuda.Device(device_id) as device:
-        cubin = cached(name, [expression], device.compute_capability,
-                       _launch.device_limits(device_id).gpu)
-        mangled = json.loads(cubin.with_suffix(".json").read_text())
-        return cupy.RawModule(path=str(cubin)).get_function(mangled[expression])
+        arch, gpu = device.compute_capability, _launch.device_limits(device_id).gpu
+        for fresh in (False, True):
+            path, _, mangled = load(name, [expression], arch, gpu, fresh=fresh)
+            kernel = cupy.RawModule(path=str(path)).get_function(mangled[expression])
+            try:
+                kernel.kernel          # loads the module now
+                return kernel
+            except cupy.cuda.driver.CUDADriverError:
+                if fresh:           # verified, built again, and still refused by the driver
+                    raise
 
 
 def function(name: str, expression: str):
