@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import struct
+import threading
 
 import numpy
 
@@ -38,15 +39,31 @@ def struct_words(record: numpy.ndarray) -> list[int]:
     return list(array.array("Q", raw))
 
 
-class Layout:
-    """The parameter list of one kernel: names in order, each one word or a struct of words."""
+# CUfunction -> the word slots of its parameters that hold addresses (Layout.bind): what the
+# JAX replay may rewrite, and nothing else.
+POINTERS: dict = {}
 
-    def __init__(self, params: list[tuple[str, int]]):
+
+class Layout:
+    """The parameter list of one kernel: names in order, each one word or a struct of words,
+    and which words hold addresses (`pointers`)."""
+
+    def __init__(self, params):
         self.slot = {}
         self.size = 0
-        for name, words in params:
+        pointers = []
+        for name, words, *pointer in params:
             self.slot[name] = self.size
+            if pointer and pointer[0]:
+                pointers += range(self.size, self.size + words)
             self.size += words
+        self.pointers = frozenset(pointers)
+
+    def bind(self, function: int) -> int:
+        """`function` (a CUfunction launched with these words), its address words recorded in
+        POINTERS; returned as given."""
+        POINTERS[function] = self.pointers
+        return function
 
     def template(self, values: dict) -> array.array:
         """Words with `values` (name -> word or list of words) filled in, the rest zero."""
@@ -60,13 +77,28 @@ class Layout:
         return words
 
 
+class _Recording(threading.local):
+    """Per thread: the list a recording on this thread appends its launches to, else None
+    (_dispatch.recording sets it; other threads' launches are never recorded)."""
+
+    ops = None
+
+
+RECORDING = _Recording()
 _driver = None
 
 
 def launch(function_ptr: int, grid: tuple, block: tuple, shared: int, stream: int,
            words: array.array) -> None:
-    """cuLaunchKernel with `words` as the parameter buffer, on `stream`."""
+    """cuLaunchKernel with `words` as the parameter buffer, on `stream`; inside a recording on
+    this thread (RECORDING.ops), appended to it instead: ("launch", function, grid, block,
+    shared memory, cooperative, a copy of the words)."""
     global _driver
+    ops = RECORDING.ops
+    if ops is not None:
+        ops.append(("launch", function_ptr, tuple(grid), tuple(block), shared, False,
+                    array.array("Q", words)))
+        return
     if _driver is None:
         from cupy_backends.cuda.api import driver
 
@@ -85,7 +117,12 @@ def launch(function_ptr: int, grid: tuple, block: tuple, shared: int, stream: in
 def launch_cooperative(function_ptr: int, grid: tuple, block: tuple, shared: int, stream: int,
                        words: array.array) -> None:
     """cuLaunchCooperativeKernel: every block of the grid resident at once (the groups of blocks
-    that share a row wait for each other); `words` as for `launch`."""
+    that share a row wait for each other); `words` and recording as for `launch`."""
+    ops = RECORDING.ops
+    if ops is not None:
+        ops.append(("launch", function_ptr, tuple(grid), tuple(block), shared, True,
+                    array.array("Q", words)))
+        return
     from cupy_backends.cuda.api import driver
 
     base = words.buffer_info()[0]

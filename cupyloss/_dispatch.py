@@ -409,45 +409,23 @@ class recording:
     """Inside, on this thread, the engines' launches (_args.launch, _args.launch_cooperative) and
     GivenFrame's zeroings are appended to `region.ops` instead of made: ("launch", function,
     grid, block, shared memory, cooperative, words) and ("zeros", pointer, bytes), in order.
-    Other threads' launches go through.  One recording at a time."""
-
-    _lock = None
+    The flag is the thread's own (_args.RECORDING), so other threads' launches go through and
+    threads may record at once; recordings nest, the inner one's launches its own."""
 
     def __init__(self, region: Region):
-        import threading
-
-        if recording._lock is None:
-            recording._lock = threading.Lock()
         self.region = region
 
     def __enter__(self):
-        import array
-        import threading
-
         from cupyloss import _args
 
-        recording._lock.acquire()
-        me, ops = threading.get_ident(), []
-        self.saved = launch, cooperative = _args.launch, _args.launch_cooperative
-
-        def recorder(real, is_cooperative):
-            def record(function, grid, block, shared, stream, words):
-                if threading.get_ident() != me:
-                    return real(function, grid, block, shared, stream, words)
-                ops.append(("launch", function, tuple(grid), tuple(block), shared,
-                            is_cooperative, array.array("Q", words)))
-            return record
-
-        _args.launch = recorder(launch, False)
-        _args.launch_cooperative = recorder(cooperative, True)
-        self.region.ops = ops
+        self.outer = _args.RECORDING.ops
+        ops = _args.RECORDING.ops = self.region.ops = []
         return ops
 
     def __exit__(self, *exc):
         from cupyloss import _args
 
-        _args.launch, _args.launch_cooperative = self.saved
-        recording._lock.release()
+        _args.RECORDING.ops = self.outer
         return False
 
 

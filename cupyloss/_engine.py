@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import contextlib
 import dataclasses
+import threading
 
 import numpy
 
@@ -88,8 +89,10 @@ def current_device() -> int:
     return current_device()
 
 
-TICKETS: dict = {}          # device -> (base pointer, {stream: slot})
-TICKET_SLOTS = 1024
+TICKETS: dict = {}          # device -> {stream: (its ticket, its COL_TICKETS column tickets)}
+_CHUNKS: dict = {}          # device -> [base pointer of each chunk of TICKET_SLOTS slots]
+_TICKETS_LOCK = threading.Lock()
+TICKET_SLOTS = 1024         # streams a chunk of tickets serves; another chunk for the next
 COL_TICKETS = 256           # column blocks of pointwise_rows, or groups of o of pointwise_reduce,
                             # whose partials a launch adds up itself
 
@@ -98,33 +101,50 @@ def ticket(device: int, stream: int) -> int:
     """A zeroed uint32 on `device` for the last-block ticket of launches on `stream`.
 
     Each kernel that uses it leaves it zero again (atomicInc wraps it), so launches on one
-    stream share one slot.  Behind the TICKET_SLOTS tickets lie COL_TICKETS more per slot
-    (`col_tickets`), allocated with them.
-    The slots are allocated and zeroed once per device (warm up before capturing a CUDA graph).
+    stream share one slot, and no two streams ever do: the slots come in chunks of
+    TICKET_SLOTS (each slot with COL_TICKETS more behind the chunk's tickets, `col_tickets`),
+    a new chunk allocated and zeroed for the stream past the last.  A stream's first call
+    takes its slot under a lock (warm up before capturing a CUDA graph); later calls read it
+    from a dict.
     """
-    import cupy
-
-    entry = TICKETS.get(device)
-    if entry is None:
-        size = 4 * TICKET_SLOTS * (1 + COL_TICKETS)
-        with cupy.cuda.Device(device):
-            base = cupy.cuda.runtime.malloc(size)
-            cupy.cuda.runtime.memset(base, 0, size)
-        entry = TICKETS[device] = (base, {})
-    base, slots = entry
-    slot = slots.get(stream)
-    if slot is None:
-        slot = slots[stream] = len(slots) % TICKET_SLOTS
-    return base + 4 * slot
+    slots = TICKETS.get(device)
+    mine = slots.get(stream) if slots is not None else None
+    return (mine or _new_slot(device, stream))[0]
 
 
 def col_tickets(device: int, stream: int) -> int:
     """COL_TICKETS zeroed uint32 on `device` for the column blocks of a pointwise_rows launch or
     the groups of o of a pointwise_reduce launch on `stream` (one each; the kernel leaves them
     zero, as `ticket`)."""
-    mine = ticket(device, stream)
-    base = TICKETS[device][0]
-    return base + 4 * TICKET_SLOTS + 4 * COL_TICKETS * ((mine - base) // 4)
+    slots = TICKETS.get(device)
+    mine = slots.get(stream) if slots is not None else None
+    return (mine or _new_slot(device, stream))[1]
+
+
+def _new_slot(device: int, stream: int) -> tuple[int, int]:
+    """`stream`'s (ticket, column tickets) on `device`, taken the first time it asks."""
+    with _TICKETS_LOCK:
+        slots = TICKETS.setdefault(device, {})
+        mine = slots.get(stream)
+        if mine is None:
+            chunk, k = divmod(len(slots), TICKET_SLOTS)
+            chunks = _CHUNKS.setdefault(device, [])
+            if chunk == len(chunks):
+                chunks.append(_zeroed(device, 4 * TICKET_SLOTS * (1 + COL_TICKETS)))
+            base = chunks[chunk]
+            mine = slots[stream] = (base + 4 * k,
+                                    base + 4 * TICKET_SLOTS + 4 * COL_TICKETS * k)
+        return mine
+
+
+def _zeroed(device: int, size: int) -> int:
+    """`size` zeroed bytes on `device`, never freed (the tickets of the streams that use it)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        base = cupy.cuda.runtime.malloc(size)
+        cupy.cuda.runtime.memset(base, 0, size)
+    return base
 
 
 def target_operand(frame, target):

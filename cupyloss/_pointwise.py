@@ -291,7 +291,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 else:
                     grads[k] = "g0" if kinds[k] == KIND_SCALAR else "g"
             scalars = reduced and want_value or "g0" in grads
-            return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout,
+            return plan(layout.bind(_source.function("pointwise.cu", name).kernel.ptr), cfg, words, layout,
                         grads, chunks, scalars)
 
     if len(shape) > _launch.MAX_DIMS:  # evaluate makes the operands contiguous and retries
@@ -322,7 +322,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     layout = flat_layout(k_ops, spec.param_words)
     geo = _launch.geometry(shape, cstrides, k_ops + 1)
     words = layout.template({**common, "geo": _args.struct_words(geo), "n": n})
-    return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout, grads,
+    return plan(layout.bind(_source.function("pointwise.cu", name).kernel.ptr), cfg, words, layout, grads,
                 [None] * k_ops, scalars)
 
 
@@ -367,12 +367,13 @@ def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, 
             chunks[k] = chunked(cfg.nchunks, split.n_o)
         else:
             grads[k] = "g"
-    return plan(_source.function("pointwise.cu", name).kernel.ptr, cfg, words, layout, grads,
+    return plan(layout.bind(_source.function("pointwise.cu", name).kernel.ptr), cfg, words, layout, grads,
                 chunks, scalars)
 
 
 def _sum_chunks_function(info) -> int:
-    return _source.function("reduce.cu", _source.reduce_name("sum_chunks", info.ctype)).kernel.ptr
+    return SUM_CHUNKS.bind(
+        _source.function("reduce.cu", _source.reduce_name("sum_chunks", info.ctype)).kernel.ptr)
 
 
 def _operands(spec, frame, arrays):

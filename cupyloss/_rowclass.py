@@ -209,7 +209,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
         "ignore_index": _args.i64_word(ignore_index), "option": _args.f64_word(option),
         "go_value": _ONE, "grad_scale": _args.f64_word(grad_scale), "tpr": cfg.tpr,
         "divisor": _args.f64_word(divisor)})
-    main = Launched(_source.function("rowclass.cu", name).kernel.ptr, cfg.grid, cfg.block,
+    main = Launched(ROWS.bind(_source.function("rowclass.cu", name).kernel.ptr), cfg.grid, cfg.block,
                     cfg.shared, words, ROWS.slot)
     scratch: dict = {}
     size = 0
@@ -227,7 +227,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
         ccfg = _launch.flat_launch(rows, 1, limits)
         cwords = COUNT.template({"rows": rows, "l_rs": l_rs, "flags": flags & FLAG_LABELS64,
                                  "ignore_index": _args.i64_word(ignore_index)})
-        count = Launched(_source.function("rowclass.cu", cname).kernel.ptr, ccfg.grid,
+        count = Launched(COUNT.bind(_source.function("rowclass.cu", cname).kernel.ptr), ccfg.grid,
                          ccfg.block, ccfg.shared, cwords, COUNT.slot)
         region("denom", 1)
         if ccfg.grid[0] > 1:

@@ -199,13 +199,14 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
         values[f"rs{k}"] = _args.i64_word(rs)
         values[f"cs{k}"] = _args.i64_word(cs)
     words = LAYOUT.template(values)
-    function = _source.function("rowpair.cu", name).kernel.ptr  # allowed cfg.shared above
+    function = LAYOUT.bind(_source.function("rowpair.cu", name).kernel.ptr)  # shared above
     value = want_value and reduction != "none"
     finish = 0
     partials = (rows if cfg.wide else cfg.grid[0] if cfg.grid[0] > 1 else 0) if value else 0
     finish_words = FINISH_LAYOUT.template({"rows": rows, "divisor": _args.f64_word(divisor)})
     if value and cfg.wide:
-        finish = _source.function("rowpair.cu", _source.rowpair_finish_name(info.ctype)).kernel.ptr
+        finish = FINISH_LAYOUT.bind(
+            _source.function("rowpair.cu", _source.rowpair_finish_name(info.ctype)).kernel.ptr)
     return Plan(function, cfg.grid, cfg.block, cfg.shared, words, tuple(x_shape), loss_shape,
                 dtype, acc, value, want_value and reduction == "none", tuple(grads),
                 partials, finish, finish_words)

@@ -241,8 +241,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
                                "stash": cfg.stash})
         if cfg.cluster:
             name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, cfg.k, gtype)
-        main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
-                        cfg.shared, words, ROWS.slot, cfg.cooperative)
+        main = Launched(ROWS.bind(_source.function("rowwise.cu", name).kernel.ptr), cfg.grid,
+                        cfg.block, cfg.shared, words, ROWS.slot, cfg.cooperative)
         if cfg.cooperative:
             groups = cfg.grid[0] // cfg.k
             counters = groups
@@ -260,8 +260,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         words = COLS.template({**common, "inner": geo.inner, "xn": xn, "xc": xc, "xd": xd,
                                "tn": tn, "tc": tc, "td": td, "gon": go_rs[0], "god": go_rs[1],
                                "gn": gn, "gc": gc, "gd": gd})
-        main = Launched(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block,
-                        cfg.shared, words, COLS.slot)
+        main = Launched(COLS.bind(_source.function("rowwise.cu", name).kernel.ptr), cfg.grid,
+                        cfg.block, cfg.shared, words, COLS.slot)
     nblocks = main.grid[0]
     if want_value and nblocks > 1:
         region("partials", 2 * nblocks)
@@ -272,8 +272,8 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
         wwords = WSUM.template({"rows": rows, "cols": cols, "inner": geo.inner, "tn": geo.t[0],
                                 "td": geo.t[2], "flags": flags & FLAG_INDEX64,
                                 "ignore_index": _args.i64_word(ignore_index)})
-        wsum = Launched(_source.function("rowwise.cu", wname).kernel.ptr, wcfg.grid, wcfg.block,
-                        wcfg.shared, wwords, WSUM.slot)
+        wsum = Launched(WSUM.bind(_source.function("rowwise.cu", wname).kernel.ptr), wcfg.grid,
+                        wcfg.block, wcfg.shared, wwords, WSUM.slot)
         region("denom", 1)
         if wcfg.grid[0] > 1:
             region("wsum_partials", wcfg.grid[0])
@@ -533,8 +533,8 @@ def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, i
         "smoothing": _args.f64_word(label_smoothing), "zscale": _args.f64_word(lse_square_scale),
         "softcap": _args.f64_word(softcap), "go_value": _args.f64_word(go_value),
         "grad_scale": _ONE, "gx": out.data.ptr})
-    _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
-                 words)
+    _args.launch(SLICE.bind(_source.function("rowwise.cu", name).kernel.ptr), cfg.grid, cfg.block,
+                 0, stream, words)
 
 
 def slice_stats(x, target, out, c0, classes, weight, *, ignore_index, label_smoothing, softcap,
@@ -557,8 +557,8 @@ def slice_stats(x, target, out, c0, classes, weight, *, ignore_index, label_smoo
         "ignore_index": _args.i64_word(ignore_index),
         "smoothing": _args.f64_word(label_smoothing), "softcap": _args.f64_word(softcap),
         "stats": out.data.ptr})
-    _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
-                 words)
+    _args.launch(STATS.bind(_source.function("rowwise.cu", name).kernel.ptr), cfg.grid, cfg.block,
+                 0, stream, words)
 
 
 def combine(stats, target, weight, loss, lse, wy, classes, *, ignore_index, label_smoothing,
@@ -578,5 +578,5 @@ def combine(stats, target, weight, loss, lse, wy, classes, *, ignore_index, labe
         "classes": classes, "flags": flags, "ignore_index": _args.i64_word(ignore_index),
         "smoothing": _args.f64_word(label_smoothing), "zscale": _args.f64_word(lse_square_scale),
         "loss": loss.data.ptr, "lse": lse.data.ptr, "wy": wy.data.ptr})
-    _args.launch(_source.function("rowwise.cu", name).kernel.ptr, cfg.grid, cfg.block, 0, stream,
-                 words)
+    _args.launch(COMBINE.bind(_source.function("rowwise.cu", name).kernel.ptr), cfg.grid, cfg.block,
+                 0, stream, words)

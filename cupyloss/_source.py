@@ -152,22 +152,54 @@ def constants(source: str, *names: str) -> tuple[int, ...]:
     return tuple(known[n] for n in names)
 
 
+@functools.lru_cache(maxsize=None)
+def struct_fields(source: str, struct: str) -> tuple[tuple[str, str], ...]:
+    """(type, name) of each field of `struct` as kernels/`source` declares it ("T* g[K]" gives
+    ("T*", "g"))."""
+    text = _COMMENT.sub(" ", expand(source))
+    found = re.search(r"\bstruct\s+(?:alignas\([^)]*\)\s*)?" + re.escape(struct) + r"\s*\{",
+                      text)
+    if found is None:
+        raise LookupError(f"no struct {struct} in kernels/{source}")
+    body = text[found.end():text.index("}", found.end())]
+    fields = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        decl = re.sub(r"\[[^]]*\]", "", decl)
+        name = re.findall(r"\w+", decl)[-1]
+        fields.append((" ".join(decl[:decl.rfind(name)].split()), name))
+    return tuple(fields)
+
+
+def _is_pointer(ctype: str) -> bool:
+    return ctype.replace("__restrict__", "").rstrip().endswith("*")
+
+
 def kernel_words(source: str, kernel: str, sizes: dict | None = None,
-                 fields: dict | None = None) -> list[tuple[str, int]]:
+                 fields: dict | None = None) -> list[tuple[str, int, bool]]:
     """`kernel`'s parameters as _args.Layout takes them, named as the kernel names them: one
     64-bit word a scalar or pointer; `sizes` gives the words of a struct parameter written as a
-    whole, `fields` the (field, words) of one written field by field (named "param.field").
-    A parameter of another type named in neither raises: no struct passes for one word."""
+    whole, `fields` the (field, words) of one written field by field (named "param.field"),
+    checked against the struct's own fields in order.  Each entry says whether its words are
+    addresses: a pointer parameter or field, or a struct of pointers (PerOperand<const T*, K>),
+    so that code rewriting addresses (the JAX replay) touches nothing else.  A parameter of
+    another type named in neither raises: no struct passes for one word."""
     sizes, fields = sizes or {}, fields or {}
-    out: list[tuple[str, int]] = []
+    out: list[tuple[str, int, bool]] = []
     for ctype, name in kernel_params(source, kernel):
         if name in fields:
-            out += [(f"{name}.{field}", words) for field, words in fields[name]]
+            struct = re.sub(r"^const\s+", "", ctype).partition("<")[0].strip()
+            declared = struct_fields(source, struct)
+            if [f for f, _ in fields[name]] != [n for _, n in declared]:
+                raise TypeError(f"{kernel}'s {name} is a {struct} of fields "
+                                f"{[n for _, n in declared]}, not {[f for f, _ in fields[name]]}")
+            out += [(f"{name}.{field}", words, _is_pointer(t))
+                    for (field, words), (t, _) in zip(fields[name], declared)]
         elif name in sizes:
-            out.append((name, sizes[name]))
-        elif ctype.replace("__restrict__", "").rstrip().endswith("*") or \
-                set(ctype.split()) <= _SCALAR:
-            out.append((name, 1))
+            args = ctype.partition("<")[2]
+            out.append((name, sizes[name], _is_pointer(_split_top(args.rpartition(">")[0])[0])
+                        if args else False))
+        elif _is_pointer(ctype) or set(ctype.split()) <= _SCALAR:
+            out.append((name, 1, _is_pointer(ctype)))
         else:
             raise TypeError(f"{kernel}'s parameter {name} is a {ctype}: give its words")
     unknown = (set(sizes) | set(fields)) - {name for _, name in kernel_params(source, kernel)}

@@ -44,6 +44,7 @@ import functools
 import inspect
 import math
 import sys
+import threading
 import warnings
 
 try:
@@ -80,7 +81,7 @@ class _Kernels:
     def __init__(self):
         self.copies = 0         # results copied into XLA's buffer instead of written there
         self.pooled = 0         # allocations that fell back to CuPy's pool
-        self._streams = {}      # CUDA ordinal -> the stream measuring runs are captured on
+        self._streams = threading.local()   # .by_ordinal: this thread's measuring streams
         self._external = {}     # (XLA's stream, device) -> its cupy.cuda.Stream
         self._views = {}        # (pointer, shape, dtype, device) -> GivenArray
         self.replayed = 0       # calls made by replaying a traced call's launches
@@ -147,11 +148,14 @@ class _Kernels:
         import cupy
 
         need, replays = 0, {}
+        streams = getattr(self._streams, "by_ordinal", None)
+        if streams is None:
+            streams = self._streams.by_ordinal = {}
         for ordinal in _ordinals():
-            with cupy.cuda.Device(ordinal):
-                stream = self._streams.get(ordinal)
+            with cupy.cuda.Device(ordinal), _MEASURING:
+                stream = streams.get(ordinal)
                 if stream is None:
-                    stream = self._streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
+                    stream = streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
                 tickets = (_core_engine.ticket(ordinal, stream.ptr),   # before the capture
                            _core_engine.col_tickets(ordinal, stream.ptr))
                 bases = list(_fake_addresses([*arrays, *results]))
@@ -247,6 +251,9 @@ class _Call:
 
 
 _BYTE = numpy.dtype(numpy.uint8)
+# Held by a measuring run from before its capture begins to after it ends: one at a time, so
+# that no capture sees another thread's plan building (a first kernel load, a ticket's zeroing).
+_MEASURING = threading.Lock()
 # What a dtype travels as through the callback: bfloat16 as its bits (see _Kernels.view).
 _WIRE = {numpy.dtype(_dtypes._BFLOAT16): numpy.dtype(numpy.uint16)} if _dtypes._BFLOAT16 \
     is not None else {}
@@ -307,10 +314,16 @@ def _graph_nodes(graph):
 
 
 def _replay(ops, bases, tickets):
-    """A recorded call (region.ops) as replay ops: each word that held an address inside one of
-    the call's fake buffers (`bases`: arguments, results, scratch last, which ends nowhere)
-    becomes a patch (slot, buffer index, offset), and the measuring stream's tickets
-    (`tickets`) the replaying stream's (indices -2 and -1)."""
+    """A recorded call (region.ops) as replay ops, or None where it cannot be one: each address
+    word (_args.POINTERS: the kernel's declared pointer parameters and fields) that held an
+    address inside one of the call's fake buffers (`bases`: arguments, results, scratch last,
+    which ends nowhere) becomes a patch (slot, buffer index, offset), and the measuring stream's
+    tickets (`tickets`) the replaying stream's (indices -2 and -1).  A launch of a kernel whose
+    address words are not known, or whose other words (a float64 option, a count) hold what
+    reads as a fake address, is no replay: such a word is never rewritten, and the engine runs
+    those calls instead."""
+    from cupyloss import _args
+
     spans = [(b, bases[k + 1] if k + 1 < len(bases) else _FAKE_END, k)
              for k, b in enumerate(bases)]
     ticket, col = tickets
@@ -333,12 +346,18 @@ def _replay(ops, bases, tickets):
             out.append(("zeros", which, offset, op[2]))
             continue
         kind, function, grid, block, shared, cooperative, words = op
+        pointers = _args.POINTERS.get(function)
+        if pointers is None:
+            return None
         patches = []
         for slot, value in enumerate(words):
             at = where(value)
-            if at is not None:
-                patches.append((slot, *at))
-                words[slot] = 0
+            if at is None:
+                continue
+            if slot not in pointers:
+                return None
+            patches.append((slot, *at))
+            words[slot] = 0
         out.append((kind, function, grid, block, shared, cooperative, words, tuple(patches)))
     return tuple(out)
 

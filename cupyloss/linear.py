@@ -263,7 +263,7 @@ def _narrow(src, out, stream, device) -> None:
     info = _dtypes.DTYPES[out.dtype]
     function = _source.function("scale.cu", _source.narrow_name(info.ctype))
     cfg = _launch.flat_launch(n, 8, _launch.device_limits(device))
-    _args.launch(function.kernel.ptr, cfg.grid, cfg.block, 0, stream,
+    _args.launch(NARROW.bind(function.kernel.ptr), cfg.grid, cfg.block, 0, stream,
                  NARROW.template({"src": src.data.ptr, "out": out.data.ptr, "n": n}))
 
 

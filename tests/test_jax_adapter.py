@@ -268,11 +268,15 @@ def test_bfloat16_travels_as_its_bits(engine):
     assert "u16" in str(jax.make_jaxpr(jax.value_and_grad(JL.mse_loss))(a, b))
 
 
-def test_replay_patches_every_address_of_a_recorded_call():
-    """A measuring run's recorded launch becomes its replay: each word inside a fake buffer is
-    patched with that buffer's index and offset, the measuring stream's tickets become the
-    replaying stream's (-2, -1); everything else is kept."""
+def test_replay_patches_every_address_of_a_recorded_call(monkeypatch):
+    """A measuring run's recorded launch becomes its replay: each address word inside a fake
+    buffer is patched with that buffer's index and offset, the measuring stream's tickets become
+    the replaying stream's (-2, -1); everything else is kept."""
     import array
+
+    from cupyloss import _args
+
+    monkeypatch.setitem(_args.POINTERS, 11, frozenset(range(7)))
 
     structs = [jax.ShapeDtypeStruct((4, 5), jnp.float32)] * 2 + [
         jax.ShapeDtypeStruct((), jnp.float32)]
@@ -288,3 +292,43 @@ def test_replay_patches_every_address_of_a_recorded_call():
     assert list(launch[6]) == [0, 7, 0, 0, 0, 0, 0, bases[0] - 1]
     assert launch[7] == ((0, 0, 0), (2, 1, 16), (3, 2, 0), (4, 3, 512), (5, -2, 0), (6, -1, 0))
     assert zeros == ("zeros", 3, 256, 64)
+
+
+def test_replay_never_rewrites_a_word_that_is_not_an_address(monkeypatch):
+    """A float64 option whose bits fall among the fake addresses (softcap or eps near 1e-300) is
+    not an address: the recording becomes no replay (the engine runs those calls), rather than
+    a replay that writes an address into the option.  A kernel whose address words are unknown
+    gives no replay either."""
+    import array
+    import struct
+
+    from cupyloss import _args
+
+    structs = [jax.ShapeDtypeStruct((4, 5), jnp.float32)] * 2
+    bases = list(JL._fake_addresses(structs))
+    tiny = struct.unpack("<Q", struct.pack("<d", 1e-300))[0]
+    assert JL._FAKE_BASE <= tiny < JL._FAKE_END and bases[0] <= tiny < JL._FAKE_END
+    words = array.array("Q", [bases[0], bases[1], tiny])
+    ops = [("launch", 12, (3,), (256,), 0, False, words)]
+    monkeypatch.setitem(_args.POINTERS, 12, frozenset({0, 1}))
+    assert JL._replay(ops, bases, (1, 2)) is None
+    monkeypatch.setitem(_args.POINTERS, 12, frozenset({0, 1, 2}))   # were it an address
+    assert JL._replay(ops, bases, (1, 2)) is not None
+    assert JL._replay([("launch", 13, (3,), (256,), 0, False, words)], bases, (1, 2)) is None
+
+
+def test_every_layout_knows_its_address_words():
+    """The address words come from the kernels' declarations: pointer parameters, pointer
+    fields of a struct written field by field, and structs of pointers; never a double."""
+    from cupyloss import _pointwise, _rowwise, linear
+
+    layout = _pointwise.flat_layout(2, 3)
+    slot = layout.slot
+    assert {slot["in"], slot["in"] + 1, slot["go"], slot["loss"], slot["o.value"],
+            slot["o.g"], slot["o.g"] + 1, slot["o.partials"], slot["o.ticket"], slot["g"],
+            slot["g"] + 1} == layout.pointers
+    assert slot["fill"] not in layout.pointers and slot["o.divisor"] not in layout.pointers
+    rows = _rowwise.ROWS
+    assert {rows.slot[n] for n in ("x", "tgt", "weight", "go", "gx", "ticket")} <= rows.pointers
+    assert not {rows.slot[n] for n in ("softcap", "smoothing", "rows", "cols")} & rows.pointers
+    assert linear.NARROW.pointers == {0, 1}
