@@ -86,6 +86,7 @@ from cupyloss.rowwise import (
     nll_loss,
     nll_loss_backward,
     nll_loss_value_and_grad,
+    rejected_targets,
 )
 
 __version__ = "0.1.0"
@@ -148,6 +149,7 @@ __all__ = [
     "poisson_nll_loss",
     "poisson_nll_loss_backward",
     "poisson_nll_loss_value_and_grad",
+    "rejected_targets",
     "sigmoid_focal_loss",
     "sigmoid_focal_loss_backward",
     "sigmoid_focal_loss_value_and_grad",

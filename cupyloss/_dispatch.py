@@ -30,7 +30,7 @@ import sys
 
 import numpy
 
-from cupyloss import _dtypes, _validate
+from cupyloss import _dtypes, _plans, _validate
 
 _KDLCUDA = 2            # DLPack device types that are CUDA memory the kernels can read
 _KDLCUDA_MANAGED = 13
@@ -66,7 +66,17 @@ class RawStream:
 
 # --- CuPy ---------------------------------------------------------------------------------------
 
-_ELEMENT_STRIDES: dict = {}   # (byte strides, itemsize) -> element strides
+_ELEMENT_STRIDES = _plans.Plans()   # (byte strides, itemsize) -> element strides
+
+
+def element_strides(strides: tuple, itemsize: int, name: str) -> tuple:
+    """Byte strides in elements, or ValueError where one is not a whole number of elements
+    (a view of another dtype's memory cupyloss would read at the wrong offsets)."""
+    if any(s % itemsize for s in strides):
+        raise ValueError(f"{name} has byte strides {tuple(strides)} that are not multiples of its "
+                         f"element size {itemsize}: pass a copy (cupy.ascontiguousarray)")
+    return tuple(s // itemsize for s in strides)
+
 
 class CupyFrame:
     """cupy.ndarray in, cupy.ndarray out, CuPy's current stream and pool."""
@@ -87,7 +97,7 @@ class CupyFrame:
         key = (x.strides, dtype.itemsize)
         strides = _ELEMENT_STRIDES.get(key)
         if strides is None:
-            strides = _ELEMENT_STRIDES[key] = tuple(s // dtype.itemsize for s in x.strides)
+            strides = _ELEMENT_STRIDES[key] = element_strides(x.strides, dtype.itemsize, name)
         return Operand(x.data.ptr, x.shape, strides, dtype, x.data.device_id, x)
 
     def stream(self, device):

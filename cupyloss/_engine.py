@@ -180,7 +180,8 @@ def target_operand(frame, target):
     if view.dtype not in INDEX_DTYPES:
         return frame.operand(target, "target"), False
     itemsize = view.dtype.itemsize
-    return _dispatch.Operand(view.data.ptr, view.shape, tuple(s // itemsize for s in view.strides),
+    return _dispatch.Operand(view.data.ptr, view.shape,
+                             _dispatch.element_strides(view.strides, itemsize, "target"),
                              view.dtype, view.data.device_id, view), True
 
 

@@ -26,8 +26,9 @@ from cupyloss._engine import Launched
 
 # Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
 (FLAG_INDEX64, FLAG_PROB, FLAG_NLL, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_MEAN_W, FLAG_ACC_IO,
- _FIELDS) = _source.constants("rowwise.cu", "ROW_INDEX64", "ROW_PROB", "ROW_NLL", "ROW_GO_DEVICE",
-                              "ROW_GO_ROWS", "ROW_MEAN_W", "ROW_ACC_IO", "ROW_FIELDS")
+ _FIELDS, SLICE_FIELDS) = _source.constants(
+    "rowwise.cu", "ROW_INDEX64", "ROW_PROB", "ROW_NLL", "ROW_GO_DEVICE", "ROW_GO_ROWS",
+    "ROW_MEAN_W", "ROW_ACC_IO", "ROW_FIELDS", "SLICE_FIELDS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,13 +402,14 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
         if frame.name not in ("cupy", "torch", "torch-dlpack"):
             raise ValueError(f"inplace=True writes into the input's memory; {frame.name} arrays "
                              f"are immutable")
-        if any(s == 0 and n > 1 for n, s in zip(x.shape, x.strides)):
+        if not _validate.distinct_elements(x.shape, x.strides):
             raise ValueError(f"inplace=True needs an input whose elements are distinct in memory, "
                              f"got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
     into = into_key = None
     if grad_into is not None:
         into = _dispatch.Operand(grad_into.data.ptr, grad_into.shape,
-                                 tuple(s // grad_into.itemsize for s in grad_into.strides),
+                                 _dispatch.element_strides(grad_into.strides, grad_into.itemsize,
+                                                           "grad_into"),
                                  grad_into.dtype, grad_into.data.device_id, grad_into)
         if (not want_gx or inplace or len(x.shape) != 2 or tuple(into.shape) != tuple(x.shape)
                 or into.strides[1] != 1 or into.device != x.device

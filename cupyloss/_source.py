@@ -705,13 +705,22 @@ def _function(name: str, expression: str, device_id: int):
         arch, gpu = device.compute_capability, _launch.device_limits(device_id).gpu
         for fresh in (False, True):
             path, _, mangled = load(name, [expression], arch, gpu, fresh=fresh)
-            kernel = cupy.RawModule(path=str(path)).get_function(mangled[expression])
+            module = cupy.RawModule(path=str(path))
+            kernel = module.get_function(mangled[expression])
             try:
                 kernel.kernel          # loads the module now
+                if name in COUNTING:
+                    COUNTED.append((device_id, module))
                 return kernel
             except cupy.cuda.driver.CUDADriverError:
                 if fresh:           # verified, built again, and still refused by the driver
                     raise
+
+
+# The kernel files whose modules count rejected class targets (rows.cuh's
+# cupyloss_rejected_targets), and each such module loaded: (device, RawModule).
+COUNTING = ("rowwise.cu", "rowclass.cu")
+COUNTED: list = []
 
 
 def function(name: str, expression: str):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cupyloss import _validate, parallel
+from cupyloss import _plans, _validate, parallel
 
 _NS = "cupyloss"
 _REDUCTIONS = ("none", "mean", "sum")
@@ -55,7 +55,8 @@ def _stats_cpu(x, t, weight, c0, classes, ignore_index, eps, cap):
            else z.new_zeros(rows))
     state = torch.stack([m, s, a, b, torch.where(inside, z_y, 0.0)], 1)
     empty = torch.tensor([ninf, 0.0, 0.0, 0.0, 0.0], dtype=acc)
-    return torch.where(ignored[:, None], empty, state)
+    state = torch.where(ignored[:, None], empty, state)
+    return torch.cat([state, parallel.claims(torch, t, inside, acc)[:, None]], 1)
 
 
 def _grad_cpu(g, x, t, lse, weight, c0, classes, ignore_index, eps, zs, cap):
@@ -249,6 +250,55 @@ def _check_slice(offset, cols, classes):
                          f"{classes} classes (class_offset={offset}, classes={classes})")
 
 
+def check_targets_of(target, classes, ignore_index):
+    """torch's IndexError for a class index outside [0, classes) that is not ignore_index (reads
+    a flag back to the host: the opt-in check_targets of the fused and vocab-parallel losses)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= classes))
+    if bool(bad.any()):
+        raise IndexError(f"Target {int(target[bad].reshape(-1)[0])} is out of bounds.")
+
+
+_LAYOUTS = _plans.Plans(1024)   # (group, this rank's rows, cols, offset, classes) -> agreed
+
+
+def _agreed(group, like, rows, cols, class_offset, classes):
+    """(class_offset, classes) of this rank, checked with every rank of `group` by one
+    all-gather of each rank's (rows, columns, offset, classes), once per local shape: ranks
+    that disagree on the row count (which would hang the statistics' exchange), or give offsets
+    on some ranks only, raise ValueError on every rank, naming each rank's figures; default
+    offsets follow the ranks' column counts, uneven or not.  Reads the gathered numbers on the
+    host, the first time a shape is seen.  Traced (torch.compile), a shape not seen eagerly
+    takes equal slices, unless the offsets are given."""
+    if group is None:
+        return (0, cols) if class_offset is None else (int(class_offset), int(classes))
+    k, rank = dist.get_world_size(group), dist.get_rank(group)
+    key = (group.group_name, rows, cols, class_offset, classes)
+    hit = _LAYOUTS.get(key)
+    if hit is not None:
+        return hit
+    if torch.compiler.is_compiling():
+        return (rank * cols, k * cols) if class_offset is None else (int(class_offset),
+                                                                     int(classes))
+    given = class_offset is not None
+    mine = torch.tensor([rows, cols, int(class_offset) if given else -1,
+                         int(classes) if given else -1], dtype=torch.int64, device=like.device)
+    every = mine.new_empty(4 * k)
+    _all_gather(every, mine, group=group)
+    table = [tuple(r) for r in every.view(k, 4).tolist()]
+    shown = ", ".join(f"rank {i}: {r[0]} rows x {r[1]} classes" + (
+        f" from {r[2]} of {r[3]}" if r[2] >= 0 else "") for i, r in enumerate(table))
+    if len({r[0] for r in table}) > 1:
+        raise ValueError(f"vocab-parallel ranks must hold the same rows; got {shown}")
+    if len({r[2] >= 0 for r in table}) > 1:
+        raise ValueError(f"give class_offset and classes on every rank or on none; got {shown}")
+    if not given:
+        class_offset, classes = sum(r[1] for r in table[:rank]), sum(r[1] for r in table)
+    elif len({r[3] for r in table}) > 1:
+        raise ValueError(f"vocab-parallel ranks disagree on the class count; got {shown}")
+    out = _LAYOUTS[key] = (int(class_offset), int(classes))
+    return out
+
+
 def _traced(*tensors):
     from cupyloss import torch as adapter
 
@@ -260,7 +310,7 @@ def _traced(*tensors):
 def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None, classes=None,
                                  weight=None, ignore_index=-100, reduction="mean",
                                  label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0,
-                                 mean_group=None):
+                                 mean_group=None, check_targets=False):
     """cross_entropy of logits whose classes are split over the ranks of `group`, with autograd.
 
     Formula: ``cross_entropy(cat([x_0, ..., x_{k-1}], -1), target, ...)`` (cupyloss.cross_entropy
@@ -286,6 +336,9 @@ def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None
       weight: None or (classes,) class weights of all classes, input's dtype.
       ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as cross_entropy.
       mean_group: the process group of a global 'mean'/'sum' over ranks, or None.
+      check_targets: raise IndexError for a class index outside [0, classes) (synchronises;
+        eager only); without it such a row, or one whose ranks disagree on its class, is NaN
+        and counted (cupyloss.rejected_targets).
 
     Returns:
       The loss in the input's dtype: 0-d for 'mean'/'sum', target's shape for 'none'.
@@ -306,16 +359,19 @@ def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None
                          f"{tuple(input.shape[:-1])}, got {tuple(target.shape)}")
     if target.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"target must hold int32 or int64 class indices, got {target.dtype}")
-    k, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     if (class_offset is None) != (classes is None):
-        raise ValueError("give class_offset and classes together (or neither: equal slices)")
-    if class_offset is None:
-        class_offset, classes = rank * cols, k * cols
+        raise ValueError("give class_offset and classes together (or neither: each rank's "
+                         "columns in rank order)")
+    class_offset, classes = _agreed(group, input, target.numel(), cols, class_offset, classes)
     _check_slice(class_offset, cols, classes)
+    if check_targets:
+        check_targets_of(target, classes, ignore_index)
     x = input.reshape(target.numel(), cols)
     if cols > 1 and x.stride(1) != 1:
         x = x.contiguous()
     t = target.reshape(-1).contiguous()
+    if weight is not None:
+        weight = weight.contiguous()        # the kernels read the class weights contiguous
     options = (int(class_offset), int(classes), int(ignore_index), float(label_smoothing),
                float(lse_square_scale), float(softcap))
     if _traced(input, target, weight):
@@ -508,6 +564,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
                                         ignore_index=-100, reduction="mean",
                                         label_smoothing=0.0, lse_square_scale=0.0,
                                         softcap=0.0, max_workspace_bytes=None,
+                                        check_targets=False,
                                         sequence_parallel=False):
     """``F.cross_entropy(hidden @ W.T + b, target)`` with W's rows (the classes) split over the
     ranks of `group`, the logits never whole, with autograd.
@@ -538,6 +595,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
       ignore_index, reduction, label_smoothing, lse_square_scale, softcap, max_workspace_bytes:
         as for linear_cross_entropy.
       sequence_parallel: `hidden` holds this rank's block of the rows (above).
+      check_targets: as for vocab_parallel_cross_entropy.
 
     Returns:
       The loss, float32 (float64 for float64 inputs): 0-d for 'mean'/'sum', else target's shape.
@@ -559,12 +617,15 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     if weight.dim() != 2 or weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"weight must be (classes of this rank, {hidden.shape[-1]}), got "
                          f"{tuple(weight.shape)}")
-    k, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    k = dist.get_world_size(group) if group is not None else 1
     if (class_offset is None) != (classes is None):
-        raise ValueError("give class_offset and classes together (or neither: equal slices)")
-    if class_offset is None:
-        class_offset, classes = rank * weight.shape[0], k * weight.shape[0]
+        raise ValueError("give class_offset and classes together (or neither: each rank's "
+                         "columns in rank order)")
+    class_offset, classes = _agreed(group, hidden, hidden.numel() // max(hidden.shape[-1], 1),
+                                    weight.shape[0], class_offset, classes)
     _check_slice(class_offset, weight.shape[0], classes)
+    if check_targets:
+        check_targets_of(target, classes, ignore_index)
     split = bool(sequence_parallel) and group is not None
     if split and target.numel() != k * (hidden.numel() // max(hidden.shape[-1], 1)):
         raise ValueError(f"sequence_parallel: target holds every rank's rows, {k} x "

@@ -153,3 +153,18 @@ def check_wrt(wrt, names: tuple = ("input", "target"),
     if len(set(picked)) != len(picked):
         raise ValueError(f"wrt names an argument twice: {wrt!r}")
     return picked, single
+
+
+def distinct_elements(shape, strides) -> bool:
+    """Whether a view's elements are distinct in memory (no two indices at one address), so
+    that writing every element in place writes each once.  Sufficient test: with the dims of
+    more than one element ordered by |stride|, each stride passes the whole extent of the dims
+    before it (true of every C- or F-ordered, sliced or transposed view; an as_strided view
+    whose rows overlap, or a stride of 0, fails it)."""
+    extent = 0
+    for n, s in sorted(((n, abs(s)) for n, s in zip(shape, strides) if n > 1),
+                       key=lambda d: d[1]):
+        if s <= extent:
+            return False
+        extent += s * (n - 1)
+    return True

@@ -203,7 +203,7 @@ def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothin
             f"{tuple(weight.shape)}; an empty or flat weight is usually a sharded parameter "
             f"(ZeRO-3 / FSDP) read outside its gather")
     v = weight.shape[0]
-    if target.dtype.kind not in "iu":
+    if target.dtype not in _INDEX_DTYPES:
         raise TypeError(f"target must hold class indices (int32 or int64), got {target.dtype}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target's shape {tuple(target.shape)} must be hidden's without its "
@@ -281,7 +281,7 @@ def _carve(buffer, offset, shape, dtype):
 
 def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing,
          lse_square_scale, softcap, max_workspace_bytes, want_value, names, grad_output,
-         return_lse, shard=None):
+         return_lse, shard=None, check=False):
     """The chunked passes (module docstring); returns (loss, {name: grad}, lse) in the caller's
     framework (loss None unless want_value, lse None unless return_lse)."""
     import cupy
@@ -303,6 +303,11 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
     if any(op.device != device for op in ops.values()):
         raise ValueError("hidden, weight, target and the optional arrays must be on one device")
     stream = frame.stream(device)
+    if check:
+        from cupyloss import _rowwise
+
+        _rowwise.check_targets(frame, ops["target"], v if shard is None else shard.classes,
+                               int(ignore_index), stream)
     grad_go = None
     if not isinstance(grad_output, (int, float)):
         grad_go = frame.cupy_view(frame.operand(grad_output, "grad_output"))
@@ -341,8 +346,8 @@ class _Call:
         self.dtype = dtype = self.x.dtype
         self.logit = numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
         cw = views.get("class_weight")
-        if cw is not None and cw.dtype != self.logit:   # the row kernel's, like the logits
-            cw = cw.astype(self.logit)
+        if cw is not None:   # the row kernel's dtype, like the logits; read contiguous
+            cw = cupy.ascontiguousarray(cw, dtype=self.logit)
         self.cw = cw
         self.options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                             lse_square_scale=lse_square_scale, softcap=softcap)
@@ -403,7 +408,7 @@ class _Call:
         from cupyloss import _rowwise
 
         m, t, opts = r1 - r0, self.t[r0:r1], self.options
-        stats = cupy.empty((m, 5), self.logit)
+        stats = cupy.empty((m, _rowwise.SLICE_FIELDS), self.logit)
         _rowwise.slice_stats(z, t, stats, self.c0, self.classes, self.cw,
                              ignore_index=opts["ignore_index"],
                              label_smoothing=opts["label_smoothing"], softcap=opts["softcap"],
@@ -577,6 +582,9 @@ class _Call:
         return loss, grads, lse
 
 
+_INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
+
+
 def _target_operand(frame, target):
     """Class indices of any integer dtype the frame holds, as an Operand (the rowwise family's
     dtype table has float dtypes only)."""
@@ -588,7 +596,8 @@ def _target_operand(frame, target):
 
     view = target if isinstance(target, cupy.ndarray) else cupy.from_dlpack(target)
     return _dispatch.Operand(view.data.ptr, view.shape,
-                             tuple(s // view.itemsize for s in view.strides), view.dtype,
+                             _dispatch.element_strides(view.strides, view.itemsize, "target"),
+                             view.dtype,
                              view.data.device_id, view)
 
 
@@ -604,7 +613,8 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
                          class_weight: Array | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0, *,
                          lse_square_scale: float = 0.0, softcap: float = 0.0,
-                         max_workspace_bytes: int | None = None) -> Any:
+                         max_workspace_bytes: int | None = None,
+                         check_targets: bool = False) -> Any:
     """cross_entropy(hidden @ weight.T + bias, target) without the logits in memory.
 
     ``Z = X W^T + b`` is formed chunk by chunk in float32 (float64 for float64 inputs) and never
@@ -625,6 +635,8 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
         cupyloss.cross_entropy (class-index targets only).
       max_workspace_bytes: bytes a call may hold besides its results (default
         DEFAULT_WORKSPACE_BYTES); the plan, chunk rows and class slices follow from it (plan).
+      check_targets: raise IndexError for a class index outside [0, V) (synchronises); without
+        it such a row's loss and gradients are NaN and counted (cupyloss.rejected_targets).
 
     Returns:
       The loss: 0-d for 'mean'/'sum', else hidden's shape without its last dim; float32
@@ -635,7 +647,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
     """
     return _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                 label_smoothing, lse_square_scale, softcap, max_workspace_bytes, True, (), 1.0,
-                False)[0]
+                False, check=check_targets)[0]
 
 
 def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, weight: Array,
@@ -644,7 +656,8 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
                                   reduction: str = "mean", label_smoothing: float = 0.0, *,
                                   lse_square_scale: float = 0.0, softcap: float = 0.0,
                                   max_workspace_bytes: int | None = None,
-                                  wrt: str | Sequence[str] | None = None) -> Any:
+                                  wrt: str | Sequence[str] | None = None,
+                                  check_targets: bool = False) -> Any:
     """Gradients of linear_cross_entropy (the logits formed again, chunk by chunk).
 
     With dZ the gradient of cross_entropy at the logits (cupyloss.cross_entropy_backward's, g the
@@ -657,7 +670,7 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
 
     Args:
       grad_output: Python number, 0-d array, or for 'none' an array of the loss's shape.
-      hidden, ..., max_workspace_bytes: as for linear_cross_entropy.
+      hidden, ..., max_workspace_bytes, check_targets: as for linear_cross_entropy.
       wrt: 'hidden', 'weight', 'bias' or a tuple of them (default: hidden and weight).
 
     Returns:
@@ -670,7 +683,7 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
     names, single = _names(wrt)
     _, grads, _ = _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                        label_smoothing, lse_square_scale, softcap, max_workspace_bytes, False,
-                       names, grad_output, False)
+                       names, grad_output, False, check=check_targets)
     out = tuple(grads[name] for name in names)
     return out[0] if single else out
 
@@ -684,11 +697,12 @@ def linear_cross_entropy_value_and_grad(hidden: Array, weight: Array, target: Ar
                                         max_workspace_bytes: int | None = None,
                                         grad_output: Array | float = 1.0,
                                         wrt: str | Sequence[str] | None = None,
-                                        return_lse: bool = False) -> tuple[Any, ...]:
+                                        return_lse: bool = False,
+                                        check_targets: bool = False) -> tuple[Any, ...]:
     """linear_cross_entropy and its gradients in one pass: three matrix products in all.
 
     Args:
-      hidden, ..., max_workspace_bytes: as for linear_cross_entropy.
+      hidden, ..., max_workspace_bytes, check_targets: as for linear_cross_entropy.
       grad_output, wrt: as for linear_cross_entropy_backward.
       return_lse: also return each row's logsumexp of the (capped) logits, float32.
 
@@ -702,7 +716,7 @@ def linear_cross_entropy_value_and_grad(hidden: Array, weight: Array, target: Ar
     names, single = _names(wrt)
     loss, grads, lse = _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                             label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                            True, names, grad_output, return_lse)
+                            True, names, grad_output, return_lse, check=check_targets)
     out = tuple(grads[name] for name in names)
     out = out[0] if single else out
     return (loss, out, lse) if return_lse else (loss, out)

@@ -10,8 +10,9 @@ loss is cross_entropy on the concatenated logits, with every option of the row-w
      over it (rowwise.cu's cross_entropy_slice_stats):
         m = max_c z_c,  s = sum_c exp(z_c - m),  a = sum_c u_c (m - z_c),  b = sum_c u_c,
         t = z_y where y falls in the slice, else 0        (u_c = w_c with label smoothing)
-     (N, 5) numbers of the accumulator type: 20 bytes a row in float32.
-  2. The caller all-gathers the k states into (k, N, 5), in rank order (torch.distributed's
+     and the slice's claim: the bits of y (31 of them) and whether y falls in the slice.
+     (N, 6) numbers of the accumulator type: 24 bytes a row in float32.
+  2. The caller all-gathers the k states into (k, N, 6), in rank order (torch.distributed's
      all_gather_into_tensor, NCCL's allGather; cupyloss.torch.vocab_parallel_cross_entropy does
      it through c10d eagerly and torch's functional collectives when traced).  That is the only communication: k * N * 20
      bytes received a rank, against N * C * 2 for the bfloat16 logits.
@@ -20,7 +21,10 @@ loss is cross_entropy on the concatenated logits, with every option of the row-w
         a = sum_i (a_i + b_i (M - m_i)),   b = sum_i b_i,   z_y = sum_i t_i
         loss = (1 - eps) w_y (lse - z_y) + (eps / C) (b log S + a) + zs lse^2
      (0 for an ignored row, NaN for a class index outside [0, C)): every rank gets the same
-     losses, bit for bit, and each row's lse.
+     losses, bit for bit, and each row's lse.  A row whose ranks were given different class
+     indices, or whose class no slice or two slices hold (overlapping or missing slices), is
+     NaN in loss, lse and weight, never a wrong number, and is counted with the rejected targets
+     (cupyloss.rejected_targets).
   4. ``vocab_parallel_backward``: each rank forms its slice's gradient from lse alone
      (rowwise.cu's cross_entropy_slice_grad): no communication.
 
@@ -37,9 +41,38 @@ import math
 import numpy
 
 from cupyloss import _dispatch, _dtypes, _rowwise, _validate
-from cupyloss.linear import _target_operand
+from cupyloss.linear import _INDEX_DTYPES, _target_operand
 
-FIELDS = 5     # m, s, a, b, t (rowwise.cu's ROW_FIELDS)
+FIELDS = _rowwise.SLICE_FIELDS   # m, s, a, b, t and the slice's claim (rowwise.cu)
+_HELD = 1 << 31
+
+
+def claims(xp, t, inside, acc):
+    """The claim field of a slice's states (rowwise.cu's slice_claim): the low 31 bits of each
+    row's class index, bit 31 where the slice holds that class, as the bits of an `acc` float
+    (numpy or torch arrays, `xp` their module)."""
+    key = (t.astype(numpy.int64) if xp is numpy else t.long()) & 0x7FFFFFFF
+    word = key | xp.where(inside, _HELD, 0)
+    if xp is numpy:
+        return (word.astype(numpy.uint32).view(numpy.float32) if acc == numpy.float32
+                else word.astype(numpy.int64).view(numpy.float64))
+    import torch
+
+    if acc == torch.float32:
+        return torch.where(word >= _HELD, word - (1 << 32), word).int().view(torch.float32)
+    return word.view(torch.float64)
+
+
+def _claim_words(xp, field):
+    """claims' words back as non-negative integers."""
+    if xp is numpy:
+        return (field.view(numpy.uint32).astype(numpy.int64) if field.dtype == numpy.float32
+                else field.view(numpy.int64) & 0xFFFFFFFF)
+    import torch
+
+    if field.dtype == torch.float32:
+        return field.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    return field.contiguous().view(torch.int64) & 0xFFFFFFFF
 
 
 def _frame_operands(input, target, weight):
@@ -61,7 +94,7 @@ def _check(x, t, w, class_offset, classes, label_smoothing=0.0, softcap=0.0):
     if _dtypes.DTYPES.get(x.dtype) is None:
         raise TypeError(f"vocab-parallel cross entropy has no kernels for dtype {x.dtype}")
     rows, cols = x.shape
-    if tuple(t.shape) != (rows,) or t.dtype.kind not in "iu" or t.dtype.itemsize not in (4, 8):
+    if tuple(t.shape) != (rows,) or t.dtype not in _INDEX_DTYPES:
         raise ValueError(f"target must hold {rows} class indices (int32 or int64), one a row, "
                          f"got shape {tuple(t.shape)} dtype {t.dtype}")
     if len(t.shape) and t.strides[0] != 1 and rows > 1:
@@ -72,6 +105,9 @@ def _check(x, t, w, class_offset, classes, label_smoothing=0.0, softcap=0.0):
     if w is not None and (tuple(w.shape) != (classes,) or w.dtype != x.dtype):
         raise ValueError(f"weight must hold all {classes} classes' weights in the input's dtype "
                          f"{x.dtype}, got shape {tuple(w.shape)} dtype {w.dtype}")
+    if w is not None and classes > 1 and w.strides[0] != 1:
+        raise ValueError(f"weight must be contiguous, got stride {w.strides[0]}: pass a "
+                         f"contiguous copy")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
     _validate.check_softcap(softcap, x.dtype)
@@ -234,8 +270,13 @@ def _combine_kernel(stats, target, classes, weight, ignore_index, eps, zs):
     if len(st.shape) != 3 or st.shape[2] != FIELDS or st.dtype.kind != "f":
         raise ValueError(f"stats must be (k, rows, {FIELDS}) floats, got {tuple(st.shape)}")
     rows = st.shape[1]
-    if tuple(t.shape) != (rows,):
-        raise ValueError(f"target must hold {rows} class indices, got shape {tuple(t.shape)}")
+    if tuple(t.shape) != (rows,) or t.dtype not in _INDEX_DTYPES or (rows > 1 and
+                                                                    t.strides[0] != 1):
+        raise ValueError(f"target must hold {rows} contiguous int32 or int64 class indices, got "
+                         f"shape {tuple(t.shape)} dtype {t.dtype} strides {tuple(t.strides)}")
+    if w is not None and classes > 1 and len(w.shape) == 1 and w.strides[0] != 1:
+        raise ValueError(f"weight must be contiguous, got stride {w.strides[0]}: pass a "
+                         f"contiguous copy")
     ctype = _dtypes.DTYPES[w.dtype if w is not None else st.dtype].ctype
     if w is not None and (numpy.dtype(_dtypes.DTYPES[w.dtype].acc) != st.dtype
                           or tuple(w.shape) != (classes,)):
@@ -260,7 +301,11 @@ def _combine_kernel(stats, target, classes, weight, ignore_index, eps, zs):
 
 def _combine(xp, stats, target, classes, weight, ignore_index, eps, zs):
     ninf = float("-inf")
-    m, s, a, b, t = (stats[..., f] for f in range(FIELDS))
+    m, s, a, b, t = (stats[..., f] for f in range(FIELDS - 1))
+    words = _claim_words(xp, stats[..., FIELDS - 1])
+    mine = (target.astype(numpy.int64) if xp is numpy else target.long()) & 0x7FFFFFFF
+    agree = ((words & 0x7FFFFFFF) == mine).all(0)
+    held = (words >= _HELD).sum(0)
     big = xp.amax(m, 0)
     live = s != 0                                 # parts with a finite exponential sum
     s_all = xp.where(live, s * xp.exp(xp.where(live, m - big, 0.0)), 0.0).sum(0)
@@ -277,12 +322,15 @@ def _combine(xp, stats, target, classes, weight, ignore_index, eps, zs):
     else:
         w_y = weight[xp.where(ignored | outside, 0, target)]
     w_y = xp.where(ignored, 0.0, xp.where(outside, float("nan"), w_y))
+    bad = ~agree | (~ignored & ~outside & (held != 1))
     loss = (1.0 - eps) * w_y * (log_s + (big - z_y))
     if eps:
         loss = loss + (eps / classes) * (b_all * log_s + a_all)
     if zs:
         loss = loss + zs * lse * lse
-    return xp.where(ignored, 0.0, loss), lse, w_y
+    nan = float("nan")
+    return (xp.where(bad, nan, xp.where(ignored, 0.0, loss)), xp.where(bad, nan, lse),
+            xp.where(bad, nan, w_y))
 
 
 def vocab_parallel_backward(grad_rows, input, target, lse, class_offset: int, classes: int,

@@ -254,3 +254,46 @@ def nll_loss_value_and_grad(input: Array, target: Array, weight: Array | None = 
                                 ignore_index=ignore_index, check=check_targets, want_value=True,
                                 wrt=names, grad_output=grad_output, inplace=inplace)
     return value, _grads(names, single, gx, gt)
+
+
+def rejected_targets(device: int | None = None, *, reset: bool = False) -> Any:
+    """How many rows had a rejected class target on a device since the process began (or since
+    the last ``reset=True``), as a 0-d uint64 CuPy array computed on the current stream: read it
+    (``int(...)``) at a point where the training loop synchronises anyway.
+
+    A rejected target is a class index outside [0, C) that is not ignore_index, in
+    cross_entropy, nll_loss, multi_margin_loss and the fused and vocab-parallel cross entropies,
+    or, in the vocab-parallel ones, a row whose ranks were given different class indices or
+    whose class no slice or two slices hold.  Such a row's loss and gradient are NaN (never an
+    out-of-bounds read); without ``check_targets`` nothing is said at the call, so a
+    mixed-precision loop whose GradScaler skips the step on a NaN can ask here why.  Every
+    kernel that finishes a row counts it once, with an integer atomic: no cost on rows that are
+    fine, no host synchronisation.
+
+    Args:
+      device: the CUDA device ordinal; None for the current one.
+      reset: set the counters to zero after reading them (on the same stream).
+
+    Returns:
+      0-d uint64 CuPy array on that device.
+
+    Example:
+      >>> loss = cupyloss.torch.cross_entropy(logits, labels)        # no sync
+      >>> if step % 100 == 0 and int(cupyloss.rejected_targets(reset=True)):
+      ...     print("labels outside the vocabulary in the last 100 steps")
+    """
+    import cupy
+
+    from cupyloss import _source
+
+    device = cupy.cuda.runtime.getDevice() if device is None else int(device)
+    with cupy.cuda.Device(device):
+        total = cupy.zeros((), cupy.uint64)
+        for owner, module in list(_source.COUNTED):
+            if owner != device:
+                continue
+            count = cupy.ndarray((), cupy.uint32, module.get_global("cupyloss_rejected_targets"))
+            total += count.astype(cupy.uint64)
+            if reset:
+                count.fill(0)
+    return total

@@ -1350,7 +1350,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
                          ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                         lse_square_scale=0.0, softcap=0.0, max_workspace_bytes=None):
+                         lse_square_scale=0.0, softcap=0.0, max_workspace_bytes=None,
+                         check_targets=False):
     """``F.cross_entropy(hidden @ weight.T + bias, target)`` with autograd, the logits never whole.
 
     cupyloss.linear_cross_entropy (its docstring has the formula) on CUDA tensors: the logits are
@@ -1367,6 +1368,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
         hidden without its last dim; bias: None or (V,); class_weight: None or (V,).
       ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as for cross_entropy.
       max_workspace_bytes: bytes a call may hold besides its results (cupyloss.linear.plan).
+      check_targets: raise IndexError for a class index outside [0, V) (synchronises; eager
+        only); without it such a row is NaN and counted (cupyloss.rejected_targets).
 
     Returns:
       The loss, 0-d for 'mean'/'sum', else target's shape.
@@ -1381,6 +1384,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
     tensors = (hidden, weight, target, bias, class_weight)
     traced = _compiling() or _dispatch_modes() or any(
         t is not None and (type(t) is not _Tensor or _is_functional(t)) for t in tensors)
+    if check_targets:
+        _torch_parallel.check_targets_of(target, weight.shape[0], ignore_index)
     if traced:
         flags = (hidden.requires_grad, weight.requires_grad,
                  bias is not None and bias.requires_grad)

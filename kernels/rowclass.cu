@@ -222,6 +222,7 @@ __global__ void __launch_bounds__(256) rowclass_rows(
                 row.wy = weight != nullptr ? to_acc(weight[y]) : A(1);
             } else {
                 row.wy = quiet_nan(A(0));
+                if (threadIdx.x % t == 0) count_rejected();
             }
         }
         if (active && LOSS == LOSS_JSD && (flags & RC_LABELS))

@@ -3,7 +3,20 @@
 #pragma once
 #include "common.cuh"
 
+// Rows whose class index was rejected (outside [0, C) and not ignore_index; in vocab-parallel
+// cross entropy also a row whose ranks disagree on its class): their loss and gradient are NaN,
+// and the row is counted here, once, by the thread that finishes it.  One counter per loaded
+// module; the host adds them up (cupyloss.rejected_targets) where a training loop syncs anyway.
+// An integer increment on the rare bad row (atomicInc, as the tickets): exact and order-free;
+// a module's count wraps after 2^32 - 1 rows.
+extern "C" __device__ unsigned int cupyloss_rejected_targets;
+__device__ unsigned int cupyloss_rejected_targets = 0;
+
 namespace cupyloss {
+
+__device__ __forceinline__ void count_rejected() {
+    atomicInc(&cupyloss_rejected_targets, 0xffffffffu);
+}
 
 __device__ __forceinline__ float neg_inf(float) { return __int_as_float(0xff800000); }
 __device__ __forceinline__ double neg_inf(double) {

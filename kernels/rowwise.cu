@@ -77,6 +77,7 @@ constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_
 constexpr int ROW_BLOCK = 256;     // threads a block of every launch (_launch.BLOCK)
 constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
 constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
+constexpr int SLICE_FIELDS = 6;    // a slice's state and its claim (slice_claim) on the row's class
 constexpr int ROW_EXCHANGE = 8 * ROW_FIELDS;  // scratch slot of a cluster's exchange (after the
                                               // 8 warps' states of team_merge): [2][ROW_FIELDS]
 // cross_entropy_rows variants (MODE), each holding only its own code, so each but the general one
@@ -840,6 +841,7 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         // z_y from one thread (the group's first block), read before any block of the row stores.
         if (active && lane == 0 && member == 0 && !ra.prob && !rt.ignored && !rt.oor)
             st.t = ra.nll ? to_acc(xr[rt.y]) : zval(xr[rt.y], ra);
+        if (active && lane == 0 && member == 0 && rt.oor) count_rejected();
         st = team_merge<TRACK>(st, t, scratch);
         if constexpr (KC > 1) {
             st = cluster_merge<A, KC, TRACK>(st, scratch + ROW_EXCHANGE, it);
@@ -1095,6 +1097,7 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
         const T* xr = x + n * xn + d * xd;
         const T* tr = tp + n * tn + d * td;
         const RowTarget<A> rt = row_target<T, A>(tgt, n * tn + d * td, weight, ra);
+        if (rt.oor) count_rejected();
         const bool read = !ra.nll && !(rt.ignored && lse == nullptr);
         RowStat<A> st = empty_stat<A>();
         if (read) {
@@ -1270,6 +1273,26 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
     }
 }
 
+// A slice's claim on its row's class, as the last field of its state: the low 31 bits of the
+// class index the slice was given (ignore_index included) and, in bit 31, whether that class is
+// among the slice's.  The ranks exchange it as bits (an all-gather copies bytes), so combine can
+// tell a row whose ranks were given different classes, or whose class no slice or two slices
+// hold, and make it NaN instead of a wrong loss.  4 bytes of the field (the low half of a double).
+__device__ __forceinline__ unsigned int slice_claim(long long y, bool held) {
+    return ((unsigned int)y & 0x7fffffffu) | (held ? 0x80000000u : 0u);
+}
+template <typename A> __device__ __forceinline__ A claim_word(unsigned int c);
+template <> __device__ __forceinline__ float claim_word<float>(unsigned int c) {
+    return __uint_as_float(c);
+}
+template <> __device__ __forceinline__ double claim_word<double>(unsigned int c) {
+    return __longlong_as_double((long long)c);
+}
+__device__ __forceinline__ unsigned int claim_of(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned int claim_of(double v) {
+    return (unsigned int)__double_as_longlong(v);
+}
+
 // The softmax state (m, s, a, b, t) of a slice of each row's classes, as cross_entropy_rows forms
 // a thread's (vocab-parallel cross entropy: each GPU holds classes c0 .. c0 + cols - 1 of
 // `classes`).  The states of a row's slices merge into the row's (merge above; in any fixed
@@ -1283,7 +1306,7 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_grad(
 //   tgt        int32/int64 [rows] class indices into all `classes`
 //   weight     [classes] class weights, or null
 //   rows, cols, c0, classes, x_rs, flags, ignore_index, smoothing, softcap
-//   stats      [rows, ROW_FIELDS] of the accumulator type
+//   stats      [rows, SLICE_FIELDS] of the accumulator type: the state, then the slice's claim
 template <typename T>
 __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
         const T* __restrict__ x, const void* tgt, const T* __restrict__ weight,
@@ -1337,7 +1360,8 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
         st = team_merge(st, (int)blockDim.x, scratch);
         if (threadIdx.x == 0) {
             if (has_y) st.t = zval(xy, ra);
-            store_stat(stats + r * ROW_FIELDS, st);
+            store_stat(stats + r * SLICE_FIELDS, st);
+            stats[r * SLICE_FIELDS + ROW_FIELDS] = claim_word<A>(slice_claim(rt.y, has_y));
         }
     }
 }
@@ -1346,11 +1370,14 @@ __global__ void __launch_bounds__(256) cross_entropy_slice_stats(
 // cross entropy: every rank runs it on the same gathered states, so every rank gets the same
 // bits).  The states merge in slice order, then finalize as in cross_entropy_rows.  A thread a row.
 // The parameters, one 64-bit word each, in this order:
-//   stats      [k, rows, ROW_FIELDS] of the accumulator type, slice by slice
+//   stats      [k, rows, SLICE_FIELDS] of the accumulator type, slice by slice
 //   tgt        int32/int64 [rows] class indices into all `classes`
 //   weight     [classes] class weights, or null
 //   k, rows, classes, flags, ignore_index, smoothing, zscale
 //   loss, lse, wy   [rows] of the accumulator type (wy: 0 for an ignored row, NaN outside)
+// A row whose slices' claims disagree with this rank's class index, or (a class that is not
+// ignored) whose class no slice or more than one slice holds, gets NaN loss, lse and wy, and is
+// counted with the rejected targets, as is a class index outside [0, classes).
 template <typename T>
 __global__ void __launch_bounds__(256) cross_entropy_combine(
         const acc_t<T>* __restrict__ stats, const void* tgt, const T* __restrict__ weight,
@@ -1362,14 +1389,25 @@ __global__ void __launch_bounds__(256) cross_entropy_combine(
     const RowArgs<A> ra = row_args<A>(flags, ignore_index, smoothing, zscale, 0.0, classes);
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += stride) {
-        RowStat<A> st = load_stat(stats + r * ROW_FIELDS);
-        for (long long i = 1; i < k; ++i)
-            st = merge(st, load_stat(stats + (i * rows + r) * ROW_FIELDS));
         const RowTarget<A> rt = row_target<T, A>(tgt, r, weight, ra);
+        const unsigned int mine = slice_claim(rt.y, false);
+        RowStat<A> st = load_stat(stats + r * SLICE_FIELDS);
+        unsigned int claim = claim_of(stats[r * SLICE_FIELDS + ROW_FIELDS]);
+        bool agree = (claim & 0x7fffffffu) == mine;
+        int held = (int)(claim >> 31);
+        for (long long i = 1; i < k; ++i) {
+            const A* si = stats + (i * rows + r) * SLICE_FIELDS;
+            st = merge(st, load_stat(si));
+            claim = claim_of(si[ROW_FIELDS]);
+            agree = agree && (claim & 0x7fffffffu) == mine;
+            held += (int)(claim >> 31);
+        }
+        const bool bad = !agree || (!rt.ignored && !rt.oor && held != 1);
         const RowResult<A> o = finalize(st, rt, ra);
-        loss[r] = o.loss;
-        lse[r] = o.lse;
-        wy[r] = rt.wy;
+        if (bad || rt.oor) count_rejected();
+        loss[r] = bad ? quiet_nan(A(0)) : o.loss;
+        lse[r] = bad ? quiet_nan(A(0)) : o.lse;
+        wy[r] = bad ? quiet_nan(A(0)) : rt.wy;
     }
 }
 

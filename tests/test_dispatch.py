@@ -45,7 +45,7 @@ def _calls(x, t):
 
 def test_every_public_function_is_covered():
     names = {name for name, *_ in _calls(None, None)}
-    assert names == set(cupyloss.__all__)
+    assert names == set(cupyloss.__all__) - {"rejected_targets"}   # a counter, not a loss
 
 
 def test_import_cupyloss_imports_no_framework():

@@ -104,7 +104,7 @@ def test_a_state_from_a_slice_without_the_target_holds_no_target_logit():
     inside = TP._stats_cpu(x[:, y:y + 1], t, None, y, CLASSES, -100, 0.0, 0.0)
     outside = TP._stats_cpu(x[:, :y], t, None, 0, CLASSES, -100, 0.0, 0.0)
     assert inside[0, 4] == x[0, y] and outside[0, 4] == 0
-    assert inside[2].tolist() == [float("-inf"), 0, 0, 0, 0]          # ignored: not read
+    assert inside[2, :5].tolist() == [float("-inf"), 0, 0, 0, 0]      # ignored: not read
 
 
 # --- over processes (gloo) ---------------------------------------------------------------------
@@ -323,3 +323,90 @@ def test_the_rank_harness_reports_failures_and_silent_ranks_without_hanging():
     assert len(failures) == 1, failures
     assert re.match(r"ranks \[(0, )?1\] reported nothing", failures[0]), failures
     assert time.monotonic() - started < 60     # the stuck rank is killed, not waited for
+
+
+# --- ranks that disagree (gloo) ----------------------------------------------------------------
+
+def _disagree_worker(rank, world, path, results):
+    """Two ranks given what a misconfigured job gives them: each must get NaN or an error on
+    every rank, never a wrong loss, and never hang."""
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+
+    failures = []
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        group = dist.group.WORLD
+        x, t, _ = _case(21, {})
+        # (b) uneven slices and default offsets: the offsets follow the ranks' widths
+        cut = 9
+        a, b = (0, cut) if rank == 0 else (cut, CLASSES)
+        mine = x[:, a:b].clone().requires_grad_()
+        loss = CF.vocab_parallel_cross_entropy(mine, t, group)
+        xg = x.clone().requires_grad_()
+        want = F.cross_entropy(xg, t)
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(mine.grad, xg.grad[:, a:b], rtol=1e-11, atol=1e-13)
+        # (a) different targets on the two ranks: those rows NaN on both, the others right
+        u = t.clone()
+        if rank == 1:
+            u[0] = (t[0] + 1) % CLASSES           # another class, in either slice
+            u[3] = -100                          # ignored here only
+        rows = CF.vocab_parallel_cross_entropy(x[:, a:b], u, group, reduction="none")
+        want = F.cross_entropy(x, t, reduction="none")
+        bad = torch.zeros(ROWS, dtype=torch.bool)
+        bad[[0, 3]] = True
+        assert torch.isnan(rows[bad]).all(), rows
+        torch.testing.assert_close(rows[~bad], want[~bad], rtol=1e-12, atol=1e-12)
+        assert torch.isnan(CF.vocab_parallel_cross_entropy(x[:, a:b], u, group))
+        # overlapping slices (offsets given, both ranks hold class 8): its rows NaN
+        lo, hi = (0, 9) if rank == 0 else (8, CLASSES)
+        v = torch.full((ROWS,), 8)
+        v[1] = 0
+        rows = CF.vocab_parallel_cross_entropy(x[:, lo:hi], v, group, class_offset=lo,
+                                               classes=CLASSES, reduction="none")
+        assert torch.isnan(rows[[0, 2, 3]]).all() and not torch.isnan(rows[1])
+        # (c) different row counts: an error on every rank, naming both, instead of a hang
+        # (each rank's first call with its shape: a shape a rank has agreed on is not checked
+        # again, _torch_parallel._agreed)
+        n = ROWS - 1 if rank == 0 else ROWS - 2
+        for call in (lambda: CF.vocab_parallel_cross_entropy(x[:n, a:b], t[:n], group),
+                     lambda: CF.vocab_parallel_linear_cross_entropy(
+                         torch.randn(n, 3, dtype=torch.float64),
+                         torch.randn(b - a, 3, dtype=torch.float64), t[:n], group)):
+            try:
+                call()
+            except ValueError as exc:
+                assert "same rows" in str(exc) and f"{ROWS - 1} rows" in str(exc) and \
+                    f"{ROWS - 2} rows" in str(exc), exc
+            else:
+                raise AssertionError("ranks with different row counts were not refused")
+        # offsets given on one rank only: an error on both
+        try:
+            kw = dict(class_offset=a, classes=CLASSES) if rank == 0 else {}
+            CF.vocab_parallel_cross_entropy(x[:5, a:b], t[:5], group, **kw)
+        except ValueError as exc:
+            assert "every rank or on none" in str(exc), exc
+        else:
+            raise AssertionError("offsets on one rank only were not refused")
+    except Exception:
+        failures.append(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        results.put((rank, failures))
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def test_ranks_that_disagree_get_nan_or_an_error_never_a_wrong_loss_or_a_hang():
+    """(a) different targets, or a class two slices hold: NaN rows; (b) uneven slices with
+    default offsets: the whole loss; (c) different row counts, offsets on one rank: ValueError
+    on every rank."""
+    failures = run_ranks(_disagree_worker, 2, timeout=240)
+    assert not failures, "\n".join(failures)

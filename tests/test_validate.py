@@ -180,3 +180,44 @@ def test_check_softcap_reads_torch_dtypes():
     assert _validate.check_softcap(1e-300, torch.float64) == 1e-300
     with pytest.raises(ValueError, match="finite in float32"):
         _validate.check_softcap(1e-300, torch.bfloat16)
+
+
+def test_distinct_elements_finds_overlapping_views():
+    """inplace=True writes each element once only where no two indices share an address: a
+    stride of 0 and an as_strided view whose rows overlap are refused, sliced, transposed and
+    negative-stride views pass."""
+    from cupyloss._validate import distinct_elements
+
+    assert distinct_elements((4, 8), (8, 1))            # C order
+    assert distinct_elements((4, 8), (1, 4))            # F order
+    assert distinct_elements((4, 8), (16, 2))           # sliced
+    assert distinct_elements((4, 8), (-8, 1))           # reversed rows
+    assert distinct_elements((1, 8), (0, 1))            # a dim of one
+    assert not distinct_elements((4, 8), (0, 1))        # broadcast rows
+    assert not distinct_elements((4, 8), (4, 1))        # rows that overlap by half
+    assert not distinct_elements((4, 8), (8, 2))        # columns running into the next row
+    assert not distinct_elements((3, 2, 2), (2, 1, 1))
+
+
+def test_byte_strides_must_be_whole_elements():
+    from cupyloss import _dispatch
+
+    assert _dispatch.element_strides((32, 4), 4, "input") == (8, 1)
+    with pytest.raises(ValueError, match="not multiples of its element size 4"):
+        _dispatch.element_strides((32, 6), 4, "input")
+
+
+def test_fused_and_vocab_parallel_losses_check_targets_like_torch():
+    torch = pytest.importorskip("torch")
+    import cupyloss.torch as CF
+
+    h, w = torch.randn(4, 3), torch.randn(5, 3)
+    t = torch.tensor([0, 4, -100, 7])
+    with pytest.raises(IndexError, match="Target 7 is out of bounds."):
+        CF.linear_cross_entropy(h, w, t, check_targets=True)
+    with pytest.raises(IndexError, match="Target 7 is out of bounds."):
+        CF.vocab_parallel_cross_entropy(torch.randn(4, 5), t, check_targets=True)
+    with pytest.raises(IndexError, match="Target 7 is out of bounds."):
+        CF.vocab_parallel_linear_cross_entropy(h, w, t, check_targets=True)
+    t[3] = 1
+    assert torch.isfinite(CF.linear_cross_entropy(h, w, t, check_targets=True))
