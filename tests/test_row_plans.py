@@ -209,7 +209,7 @@ def test_slice_stats_and_combine_words(device):
     z = arr(np.zeros((4, 128), np.float32))
     t = arr(np.arange(4, dtype=np.int32))
     w = arr(np.ones(1000, np.float32))
-    stats = arr(np.zeros((3, 4, 5), np.float32))
+    stats = arr(np.zeros((3, 4, 6), np.float32))
     rows = [arr(np.zeros(4, np.float32)) for _ in range(3)]
     _rowwise.slice_stats(z, t, stats[1], 256, 1000, w, ignore_index=-3, label_smoothing=0.1,
                          softcap=30.0, stream=0, device=0)
@@ -246,7 +246,7 @@ def test_vocab_parallel_steps_launch_with_the_arrays_own_pointers(device, monkey
     t = _host(np.arange(6, dtype=np.int32))
     w = _host(np.ones(100, np.float32))
     stats = parallel.vocab_parallel_stats(x, t, 64, 100, w, ignore_index=-5, softcap=2.0)
-    every = _host(np.zeros((2, 6, 5), np.float32))
+    every = _host(np.zeros((2, 6, 6), np.float32))
     loss, lse, wy = parallel._combine_kernel(every, t, 100, w, -5, 0.1, 1e-3)
     go = _host(np.zeros(6, np.float32))
     grad = parallel.vocab_parallel_backward(go, x, t, lse, 64, 100, w, ignore_index=-5,
@@ -271,7 +271,7 @@ def test_vocab_parallel_steps_launch_with_the_arrays_own_pointers(device, monkey
     assert (g["rows"], g["cols"], g["c0"], g["classes"], g["x_rs"], g["g_rs"]) == (
         6, 32, 64, 100, 40, 32)
     assert g["flags"] == _rowwise.FLAG_GO_ROWS and g["wsum"] == 0
-    assert grad.shape == (6, 32) and stats.shape == (6, 5) and lse.shape == (6,)
+    assert grad.shape == (6, 32) and stats.shape == (6, 6) and lse.shape == (6,)
 
 
 def _row_call(family, go):
