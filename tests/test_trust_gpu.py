@@ -113,7 +113,8 @@ def test_a_damaged_cache_entry_heals_in_a_new_process(tmp_path):
     again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0, again.stderr
-    assert float(again.stdout) == float(first.stdout) == float(np.mean(np.arange(12.0) ** 2))
+    assert float(again.stdout) == float(first.stdout)            # float32 mean of 0..121
+    assert abs(float(first.stdout) - np.mean(np.arange(12.0) ** 2)) < 1e-6 * 43
     for c in cubins:
         assert c.stat().st_size > 100 and c.with_suffix(".json").stat().st_size > 0
 
@@ -134,13 +135,14 @@ def test_rejected_targets_are_counted_on_the_device():
     cupyloss.cross_entropy_value_and_grad(x, t)
     assert int(cupyloss.rejected_targets()) == 6
     cupyloss.nll_loss(x, t)
-    cupyloss.multi_margin_loss(x, t)
-    assert int(cupyloss.rejected_targets()) == 12
+    assert int(cupyloss.rejected_targets()) == 9
+    cupyloss.multi_margin_loss(x, t)            # no ignore_index there: -100 is rejected too
+    assert int(cupyloss.rejected_targets()) == 13
     xs = cp.random.standard_normal((4, 10, 6), dtype=cp.float32)    # (N, C, d): the cols kernel
     ts = cp.zeros((4, 6), cp.int64)
     ts[1, 2] = 10
     cupyloss.cross_entropy(xs, ts)
-    assert int(cupyloss.rejected_targets(reset=True)) == 13
+    assert int(cupyloss.rejected_targets(reset=True)) == 14
     assert int(cupyloss.rejected_targets()) == 0
     h = cp.random.standard_normal((64, 32), dtype=cp.float32)
     w = cp.random.standard_normal((1000, 32), dtype=cp.float32)
