@@ -222,7 +222,8 @@ def test_slice_stats_and_combine_words(device):
                  cwords))
     assert "cross_entropy_slice_stats<float>" in sname and "cross_entropy_combine<float>" in cname
     assert (s["x"], s["tgt"], s["weight"], s["stats"]) == (
-        z.ctypes.data, t.ctypes.data, w.ctypes.data, stats.ctypes.data + 4 * 5 * 4)
+        z.ctypes.data, t.ctypes.data, w.ctypes.data,
+        stats.ctypes.data + 4 * _rowwise.SLICE_FIELDS * 4)
     assert (s["rows"], s["cols"], s["c0"], s["classes"], s["x_rs"], s["flags"]) == (
         4, 128, 256, 1000, 128, 0)
     assert s["ignore_index"] == _args.i64_word(-3) and s["smoothing"] == _args.f64_word(0.1)
