@@ -173,7 +173,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def _gathered(stats, group, traced):
-    """(k, N, 5): every rank's states in rank order (an all-gather of N * 5 numbers a rank):
+    """(k, N, 6): every rank's states in rank order (an all-gather of N * 6 numbers a rank):
     torch's functional collective where traced, else c10d's own (less host time)."""
     if group is None:
         return stats[None]
@@ -484,7 +484,7 @@ def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names
         _all_gather(hidden, block, group=group)
         target = target.reshape(-1)
 
-    def gather(stats):                      # CuPy (m, 5) on torch's stream -> (k, m, 5)
+    def gather(stats):                      # CuPy (m, 6) on torch's stream -> (k, m, 6)
         if group is None:
             return stats[None]
         mine = torch.from_dlpack(stats)

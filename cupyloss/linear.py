@@ -88,7 +88,7 @@ class Plan:
 class Shard:
     """This rank's slice of the classes (the vocab-parallel fused loss): the weight's V rows are
     classes offset .. offset + V - 1 of `classes`, split over `ranks` ranks; gather(stats)
-    returns every rank's (m, 5) statistics of the same m rows as a (k, m, 5) array in rank
+    returns every rank's (m, 6) statistics of the same m rows as a (k, m, 6) array in rank
     order (a collective queued on the call's stream).  Every rank chunks the rows as the plan
     of an even share of the classes does, so that all make the same gathers however uneven
     their slices; a rank holding more than an even share holds that much more workspace.

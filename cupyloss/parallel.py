@@ -134,7 +134,8 @@ def vocab_parallel_stats(input, target, class_offset: int, classes: int, weight=
       ignore_index, label_smoothing, softcap: as for cross_entropy.
 
     Returns:
-      (N, 5) float32 (float64 for float64 input), in the input's framework.
+      (N, 6) float32 (float64 for float64 input), in the input's framework: the state and
+      the slice's claim on the row's class (its bits, read by combine_stats).
 
     Example:
       >>> st = cupyloss.parallel.vocab_parallel_stats(x_local, y, rank * 64128, 128256)
@@ -231,7 +232,7 @@ def combine_stats(stats, target, classes: int, weight=None, *, ignore_index: int
     numbers: NumPy, CuPy or torch arrays (whichever `stats` is), differentiable by none.
 
     Args:
-      stats: (k, N, 5) the ranks' vocab_parallel_stats, in rank order.
+      stats: (k, N, 6) the ranks' vocab_parallel_stats, in rank order.
       target: (N,) class indices; classes: C; weight: None or (C,) (float, stats' dtype).
       ignore_index, label_smoothing, lse_square_scale: as for cross_entropy.
 
@@ -240,7 +241,7 @@ def combine_stats(stats, target, classes: int, weight=None, *, ignore_index: int
       weights), 0 for an ignored one; their sum is the 'mean' divisor.
 
     Example:
-      >>> loss, lse, w = cupyloss.parallel.combine_stats(every.reshape(k, n, 5), y, 128256)
+      >>> loss, lse, w = cupyloss.parallel.combine_stats(every.reshape(k, n, 6), y, 128256)
       >>> mean = loss.sum() / w.sum()
     """
     xp = _namespace(stats)
