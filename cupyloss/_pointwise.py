@@ -291,8 +291,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 else:
                     grads[k] = "g0" if kinds[k] == KIND_SCALAR else "g"
             scalars = reduced and want_value or "g0" in grads
-            return plan(layout.bind(_source.function("pointwise.cu", name).kernel.ptr), cfg, words, layout,
-                        grads, chunks, scalars)
+            function = layout.bind(_source.function("pointwise.cu", name).kernel.ptr)
+            return plan(function, cfg, words, layout, grads, chunks, scalars)
 
     if len(shape) > _launch.MAX_DIMS:  # evaluate makes the operands contiguous and retries
         return Plan(0, (), (), 0, None, {}, out_shape, n, False, False, (), 0, info.acc,
@@ -322,8 +322,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     layout = flat_layout(k_ops, spec.param_words)
     geo = _launch.geometry(shape, cstrides, k_ops + 1)
     words = layout.template({**common, "geo": _args.struct_words(geo), "n": n})
-    return plan(layout.bind(_source.function("pointwise.cu", name).kernel.ptr), cfg, words, layout, grads,
-                [None] * k_ops, scalars)
+    function = layout.bind(_source.function("pointwise.cu", name).kernel.ptr)
+    return plan(function, cfg, words, layout, grads, [None] * k_ops, scalars)
 
 
 def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, summed, aligned,
@@ -367,8 +367,8 @@ def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, 
             chunks[k] = chunked(cfg.nchunks, split.n_o)
         else:
             grads[k] = "g"
-    return plan(layout.bind(_source.function("pointwise.cu", name).kernel.ptr), cfg, words, layout, grads,
-                chunks, scalars)
+    function = layout.bind(_source.function("pointwise.cu", name).kernel.ptr)
+    return plan(function, cfg, words, layout, grads, chunks, scalars)
 
 
 def _sum_chunks_function(info) -> int:

@@ -209,8 +209,8 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
         "ignore_index": _args.i64_word(ignore_index), "option": _args.f64_word(option),
         "go_value": _ONE, "grad_scale": _args.f64_word(grad_scale), "tpr": cfg.tpr,
         "divisor": _args.f64_word(divisor)})
-    main = Launched(ROWS.bind(_source.function("rowclass.cu", name).kernel.ptr), cfg.grid, cfg.block,
-                    cfg.shared, words, ROWS.slot)
+    main = Launched(ROWS.bind(_source.function("rowclass.cu", name).kernel.ptr), cfg.grid,
+                    cfg.block, cfg.shared, words, ROWS.slot)
     scratch: dict = {}
     size = 0
 

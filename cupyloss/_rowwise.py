@@ -543,9 +543,9 @@ def slice_stats(x, target, out, c0, classes, weight, *, ignore_index, label_smoo
                 stream, device) -> None:
     """rowwise.cu's cross_entropy_slice_stats on CuPy arrays (vocab-parallel cross entropy's
     per-rank pass): out[r] = the softmax state (m, s, a, b, t) of row r's classes c0 ..
-    c0 + cols - 1 of `classes`, from the logits x (rows, cols) of those classes.  weight:
-    (classes,) of x's dtype or None; out: (rows, SLICE_FIELDS) of the accumulator dtype.  Rows of x
-    contiguous; target and out contiguous."""
+    c0 + cols - 1 of `classes`, from the logits x (rows, cols) of those classes, and its claim
+    on the row's class.  weight: (classes,) of x's dtype or None; out: (rows, SLICE_FIELDS) of
+    the accumulator dtype.  Rows of x contiguous; target and out contiguous."""
     rows, cols = x.shape
     if rows == 0:
         return
@@ -566,8 +566,8 @@ def slice_stats(x, target, out, c0, classes, weight, *, ignore_index, label_smoo
 def combine(stats, target, weight, loss, lse, wy, classes, *, ignore_index, label_smoothing,
             lse_square_scale, ctype, stream, device) -> None:
     """rowwise.cu's cross_entropy_combine on CuPy arrays: loss, lse, wy (rows,) of every row
-    from stats (k, rows, SLICE_FIELDS), the states of its k slices in order.  weight: (classes,) of the
-    logits' dtype (C type `ctype`) or None.  All contiguous."""
+    from stats (k, rows, SLICE_FIELDS), the states (and claims) of its k slices in order.
+    weight: (classes,) of the logits' dtype (C type `ctype`) or None.  All contiguous."""
     k, rows = stats.shape[:2]
     if rows == 0:
         return
