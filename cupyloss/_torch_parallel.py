@@ -504,7 +504,8 @@ def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names
                                  options["ignore_index"], options["reduction"],
                                  options["label_smoothing"], options["lse_square_scale"],
                                  options["softcap"], options["max_workspace_bytes"], want_value,
-                                 names, grad_output, False, shard)
+                                 names, grad_output, False, shard,
+                                 compute_dtype=options.get("compute_dtype"))
     for work in sums:                       # the stream waits; the host does not
         work.wait()
     if "hidden" in grads:
@@ -575,7 +576,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     combined into each row's loss and lse (cupyloss.parallel), and dZ of this rank's classes
     follows from that lse; dW_i = dZ^T X and db_i stay on their rank; dX = dZ W_i is summed over
     the ranks in float32 (an all-reduce of N x H floats, a chunk at a time).  The same loss on
-    every rank.
+    every rank.  Inside ``torch.autocast("cuda")`` the products run in the autocast dtype and
+    the gradients come back in their arguments' dtypes, as for linear_cross_entropy.
 
     With sequence_parallel=True (Megatron-LM's sequence parallelism) each rank holds its own
     block of the rows of `hidden`: the blocks are all-gathered in rank order (N x H in the
@@ -632,6 +634,9 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
                          f"{hidden.numel() // max(hidden.shape[-1], 1)} of them, got "
                          f"{tuple(target.shape)}")
     traced = _traced(hidden, weight, target, bias, class_weight)
+    from cupyloss import torch as adapter
+
+    compute = adapter._linear_compute(hidden, weight, bias)
     if split and (traced or hidden.device.type == "cpu"):
         # the blocks gathered outside the op (CPU: outside autograd's graph of the loss); the
         # hidden gradient comes back summed over the ranks and each keeps its block
@@ -647,19 +652,17 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     if traced:
         # linear_cross_entropy's op with this rank's slice: the statistics are exchanged and
         # the hidden gradient summed inside it, over the group named
-        from cupyloss import torch as adapter
-
         flags = (hidden.requires_grad, weight.requires_grad,
                  bias is not None and bias.requires_grad)
         return adapter._linear_op(
             hidden, weight, target, bias, class_weight, int(ignore_index), reduction,
             float(label_smoothing), float(lse_square_scale), float(softcap),
             -1 if max_workspace_bytes is None else int(max_workspace_bytes), int(class_offset),
-            int(classes), "" if group is None else group.group_name, *flags)[0]
+            int(classes), "" if group is None else group.group_name, compute or "", *flags)[0]
     options = dict(ignore_index=int(ignore_index), reduction=reduction,
                    label_smoothing=float(label_smoothing),
                    lse_square_scale=float(lse_square_scale), softcap=float(softcap),
-                   max_workspace_bytes=max_workspace_bytes)
+                   max_workspace_bytes=max_workspace_bytes, compute_dtype=compute)
     if hidden.device.type != "cpu":
         return _LinearShard.apply(hidden, weight, bias, target, class_weight, options, group,
                                   class_offset, classes, split)

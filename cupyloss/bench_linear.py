@@ -2,9 +2,13 @@
 
     python -m cupyloss.bench_linear [--rows 8192,16384] [--budgets 256,1024,2560,4608]
                                     [--reps 10] [--json out.json] [--plot linear.png]
+                                    [--shapes 4096x128256] [--autocast --chunk-rows 2048,4096]
 
 Hidden (BT, 4096) bfloat16, weight (128256, 4096) bfloat16 (an nn.Linear's), int64 targets with
-10% ignore_index; forward + backward of the loss with the gradients of hidden and weight:
+10% ignore_index; forward + backward of the loss with the gradients of hidden and weight
+(--shapes: other H x V).  --autocast: float32 hidden and weight (a LayerNorm's output and a
+master weight), the step inside torch.autocast("cuda", torch.bfloat16), cupyloss at each
+--chunk-rows (its 16-bit logits' chunk; linear.NARROW_CHUNK_ROWS) rather than each budget:
 
   torch eager      F.cross_entropy((h @ W.T).float(), t)
   torch.compile    the same function compiled
@@ -27,34 +31,36 @@ import statistics
 H, V = 4096, 128256
 
 
-def _inputs(torch, rows: int):
+def _inputs(torch, rows: int, hidden: int = H, classes: int = V, dtype=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(rows, H, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    t = torch.randint(0, V, (rows,), device="cuda", generator=gen)
+    dtype = dtype or torch.bfloat16
+    h = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.5).to(dtype)
+    w = (torch.randn(classes, hidden, device="cuda", generator=gen) * 0.02).to(dtype)
+    t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
     t[torch.rand(rows, device="cuda", generator=gen) < 0.1] = -100
     return h, w, t
 
 
 def _reference_loss(torch, h, w, t) -> float:
-    """Mean cross entropy of float64 logits h W^T, formed in row chunks."""
+    """Mean cross entropy of float64 logits h W^T (of bfloat16 operands), in row chunks."""
     total, count = 0.0, int((t != -100).sum())
-    wd = w.double()
+    wd = w.bfloat16().double()
     for r in range(0, h.shape[0], 1024):
-        z = h[r:r + 1024].double() @ wd.T
+        z = h[r:r + 1024].bfloat16().double() @ wd.T
         total += float(torch.nn.functional.cross_entropy(z, t[r:r + 1024], reduction="sum"))
         del z
     del wd
     return total / count
 
 
-def _measure(torch, fn, h, w, t, reps: int) -> tuple[float, float, float]:
+def _measure(torch, fn, h, w, t, reps: int, autocast: bool = False):
     """(median ms, peak GiB above what was allocated before, loss) of forward + backward."""
     hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
 
     def step():
         hl.grad = wl.grad = None
-        loss = fn(hl, wl, t)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            loss = fn(hl, wl, t)
         loss.backward()
         return loss
 
@@ -78,11 +84,29 @@ def _measure(torch, fn, h, w, t, reps: int) -> tuple[float, float, float]:
     return statistics.median(times), peak, loss
 
 
-def _candidates(torch, budgets):
+def _candidates(torch, budgets, chunk_rows=()):
+    import cupyloss.torch as CF
+
     F = torch.nn.functional
 
     def eager(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)
+
+    if chunk_rows:      # --autocast
+        from cupyloss import linear
+
+        def rows(r):
+            def call(h, w, t):
+                linear.NARROW_CHUNK_ROWS = ((None, r),)
+                return CF.linear_cross_entropy(h, w, t)
+            return call
+
+        table = linear.NARROW_CHUNK_ROWS
+        return {"torch.compile": torch.compile(eager),
+                **{f"cupyloss rows {r}": rows(r) for r in chunk_rows},
+                "cupyloss (table)": lambda h, w, t: (
+                    setattr(linear, "NARROW_CHUNK_ROWS", table)
+                    or CF.linear_cross_entropy(h, w, t))}
 
     out = {"torch eager": eager, "torch.compile": torch.compile(eager)}
     try:
@@ -97,8 +121,6 @@ def _candidates(torch, budgets):
         out["Cut CE"] = lambda h, w, t: cce(h, w, t)
     except ImportError:
         pass
-    import cupyloss.torch as CF
-
     for mib in budgets:
         out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t: CF.linear_cross_entropy(
             h, w, t, max_workspace_bytes=b))(mib << 20)
@@ -116,6 +138,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=10, help="timed runs a median is taken of")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--plot", default=None, help="draw time against peak memory to this file")
+    ap.add_argument("--shapes", default=f"{H}x{V}", help="H x V pairs, comma-separated")
+    ap.add_argument("--autocast", action="store_true",
+                    help="float32 operands inside bf16 autocast (module docstring)")
+    ap.add_argument("--chunk-rows", default="1024,2048,4096",
+                    help="with --autocast: cupyloss's 16-bit logit chunks, comma-separated")
     args = ap.parse_args(argv)
     from cupyloss import _timing
 
@@ -124,25 +151,30 @@ def main(argv=None) -> list[dict]:
 
     device = torch.cuda.get_device_name()
     budgets = [int(b) for b in args.budgets.split(",") if b]
+    chunk_rows = [int(r) for r in args.chunk_rows.split(",") if r] if args.autocast else []
+    kind = "float32 in bf16 autocast" if args.autocast else "bf16"
     rows_out = []
-    for bt in (int(r) for r in args.rows.split(",")):
-        h, w, t = _inputs(torch, bt)
+    for bt, (hs, vs) in ((int(r), tuple(map(int, s.split("x"))))
+                         for s in args.shapes.split(",") for r in args.rows.split(",")):
+        h, w, t = _inputs(torch, bt, hs, vs, torch.float32 if args.autocast else None)
         ref = _reference_loss(torch, h, w, t)
         torch.cuda.empty_cache()
-        flops = 6.0 * bt * H * V
-        print(f"{device}: hidden ({bt}, {H}) bf16, weight ({V}, {H}) bf16, float64 loss {ref:.6f}")
+        flops = 6.0 * bt * hs * vs
+        print(f"{device}: hidden ({bt}, {hs}), weight ({vs}, {hs}), {kind}, float64 loss "
+              f"{ref:.6f}")
         print(f"{'implementation':24} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'loss rel err':>13}")
-        for name, fn in _candidates(torch, budgets).items():
+        for name, fn in _candidates(torch, budgets, chunk_rows).items():
             if args.only and not any(name.startswith(o) for o in args.only.split(",")):
                 continue
             try:
-                ms, peak, loss = _measure(torch, fn, h, w, t, args.reps)
+                ms, peak, loss = _measure(torch, fn, h, w, t, args.reps, args.autocast)
             except Exception as exc:  # a candidate out of memory or failing: say so, go on
                 print(f"{name:24} failed: {type(exc).__name__}: {str(exc)[:120]}")
                 torch.cuda.empty_cache()
                 continue
             err = abs(loss - ref) / abs(ref)
-            rows_out.append(dict(device=device, rows=bt, name=name, ms=ms, peak_gib=peak,
+            rows_out.append(dict(device=device, rows=bt, hidden=hs, classes=vs, kind=kind,
+                                 name=name, ms=ms, peak_gib=peak,
                                  tflops=flops / ms / 1e9, loss_rel_err=err))
             print(f"{name:24} {ms:9.2f} {peak:9.3f} {flops / ms / 1e9:8.0f} {err:13.2e}",
                   flush=True)

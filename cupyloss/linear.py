@@ -66,6 +66,14 @@ _GEMM_DEFAULT = -1
 # memory (H100, 8192 rows bf16, dZ kept, taking turns with torch.compile: 512-row chunks 42.21
 # ms, 1024 40.65, 2048 40.52; docs/performance.md).
 CHUNK_ROWS_MAX = 1024
+# Under compute_dtype, each chunk's logits are held in it (as torch.autocast's F.linear returns
+# them) rather than in float32: half the traffic (bench_linear --autocast).
+NARROW_LOGITS = True
+# Rows a chunk of such 16-bit logits at most, in the workspace-free "sum" plan of a float32
+# weight gradient: (hidden size at most, rows), the first row that fits; None for any rows
+# (bench_linear --autocast, benchmarks/results/linear-autocast-h200.json: fewer, taller chunks
+# pay where the products are small).
+NARROW_CHUNK_ROWS: tuple = ((1024, 4096), (None, 2048))
 # A cuBLAS tile: chunks and slices are multiples of it where they can be.
 TILE = 128
 
@@ -116,18 +124,25 @@ def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
 
 
 def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = None,
-         weight_grad: bool = True, rows: int | None = None, most: int | None = None) -> Plan:
+         weight_grad: bool = True, rows: int | None = None, most: int | None = None,
+         wide_weight_grad: bool = False, narrow_logits: bool = False) -> Plan:
     """The plan of a call on n rows, `classes` logits a row and `hidden` features, inputs of
     `itemsize` bytes, within `budget` bytes (default DEFAULT_WORKSPACE_BYTES): keep every row's
     16-bit dZ where it fits, else a float32 weight-gradient sum, else class slices (see the
     module docstring).  A chunk holds float32 logits (float64 for float64 inputs) and, for
-    16-bit inputs, their gradient in the inputs' dtype.  `rows`, where given, fixes the rows a
-    chunk of the first pass (the ranks of a vocab-parallel call must agree on them) and the
-    bytes follow from it."""
+    16-bit inputs, their gradient in the inputs' dtype; with `narrow_logits` it holds 16-bit
+    logits that their gradient overwrites.  `wide_weight_grad`: the weight's gradient is a
+    float32 result (a float32 master weight under autocast), so the "sum" plan adds into it
+    and holds no workspace of its own.  `rows`, where given, fixes the rows a chunk of the
+    first pass (the ranks of a vocab-parallel call must agree on them) and the bytes follow
+    from it."""
     budget = DEFAULT_WORKSPACE_BYTES if budget is None else max(0, int(budget))
     logit = 8 if itemsize == 8 else 4
     narrow = itemsize if itemsize < 4 else 0
-    chunk = classes * (logit + narrow)
+    if narrow and narrow_logits:
+        logit, chunk = 0, classes * narrow
+    else:
+        chunk = classes * (logit + narrow)
 
     def fit(room, per_row):
         return _fit(room, per_row, n, most) if rows is None else max(1, min(rows, n))
@@ -135,30 +150,39 @@ def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = 
     if not narrow or not weight_grad:
         r = fit(budget, chunk)
         return Plan("sum", r, bytes=r * chunk)
+    if wide_weight_grad and budget >= min(n, TILE) * chunk:
+        # summed into the float32 result: no V x H workspace, no dZ kept
+        if rows is None:
+            if narrow_logits and most is None:
+                most = next(r for h, r in NARROW_CHUNK_ROWS if h is None or hidden <= h)
+            r = _fit(budget, chunk, n, most)
+        else:
+            r = max(1, min(rows, n))
+        return Plan("sum", r, bytes=r * chunk)
     keep = n * classes * narrow
     if budget >= keep + TILE * classes * logit:
-        r = fit(budget - keep, classes * logit)
+        r = fit(budget - keep, classes * logit) if logit else fit(budget, chunk)
         return Plan("keep", r, bytes=keep + r * classes * logit)
-    total = classes * hidden * 4
+    total = 0 if wide_weight_grad else classes * hidden * 4
     if budget >= total + TILE * chunk:
         r = fit(budget - total, chunk)
         return Plan("sum", r, bytes=total + r * chunk)
     r = fit(budget, chunk)
     # A slice of all n rows where `budget` holds TILE classes of them, else tiles of rows with
     # a float32 sum of the slice's dW.
-    element = logit + narrow
+    element = (logit or 4) + narrow
     cols = min(classes, max(TILE, budget // max(n * element, 1) // TILE * TILE))
     if n * cols * element <= budget:
         tile, second = n, n * cols * element
     else:
-        acc = cols * hidden * 4
+        acc = 0 if wide_weight_grad else cols * hidden * 4
         tile = _fit(budget - acc, cols * element, n, n)
         second = acc + tile * cols * element
     return Plan("slices", r, cols, tile, max(r * chunk, second))
 
 
 def shard_plan(n: int, v: int, hidden: int, itemsize: int, budget: int | None,
-               weight_grad: bool, shard: Shard | None) -> Plan:
+               weight_grad: bool, shard: Shard | None, **kinds) -> Plan:
     """plan() of a call on v classes; for a rank's slice (`shard`) with the rows a chunk of an
     even share's plan, the same on every rank: each chunk is one gather, and all ranks must
     make the same ones.  A share's chunks may hold CHUNK_ROWS_MAX rows a rank, so that a
@@ -167,8 +191,8 @@ def shard_plan(n: int, v: int, hidden: int, itemsize: int, budget: int | None,
     rows = None
     if shard is not None:
         rows = plan(n, -(-shard.classes // shard.ranks), hidden, itemsize, budget,
-                    weight_grad, most=CHUNK_ROWS_MAX * shard.ranks).rows
-    return plan(n, v, hidden, itemsize, budget, weight_grad, rows)
+                    weight_grad, most=CHUNK_ROWS_MAX * shard.ranks, **kinds).rows
+    return plan(n, v, hidden, itemsize, budget, weight_grad, rows, **kinds)
 
 
 def _names(wrt) -> tuple[tuple[str, ...], bool]:
@@ -182,16 +206,39 @@ def _names(wrt) -> tuple[tuple[str, ...], bool]:
     return names, single
 
 
+def _compute(compute_dtype):
+    """compute_dtype as a NumPy dtype (float16 or bfloat16), or None."""
+    if compute_dtype is None:
+        return None
+    name = str(compute_dtype).replace("torch.", "")      # torch's dtypes print so
+    info = _dtypes.lookup(name if name in ("float16", "bfloat16") else compute_dtype)
+    if info is not None and info.dtype.itemsize != 2:
+        info = None
+    if info is None:
+        raise TypeError(f"compute_dtype must be float16 or bfloat16 (the dtype of the products, "
+                        f"as torch.autocast's), got {compute_dtype}")
+    return info.dtype
+
+
+_MIXED = ("float16", "bfloat16", "float32")
+
+
 def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothing,
-           lse_square_scale, softcap, names, shard=None):
+           lse_square_scale, softcap, names, shard=None, compute=None):
     """Validation before any launch (the arguments are Operands, or None): shapes, dtypes,
-    options.  Returns (N, H, V)."""
+    options.  With `compute` hidden, weight and bias may each be float16, bfloat16 or float32
+    (each rounded to `compute` for the products).  Returns (N, H, V)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
     if hidden.dtype not in _dtypes.DTYPES:
         raise TypeError(f"hidden has dtype {hidden.dtype}; cupyloss takes float16, bfloat16, "
                         f"float32 and float64")
-    if weight.dtype != hidden.dtype:
+    if compute is not None:
+        for name, a in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+            if a is not None and str(a.dtype) not in _MIXED:
+                raise TypeError(f"{name} has dtype {a.dtype}; with compute_dtype {compute} it "
+                                f"must be float16, bfloat16 or float32")
+    elif weight.dtype != hidden.dtype:
         raise TypeError(f"weight has dtype {weight.dtype} and hidden {hidden.dtype}; they must "
                         f"match")
     if len(hidden.shape) < 1:
@@ -208,7 +255,8 @@ def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothin
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target's shape {tuple(target.shape)} must be hidden's without its "
                          f"last dim, {tuple(hidden.shape[:-1])}")
-    if bias is not None and (tuple(bias.shape) != (v,) or bias.dtype != hidden.dtype):
+    if bias is not None and (tuple(bias.shape) != (v,)
+                             or (compute is None and bias.dtype != hidden.dtype)):
         raise ValueError(f"bias must be ({v},) of hidden's dtype, got {tuple(bias.shape)} "
                          f"{bias.dtype}")
     classes = v if shard is None else shard.classes
@@ -216,7 +264,9 @@ def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothin
         raise ValueError(f"this rank's classes {shard.offset} .. {shard.offset + v - 1} lie "
                          f"outside the {classes} classes")
     if class_weight is not None and (tuple(class_weight.shape) != (classes,)
-                                     or class_weight.dtype != hidden.dtype):
+                                     or (class_weight.dtype != hidden.dtype
+                                         and (compute is None
+                                              or str(class_weight.dtype) not in _MIXED))):
         raise ValueError(f"class_weight must be ({classes},) of hidden's dtype, got "
                          f"{tuple(class_weight.shape)} {class_weight.dtype}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -228,28 +278,67 @@ def _check(hidden, weight, target, bias, class_weight, reduction, label_smoothin
 
 
 class _Blas:
-    """cuBLAS products C = alpha op(A) op(B) + beta C through CuPy's handle, column-major
-    arguments (a row-major (r, c) array is a column-major (c, r) one with ld = c)."""
+    """cuBLAS products C = alpha op(A) op(B) + beta C on CuPy's handle and the call's stream,
+    column-major arguments (a row-major (r, c) array is a column-major (c, r) one with ld = c).
+    cublasGemmEx is called through ctypes: CuPy's wrapper refuses every call while a stream is
+    captured, and these products are capturable (a CUDA graph of a training step)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, stream):
         import cupy
-        from cupy_backends.cuda.libs import cublas
 
-        self._gemm = cublas.gemmEx
+        self._lib = _cublas()
         self._handle = cupy.cuda.device.get_cublas_handle()
+        self._stream = stream
         wide = dtype == numpy.float64
         self._compute = _COMPUTE_64F if wide else _COMPUTE_32F
         scalar = numpy.float64 if wide else numpy.float32
         self._one = numpy.ones(1, scalar)
         self._zero = numpy.zeros(1, scalar)
 
-    def gemm(self, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, accumulate=False):
+    def gemm(self, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, accumulate=False, alpha=None):
+        lib = self._lib
+        _status(lib.cublasSetStream_v2(self._handle, self._stream), "cublasSetStream")
         beta = self._one if accumulate else self._zero
-        self._gemm(self._handle, ta, tb, m, n, k, self._one.ctypes.data,
-                   a.data.ptr, _CUDA_TYPE[str(a.dtype)], lda,
-                   b.data.ptr, _CUDA_TYPE[str(b.dtype)], ldb,
-                   beta.ctypes.data, c.data.ptr, _CUDA_TYPE[str(c.dtype)], ldc,
-                   self._compute, _GEMM_DEFAULT)
+        alpha = self._one if alpha is None else alpha
+        _status(lib.cublasGemmEx(self._handle, ta, tb, m, n, k, alpha.ctypes.data,
+                                 a.data.ptr, _CUDA_TYPE[str(a.dtype)], lda,
+                                 b.data.ptr, _CUDA_TYPE[str(b.dtype)], ldb,
+                                 beta.ctypes.data, c.data.ptr, _CUDA_TYPE[str(c.dtype)], ldc,
+                                 self._compute, _GEMM_DEFAULT), "cublasGemmEx")
+
+
+_CUBLAS: list = []
+
+
+def _cublas():
+    """The cuBLAS library CuPy loaded (its path read from this process's mappings), with the
+    two entry points used here typed for ctypes."""
+    if _CUBLAS:
+        return _CUBLAS[0]
+    import ctypes
+
+    import cupy
+
+    cupy.cuda.device.get_cublas_handle()           # loads the library
+    path = None
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "/libcublas.so" in line), None)
+    except OSError:
+        pass
+    lib = ctypes.CDLL(path or "libcublas.so")
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.cublasSetStream_v2.argtypes = [p, p]
+    lib.cublasSetStream_v2.restype = i
+    lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+    lib.cublasGemmEx.restype = i
+    _CUBLAS.append(lib)
+    return lib
+
+
+def _status(code: int, what: str) -> None:
+    if code:
+        raise RuntimeError(f"{what} failed with cuBLAS status {code}")
 
 
 def _narrow(src, out, stream, device) -> None:
@@ -281,9 +370,10 @@ def _carve(buffer, offset, shape, dtype):
 
 def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing,
          lse_square_scale, softcap, max_workspace_bytes, want_value, names, grad_output,
-         return_lse, shard=None, check=False):
+         return_lse, shard=None, check=False, compute_dtype=None):
     """The chunked passes (module docstring); returns (loss, {name: grad}, lse) in the caller's
     framework (loss None unless want_value, lse None unless return_lse)."""
+    compute = _compute(compute_dtype)
     import cupy
 
     frame = _dispatch.frame_of(hidden, "hidden")
@@ -298,7 +388,7 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         ops[name] = frame.operand(x, name) if name != "target" else _target_operand(frame, x)
     n, h, v = _check(ops["hidden"], ops["weight"], ops["target"], ops.get("bias"),
                      ops.get("class_weight"), reduction, label_smoothing, lse_square_scale,
-                     softcap, names, shard)
+                     softcap, names, shard, compute)
     device = ops["hidden"].device
     if any(op.device != device for op in ops.values()):
         raise ValueError("hidden, weight, target and the optional arrays must be on one device")
@@ -317,17 +407,18 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         views = {name: frame.cupy_view(op) for name, op in ops.items()}
         run = _Call(views, n, h, v, ignore_index, reduction, label_smoothing, lse_square_scale,
                     softcap, want_value, names, grad_go, grad_output, return_lse, stream, device,
-                    shard)
-        pl = shard_plan(n, v, h, run.dtype.itemsize, max_workspace_bytes, run.want["weight"],
-                        shard)
+                    shard, compute)
+        pl = run.plan(max_workspace_bytes)
         run.first_pass(pl)
         if pl.kind == "slices" and run.want["weight"]:
             run.second_pass(pl)
         loss, grads, lse = run.results(tuple(ops["hidden"].shape))
-    back = _back(frame)
-    return (back(loss) if loss is not None else None,
-            {k: back(a) for k, a in grads.items()},
-            back(lse) if lse is not None else None)
+        # handed back on the call's stream: no event on another one (which a CUDA graph's
+        # capture would refuse)
+        back = _back(frame)
+        return (back(loss) if loss is not None else None,
+                {k: back(a) for k, a in grads.items()},
+                back(lse) if lse is not None else None)
 
 
 class _Call:
@@ -335,14 +426,23 @@ class _Call:
 
     def __init__(self, views, n, h, v, ignore_index, reduction, label_smoothing,
                  lse_square_scale, softcap, want_value, names, grad_go, grad_output, return_lse,
-                 stream, device, shard=None):
+                 stream, device, shard=None, compute=None):
         import cupy
 
         self.n, self.h, self.v = n, h, v
-        self.x = _contiguous(cupy, views["hidden"].reshape(n, h))
-        self.w = _contiguous(cupy, views["weight"])
+        self.stream, self.device = stream, device
+        x = _contiguous(cupy, views["hidden"].reshape(n, h))
+        w = _contiguous(cupy, views["weight"])
+        b = views.get("bias")
+        # Under compute (autocast): the operands rounded to it here, the gradients returned in
+        # each argument's dtype, formed by cuBLAS in float32 from the 16-bit operands.
+        self.result = {"hidden": x.dtype, "weight": w.dtype, "bias": None if b is None
+                       else b.dtype}
+        if compute is not None:
+            x, w = self._round(x, compute), self._round(w, compute)
+            b = None if b is None else self._round(b, compute)
+        self.x, self.w, self.b = x, w, b
         self.t = _contiguous(cupy, views["target"].reshape(n))
-        self.b = views.get("bias")
         self.dtype = dtype = self.x.dtype
         self.logit = numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
         cw = views.get("class_weight")
@@ -354,20 +454,62 @@ class _Call:
         self.reduction, self.want_value, self.names = reduction, want_value, names
         self.want = {name: name in names for name in _GRAD_NAMES}
         self.narrow = dtype.itemsize < self.logit.itemsize
-        self.stream, self.device = stream, device
-        self.blas = _Blas(dtype)
+        # 16-bit logits (torch.autocast's F.linear), overwritten by their gradient: under
+        # compute, one GPU, no class weights and NARROW_LOGITS
+        self.narrow_logits = (compute is not None and NARROW_LOGITS and shard is None
+                              and cw is None)
+        self.blas = _Blas(dtype, stream)
+        # A float16 dZ formed at grad_output 1 (the gradients of a reduced loss formed in the
+        # forward pass) would be (p - y) / count, subnormal for large counts: it is formed
+        # 2^k times larger and the products take alpha = 2^-k (exact), k = log2 of the rows
+        # rounded down, at most 14 (dZ stays below float16's largest, 65504).
+        self.unscale = None
+        if (dtype == numpy.float16 and reduction == "mean" and grad_go is None
+                and grad_output == 1 and n > 1):
+            self.boost = float(2 ** min(14, n.bit_length() - 1))
+            self.unscale = numpy.array([1.0 / self.boost], numpy.float32)
         self._upstream = (grad_go, grad_output)
         self._scale = self.divisor = None
         self.shard = shard
         self.c0, self.classes = (0, v) if shard is None else (shard.offset, shard.classes)
         # a shard's hidden gradient: its partial sum over its classes, in the logits' precision
-        gx_dtype = dtype if shard is None else self.logit
+        gx_dtype = self._grad_dtype("hidden") if shard is None else self.logit
         self.gx = cupy.empty((n, h), gx_dtype) if self.want["hidden"] else None
-        self.gw = cupy.empty((v, h), dtype) if self.want["weight"] else None
+        self.gw = cupy.empty((v, h), self._grad_dtype("weight")) if self.want["weight"] else None
         self.gb = cupy.zeros((v,), self.logit) if self.want["bias"] else None
         self.lse = None
         self.losses = self.loss_rows = None
         self.return_lse = return_lse
+
+    def _round(self, a, dtype):
+        """`a` in `dtype` (a 16-bit copy on the call's stream), or `a` itself."""
+        import cupy
+
+        if a.dtype == dtype:
+            return a
+        out = cupy.empty(a.shape, dtype)
+        if a.dtype == numpy.float32:
+            _narrow(a, out, self.stream, self.device)
+        else:
+            out[...] = a
+        return out
+
+    def _grad_dtype(self, name):
+        """The dtype cuBLAS writes `name`'s gradient in: its argument's, or float32 where that
+        is neither float32 nor the products' dtype (cast at the end)."""
+        want = self.result[name]
+        return want if want in (self.dtype, self.logit) else self.logit
+
+    def plan(self, budget) -> Plan:
+        """This call's plan (shard_plan with its dtypes)."""
+        args = (self.n, self.v, self.h, self.dtype.itemsize, budget, self.want["weight"],
+                self.shard)
+        wide = self.gw is not None and self.gw.dtype == numpy.float32 and self.narrow
+        pl = shard_plan(*args, wide_weight_grad=wide, narrow_logits=self.narrow_logits)
+        if pl.kind == "slices" and self.narrow_logits:
+            self.narrow_logits = False
+            pl = shard_plan(*args, wide_weight_grad=wide)
+        return pl
 
     def _upstream_scale(self):
         """The upstream gradient of each row's loss: grad_output over the 'mean' divisor.
@@ -390,6 +532,8 @@ class _Call:
                            else float(grad_output))
         else:
             g = grad_go.astype(logit) if grad_go is not None else logit.type(grad_output)
+            if self.unscale is not None:
+                g = logit.type(self.boost)
             self._scale = (g / self.divisor if self.divisor is not None
                            else cupy.asarray(g, logit))
         return self._scale
@@ -443,19 +587,27 @@ class _Call:
         logit, dtype = self.logit, self.dtype
         want, names = self.want, self.names
         ws = cupy.empty((pl.bytes + 1024,), numpy.uint8)
-        z_all, at = _carve(ws, 0, (min(rows, max(n, 1)), v), logit)
         keep = pl.kind == "keep" and bool(names)
+        narrow_logits = self.narrow_logits
+        if narrow_logits:
+            # 16-bit logits, their gradient written over them (all rows' for "keep")
+            z_all, at = _carve(ws, 0, (n, v) if keep else (min(rows, max(n, 1)), v), dtype)
+        else:
+            z_all, at = _carve(ws, 0, (min(rows, max(n, 1)), v), logit)
         dz_all = None
-        if self.narrow and names:
+        if narrow_logits:
+            dz_all = z_all if names else None
+        elif self.narrow and names:
             dz_all, at = _carve(ws, at, (n, v) if keep else z_all.shape, dtype)
         elif self.shard is not None and names:
             # the slice gradient is not formed in place: a float32 dZ beside the logits
             dz_all = cupy.empty(z_all.shape, logit)
-        # The weight's gradient summed over chunks in float32 (the result itself for float32
-        # and float64 weights).
+        # The weight's gradient summed over chunks in float32 (the result itself where it is
+        # float32 or float64).
         gw_sum = None
         if want["weight"] and pl.kind == "sum":
-            gw_sum = self.gw if not self.narrow else _carve(ws, at, (v, h), numpy.float32)[0]
+            gw_sum = (self.gw if self.gw.dtype == logit
+                      else _carve(ws, at, (v, h), numpy.float32)[0])
         reduction = self.reduction
         if self.want_value:
             if reduction == "none":
@@ -468,7 +620,7 @@ class _Call:
         for i in range(nchunks):
             r0, r1 = i * rows, min(n, (i + 1) * rows)
             m = r1 - r0
-            z = z_all[:m]
+            z = z_all[r0:r1] if narrow_logits and keep else z_all[:m]
             xc = x[r0:r1]
             if self.b is not None:
                 z[...] = self.b
@@ -476,7 +628,10 @@ class _Call:
             self.blas.gemm(_OP_T, _OP_N, v, m, h, w, h, xc, h, z, v,
                            accumulate=self.b is not None)
             # dZ: the logits themselves (float32 inputs), else 16-bit rows of dz_all
-            dz = z if dz_all is None else (dz_all[r0:r1] if keep else dz_all[:m])
+            if narrow_logits or dz_all is None:
+                dz = z
+            else:
+                dz = dz_all[r0:r1] if keep else dz_all[:m]
             if self.shard is not None:
                 out = self._shard_chunk(z, dz, r0, r1)
             else:
@@ -486,7 +641,7 @@ class _Call:
                     want_value=self.want_value, wrt=("input",) if names else (),
                     grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
                     want_lse=self.lse is not None,
-                    grad_into=dz if names and dz is not z else None)
+                    grad_into=dz if names and dz is not z else None, acc_io=narrow_logits)
             if self.want_value:
                 if reduction == "none":
                     self.loss_rows[r0:r1] = out[0]
@@ -500,18 +655,20 @@ class _Call:
                 self.gb += dz.sum(axis=0, dtype=logit)
             if want["hidden"]:
                 # dX_c^T (H x m) = W (H x V col-major) dZ^T (V x m col-major)
-                self.blas.gemm(_OP_N, _OP_N, h, m, v, w, h, dz, v, self.gx[r0:r1], h)
+                self.blas.gemm(_OP_N, _OP_N, h, m, v, w, h, dz, v, self.gx[r0:r1], h,
+                               alpha=self.unscale)
                 if self.shard is not None and self.shard.reduce is not None:
                     self.shard.reduce(self.gx[r0:r1])
             if gw_sum is not None:
                 # dW^T (H x V) += X_c (H x m col-major) (dZ^T (V x m col-major))^T
                 self.blas.gemm(_OP_N, _OP_T, h, v, m, xc, h, dz, v, gw_sum, h,
-                               accumulate=i > 0)
+                               accumulate=i > 0, alpha=self.unscale)
         if want["weight"]:
             if n == 0:
                 self.gw[...] = 0
             elif keep:
-                self.blas.gemm(_OP_N, _OP_T, h, v, n, x, h, dz_all, v, self.gw, h)
+                self.blas.gemm(_OP_N, _OP_T, h, v, n, x, h, dz_all, v, self.gw, h,
+                               alpha=self.unscale)
             elif gw_sum is not None and gw_sum is not self.gw:
                 _narrow(gw_sum, self.gw, self.stream, self.device)
 
@@ -527,7 +684,9 @@ class _Call:
         ws = cupy.empty((pl.bytes + 1024,), numpy.uint8)
         z_all, at = _carve(ws, 0, (pl.tile, pl.cols), logit)
         dz_all, at = _carve(ws, at, (pl.tile, pl.cols), dtype)
-        acc = _carve(ws, at, (pl.cols, h), numpy.float32)[0] if pl.tile < n else None
+        acc = None    # tiles of rows: a float32 sum of the slice's dW (the result if float32)
+        if pl.tile < n and self.gw.dtype != numpy.float32:
+            acc = _carve(ws, at, (pl.cols, h), numpy.float32)[0]
         wsum = None
         if self.cw is not None and self.options["label_smoothing"]:
             wsum = self.cw.sum()
@@ -548,17 +707,18 @@ class _Call:
                                     **self.options, stream=self.stream, device=self.device)
                 if acc is None:
                     # dW[c0:c1]^T (H x k) = X (H x n col-major) dZ_s (k x n col-major)^T
-                    self.blas.gemm(_OP_N, _OP_T, h, k, m, x[r0:r1], h, dz, k, self.gw[c0:c1], h)
+                    self.blas.gemm(_OP_N, _OP_T, h, k, m, x[r0:r1], h, dz, k, self.gw[c0:c1], h,
+                                   accumulate=r0 > 0, alpha=self.unscale)
                 else:
                     self.blas.gemm(_OP_N, _OP_T, h, k, m, x[r0:r1], h, dz, k, acc[:k], h,
-                                   accumulate=r0 > 0)
+                                   accumulate=r0 > 0, alpha=self.unscale)
             if acc is not None:
                 _narrow(acc[:k], self.gw[c0:c1], self.stream, self.device)
 
     def results(self, hidden_shape):
         import cupy
 
-        n, dtype = self.n, self.dtype
+        n = self.n
         grads = {}
         if self.want["hidden"]:
             grads["hidden"] = self.gx.reshape(hidden_shape)
@@ -566,7 +726,13 @@ class _Call:
             grads["weight"] = self.gw
         if self.want["bias"]:
             gb = self.gb
-            grads["bias"] = gb if gb.dtype == dtype else gb.astype(dtype)
+            if self.unscale is not None:
+                gb *= self.unscale[0]
+            grads["bias"] = gb if gb.dtype == self.result["bias"] else gb.astype(
+                self.result["bias"])
+        for name in ("hidden", "weight") if self.shard is None else ("weight",):
+            if name in grads and grads[name].dtype != self.result[name]:
+                grads[name] = grads[name].astype(self.result[name])
         loss = None
         self._upstream_scale()    # the divisor, where no chunk asked for it (no rows)
         if self.want_value:
@@ -614,7 +780,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
                          reduction: str = "mean", label_smoothing: float = 0.0, *,
                          lse_square_scale: float = 0.0, softcap: float = 0.0,
                          max_workspace_bytes: int | None = None,
-                         check_targets: bool = False) -> Any:
+                         check_targets: bool = False, compute_dtype: Any = None) -> Any:
     """cross_entropy(hidden @ weight.T + bias, target) without the logits in memory.
 
     ``Z = X W^T + b`` is formed chunk by chunk in float32 (float64 for float64 inputs) and never
@@ -637,6 +803,11 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
         DEFAULT_WORKSPACE_BYTES); the plan, chunk rows and class slices follow from it (plan).
       check_targets: raise IndexError for a class index outside [0, V) (synchronises); without
         it such a row's loss and gradients are NaN and counted (cupyloss.rejected_targets).
+      compute_dtype: None, or float16 / bfloat16: the products run in it, as torch.autocast's
+        F.linear runs them: hidden, weight and bias (each float16, bfloat16 or float32) are
+        rounded to it inside the call, and each gradient comes back in its argument's dtype,
+        written by cuBLAS in float32 from the 16-bit operands (a float32 master weight's
+        gradient is never rounded to 16 bits).
 
     Returns:
       The loss: 0-d for 'mean'/'sum', else hidden's shape without its last dim; float32
@@ -647,7 +818,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
     """
     return _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                 label_smoothing, lse_square_scale, softcap, max_workspace_bytes, True, (), 1.0,
-                False, check=check_targets)[0]
+                False, check=check_targets, compute_dtype=compute_dtype)[0]
 
 
 def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, weight: Array,
@@ -657,7 +828,8 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
                                   lse_square_scale: float = 0.0, softcap: float = 0.0,
                                   max_workspace_bytes: int | None = None,
                                   wrt: str | Sequence[str] | None = None,
-                                  check_targets: bool = False) -> Any:
+                                  check_targets: bool = False,
+                                  compute_dtype: Any = None) -> Any:
     """Gradients of linear_cross_entropy (the logits formed again, chunk by chunk).
 
     With dZ the gradient of cross_entropy at the logits (cupyloss.cross_entropy_backward's, g the
@@ -670,7 +842,8 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
 
     Args:
       grad_output: Python number, 0-d array, or for 'none' an array of the loss's shape.
-      hidden, ..., max_workspace_bytes, check_targets: as for linear_cross_entropy.
+      hidden, ..., max_workspace_bytes, check_targets, compute_dtype: as for
+        linear_cross_entropy.
       wrt: 'hidden', 'weight', 'bias' or a tuple of them (default: hidden and weight).
 
     Returns:
@@ -683,7 +856,8 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
     names, single = _names(wrt)
     _, grads, _ = _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                        label_smoothing, lse_square_scale, softcap, max_workspace_bytes, False,
-                       names, grad_output, False, check=check_targets)
+                       names, grad_output, False, check=check_targets,
+                       compute_dtype=compute_dtype)
     out = tuple(grads[name] for name in names)
     return out[0] if single else out
 
@@ -698,11 +872,13 @@ def linear_cross_entropy_value_and_grad(hidden: Array, weight: Array, target: Ar
                                         grad_output: Array | float = 1.0,
                                         wrt: str | Sequence[str] | None = None,
                                         return_lse: bool = False,
-                                        check_targets: bool = False) -> tuple[Any, ...]:
+                                        check_targets: bool = False,
+                                        compute_dtype: Any = None) -> tuple[Any, ...]:
     """linear_cross_entropy and its gradients in one pass: three matrix products in all.
 
     Args:
-      hidden, ..., max_workspace_bytes, check_targets: as for linear_cross_entropy.
+      hidden, ..., max_workspace_bytes, check_targets, compute_dtype: as for
+        linear_cross_entropy.
       grad_output, wrt: as for linear_cross_entropy_backward.
       return_lse: also return each row's logsumexp of the (capped) logits, float32.
 
@@ -716,7 +892,8 @@ def linear_cross_entropy_value_and_grad(hidden: Array, weight: Array, target: Ar
     names, single = _names(wrt)
     loss, grads, lse = _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                             label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                            True, names, grad_output, return_lse, check=check_targets)
+                            True, names, grad_output, return_lse, check=check_targets,
+                            compute_dtype=compute_dtype)
     out = tuple(grads[name] for name in names)
     out = out[0] if single else out
     return (loss, out, lse) if return_lse else (loss, out)

@@ -1179,7 +1179,8 @@ def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad
     from cupyloss import _torch_forms
 
     reduction = options["reduction"]
-    kwargs = {k: v for k, v in options.items() if k not in ("reduction", "max_workspace_bytes")}
+    kwargs = {k: v for k, v in options.items()
+              if k not in ("reduction", "max_workspace_bytes", "compute_dtype")}
     x = hidden.reshape(-1, hidden.shape[-1]).float()
     logits = torch.nn.functional.linear(x, weight.float(), None if bias is None else bias.float())
     t = target.reshape(-1)
@@ -1202,9 +1203,10 @@ def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad
 
 
 def _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                    max_workspace_bytes, class_offset=0, classes=-1, group=""):
+                    max_workspace_bytes, class_offset=0, classes=-1, group="", compute_dtype=""):
     """The options of one call; group: the name of the process group whose ranks split the
-    weight's rows ("" for none), resolved to the group here."""
+    weight's rows ("" for none), resolved to the group here; compute_dtype: the products'
+    dtype under autocast ("" for none)."""
     shard = None
     if group:
         from torch.distributed import distributed_c10d
@@ -1213,13 +1215,13 @@ def _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, 
     return dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                 lse_square_scale=lse_square_scale, softcap=softcap,
                 max_workspace_bytes=None if max_workspace_bytes < 0 else max_workspace_bytes,
-                shard=shard)
+                shard=shard, compute_dtype=compute_dtype or None)
 
 
 _LINEAR_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
                 "int ignore_index, str reduction, float label_smoothing, float lse_square_scale, "
                 "float softcap, int max_workspace_bytes, int class_offset, int classes, "
-                "str group, bool wrt_hidden, bool wrt_weight, bool wrt_bias")
+                "str group, str compute_dtype, bool wrt_hidden, bool wrt_weight, bool wrt_bias")
 
 
 def _linear_names(bias, flags):
@@ -1228,9 +1230,10 @@ def _linear_names(bias, flags):
 
 def _linear_forward_impl(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                          label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                         class_offset, classes, group, wrt_hidden, wrt_weight, wrt_bias):
+                         class_offset, classes, group, compute_dtype, wrt_hidden, wrt_weight,
+                         wrt_bias):
     options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                              max_workspace_bytes, class_offset, classes, group)
+                              max_workspace_bytes, class_offset, classes, group, compute_dtype)
     names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
     if reduction == "none":
         names = ()    # backward forms the logits again with the elementwise upstream gradient
@@ -1243,7 +1246,8 @@ def _linear_forward_impl(hidden, weight, target, bias, class_weight, ignore_inde
 
 def _linear_forward_fake(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                          label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                         class_offset, classes, group, wrt_hidden, wrt_weight, wrt_bias):
+                         class_offset, classes, group, compute_dtype, wrt_hidden, wrt_weight,
+                         wrt_bias):
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty(tuple(target.shape) if reduction == "none" else (), dtype=dtype)
     names = () if reduction == "none" else _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
@@ -1257,17 +1261,20 @@ def _linear_scale(grad_output, grads) -> None:
         for g in grads:
             g.mul_(grad_output.to(g.dtype))
         return
-    for k in range(0, len(grads), 2):
-        pair = grads[k:k + 2]
-        scale_by_grad_output(grad_output.to(pair[0].dtype).contiguous(), *pair)
+    by_dtype = {}
+    for g in grads:       # under autocast the gradients' dtypes may differ
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, same in by_dtype.items():
+        for k in range(0, len(same), 2):
+            scale_by_grad_output(grad_output.to(dtype).contiguous(), *same[k:k + 2])
 
 
 def _linear_backward_impl(grad_output, held, hidden, weight, target, bias, class_weight,
                           ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                          max_workspace_bytes, class_offset, classes, group, wrt_hidden,
-                          wrt_weight, wrt_bias):
+                          max_workspace_bytes, class_offset, classes, group, compute_dtype,
+                          wrt_hidden, wrt_weight, wrt_bias):
     options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                              max_workspace_bytes, class_offset, classes, group)
+                              max_workspace_bytes, class_offset, classes, group, compute_dtype)
     names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
     kept = _take(held)
     if kept is not None and all(kept[_LINEAR_GRADS.index(n)] is not None for n in names):
@@ -1338,9 +1345,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, target, class_weight = ctx.saved_tensors
         grads, ctx.grads = ctx.grads, None
         if grads is not None:
-            for k in range(0, len(grads), 2):
-                pair = grads[k:k + 2]
-                scale_by_grad_output(grad_loss.to(pair[0].dtype).contiguous(), *pair)
+            _linear_scale(grad_loss, list(grads))
             grads = dict(zip(ctx.names, grads))
         else:
             grads = _linear_run(hidden, weight, target, bias, class_weight, ctx.options,
@@ -1359,6 +1364,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
     for float64 inputs).  With 'mean' or 'sum' and a gradient wanted, the forward pass forms the
     gradients of hidden, weight and bias (those that require grad) and backward scales them by
     the upstream gradient (rounded to their dtype); with 'none' backward forms the logits again.
+    Inside ``torch.autocast("cuda")`` the products run in the autocast dtype, as F.linear's
+    there: float32 hidden states, weight and bias are rounded to it inside the call (the weight
+    once a call; nothing kept between calls), and their gradients come back in float32, written
+    by cuBLAS from the 16-bit operands (a float32 master weight's gradient is never a 16-bit
+    gradient cast back).  The loss is float32.
     On CPU tensors: torch's own operations on the float32 logits.  Under torch.compile (and any
     other tracer) the call is the op ``torch.ops.cupyloss.linear_cross_entropy``, traced without
     a graph break.
@@ -1378,9 +1388,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
       >>> loss = cupyloss.torch.linear_cross_entropy(h, model.lm_head.weight, labels)
       >>> loss.backward()
     """
+    compute = _linear_compute(hidden, weight, bias)
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-                   softcap=softcap, max_workspace_bytes=max_workspace_bytes)
+                   softcap=softcap, max_workspace_bytes=max_workspace_bytes,
+                   compute_dtype=compute)
     tensors = (hidden, weight, target, bias, class_weight)
     traced = _compiling() or _dispatch_modes() or any(
         t is not None and (type(t) is not _Tensor or _is_functional(t)) for t in tensors)
@@ -1392,10 +1404,23 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
         return _linear_op(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                           float(label_smoothing), float(lse_square_scale), float(softcap),
                           -1 if max_workspace_bytes is None else int(max_workspace_bytes),
-                          0, -1, "", *flags)[0]
+                          0, -1, "", compute or "", *flags)[0]
     if hidden.device.type == "cpu":
         return _linear_cpu(hidden, weight, target, bias, class_weight, options)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)
+
+
+def _linear_compute(hidden, weight, bias) -> str | None:
+    """The products' dtype of a linear call under CUDA autocast, as F.linear's there: the
+    autocast dtype, unless every operand already has it or one is float64 (which autocast
+    leaves alone); None outside autocast or on the CPU."""
+    if hidden.device.type != "cuda" or not _autocast_on("cuda"):
+        return None
+    dtype = torch.get_autocast_dtype("cuda")
+    floats = [a for a in (hidden, weight, bias) if a is not None]
+    if any(a.dtype == torch.float64 for a in floats) or all(a.dtype == dtype for a in floats):
+        return None
+    return str(dtype).replace("torch.", "")
 
 
 def _linear_cpu(hidden, weight, target, bias, class_weight, options):
@@ -1405,7 +1430,8 @@ def _linear_cpu(hidden, weight, target, bias, class_weight, options):
     reduction = options["reduction"]
     logits = torch.nn.functional.linear(hidden.float(), weight.float(),
                                         None if bias is None else bias.float())
-    kwargs = {k: v for k, v in options.items() if k not in ("reduction", "max_workspace_bytes")}
+    kwargs = {k: v for k, v in options.items()
+              if k not in ("reduction", "max_workspace_bytes", "compute_dtype")}
     loss = _torch_forms.loss("cross_entropy", [logits.reshape(-1, weight.shape[0]),
                                                target.reshape(-1), class_weight],
                              reduction, kwargs)

@@ -175,7 +175,8 @@ def test_op_passes_opcheck(reduction, bias):
     import cupyloss.torch  # noqa: F401  (registers the ops)
 
     h, w, b, t = _cpu_case(torch, reduction, bias)
-    args = (h, w, t, b, None, -100, reduction, 0.1, 1e-3, 0.0, -1, 0, -1, "", True, True, bias)
+    args = (h, w, t, b, None, -100, reduction, 0.1, 1e-3, 0.0, -1, 0, -1, "", "", True, True,
+            bias)
     torch.library.opcheck(torch.ops.cupyloss.linear_cross_entropy.default, args)
     go = torch.randn(t.shape) if reduction == "none" else torch.tensor(0.5)
     plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
@@ -234,3 +235,96 @@ def test_cross_entropy_logits_grad_matches_float64(reduction, opts, weighted):
         reduction=reduction, grad_output=torch.tensor(go, dtype=torch.float64), **opts)
     want, _ = ref.cross_entropy_grads(x, t, w, reduction=reduction, grad_output=go, **opts)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("args, want", [
+    # a float32 master weight under autocast: "sum" adds into the result, so a call holds its
+    # 16-bit logits alone; chunk rows from NARROW_CHUNK_ROWS by hidden size (4096 at H <= 1024)
+    ((8192, 65536, 512, 2, None), linear.Plan("sum", 4096, bytes=4096 * 65536 * 2)),
+    ((8192, V, H, 2, None), linear.Plan("sum", 2048, bytes=2048 * V * 2)),
+    # 100 MiB: 408 rows of 16-bit logits -> 384 (a multiple of the 128-row tile)
+    ((8192, V, H, 2, 100 << 20), linear.Plan("sum", 384, bytes=384 * V * 2)),
+])
+def test_autocast_plan_sums_into_the_float32_result(args, want):
+    got = linear.plan(*args, wide_weight_grad=True, narrow_logits=True)
+    assert got == want
+    # float32 logits cost 6 bytes an element a chunk and take CHUNK_ROWS_MAX
+    wide = linear.plan(*args, wide_weight_grad=True)
+    assert wide.kind == "sum" and wide.rows <= linear.CHUNK_ROWS_MAX
+    assert wide.bytes == wide.rows * args[1] * 6
+
+
+def test_autocast_plan_below_a_tile_takes_slices():
+    """A budget below 128 rows of logits falls to the slices plan, whose tiles sum their
+    slice of dW straight into the float32 result (no V x H workspace)."""
+    # 5 x 10^5 bytes hold 83 rows of (4 + 2)-byte logits, fewer than a tile
+    p = linear.plan(100000, 1000, 64, 2, 5 * 10**5, wide_weight_grad=True)
+    assert p.kind == "slices" and p.rows == 83
+    assert p.bytes == max(p.rows * 6000, p.tile * p.cols * 6) <= 5 * 10**5
+
+
+@pytest.mark.parametrize("dtype, message", [
+    ("float32", "float16 or bfloat16"), ("float64", "float16 or bfloat16"),
+    ("int8", "float16 or bfloat16")])
+def test_compute_dtype_must_be_16_bit(dtype, message):
+    with pytest.raises(TypeError, match=message):
+        linear._compute(dtype)
+
+
+def test_compute_dtype_spellings():
+    torch = pytest.importorskip("torch")
+    for spelling in ("bfloat16", torch.bfloat16, linear._dtypes.lookup("bfloat16").dtype):
+        assert linear._compute(spelling) == linear._dtypes.lookup("bfloat16").dtype
+    assert linear._compute(None) is None
+    assert str(linear._compute(torch.float16)) == "float16"
+
+
+def test_autocast_dtype_of_a_linear_call():
+    """F.linear's autocast rule: the autocast dtype on CUDA tensors, unless every operand has
+    it already or one is float64; never on the CPU or outside autocast."""
+    torch = pytest.importorskip("torch")
+    import cupyloss.torch as CF
+
+    class Like:          # the metadata _linear_compute reads, without a CUDA tensor
+        def __init__(self, dtype, device="cuda"):
+            self.dtype, self.device = dtype, torch.device(device)
+
+    f32, bf16, f64 = Like(torch.float32), Like(torch.bfloat16), Like(torch.float64)
+    saved = CF._autocast_on
+    try:
+        CF._autocast_on = lambda device: False
+        assert CF._linear_compute(f32, f32, None) is None
+        CF._autocast_on = lambda device: True
+        dtype = torch.get_autocast_dtype("cuda")
+        name = str(dtype).replace("torch.", "")
+        assert CF._linear_compute(f32, f32, None) == name
+        assert CF._linear_compute(bf16, f32, None) == (name if dtype != torch.bfloat16
+                                                        else "bfloat16")
+        assert CF._linear_compute(f64, f64, None) is None
+        assert CF._linear_compute(Like(torch.float32, "cpu"), f32, None) is None
+        same = Like(dtype)
+        assert CF._linear_compute(same, same, same) is None
+    finally:
+        CF._autocast_on = saved
+
+
+def test_check_accepts_mixed_dtypes_only_with_compute():
+    import numpy
+
+    op = linear._dispatch.Operand
+    bf16 = linear._dtypes.lookup("bfloat16").dtype
+
+    def a(shape, dtype):
+        return op(0, shape, (shape[-1], 1) if len(shape) == 2 else (1,), numpy.dtype(dtype), 0,
+                  None)
+
+    x, w, t = a((8, 4), "float32"), a((10, 4), "float32"), a((8,), "int64")
+    with pytest.raises(TypeError, match="must match"):
+        linear._check(a((8, 4), bf16), w, t, None, None, "mean", 0.0, 0.0, 0.0, ())
+    assert linear._check(a((8, 4), bf16), w, t, None, None, "mean", 0.0, 0.0, 0.0, (),
+                         compute=bf16) == (8, 4, 10)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        linear._check(a((8, 4), "float64"), w, t, None, None, "mean", 0.0, 0.0, 0.0, (),
+                      compute=bf16)
+    assert linear._check(x, w, t, a((10,), bf16), None, "mean", 0.0, 0.0, 0.0, ("bias",),
+                         compute=bf16) == (8, 4, 10)
