@@ -455,9 +455,11 @@ class _Call:
         self.want = {name: name in names for name in _GRAD_NAMES}
         self.narrow = dtype.itemsize < self.logit.itemsize
         # 16-bit logits (torch.autocast's F.linear), overwritten by their gradient: under
-        # compute, one GPU, no class weights and NARROW_LOGITS
+        # compute, one GPU, no class weights, no bias (a bias is added to float32 logits:
+        # cuBLAS's beta = 1 over 16-bit logits measured less exact than torch's bias epilogue
+        # in float16) and NARROW_LOGITS
         self.narrow_logits = (compute is not None and NARROW_LOGITS and shard is None
-                              and cw is None)
+                              and cw is None and b is None)
         self.blas = _Blas(dtype, stream)
         # A float16 dZ formed at grad_output 1 (the gradients of a reduced loss formed in the
         # forward pass) would be (p - y) / count, subnormal for large counts: it is formed
