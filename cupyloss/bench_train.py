@@ -73,7 +73,10 @@ def _sources(limit: int) -> numpy.ndarray:
     return raw[:raw.size // 2 * 2].astype(numpy.int64)
 
 
-def _model(torch, vocab: int, width: int, layers: int, seq: int):
+def model(torch, vocab: int, width: int, layers: int = 4, seq: int = 1024):
+    """(body, head) on the GPU: body maps token ids (B, T) to the final LayerNorm's float32
+    hidden states (B, T, width), its blocks under body.trunk; head is the nn.Linear(width,
+    vocab, bias=False) whose weight the loss takes."""
     nn, F = torch.nn, torch.nn.functional
 
     class Block(nn.Module):
@@ -154,7 +157,7 @@ def run(torch, width: int, vocab: int, heads, layers: int, tokens: int, steps: i
     data = torch.from_numpy(ids).cuda()
     window = torch.arange(seq + 1, device="cuda")
     torch.manual_seed(0)
-    body, head = _model(torch, vocab, width, layers, seq)
+    body, head = model(torch, vocab, width, layers, seq)
     first = {k: v.clone() for k, v in (*body.state_dict().items(),
                                         *(("head." + k, v) for k, v in head.state_dict().items()))}
     body.trunk.compile(fullgraph=True)
@@ -244,10 +247,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--heads", default=",".join(HEADS))
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
+    from cupyloss import _timing
+
+    _timing.need(ap.prog, torch=True)
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_train needs a CUDA GPU")
     heads = [h for h in args.heads.split(",") if h]
     rows = []
     print(f"# {torch.cuda.get_device_name()}, {args.layers} layers, {args.tokens} tokens a step, "

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-COMMANDS = ("bench", "bench_accuracy", "bench_bandwidth", "bench_broadcast", "bench_firstcall", "bench_rowwise",
-            "bench_torch", "bench_jax", "precompile", "tune")
+COMMANDS = ("bench", "bench_accuracy", "bench_bandwidth", "bench_broadcast", "bench_firstcall",
+            "bench_rowwise", "bench_torch", "bench_jax", "bench_linear", "bench_train", "precompile",
+            "tune")
 # Runs a module as `python -m` would, with the named top-level packages made unimportable.
 _BLOCKED = ("import runpy, sys\n"
             "for name in sys.argv[2].split(','):\n"

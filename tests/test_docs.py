@@ -75,7 +75,8 @@ def test_readme_code_runs(index, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("example", ["quickstart.py", "torch_training.py", "jax_roundtrip.py",
-                                     "lm_head_training.py", "vocab_parallel_training.py"])
+                                     "lm_head_training.py", "vocab_parallel_training.py",
+                                     "gpt_autocast_training.py"])
 def test_example_runs(example):
     """examples/ run to a zero exit status on a GPU (each checks its own results)."""
     path = ROOT / "examples" / example
@@ -83,7 +84,8 @@ def test_example_runs(example):
         pytest.skip(f"examples/{example} is not in this copy (an installed package)")
     pytest.importorskip({"quickstart.py": "cupy", "torch_training.py": "torch",
                          "jax_roundtrip.py": "jax", "lm_head_training.py": "torch",
-                         "vocab_parallel_training.py": "torch"}[example])
+                         "vocab_parallel_training.py": "torch",
+                         "gpt_autocast_training.py": "torch"}[example])
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                           timeout=900, cwd=ROOT, env=_env_finding_cupyloss())
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
