@@ -445,7 +445,7 @@ def evaluate(spec: LossSpec, arrays, *, reduction: str, params: tuple, want_valu
     go_kind, go_value, go = "host", 1.0, None
     go_shape = go_strides = None
     if True in want_grads:
-        go_kind, go_value, go = _validate.classify_grad_output(frame, grad_output, dtype, device)
+        go_kind, go_value, go = _dispatch.classify_grad_output(frame, grad_output, dtype, device)
         if go is not None:
             go_shape, go_strides = go.shape, go.strides
             bits |= go.ptr

@@ -380,7 +380,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
         loss_shape = tuple(x.shape[:-1])
     go_kind, go_value, go = "host", 1.0, None
     if wrt:
-        go_kind, go_value, go = _validate.classify_grad_output(frame, grad_output, dtype, device,
+        go_kind, go_value, go = _dispatch.classify_grad_output(frame, grad_output, dtype, device,
                                                                loss_shape, reduction)
     stream = frame.stream(device)
     if check and is_index:

@@ -300,7 +300,7 @@ def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=Tr
     go_kind, go_value, go, go_rs = "host", 1.0, None, 0
     loss_shape = spec.loss_shape(tuple(xs[0].shape), "none")
     if wrt:
-        go_kind, go_value, go = _validate.classify_grad_output(frame, grad_output, dtype, device,
+        go_kind, go_value, go = _dispatch.classify_grad_output(frame, grad_output, dtype, device,
                                                                loss_shape, reduction)
     stream = frame.stream(device)
     geos = [_row_geometry(x.shape, x.strides) for x in xs]

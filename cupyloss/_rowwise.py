@@ -422,7 +422,7 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     go_kind, go_value, go = "host", 1.0, None
     go_strides = None
     if wrt:
-        go_kind, go_value, go = _validate.classify_grad_output(
+        go_kind, go_value, go = _dispatch.classify_grad_output(
             frame, grad_output, _dtypes.DTYPES[dtype].acc if acc_io else dtype, device,
             spec.loss_shape(x.shape, "none"), reduction)
         if go_kind == "array":

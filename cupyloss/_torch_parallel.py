@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cupyloss import _plans, _validate, parallel
+from cupyloss import _plans, _torch_autocast, _validate, parallel
 
 _NS = "cupyloss"
 _REDUCTIONS = ("none", "mean", "sum")
@@ -300,10 +300,10 @@ def _agreed(group, like, rows, cols, class_offset, classes):
 
 
 def _traced(*tensors):
-    from cupyloss import torch as adapter
-
-    return adapter._compiling() or adapter._dispatch_modes() or any(
-        t is not None and (type(t) is not torch.Tensor or adapter._is_functional(t))
+    """Whether a call is traced (torch.compile, a dispatch mode, functional tensors): it then
+    goes through the registered ops (cupyloss.torch's _call has the same test)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or any(
+        t is not None and (type(t) is not torch.Tensor or torch._is_functional_tensor(t))
         for t in tensors)
 
 
@@ -634,9 +634,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
                          f"{hidden.numel() // max(hidden.shape[-1], 1)} of them, got "
                          f"{tuple(target.shape)}")
     traced = _traced(hidden, weight, target, bias, class_weight)
-    from cupyloss import torch as adapter
-
-    compute = adapter._linear_compute(hidden, weight, bias)
+    compute = _torch_autocast.linear_compute(hidden, weight, bias)
     if split and (traced or hidden.device.type == "cpu"):
         # the blocks gathered outside the op (CPU: outside autograd's graph of the loss); the
         # hidden gradient comes back summed over the ranks and each keeps its block
@@ -654,7 +652,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
         # the hidden gradient summed inside it, over the group named
         flags = (hidden.requires_grad, weight.requires_grad,
                  bias is not None and bias.requires_grad)
-        return adapter._linear_op(
+        # the op cupyloss.torch registers (the only importer of this module)
+        return getattr(torch.ops, _NS).linear_cross_entropy(
             hidden, weight, target, bias, class_weight, int(ignore_index), reduction,
             float(label_smoothing), float(lse_square_scale), float(softcap),
             -1 if max_workspace_bytes is None else int(max_workspace_bytes), int(class_offset),

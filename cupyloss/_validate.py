@@ -6,7 +6,6 @@ Arrays arrive here as _dispatch.Operands (dtype, device index, shape).
 
 from __future__ import annotations
 
-import numbers
 
 from cupyloss import _dtypes
 
@@ -83,46 +82,6 @@ def broadcast_shapes(shapes: list, names: list) -> tuple:
             raise ValueError(f"{', '.join(described[:-1])} and {described[-1]} do not broadcast")
         out = tuple(db if da == 1 else da for da, db in zip(a, b))
     return out
-
-
-def check_grad_output(frame, grad_output, dtype, device: int):
-    """grad_output as a float (a host number) or an Operand of the inputs' frame and dtype."""
-    if isinstance(grad_output, numbers.Real) and not isinstance(grad_output, bool):
-        return float(grad_output)
-    if isinstance(grad_output, bool) or grad_output is None:
-        raise TypeError(f"grad_output must be a number or an array like the inputs, got "
-                        f"{grad_output!r}")
-    from cupyloss import _dispatch
-
-    go_frame = _dispatch.frame_of(grad_output, "grad_output")
-    if go_frame is not frame:
-        raise TypeError(f"grad_output is a {type(grad_output).__module__}."
-                        f"{type(grad_output).__qualname__} but the inputs are {frame.name} "
-                        f"arrays; pass grad_output from the same framework")
-    go = frame.operand(grad_output, "grad_output")
-    if go.dtype != dtype:
-        raise TypeError(f"grad_output has dtype {go.dtype} but the loss has dtype {dtype}")
-    if go.device != device:
-        raise ValueError(f"grad_output is on CUDA device {go.device} but the inputs are on CUDA "
-                         f"device {device}")
-    return go
-
-
-def classify_grad_output(frame, grad_output, dtype, device: int, loss_shape=None,
-                         reduction: str = "none"):
-    """(kind, host value, Operand or None) of a call's grad_output: ('host', g, None) for a
-    number, ('device', 1.0, op) for a 0-d array, ('array', 1.0, op) for an elementwise one,
-    whose shape is checked against `loss_shape` when given.  The hot path of every backward."""
-    if grad_output.__class__ is float or grad_output.__class__ is int:
-        return "host", float(grad_output), None
-    go = check_grad_output(frame, grad_output, dtype, device)
-    if isinstance(go, float):
-        return "host", go, None
-    if go.shape == ():
-        return "device", 1.0, go
-    if loss_shape is not None:
-        check_grad_output_shape(go.shape, loss_shape, reduction)
-    return "array", 1.0, go
 
 
 def check_grad_output_shape(go_shape: tuple, loss_shape: tuple, reduction: str) -> None:

@@ -127,7 +127,8 @@ except ImportError as exc:
                       f"({exc}): pip install 'cupyloss[torch]'") from exc
 
 import cupyloss
-from cupyloss import _args, _dtypes, _launch, _plans, _reduction, _source, _validate
+from cupyloss import (_args, _dtypes, _launch, _plans, _reduction, _source, _torch_autocast,
+                      _validate)
 from cupyloss._registry import all_losses
 
 # Compute the gradients of a reduced loss in the forward pass (see the module docstring).
@@ -1388,7 +1389,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
       >>> loss = cupyloss.torch.linear_cross_entropy(h, model.lm_head.weight, labels)
       >>> loss.backward()
     """
-    compute = _linear_compute(hidden, weight, bias)
+    compute = _torch_autocast.linear_compute(hidden, weight, bias)
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                    softcap=softcap, max_workspace_bytes=max_workspace_bytes,
@@ -1408,19 +1409,6 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
     if hidden.device.type == "cpu":
         return _linear_cpu(hidden, weight, target, bias, class_weight, options)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)
-
-
-def _linear_compute(hidden, weight, bias) -> str | None:
-    """The products' dtype of a linear call under CUDA autocast, as F.linear's there: the
-    autocast dtype, unless every operand already has it or one is float64 (which autocast
-    leaves alone); None outside autocast or on the CPU."""
-    if hidden.device.type != "cuda" or not _autocast_on("cuda"):
-        return None
-    dtype = torch.get_autocast_dtype("cuda")
-    floats = [a for a in (hidden, weight, bias) if a is not None]
-    if any(a.dtype == torch.float64 for a in floats) or all(a.dtype == dtype for a in floats):
-        return None
-    return str(dtype).replace("torch.", "")
 
 
 def _linear_cpu(hidden, weight, target, bias, class_weight, options):

@@ -279,33 +279,28 @@ def test_compute_dtype_spellings():
     assert str(linear._compute(torch.float16)) == "float16"
 
 
-def test_autocast_dtype_of_a_linear_call():
+def test_autocast_dtype_of_a_linear_call(monkeypatch):
     """F.linear's autocast rule: the autocast dtype on CUDA tensors, unless every operand has
     it already or one is float64; never on the CPU or outside autocast."""
     torch = pytest.importorskip("torch")
-    import cupyloss.torch as CF
+    from cupyloss import _torch_autocast as A
 
-    class Like:          # the metadata _linear_compute reads, without a CUDA tensor
+    class Like:          # the metadata linear_compute reads, without a CUDA tensor
         def __init__(self, dtype, device="cuda"):
             self.dtype, self.device = dtype, torch.device(device)
 
     f32, bf16, f64 = Like(torch.float32), Like(torch.bfloat16), Like(torch.float64)
-    saved = CF._autocast_on
-    try:
-        CF._autocast_on = lambda device: False
-        assert CF._linear_compute(f32, f32, None) is None
-        CF._autocast_on = lambda device: True
-        dtype = torch.get_autocast_dtype("cuda")
-        name = str(dtype).replace("torch.", "")
-        assert CF._linear_compute(f32, f32, None) == name
-        assert CF._linear_compute(bf16, f32, None) == (name if dtype != torch.bfloat16
-                                                        else "bfloat16")
-        assert CF._linear_compute(f64, f64, None) is None
-        assert CF._linear_compute(Like(torch.float32, "cpu"), f32, None) is None
-        same = Like(dtype)
-        assert CF._linear_compute(same, same, same) is None
-    finally:
-        CF._autocast_on = saved
+    monkeypatch.setattr(A, "_autocast_on", lambda device: False)
+    assert A.linear_compute(f32, f32, None) is None
+    monkeypatch.setattr(A, "_autocast_on", lambda device: True)
+    dtype = torch.get_autocast_dtype("cuda")
+    name = str(dtype).replace("torch.", "")
+    assert A.linear_compute(f32, f32, None) == name
+    assert A.linear_compute(bf16, f32, None) == name
+    assert A.linear_compute(f64, f64, None) is None
+    assert A.linear_compute(Like(torch.float32, "cpu"), f32, None) is None
+    same = Like(dtype)
+    assert A.linear_compute(same, same, same) is None
 
 
 def test_check_accepts_mixed_dtypes_only_with_compute():

@@ -1,0 +1,91 @@
+"""The package's import graph on the CPU: every import between cupyloss's modules, those inside
+functions included (a lazy import is still a dependency), and no cycle among them.
+
+A module is read with ``ast``, not imported, so that the graph is the one the code states.
+"""
+
+import ast
+import pathlib
+
+import cupyloss
+
+ROOT = pathlib.Path(cupyloss.__file__).resolve().parent
+
+
+def _modules() -> dict:
+    """Dotted name -> source path of every module of the package."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def graph() -> dict:
+    """Module -> the package's modules it imports (anywhere in its body)."""
+    modules = _modules()
+    edges = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module in modules:
+                    subs = {f"{node.module}.{a.name}" for a in node.names}
+                    found = subs & set(modules)
+                    # `from cupyloss import x`: the submodule x where there is one (a name
+                    # defined in the package's __init__ is a dependency on the package)
+                    deps |= found or {node.module}
+                    if len(found) < len(subs):
+                        deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+        edges[name] = deps - {name}
+    return edges
+
+
+def _cycles(edges: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    edges = graph()
+    cycles = _cycles(edges)
+    described = ["; ".join(f"{m} -> {sorted(edges[m] & set(c))}" for m in c) for c in cycles]
+    assert not cycles, described
+
+
+def test_the_graph_sees_lazy_imports():
+    """The graph holds an import made inside a function (torch's adapter loads its fused loss
+    module only when a call needs it), so a cycle through one cannot hide."""
+    edges = graph()
+    assert "cupyloss.linear" in edges["cupyloss.torch"]
+    assert "cupyloss._torch_parallel" in edges["cupyloss.torch"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
