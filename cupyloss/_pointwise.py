@@ -258,8 +258,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                 and cols % info.vec == 0 and aligned):   # else the reduce kernel takes it
             vec = info.vec
             # The operands that are not full (rows, scalars, absent): compiled into the kernel.
-            # The loss alone has its own instantiation (H100, hinge_loss forward at 32768^2,
-            # target (32768,): 1.433 ms, 1.592 with the gradient kernel's).
+            # The loss alone has its own instantiation, faster than the gradient kernel's
+            # (docs/tuning.md, "pointwise_rows' waves").
             const = sum(1 << k for k, kind in enumerate(kinds) if kind != KIND_FULL)
             name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads),
                                           const)

@@ -239,9 +239,8 @@ def fixed_terms_functors() -> frozenset:
 
 def flat_masks(functor: str) -> tuple:
     """The stride-0 masks pointwise_flat's vector gradient kernel is compiled for with functor
-    `functor`: its masks where it has fixed terms, which the kernel then forms once (H100,
-    value_and_grad of a 0-d input against 8192 x 4096 float32 targets, binary_cross_entropy
-    0.154 -> 0.105 ms, sigmoid_focal_loss 0.129 -> 0.108), none otherwise: the kernel reads a
+    `functor`: its masks where it has fixed terms, which the kernel then forms once
+    (docs/tuning.md, "The functors' code"), none otherwise: the kernel reads a
     stride-0 operand once either way, and what else the compiler would hoist is arithmetic a
     memory-bound loop hides."""
     if functor.partition("<")[0] not in fixed_terms_functors():

@@ -47,8 +47,7 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
            "linear_cross_entropy_value_and_grad", "plan", "Plan", "DEFAULT_WORKSPACE_BYTES"]
 
 # The workspace a call may use by default: enough to keep every row's bfloat16 dZ at 16384 x
-# 128256 (3.9 GiB) beside 1024-row chunks, the fastest plan there (bench_linear, H100, the rows
-# in benchmarks/results/linear-h100.json: 16384 rows 80.6 ms kept, 111.0 ms with a float32 sum).
+# 128256 (3.9 GiB) beside 1024-row chunks, the fastest plan there (docs/performance.md).
 DEFAULT_WORKSPACE_BYTES = 4608 << 20
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -63,8 +62,7 @@ _GEMM_DEFAULT = -1
 
 
 # Rows of a chunk of logits at most: larger chunks measured no faster and only hold more
-# memory (H100, 8192 rows bf16, dZ kept, taking turns with torch.compile: 512-row chunks 42.21
-# ms, 1024 40.65, 2048 40.52; docs/performance.md).
+# memory (docs/performance.md, "Fused linear cross entropy").
 CHUNK_ROWS_MAX = 1024
 # Under compute_dtype, each chunk's logits are held in it (as torch.autocast's F.linear returns
 # them) rather than in float32: half the traffic (bench_linear --autocast).

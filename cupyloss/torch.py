@@ -68,28 +68,15 @@ first-order gradients through the rerun path, but differentiating them again rai
 backward ops have no derivatives of their own.  torch.func transforms (grad, vmap) are refused
 with NotImplementedError.
 
-Measured on an H100 (python -m cupyloss.bench_torch, 2026-11-24): forward + loss.backward() with
-the gradients of both arguments takes 5.99 ms for MSE of two float32 [32768, 32768] tensors
-(torch.compile: 8.45 ms, 1.41x; the read+write limit at the copy bandwidth, 5.67 ms, allows at
-most 1.49x), 1.51 ms for kl_div of [16384, 16384] probabilities (torch.compile 2.16 ms, 1.43x;
-at most 1.52x) and 3.04 ms for hinge_loss (torch.compile 4.61 ms, 1.52x); MSE takes 8.66 ms with
-the rerun backward and 12.17 ms with an upstream gradient of 0.5.  At 1K elements the host time
-of a forward + backward is 1.08x to 1.15x torch eager's over two runs (139 and 134 us against 128
-and 116), and the floor of this design is close: the least Python autograd.Function that
-launches the same two kernels (the core value_and_grad in forward, scale_by_grad_output in
-backward, nothing else) costs 0.96x to 0.99x in the same runs, and one that launches nothing
-0.64x.  What lies between is save_for_backward (3 us, so that a later backward sees inputs
-changed in place), the check for tracers and torch.func (3 us) and the argument handling.
-Eager calls go through autograd.Function's C++ apply, skipping the Python layer in front of it
-(6 to 10 us a call, measured 2026-11-23).
+Speed and host time against torch eager and torch.compile: docs/performance.md ("Inside
+torch.compile and autocast").
 
 CUDA tensors take the kernels: one floating dtype (float16, bfloat16, float32, float64) on one
 device; unlike torch, a mixed-dtype pair is refused, not promoted.  Under CUDA autocast the
 losses torch's autocast runs in float32 (_AUTOCAST_FP32) return what torch returns: a float32
 loss, gradients in the arguments' dtypes.  cross_entropy and nll_loss read 16-bit logits as they
-are (float32 accumulation, the loss and grad_output in float32: no float32 copy of the logits;
-H100, 8192 x 128256 bfloat16, forward + backward 1.85 ms and 1.96 GiB against torch eager's
-12.17 ms and 9.79 GiB), eager and compiled; the others take float32 copies as torch does;
+are (float32 accumulation, the loss and grad_output in float32: no float32 copy of the
+logits), eager and compiled; the others take float32 copies as torch does;
 binary_cross_entropy is refused as torch refuses it; losses torch lacks run in the dtype they
 are given.  ``inplace_backward=True`` (the losses whose value_and_grad writes in place:
 cross_entropy, nll_loss, jsd) writes the input's gradient into the input's buffer in the forward

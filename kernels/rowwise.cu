@@ -796,12 +796,9 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                         }
                     }
                 };
-                // A kept tile, once stored, is added up from shared memory, so that the next
-                // tile's loads are in flight meanwhile (in the loop below a thread's loads wait
-                // for its adds).  The H200's 8192 x 128256 bf16 row, which waits on memory with
-                // 4 warps a scheduler, gains 7%; the variants whose adds are long (smoothing,
-                // softcap) and the rows one block holds gained nothing or lost with it, so they
-                // keep the loop below (docs/tuning.md, "The kernels' code").
+                // A kept tile, once stored, is added up from shared memory while the next
+                // tile's loads are in flight; only the variants this pays for take it
+                // (docs/tuning.md, "The kernels' code").
                 if (ntiles > 0) fetch(0);
                 for (int ti = 0; ti < ntiles; ++ti) {
                     if (ti < kept) {
@@ -892,11 +889,9 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
                 gr[c] = from_acc<G>(grad_input(fexp(z - o.lse), z, c == rt.y, tv, w, o, rt, ra));
             if (gtr != nullptr) gtr[c] = from_acc<T>(grad_target(z, w, o, ra));
         }
-        // The gradient's loop holds most of the kernel's instructions, which bound it with 16-bit
-        // logits (an H100 scheduler issued on 62% of cycles at 8192 x 128256 bfloat16): per
-        // vector one compare for the target (jy, ey below), kept tiles at constant offsets,
-        // bfloat16 widened by shift and mask, pairs rounded by one conversion (store_any), and
-        // no selects where the target is not in the vector (docs/tuning.md, "The kernels' code").
+        // Instructions bound this loop with 16-bit logits, so a vector costs one target compare
+        // (jy, ey below), no selects away from the target, and one conversion a pair
+        // (docs/tuning.md, "The kernels' code").
         // The target's vector among the row's (-1: none of them) and its place there.
         const long long yv = rt.y - h;
         const int jy = yv >= 0 && yv < (long long)nv * VEC ? (int)(yv / VEC) : -1;
@@ -1030,9 +1025,9 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
 }
 
 // Resident blocks per SM: four for the forward and nll variants (64 registers), three with a
-// gradient (80: a few spilled, 10% faster than two blocks of 128 at 32768 x 4096 float32 on an
-// H100), two for the general, smoothing, probability and softcap ones.  Several blocks per SM
-// overlap one row's loads with another's stores.
+// gradient (80: a few spill, still faster than two blocks of 128), two for the general,
+// smoothing, probability and softcap ones; several blocks overlap one row's loads with
+// another's stores (docs/tuning.md, "The kernels' code").
 #define CUPYLOSS_ROWS_BLOCKS(MODE) \
     (MODE == MODE_FORWARD || MODE == MODE_NLL ? 4 : MODE == MODE_GRAD ? 3 : 2)
 
