@@ -1,0 +1,110 @@
+"""Every registered loss has every part a loss needs, checked on the CPU.
+
+A loss is registered once, in its family's SPECS (``cupyloss._registry.all_losses()``); from
+there it needs, besides the registration:
+
+  * its math in the kernels: a pointwise functor (``struct XxxOp`` in kernels/losses.cuh), a
+    row-wise kind, a rowclass LOSS_* id or a rowpair functor that the compiled kernels take;
+  * its public functions: ``name``, ``name_backward``, ``name_value_and_grad`` in
+    ``cupyloss.__all__``;
+  * a float64 reference of the value and the gradients in tests/reference*.py: ``name`` and
+    ``name_grads`` (pointwise references may drop a ``_loss`` suffix: ``mse``, ``mse_grads``);
+  * a CPU form for the torch adapter (torch.nn.functional's, or cupyloss._torch_forms');
+  * its torch function and nn.Module, and its JAX function;
+  * a row in the README's table of losses and a mention in docs/losses.md.
+
+docs/design.md lists the same steps; this test fails, naming the loss and the part, when one is
+missing.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+import cupyloss
+import reference
+import reference_rowwise
+from cupyloss import _registry, _source
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LOSSES = _registry.all_losses()
+
+
+def _kernel_part(name, spec) -> bool:
+    """Whether the kernels hold this loss's math (see the module docstring)."""
+    family = type(spec).__module__
+    if family == "cupyloss._registry":
+        text = (ROOT / "kernels" / "losses.cuh").read_text()
+        return re.search(rf"\bstruct {re.escape(spec.functor)}\b", text) is not None
+    if family == "cupyloss._rowwise":
+        from cupyloss import _rowwise
+
+        modes = {"cross_entropy": _rowwise.MODE_GENERAL, "nll": _rowwise.MODE_NLL}
+        return spec.kind in modes
+    if family == "cupyloss._rowclass":
+        return spec.loss in _source.ROWCLASS_LOSSES
+    if family == "cupyloss._rowpair":
+        return spec.op in _source.ROWPAIR_OPS
+    return False
+
+
+def _reference(name):
+    for module in (reference_rowwise, reference):
+        for stem in (name, name.removesuffix("_loss")):
+            value, grads = getattr(module, stem, None), getattr(module, f"{stem}_grads", None)
+            if callable(value) and callable(grads):
+                return value, grads
+    return None
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_registered_loss_has_every_part(name):
+    spec = LOSSES[name]
+    missing = []
+    if not _kernel_part(name, spec):
+        missing.append("its math in the kernels")
+    for suffix in ("", "_backward", "_value_and_grad"):
+        if name + suffix not in cupyloss.__all__ or not callable(getattr(cupyloss, name + suffix,
+                                                                         None)):
+            missing.append(f"cupyloss.{name + suffix}")
+    if _reference(name) is None:
+        missing.append(f"a float64 reference {name} / {name}_grads in tests/reference*.py")
+    readme = (ROOT / "README.md").read_text()
+    if f"| `{name}` |" not in readme:
+        missing.append("a row in the README's table of losses")
+    if f"`{name}`" not in (ROOT / "docs" / "losses.md").read_text():
+        missing.append("a mention in docs/losses.md")
+    assert not missing, f"{name} lacks: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_registered_loss_has_its_adapters(name):
+    torch = pytest.importorskip("torch")
+    import cupyloss.torch as CF
+    from cupyloss import _torch_forms
+
+    missing = []
+    if name not in CF.LOSSES or name not in CF.__all__:
+        missing.append(f"cupyloss.torch.{name}")
+    if name not in CF.MODULES or CF.MODULES[name].__name__ not in CF.__all__:
+        missing.append("its nn.Module in cupyloss.torch")
+    if name not in _torch_forms._FORMS and not callable(getattr(torch.nn.functional, name, None)):
+        missing.append("a CPU form (torch.nn.functional's or cupyloss._torch_forms')")
+    try:
+        import cupyloss.jax as CJ
+    except ImportError:
+        CJ = None
+    if CJ is not None and name not in CJ.__all__:
+        missing.append(f"cupyloss.jax.{name}")
+    assert not missing, f"{name} lacks: {', '.join(missing)}"
+
+
+def test_the_check_finds_a_missing_part(monkeypatch):
+    """A loss registered with a functor the kernels lack, and no reference, is named."""
+    fake = _registry.LossSpec("made_up_loss", "MadeUpOp")
+    assert not _kernel_part("made_up_loss", fake)
+    assert _reference("made_up_loss") is None
+    assert _reference("mse_loss") == (reference.mse, reference.mse_grads)
+    assert _reference("cross_entropy") == (reference_rowwise.cross_entropy,
+                                           reference_rowwise.cross_entropy_grads)
