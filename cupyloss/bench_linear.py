@@ -18,8 +18,10 @@ master weight), the step inside torch.autocast("cuda", torch.bfloat16), cupyloss
 
 Each row: median milliseconds of --reps runs (CUDA events on torch's stream), the peak memory
 above the inputs (torch.cuda.max_memory_allocated during a run less what was allocated before
-it), the achieved TFLOP/s of the three matrix products (6 BT H V flops in all), and the loss's
-relative error against float64 logits from the same bfloat16 operands.  --plot draws
+it), the achieved TFLOP/s of the three matrix products (6 BT H V flops in all), the loss's
+relative error against float64 logits from the same bfloat16 operands, and the host's median
+milliseconds queueing a forward + backward (where they near the device's, the call is bound by
+its Python, as at bench_train's small widths).  --plot draws
 cupyloss's time against its peak memory, with the others as points.  Never used as a test.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 H, V = 4096, 128256
 
@@ -54,7 +57,8 @@ def _reference_loss(torch, h, w, t) -> float:
 
 
 def _measure(torch, fn, h, w, t, reps: int, autocast: bool = False):
-    """(median ms, peak GiB above what was allocated before, loss) of forward + backward."""
+    """(median ms, peak GiB above what was allocated before, loss, median host ms) of forward +
+    backward; the host ms is the time the host spends queueing them (the step syncs nothing)."""
     hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
 
     def step():
@@ -64,24 +68,26 @@ def _measure(torch, fn, h, w, t, reps: int, autocast: bool = False):
         loss.backward()
         return loss
 
-    loss = float(step())
+    loss = float(step().detach())
     step()
     torch.cuda.synchronize()
     hl.grad = wl.grad = None
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, hosts = [], []
     for _ in range(reps):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
+        t0 = time.perf_counter()
         step()
+        hosts.append((time.perf_counter() - t0) * 1e3)
         end.record()
         end.synchronize()
         times.append(begin.elapsed_time(end))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     hl.grad = wl.grad = None
-    return statistics.median(times), peak, loss
+    return statistics.median(times), peak, loss, statistics.median(hosts)
 
 
 def _candidates(torch, budgets, chunk_rows=()):
@@ -162,12 +168,13 @@ def main(argv=None) -> list[dict]:
         flops = 6.0 * bt * hs * vs
         print(f"{device}: hidden ({bt}, {hs}), weight ({vs}, {hs}), {kind}, float64 loss "
               f"{ref:.6f}")
-        print(f"{'implementation':24} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'loss rel err':>13}")
+        print(f"{'implementation':24} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'loss rel err':>13}"
+              f" {'host ms':>8}")
         for name, fn in _candidates(torch, budgets, chunk_rows).items():
             if args.only and not any(name.startswith(o) for o in args.only.split(",")):
                 continue
             try:
-                ms, peak, loss = _measure(torch, fn, h, w, t, args.reps, args.autocast)
+                ms, peak, loss, host = _measure(torch, fn, h, w, t, args.reps, args.autocast)
             except Exception as exc:  # a candidate out of memory or failing: say so, go on
                 print(f"{name:24} failed: {type(exc).__name__}: {str(exc)[:120]}")
                 torch.cuda.empty_cache()
@@ -175,9 +182,9 @@ def main(argv=None) -> list[dict]:
             err = abs(loss - ref) / abs(ref)
             rows_out.append(dict(device=device, rows=bt, hidden=hs, classes=vs, kind=kind,
                                  name=name, ms=ms, peak_gib=peak,
-                                 tflops=flops / ms / 1e9, loss_rel_err=err))
-            print(f"{name:24} {ms:9.2f} {peak:9.3f} {flops / ms / 1e9:8.0f} {err:13.2e}",
-                  flush=True)
+                                 tflops=flops / ms / 1e9, loss_rel_err=err, host_ms=host))
+            print(f"{name:24} {ms:9.2f} {peak:9.3f} {flops / ms / 1e9:8.0f} {err:13.2e} "
+                  f"{host:8.2f}", flush=True)
             torch.cuda.empty_cache()
         del h, w, t
         torch._dynamo.reset()
