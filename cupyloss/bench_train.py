@@ -2,7 +2,8 @@
 
     python -m cupyloss.bench_train [--widths 512,1024] [--vocabs 32768,65536,128256]
                                    [--layers 4] [--tokens 8192] [--steps 200]
-                                   [--heads torch,cupyloss,liger] [--json out.json]
+                                   [--heads torch,cupyloss,liger] [--mode reduce-overhead]
+                                   [--json out.json]
 
 The recipe most users train with: a GPT (learned positions, pre-LayerNorm blocks of causal
 attention and a 4x GELU MLP, a final LayerNorm, an untied nn.Linear head without bias), AdamW
@@ -146,7 +147,7 @@ def _loss_fn(torch, name: str):
 
 
 def run(torch, width: int, vocab: int, heads, layers: int, tokens: int, steps: int,
-        warmup: int, seq: int, lr: float) -> list[dict]:
+        warmup: int, seq: int, lr: float, mode: str | None = None) -> list[dict]:
     """One (width, vocabulary) point: each head trained `steps` steps from the same weights."""
     ids = corpus(vocab)
     gen = numpy.random.default_rng(0)
@@ -160,11 +161,11 @@ def run(torch, width: int, vocab: int, heads, layers: int, tokens: int, steps: i
     body, head = model(torch, vocab, width, layers, seq)
     first = {k: v.clone() for k, v in (*body.state_dict().items(),
                                         *(("head." + k, v) for k, v in head.state_dict().items()))}
-    body.trunk.compile(fullgraph=True)
+    body.trunk.compile(fullgraph=True, mode=mode)
     rows, curves = [], {}
     for name in heads:
         try:
-            loss_of = torch.compile(_loss_fn(torch, name), fullgraph=True)
+            loss_of = torch.compile(_loss_fn(torch, name), fullgraph=True, mode=mode)
         except ImportError as e:
             print(f"  {name}: skipped ({e})")
             continue
@@ -245,6 +246,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=20, help="steps left out of tokens/s")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--heads", default=",".join(HEADS))
+    ap.add_argument("--mode", default=None,
+                    help="torch.compile's mode for the blocks and the heads (e.g. "
+                         "reduce-overhead: CUDA graphs)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
     from cupyloss import _timing
@@ -255,11 +259,12 @@ def main(argv=None) -> list[dict]:
     heads = [h for h in args.heads.split(",") if h]
     rows = []
     print(f"# {torch.cuda.get_device_name()}, {args.layers} layers, {args.tokens} tokens a step, "
-          f"{args.steps} steps (tokens/s after {args.warmup}), bf16 autocast, torch.compile")
+          f"{args.steps} steps (tokens/s after {args.warmup}), bf16 autocast, torch.compile"
+          f"{'' if args.mode is None else f' mode={args.mode}'}")
     for width in map(int, args.widths.split(",")):
         for vocab in map(int, args.vocabs.split(",")):
             got = run(torch, width, vocab, heads, args.layers, args.tokens, args.steps,
-                      args.warmup, args.seq, args.lr)
+                      args.warmup, args.seq, args.lr, args.mode)
             rows += got
             print(_table(got).split("\n", 2)[-1] if rows != got else _table(got), flush=True)
     if args.json:
