@@ -99,6 +99,7 @@ This module imports torch; ``import cupyloss`` never imports it.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import inspect
 import sys
@@ -254,8 +255,6 @@ _engine = _ByDevice()
 
 
 _SCALE_PLANS = _plans.Plans()
-# scale_by_grad_output's parameters, read from its declaration in kernels/scale.cu
-SCALE = _args.Layout(_source.kernel_words("scale.cu", "scale_by_grad_output"))
 _TORCH_DTYPES: dict = {}
 
 
@@ -280,7 +279,7 @@ def _scale_plan(device, dtype, vec, n):
         with cupy.cuda.Device(device):
             function = _source.function("scale.cu", _source.scale_name(info.ctype, vec))
             cfg = _launch.flat_launch(n, vec, _launch.device_limits(device))
-        plan = _SCALE_PLANS[key] = (SCALE.bind(function.kernel.ptr), cfg.grid, cfg.block)
+        plan = _SCALE_PLANS[key] = (function.kernel.ptr, cfg.grid, cfg.block)
     return plan
 
 
@@ -350,7 +349,8 @@ def _scale(grad_output, grads) -> None:
     dtype = grad_output.dtype
     vec = _dtype_info(dtype).vec if not ((a | b) & 15) else 1
     function, grid, block = _scale_plan(device, dtype, vec, max(na, nb))
-    words = SCALE.template({"go": grad_output.data_ptr(), "a": a, "na": na, "b": b, "nb": nb})
+    # scale_by_grad_output's parameters (kernels/scale.cu), one 64-bit word each.
+    words = array.array("Q", (grad_output.data_ptr(), a, na, b, nb))
     stream = _raw_stream(device)
     if _cupy.cuda.runtime.getDevice() == device:
         _args.launch(function, grid, block, 0, stream, words)

@@ -32,12 +32,6 @@ LAYOUTS = [
     (linear, {"NARROW": ("scale.cu", "narrow")}),
     (_pointwise, {"SUM_CHUNKS": ("reduce.cu", "sum_chunks")}),
 ]
-try:    # the torch adapter's own launch: scale_by_grad_output
-    import cupyloss.torch as _torch_adapter
-
-    LAYOUTS.append((_torch_adapter, {"SCALE": ("scale.cu", "scale_by_grad_output")}))
-except ImportError:
-    pass
 POINTWISE = {"flat": "pointwise_flat", "rows": "pointwise_rows", "reduce": "pointwise_reduce"}
 
 
