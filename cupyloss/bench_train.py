@@ -2,7 +2,8 @@
 
     python -m cupyloss.bench_train [--widths 512,1024] [--vocabs 32768,65536,128256]
                                    [--layers 4] [--tokens 8192] [--steps 200]
-                                   [--heads torch,cupyloss,liger] [--mode reduce-overhead]
+                                   [--heads torch,cupyloss,cupyloss-eager,liger]
+                                   [--mode reduce-overhead]
                                    [--json out.json]
 
 The recipe most users train with: a GPT (learned positions, pre-LayerNorm blocks of causal
@@ -13,6 +14,8 @@ The heads, each from the same initial weights on the same batches:
 
   torch      F.cross_entropy(lm_head(h).float(), y)      (compiled: inductor's fused loss)
   cupyloss   cupyloss.torch.linear_cross_entropy(h, lm_head.weight, y)
+  cupyloss-eager   the same called outside torch.compile (the blocks still compiled): the op's
+             eager autograd.Function instead of the traced op and its dispatcher layers
   liger      Liger-Kernel's LigerFusedLinearCrossEntropyLoss (when importable)
 
 The corpus is the Python standard library's sources (every machine has them) as byte pairs: the
@@ -35,7 +38,7 @@ import time
 
 import numpy
 
-HEADS = ("torch", "cupyloss", "liger")
+HEADS = ("torch", "cupyloss", "cupyloss-eager", "liger")
 
 
 def corpus(vocab: int, limit: int = 64 << 20) -> numpy.ndarray:
@@ -131,7 +134,7 @@ def _loss_fn(torch, name: str):
     if name == "torch":
         def loss(h, head, y):
             return F.cross_entropy(head(h).float().flatten(0, 1), y.flatten())
-    elif name == "cupyloss":
+    elif name in ("cupyloss", "cupyloss-eager"):
         import cupyloss.torch as CF
 
         def loss(h, head, y):
@@ -165,7 +168,9 @@ def run(torch, width: int, vocab: int, heads, layers: int, tokens: int, steps: i
     rows, curves = [], {}
     for name in heads:
         try:
-            loss_of = torch.compile(_loss_fn(torch, name), fullgraph=True, mode=mode)
+            loss_of = _loss_fn(torch, name)
+            if not name.endswith("-eager"):
+                loss_of = torch.compile(loss_of, fullgraph=True, mode=mode)
         except ImportError as e:
             print(f"  {name}: skipped ({e})")
             continue
@@ -184,12 +189,16 @@ def run(torch, width: int, vocab: int, heads, layers: int, tokens: int, steps: i
                     t0 = time.perf_counter()
                 chunk = data[starts[step][:, None] + window]
                 x, y = chunk[:, :-1], chunk[:, 1:]
+                if mode in ("reduce-overhead", "max-autotune"):
+                    # CUDA graphs (reduce-overhead): a new step's graphs may overwrite the last
+                    # one's outputs
+                    torch.compiler.cudagraph_mark_step_begin()
                 with torch.autocast("cuda", torch.bfloat16):
                     loss = loss_of(body(x), head, y)
+                curve.append(loss.detach().clone())
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                curve.append(loss.detach())
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
         except Exception as e:  # a head that fails to compile or run is reported, not fatal
@@ -202,7 +211,7 @@ def run(torch, width: int, vocab: int, heads, layers: int, tokens: int, steps: i
             row.update(tokens_per_s=batch * seq * (steps - warmup) / elapsed,
                        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                        loss_first10=statistics.fmean(losses[:10]),
-                       loss_last10=statistics.fmean(losses[-10:]))
+                       loss_last10=statistics.fmean(losses[-10:]), curve=losses)
         else:
             row["error"] = error
         rows.append(row)

@@ -56,7 +56,8 @@ _GRAD_NAMES = ("hidden", "weight", "bias")
 
 # cuBLAS / CUDA library enums (cublas_api.h, library_types.h).
 _OP_N, _OP_T = 0, 1
-_CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
+_CUDA_TYPE = {dtype: {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}[str(dtype)]
+              for dtype in _dtypes.DTYPES}
 _COMPUTE_32F, _COMPUTE_64F = 68, 70
 _GEMM_DEFAULT = -1
 
@@ -284,25 +285,23 @@ class _Blas:
     def __init__(self, dtype, stream):
         import cupy
 
-        self._lib = _cublas()
+        self._lib = lib = _cublas()
         self._handle = cupy.cuda.device.get_cublas_handle()
-        self._stream = stream
+        # the handle's stream set once a call: CuPy sets its own before each of its calls
+        _status(lib.cublasSetStream_v2(self._handle, stream), "cublasSetStream")
         wide = dtype == numpy.float64
         self._compute = _COMPUTE_64F if wide else _COMPUTE_32F
         scalar = numpy.float64 if wide else numpy.float32
-        self._one = numpy.ones(1, scalar)
-        self._zero = numpy.zeros(1, scalar)
+        self._scalars = (numpy.ones(1, scalar), numpy.zeros(1, scalar))   # held while in use
+        self._one, self._zero = (a.ctypes.data for a in self._scalars)
 
     def gemm(self, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, accumulate=False, alpha=None):
-        lib = self._lib
-        _status(lib.cublasSetStream_v2(self._handle, self._stream), "cublasSetStream")
+        """alpha: a one-element float32/float64 host array (its address is read), or 1."""
         beta = self._one if accumulate else self._zero
-        alpha = self._one if alpha is None else alpha
-        _status(lib.cublasGemmEx(self._handle, ta, tb, m, n, k, alpha.ctypes.data,
-                                 a.data.ptr, _CUDA_TYPE[str(a.dtype)], lda,
-                                 b.data.ptr, _CUDA_TYPE[str(b.dtype)], ldb,
-                                 beta.ctypes.data, c.data.ptr, _CUDA_TYPE[str(c.dtype)], ldc,
-                                 self._compute, _GEMM_DEFAULT), "cublasGemmEx")
+        _status(self._lib.cublasGemmEx(
+            self._handle, ta, tb, m, n, k, self._one if alpha is None else alpha.ctypes.data,
+            a.data.ptr, _CUDA_TYPE[a.dtype], lda, b.data.ptr, _CUDA_TYPE[b.dtype], ldb, beta,
+            c.data.ptr, _CUDA_TYPE[c.dtype], ldc, self._compute, _GEMM_DEFAULT), "cublasGemmEx")
 
 
 _CUBLAS: list = []
@@ -613,7 +612,7 @@ class _Call:
             if reduction == "none":
                 self.loss_rows = cupy.empty((n,), logit)
             else:
-                self.losses = cupy.empty((nchunks,), logit)
+                self.losses = []       # each chunk's sum (0-d)
         if self.return_lse or pl.kind == "slices":
             self.lse = cupy.empty((n,), logit)
         spec = _rowwise.SPECS["cross_entropy"]
@@ -646,7 +645,7 @@ class _Call:
                 if reduction == "none":
                     self.loss_rows[r0:r1] = out[0]
                 else:
-                    self.losses[i] = out[0]
+                    self.losses.append(out[0])
             if self.lse is not None:
                 self.lse[r0:r1] = out[3]
             if not names:
@@ -718,7 +717,6 @@ class _Call:
     def results(self, hidden_shape):
         import cupy
 
-        n = self.n
         grads = {}
         if self.want["hidden"]:
             grads["hidden"] = self.gx.reshape(hidden_shape)
@@ -739,11 +737,20 @@ class _Call:
             if self.reduction == "none":
                 loss = self.loss_rows.reshape(hidden_shape[:-1])
             else:
-                total = (self.losses.sum(dtype=numpy.float64) if n
-                         else cupy.zeros((), "f8"))
+                # one chunk's sum as it is (a division of it in float64 rounds to the same),
+                # more summed in float64
+                losses = self.losses
+                if len(losses) == 1:
+                    total = losses[0]
+                elif losses:
+                    total = losses[0].astype(numpy.float64)
+                    for chunk in losses[1:]:
+                        total += chunk
+                else:
+                    total = cupy.zeros((), "f8")
                 if self.divisor is not None:
                     total = total / self.divisor
-                loss = total.astype(self.logit)
+                loss = total.astype(self.logit, copy=False)
         lse = self.lse.reshape(hidden_shape[:-1]) if self.return_lse else None
         return loss, grads, lse
 
