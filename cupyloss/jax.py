@@ -483,8 +483,8 @@ def _vma(x) -> frozenset:
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
     if vma is None:     # JAX versions that keep it in the manual axis type
-        vma = getattr(getattr(aval, "mat", None), "varying", ())
-    return frozenset(vma)
+        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(vma or ())
 
 
 def _varying(x, axes):

@@ -10,7 +10,8 @@ import pytest
 import cupyloss
 
 PUBLIC = ["cupyloss", "cupyloss.pointwise", "cupyloss.rowwise", "cupyloss.rowclass",
-          "cupyloss.rowpair", "cupyloss.linear", "cupyloss.precompile", "cupyloss._types"]
+          "cupyloss.rowpair", "cupyloss.linear", "cupyloss.precompile", "cupyloss._types",
+          "cupyloss.torch", "cupyloss.jax"]   # cupyloss.torch as its stub, torch.pyi
 
 
 def test_every_public_function_is_annotated():
@@ -24,9 +25,24 @@ def test_every_public_function_is_annotated():
     assert not bare and not unreturned, (bare, unreturned)
 
 
+# A user's module: correct calls of cupyloss.torch's built functions and classes, and one
+# wrong call that a type checker must report from the stub.
+USER = """\
+import torch
+import cupyloss.torch as CF
+
+x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+a: torch.Tensor = CF.cross_entropy(x, y, label_smoothing=0.1, reduction="sum")
+b: torch.Tensor = CF.CrossEntropyLoss(ignore_index=0)(x, y)
+c: torch.Tensor = CF.linear_cross_entropy(x, torch.randn(5, 3), y, max_workspace_bytes=1 << 20)
+d = CF.mse_loss(x, x, reduction=1)
+"""
+
+
 def test_mypy_finds_the_public_modules_consistent(tmp_path):
-    """mypy over the public modules as a user's type checker sees them: the installed package
-    (typed by its py.typed) where it is installed, else this checkout."""
+    """mypy over the public modules as a user's type checker sees them (the installed package,
+    typed by its py.typed, where it is installed, else this checkout), and over a user's module
+    calling cupyloss.torch's functions built at import: only its wrong call is reported."""
     pytest.importorskip("mypy")
     import os
     import pathlib
@@ -36,7 +52,12 @@ def test_mypy_finds_the_public_modules_consistent(tmp_path):
     if not root.name.endswith("-packages"):
         env["MYPYPATH"] = str(root)
     modules = [arg for name in PUBLIC for arg in ("-m", name)]
+    (tmp_path / "cupyloss_user.py").write_text(USER)
     done = subprocess.run([sys.executable, "-m", "mypy", "--ignore-missing-imports",
-                           "--follow-imports=silent", "--no-incremental", *modules],
+                           "--follow-imports=silent", "--no-incremental", *modules,
+                           "-m", "cupyloss_user"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    wrong = USER.splitlines().index("d = CF.mse_loss(x, x, reduction=1)") + 1
+    assert len(errors) == 1 and errors[0].startswith(f"cupyloss_user.py:{wrong}:") \
+        and '"reduction"' in errors[0], done.stdout + done.stderr
