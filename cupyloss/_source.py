@@ -357,7 +357,7 @@ def units() -> list[tuple[str, list[str]]]:
                                           *(bench_streams_name(r, w) for r, w in BENCH_STREAMS)])]
 
 
-BENCH_STREAMS = ((1, 1), (2, 2), (2, 0))   # bench_bandwidth's mixes: arrays read, written
+BENCH_STREAMS = ((1, 1), (2, 2), (2, 0))   # bench.bandwidth's mixes: arrays read, written
 
 
 def bench_streams_name(reads: int, writes: int) -> str:

@@ -3,7 +3,7 @@
 A knob is a launch choice that is not the loss's math: steps of loads in flight, blocks per SM a
 kernel's registers are bounded for, a grid's waves.  Each has a default (measured on an H100,
 docs/tuning.md gives the runs) and, for a GPU that was tuned, that GPU's own value, read from
-``tuning.csv`` beside this file (rows ``gpu,knob,value``; written by ``python -m cupyloss.tune``,
+``tuning.csv`` beside this file (rows ``gpu,knob,value``; written by ``python -m cupyloss.tools.tune``,
 whose measurements are kept under benchmarks/results/).  A GPU is keyed by its name as CUDA
 reports it, normalised by gpu_key ("NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3").
 
@@ -40,7 +40,7 @@ TABLE = pathlib.Path(__file__).resolve().parent / "tuning.csv"
 @dataclasses.dataclass(frozen=True)
 class Knob:
     """One schedule choice: its `default`, whether it is compiled into the kernels (a -D macro
-    CUPYLOSS_<name>) or read at launch, the values `python -m cupyloss.tune` tries, and what it
+    CUPYLOSS_<name>) or read at launch, the values `python -m cupyloss.tools.tune` tries, and what it
     sets."""
 
     name: str
@@ -182,7 +182,7 @@ FUNCTOR_SHAPES: dict[str, FunctorShape] = {
 
 # A loss's own shape on one GPU: a row "gpu,<Template>.<field>,value" of the table puts `value`
 # in that field of the template's FUNCTOR_SHAPES entry on that GPU alone (0, as in the entries:
-# the class's knob).  The fields and the values python -m cupyloss.tune tries; the _f32 ones are
+# the class's knob).  The fields and the values python -m cupyloss.tools.tune tries; the _f32 ones are
 # shape_f32's four numbers.
 FUNCTOR_FIELDS: dict[str, tuple[int, ...]] = {
     "rows_blocks_f32": (0, 1, 2, 3, 4), "rows_steps_f32": (0, 1, 2, 4),
@@ -365,7 +365,7 @@ def nearest_row(traits: dict[str, int]) -> str:
 
 # GPUs met without a row of their own -> the row they run (adopt; DeviceLimits reads them).
 _ADOPTED: dict[str, str] = {}
-# In-process values for one GPU that take the place of its row (python -m cupyloss.tune).
+# In-process values for one GPU that take the place of its row (python -m cupyloss.tools.tune).
 _OVERRIDES: dict[str, dict[str, int]] = {}
 
 

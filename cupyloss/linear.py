@@ -66,11 +66,11 @@ _GEMM_DEFAULT = -1
 # memory (docs/performance.md, "Fused linear cross entropy").
 CHUNK_ROWS_MAX = 1024
 # Under compute_dtype, each chunk's logits are held in it (as torch.autocast's F.linear returns
-# them) rather than in float32: half the traffic (bench_linear --autocast).
+# them) rather than in float32: half the traffic (bench.linear --autocast).
 NARROW_LOGITS = True
 # Rows a chunk of such 16-bit logits at most, in the workspace-free "sum" plan of a float32
 # weight gradient: (hidden size at most, rows), the first row that fits; None for any rows
-# (bench_linear --autocast, benchmarks/results/linear-autocast-h200.json: fewer, taller chunks
+# (bench.linear --autocast, benchmarks/results/linear-autocast-h200.json: fewer, taller chunks
 # pay where the products are small).
 NARROW_CHUNK_ROWS: tuple = ((1024, 4096), (None, 2048))
 # A cuBLAS tile: chunks and slices are multiples of it where they can be.

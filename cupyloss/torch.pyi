@@ -1,4 +1,4 @@
-"""Type stub of cupyloss.torch (written by python -m cupyloss._stubs; do not edit:
+"""Type stub of cupyloss.torch (written by python -m cupyloss.tools.stubs; do not edit:
 the functions and classes are built from the loss registry at import)."""
 
 from collections.abc import Callable

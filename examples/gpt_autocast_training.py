@@ -6,7 +6,7 @@ bfloat16 autocast over float32 master weights, AdamW, the blocks under torch.com
 output layer's loss as cupyloss.torch.linear_cross_entropy(hidden, lm_head.weight, labels):
 inside autocast its products run in bfloat16 as lm_head's would, the logits are never whole, and
 the float32 weight's gradient is formed in float32.  The corpus is the Python standard
-library's sources as byte pairs (cupyloss.bench_train.corpus).  Checks that the first step's
+library's sources as byte pairs (cupyloss.bench.train.corpus).  Checks that the first step's
 loss is torch's ``F.cross_entropy(lm_head(hidden).float(), labels)`` within bfloat16 rounding
 and that the loss falls; prints tokens/s and the peak memory.  Needs a CUDA GPU.
 """
@@ -29,7 +29,7 @@ def main() -> int:
         print("this example needs a CUDA GPU")
         return 0
     import cupyloss.torch as CF
-    from cupyloss.bench_train import corpus, model
+    from cupyloss.bench.train import corpus, model
 
     seq, batch = 1024, 8
     data = torch.from_numpy(corpus(args.vocab)).cuda()

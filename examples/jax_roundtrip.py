@@ -8,7 +8,7 @@ and reduction, the value and both gradients of cupyloss.jax under jax.jit(jax.va
 are checked against the same expression written in jax.numpy; then a linear model is fitted by
 gradient descent twice, once with cupyloss.jax.mse_loss and once with the jnp formula, and the
 two final losses are compared; last, the three losses' jit(value_and_grad) on [8192, 8192]
-float32 are timed against XLA's fused jnp versions (cupyloss.bench_jax has every loss).  Prints
+float32 are timed against XLA's fused jnp versions (cupyloss.bench.jax_adapter has every loss).  Prints
 what it checked and exits non-zero if a check fails.
 """
 
@@ -99,7 +99,7 @@ def main() -> int:
 
     import cupy
 
-    from cupyloss import bench_jax
+    from cupyloss.bench import jax_adapter as bench_jax
 
     setting = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "unset: JAX preallocated")
     limit = jax.devices()[0].memory_stats().get("bytes_limit", 0)

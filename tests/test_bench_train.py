@@ -1,9 +1,9 @@
-"""bench_train's corpus on the CPU: the standard library's sources as byte pairs, decoded back."""
+"""bench.train's corpus on the CPU: the standard library's sources as byte pairs, decoded back."""
 
 import numpy as np
 import pytest
 
-from cupyloss import bench_train
+from cupyloss.bench import train as bench_train
 
 LIMIT = 1 << 20          # a MiB of sources: every file in order until the limit is passed
 

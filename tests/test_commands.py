@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-COMMANDS = ("bench", "bench_accuracy", "bench_bandwidth", "bench_broadcast", "bench_firstcall",
-            "bench_rowwise", "bench_torch", "bench_jax", "bench_linear", "bench_train", "precompile",
-            "tune")
+COMMANDS = ("bench", "bench.accuracy", "bench.bandwidth", "bench.broadcast", "bench.firstcall",
+            "bench.rowwise", "bench.torch_adapter", "bench.jax_adapter", "bench.linear",
+            "bench.train", "tools.precompile", "tools.tune")
 # Runs a module as `python -m` would, with the named top-level packages made unimportable.
 _BLOCKED = ("import runpy, sys\n"
             "for name in sys.argv[2].split(','):\n"
@@ -41,14 +41,15 @@ def test_help_works_without_torch_or_gpu(command):
 def test_help_names_the_workloads():
     assert all(name in _run("cupyloss.bench", "--help").stdout
                for name in ("mse", "kl", "hinge", "smooth_l1"))
-    assert all(name in _run("cupyloss.bench_rowwise", "--help").stdout
+    assert all(name in _run("cupyloss.bench.rowwise", "--help").stdout
                for name in ("kb95", "llm", "jsd", "kb99"))
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "precompile"])
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "tools.precompile"])
 def test_benchmarks_say_what_is_missing_in_one_line(command):
     if _gpu():
-        if command in ("bench", "bench_bandwidth", "bench_firstcall", "bench_jax", "tune"):
+        if command in ("bench", "bench.bandwidth", "bench.firstcall", "bench.jax_adapter",
+                       "tools.tune"):
             pytest.skip(f"cupyloss.{command} runs without torch where there is a GPU")
         done = _run(f"cupyloss.{command}", blocked="torch")
         want = "needs PyTorch: pip install 'cupyloss[torch]'"
@@ -72,7 +73,7 @@ def test_adapter_without_its_framework_names_the_extra(adapter, framework):
 def test_benchmarks_save_their_results_as_json(tmp_path):
     import json
 
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     rows = [{"case": "mse", "ms": 1.5}]
     assert _timing.save(None, rows) is rows and not list(tmp_path.iterdir())
@@ -82,9 +83,10 @@ def test_benchmarks_save_their_results_as_json(tmp_path):
 
 
 def test_bandwidth_schedules_cover_the_arrays():
-    """bench_bandwidth's one-pass grid gives every vector a thread in one pass; its grid-stride
+    """bench.bandwidth's one-pass grid gives every vector a thread in one pass; its grid-stride
     grid holds at most GRID_WAVES waves of resident blocks, and one pass where that is fewer."""
-    from cupyloss import _launch, bench_bandwidth as bw
+    from cupyloss import _launch
+    from cupyloss.bench import bandwidth as bw
 
     tile = _launch.BLOCK * bw.STEPS
     for n_vec in (1, tile - 1, tile, tile + 1, 8192 * 4096 // 4, 16384 * 16384 // 4):

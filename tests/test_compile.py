@@ -331,7 +331,7 @@ def test_a_cache_folder_that_cannot_be_written_is_read_and_passed_over(monkeypat
 
 def test_every_kernel_is_reachable_from_a_loss():
     """precompile builds what the losses reach: every instantiation but the benchmark's."""
-    from cupyloss import precompile
+    from cupyloss.tools import precompile
 
     reached = {(file, name) for file, name, _ in precompile.jobs(archs=["90"])}
     every = {(file, name) for file, names in UNITS for name in names if file != "bench.cu"}
@@ -339,10 +339,11 @@ def test_every_kernel_is_reachable_from_a_loss():
 
 
 def test_precompile_command(monkeypatch, tmp_path, capsys):
-    """python -m cupyloss.precompile for named losses, dtypes and architectures, without a
+    """python -m cupyloss.tools.precompile for named losses, dtypes and architectures, without a
     GPU: one cache entry per kernel and architecture; a second run finds them all."""
     _need_toolchain()
-    from cupyloss import _source, precompile
+    from cupyloss import _source
+    from cupyloss.tools import precompile
 
     monkeypatch.setenv("CUPYLOSS_CACHE_DIR", str(tmp_path))
     argv = ["--losses", "nll_loss", "--dtypes", "float64", "--arch", "80,sm_90", "-j", "2"]
@@ -362,7 +363,7 @@ def test_precompile_command(monkeypatch, tmp_path, capsys):
     (["--dtypes", "int8"], "unknown dtypes int8"),
 ])
 def test_precompile_refuses_unknown_names(argv, message, capsys):
-    from cupyloss import precompile
+    from cupyloss.tools import precompile
 
     with pytest.raises(SystemExit):
         precompile.main(argv)
@@ -406,7 +407,7 @@ def _candidate_jobs(pool, lib, include):
 
 
 def test_every_knob_candidate_compiles():
-    """python -m cupyloss.tune compiles the kernels with each compile-time knob at each of its
+    """python -m cupyloss.tools.tune compiles the kernels with each compile-time knob at each of its
     candidate values: every one of them builds (NVRTC, sm_90, the most general instantiation of
     each pointwise kernel of a cheap, an own-shape and a heavy streaming functor)."""
     lib, include = _need_toolchain()

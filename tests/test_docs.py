@@ -17,7 +17,7 @@ def test_api_reference_builds_with_every_public_name(tmp_path):
     import cupyloss
 
     done = subprocess.run([sys.executable, "-m", "pdoc", "-o", str(tmp_path), "cupyloss",
-                           "cupyloss.torch", "cupyloss.precompile"],
+                           "cupyloss.torch", "cupyloss.tools.precompile"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     page = (tmp_path / "cupyloss.html").read_text()

@@ -89,3 +89,14 @@ def test_the_graph_sees_lazy_imports():
     assert "cupyloss.linear" in edges["cupyloss.torch"]
     assert "cupyloss._torch_parallel" in edges["cupyloss.torch"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_library_imports_no_command():
+    """The benchmarks (cupyloss.bench) and maintenance commands (cupyloss.tools) sit on top of
+    the library: no module outside them imports one of theirs."""
+    edges = graph()
+    commands = ("cupyloss.bench", "cupyloss.tools")
+    library = [m for m in edges if not m.startswith(commands)]
+    bad = {m: sorted(d for d in edges[m] if d.startswith(commands)) for m in library}
+    assert not {m: d for m, d in bad.items() if d}
+    assert any(m.startswith("cupyloss.bench.") for m in edges)    # the walk reaches them

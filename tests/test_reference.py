@@ -1122,7 +1122,7 @@ def test_broadcast_bench_torch_forms_match_references(name):
     where torch has the loss, the formula otherwise): on float64 CPU tensors, with the first
     array broadcast as in the benchmark, each gives the reference's mean loss and gradients, so
     the benchmark compares like with like (gaussian_nll_loss: its var broadcast, (6, 1))."""
-    from cupyloss import bench_broadcast
+    from cupyloss.bench import broadcast as bench_broadcast
 
     rng = np.random.default_rng(5)
     full = (rng.normal(size=(6, 7)), rng.normal(size=(6, 7)), rng.uniform(0.01, 0.99, (6, 7)))

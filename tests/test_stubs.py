@@ -1,5 +1,5 @@
 """cupyloss/torch.pyi, the type stub of the functions and classes cupyloss.torch builds at
-import, is what cupyloss._stubs writes from the module as built now."""
+import, is what cupyloss.tools.stubs writes from the module as built now."""
 
 import pytest
 
@@ -7,17 +7,17 @@ pytest.importorskip("torch")
 
 
 def test_the_stub_is_current():
-    from cupyloss import _stubs
+    from cupyloss.tools import stubs as _stubs
 
     assert _stubs.PATH.read_text() == _stubs.render(), \
-        "cupyloss/torch.pyi is stale: run python -m cupyloss._stubs"
+        "cupyloss/torch.pyi is stale: run python -m cupyloss.tools.stubs"
 
 
 def test_the_stub_declares_every_public_name():
     import ast
 
     import cupyloss.torch as CF
-    from cupyloss import _stubs
+    from cupyloss.tools import stubs as _stubs
 
     tree = ast.parse(_stubs.PATH.read_text())
     declared = {node.name for node in tree.body

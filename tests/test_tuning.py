@@ -99,7 +99,7 @@ def test_a_gpus_row_keeps_its_cubins_apart(table, tmp_path, monkeypatch):
 
 
 def test_tune_keeps_a_candidate_only_past_the_margin():
-    from cupyloss import tune
+    from cupyloss.tools import tune
 
     times = {2: {"a": 1.0, "b": 2.0}, 4: {"a": 0.99, "b": 1.98}, 8: {"a": 0.90, "b": 1.70}}
     assert tune.choose(2, times, 0.02) == 8                 # mean ratio 0.875
@@ -116,7 +116,7 @@ def test_tune_keeps_a_candidate_only_past_the_margin():
 
 
 def test_every_tunable_knob_has_workloads():
-    from cupyloss import tune
+    from cupyloss.tools import tune
 
     have = {w.tag for w in tune._workloads(1.0)}
     for knob in _tuning.KNOBS.values():
@@ -125,7 +125,7 @@ def test_every_tunable_knob_has_workloads():
 
 
 def test_tune_writes_its_gpus_values_of_the_knobs_it_tried(tmp_path, monkeypatch):
-    from cupyloss import tune
+    from cupyloss.tools import tune
 
     path = tmp_path / "tuning.csv"
     path.write_text("gpu,knob,value\nh200,REDUCE_STEPS,8\nh200,FLAT_STEPS_GRAD,32\n"
@@ -179,7 +179,7 @@ def test_functors_are_math_and_their_shapes_the_tables():
 def test_tune_summarizes_its_measurements(tmp_path):
     """The Markdown summary gives each knob's default, the value kept and its mean time ratio
     to the default's over the workloads, with the best and worst workload, and the runner-up."""
-    from cupyloss import tune
+    from cupyloss.tools import tune
 
     path = tmp_path / "tune.csv"
     path.write_text("gpu,knob,value,workload,ms,GB/s,chosen\n"
@@ -193,7 +193,7 @@ def test_tune_builds_each_compiled_candidate_with_the_values_in_force(tmp_path, 
     """candidate_jobs: every candidate of a compile-time knob over the pointwise kernels a tag
     loads, the values chosen so far kept (none for a run-time knob); _build compiles a job
     with exactly those values for that GPU."""
-    from cupyloss import tune
+    from cupyloss.tools import tune
 
     kernels = {("pointwise.cu", "a"), ("pointwise.cu", "b"), ("rowwise.cu", "c")}
     jobs = tune.candidate_jobs("REDUCE_STEPS", kernels, "90", "h200", {"FLAT_UNROLL_GRAD": 4})
@@ -288,7 +288,7 @@ def test_a_gpus_own_row_comes_before_any_other(table, adopted):
 
 
 def test_tunes_values_stand_over_the_adopted_row(table, adopted):
-    """python -m cupyloss.tune on a GPU without a row sets its candidates on its own key: they
+    """python -m cupyloss.tools.tune on a GPU without a row sets its candidates on its own key: they
     take the place of the adopted row's values for that GPU alone."""
     _tuned_table(table)
     _tuning.adopt("new-gpu", _traits(90, 78, 4000))
@@ -329,7 +329,7 @@ def test_device_limits_read_the_traits_and_adopt_a_row(table, adopted, monkeypat
 
 
 def test_tune_writes_its_gpus_traits_with_its_knobs(tmp_path):
-    from cupyloss import tune
+    from cupyloss.tools import tune
 
     path = tmp_path / "tuning.csv"
     tune.write_rows(path, "new-gpu", {"REDUCE_STEPS": 2}, _traits(90, 78, 4000))
@@ -387,7 +387,8 @@ def test_every_shape_field_in_the_shipped_table_names_a_registered_functor():
 def test_tune_takes_a_shape_field_with_its_own_workload():
     """A shape field's workload runs its loss in the kernel the field shapes, and its candidates
     are built as a compile-time knob's are."""
-    from cupyloss import _registry, tune
+    from cupyloss import _registry
+    from cupyloss.tools import tune
 
     for knob, shapes in (("KlDivOp.rows_blocks_f32", [(8192, 4096), (4096,)]),
                          ("BceLogitsOp.reduce_blocks", [(8192, 4096), (8192, 1)]),

@@ -10,7 +10,7 @@ import pytest
 import cupyloss
 
 PUBLIC = ["cupyloss", "cupyloss.pointwise", "cupyloss.rowwise", "cupyloss.rowclass",
-          "cupyloss.rowpair", "cupyloss.linear", "cupyloss.precompile", "cupyloss._types",
+          "cupyloss.rowpair", "cupyloss.linear", "cupyloss.tools.precompile", "cupyloss._types",
           "cupyloss.torch", "cupyloss.jax"]   # cupyloss.torch as its stub, torch.pyi
 
 

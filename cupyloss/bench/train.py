@@ -1,6 +1,6 @@
 """Benchmark the LM head in a real training loop: a small GPT trained with each head, side by side.
 
-    python -m cupyloss.bench_train [--widths 512,1024] [--vocabs 32768,65536,128256]
+    python -m cupyloss.bench.train [--widths 512,1024] [--vocabs 32768,65536,128256]
                                    [--layers 4] [--tokens 8192] [--steps 200]
                                    [--heads torch,cupyloss,cupyloss-eager,liger]
                                    [--mode reduce-overhead]
@@ -244,7 +244,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_train",
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.train",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--widths", default="512", help="model widths, comma separated")
     ap.add_argument("--vocabs", default="65536", help="vocabulary sizes, comma separated")
@@ -260,7 +260,7 @@ def main(argv=None) -> list[dict]:
                          "reduce-overhead: CUDA graphs)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     _timing.need(ap.prog, torch=True)
     import torch

@@ -1,7 +1,7 @@
 """The type stub of cupyloss.torch, written from the module as it is built at import.
 
-    python -m cupyloss._stubs            # writes cupyloss/torch.pyi
-    python -m cupyloss._stubs --check    # exits 1 when the file differs from what it would write
+    python -m cupyloss.tools.stubs            # writes cupyloss/torch.pyi
+    python -m cupyloss.tools.stubs --check    # exits 1 when the file differs from what it would write
 
 cupyloss.torch builds most of its public functions and nn.Module classes from the loss registry
 at import, so a type checker or an IDE reading its source would see none of them.  The stub
@@ -31,7 +31,7 @@ _VALUES = {"gradients_in_forward": "bool",
            "MODULES": "dict[str, type[torch.nn.Module]]",
            "SKIPPED": "dict[str, str]"}
 _RETURNS = {"scale_by_grad_output": "None"}
-PATH = pathlib.Path(__file__).with_name("torch.pyi")
+PATH = pathlib.Path(__file__).resolve().parent.parent / "torch.pyi"
 
 
 def _annotation(p: inspect.Parameter) -> str:
@@ -48,7 +48,7 @@ def _annotation(p: inspect.Parameter) -> str:
         if p.name in _GROUPS:
             return "Any"
         raise TypeError(f"no stub type for parameter {p.name!r} (default None): name it in "
-                        f"cupyloss._stubs")
+                        f"cupyloss.tools.stubs")
     if isinstance(default, bool):
         return "bool"
     if isinstance(default, int):
@@ -88,7 +88,7 @@ def render() -> str:
     """The stub's text for the cupyloss.torch of this process."""
     import cupyloss.torch as module
 
-    lines = ['"""Type stub of cupyloss.torch (written by python -m cupyloss._stubs; do not edit:',
+    lines = ['"""Type stub of cupyloss.torch (written by python -m cupyloss.tools.stubs; do not edit:',
              'the functions and classes are built from the loss registry at import)."""', "",
              "from collections.abc import Callable", "from typing import Any", "",
              "import torch", "from torch import Tensor", "",
@@ -112,7 +112,7 @@ def render() -> str:
             lines.append("")
         else:
             raise TypeError(f"cupyloss.torch.{name}: no stub for a {type(obj).__name__}; name "
-                            f"its type in cupyloss._stubs._VALUES")
+                            f"its type in cupyloss.tools.stubs._VALUES")
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--check" in argv:
         same = PATH.exists() and PATH.read_text() == text
         if not same:
-            print(f"{PATH} is stale: run python -m cupyloss._stubs")
+            print(f"{PATH} is stale: run python -m cupyloss.tools.stubs")
         return 0 if same else 1
     PATH.write_text(text)
     print(f"wrote {PATH}")

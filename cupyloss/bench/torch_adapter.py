@@ -1,6 +1,6 @@
 """Benchmark cupyloss.torch's forward + loss.backward() against torch eager and torch.compile.
 
-    python -m cupyloss.bench_torch [--reps 20] [--scale 1.0] [--small-only]
+    python -m cupyloss.bench.torch_adapter [--reps 20] [--scale 1.0] [--small-only]
                                    [--only small,large,compiled,autocast] [--profile]
                                    [--json out.json]
 
@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import argparse
 
-from cupyloss import _timing
-from cupyloss.bench import _host_us
-from cupyloss.bench_rowwise import _timer
+from cupyloss.bench import _timing
+from cupyloss.bench.losses import _host_us
+from cupyloss.bench.rowwise import _timer
 
 torch = CF = None   # torch and cupyloss.torch, imported by main where they can run
 
@@ -378,7 +378,7 @@ def autocast(reps: int, scale: float) -> list:
 
 def main(argv=None) -> dict:
     global torch, CF
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_torch",
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.torch_adapter",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink every side")

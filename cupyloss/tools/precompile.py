@@ -7,9 +7,9 @@ image, a cluster's shared folder or a CI cache, with the kernels of the losses, 
 architectures you name.  It needs NVRTC but no GPU: without one, name the architectures.
 Processes may share one cache folder: entries are written whole and renamed into place.
 
-    python -m cupyloss.precompile                          # every loss, every dtype, this GPU
-    python -m cupyloss.precompile --losses cross_entropy,mse_loss --dtypes bfloat16 --arch 90
-    CUPYLOSS_CACHE_DIR=/shared/cupyloss python -m cupyloss.precompile --arch 80,90 -j 16
+    python -m cupyloss.tools.precompile                          # every loss, every dtype, this GPU
+    python -m cupyloss.tools.precompile --losses cross_entropy,mse_loss --dtypes bfloat16 --arch 90
+    CUPYLOSS_CACHE_DIR=/shared/cupyloss python -m cupyloss.tools.precompile --arch 80,90 -j 16
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     from cupyloss import _registry, _source
 
     parser = argparse.ArgumentParser(
-        prog="python -m cupyloss.precompile",
+        prog="python -m cupyloss.tools.precompile",
         description="Compile cupyloss's kernels into the on-disk cache ahead of use "
                     "(needs NVRTC, not a GPU).",
         epilog=f"The cache folder now: {_source.cache_dir()} (set CUPYLOSS_CACHE_DIR to move "

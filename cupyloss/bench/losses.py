@@ -34,7 +34,7 @@ import time
 import cupy
 
 import cupyloss
-from cupyloss import _timing
+from cupyloss.bench import _timing
 
 
 def _timer(fn, reps: int, warmup: int = 3) -> float:

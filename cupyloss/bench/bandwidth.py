@@ -1,6 +1,6 @@
 """What the GPU allows a read/write mix, and what each schedule leaves of it.
 
-    python -m cupyloss.bench_bandwidth [--reps 20] [--sizes 33554432,268435456] [--json out.json]
+    python -m cupyloss.bench.bandwidth [--reps 20] [--sizes 33554432,268435456] [--json out.json]
 
 For each mix (float32 arrays of `size` elements: 1 read and 1 written, as a loss's gradient
 with a broadcast or fixed partner; 2 and 2, as value_and_grad of a two-array loss; 2 and 0, as
@@ -23,14 +23,14 @@ import argparse
 MIXES = {"1 in, 1 out": (1, 1), "2 in, 2 out": (2, 2), "2 in, 0 out": (2, 0)}
 STEPS = 8            # vectors a thread takes a pass (STEPS in kernels/bench.cu)
 GRID_WAVES = 16      # the grid-stride schedule's waves of resident blocks
-SIZES = (8192 * 4096, 16384 * 16384)   # bench_broadcast's patterns; KernelBench's kl_div
+SIZES = (8192 * 4096, 16384 * 16384)   # bench.broadcast's patterns; KernelBench's kl_div
 
 
 def memcpy_gbs(reps: int) -> float:
     """Read + write GB/s of cudaMemcpy device to device over 2 GiB."""
     import cupy
 
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     src = cupy.ones(2**29, cupy.float32)
     dst = cupy.empty_like(src)
@@ -89,14 +89,14 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m cupyloss.bench_bandwidth",
+    parser = argparse.ArgumentParser(prog="python -m cupyloss.bench.bandwidth",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="comma-separated float32 element counts per array")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     _timing.need(parser.prog)
     result = run([int(s) for s in args.sizes.split(",")], args.reps)

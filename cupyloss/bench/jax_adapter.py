@@ -1,6 +1,6 @@
 """Benchmark cupyloss.jax against XLA's own fused jax.numpy version of each loss.
 
-    python -m cupyloss.bench_jax [--size 8192] [--only mse_loss,cross_entropy] [--reps 7]
+    python -m cupyloss.bench.jax_adapter [--size 8192] [--only mse_loss,cross_entropy] [--reps 7]
                                  [--calls 50] [--json out.json]
 
 Times jax.jit(jax.value_and_grad(f)) (the gradient of the first argument, as jax.grad gives by
@@ -26,7 +26,7 @@ import math
 import statistics
 import time
 
-from cupyloss import _timing
+from cupyloss.bench import _timing
 
 
 def _jnp_losses():
@@ -175,7 +175,7 @@ def _case(label, name, args, ours, theirs, traffic, bw, reps, calls):
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m cupyloss.bench_jax",
+    parser = argparse.ArgumentParser(prog="python -m cupyloss.bench.jax_adapter",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=8192, help="side of the pointwise arrays")
     parser.add_argument("--only", default="", help="comma-separated loss names")

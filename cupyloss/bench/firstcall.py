@@ -1,6 +1,6 @@
 """Seconds from a new process's first tensor to its first gradient, with every cache empty.
 
-    python -m cupyloss.bench_firstcall [--cases ce_torch,mse_torch] [--losses] [--json out.json]
+    python -m cupyloss.bench.firstcall [--cases ce_torch,mse_torch] [--losses] [--json out.json]
 
 Each case runs twice in a new Python process: first with empty on-disk caches (cupyloss's kernel
 cache, CuPy's, TorchInductor's and Triton's all pointed at a new temporary folder), then again
@@ -147,7 +147,7 @@ def run_case(body: str, caches: str) -> tuple[float, float]:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m cupyloss.bench_firstcall",
+    parser = argparse.ArgumentParser(prog="python -m cupyloss.bench.firstcall",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", help=f"comma-separated cases (default: all of "
                         f"{', '.join(CASES)})")
@@ -155,7 +155,7 @@ def main(argv=None) -> list[dict]:
                         help="also every registered loss alone, and label smoothing")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     _timing.need(parser.prog)
     cases = dict(CASES)

@@ -1,6 +1,6 @@
 """How close reduced losses and summed gradients come to the float64 truth, next to torch's fp32.
 
-    python -m cupyloss.bench_accuracy [--json out.json]
+    python -m cupyloss.bench.accuracy [--json out.json]
 
 For each workload the inputs are float32; the truth is the same formula evaluated in float64 on
 the GPU from those float32 values (in row chunks, so memory stays bounded).  Reports the relative
@@ -23,7 +23,7 @@ import cupy
 import numpy
 
 import cupyloss
-from cupyloss import _timing
+from cupyloss.bench import _timing
 
 CHUNK = 2048  # rows per float64 chunk
 
@@ -43,7 +43,7 @@ def _rel(got: float, truth: float) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_accuracy",
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.accuracy",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)

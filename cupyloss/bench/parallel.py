@@ -1,6 +1,6 @@
 """Benchmark vocab-parallel cross entropy over the GPUs of one host.
 
-    python -m cupyloss.bench_parallel [--gpus 2,4] [--rows 8192] [--classes 128256] [--reps 20]
+    python -m cupyloss.bench.parallel [--gpus 2,4] [--rows 8192] [--classes 128256] [--reps 20]
 
 Logits (rows, classes) bfloat16 split in equal slices over k GPUs (NCCL, one process a GPU),
 int64 targets with 10% ignore_index, forward + backward of the mean loss

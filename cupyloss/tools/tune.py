@@ -1,13 +1,13 @@
 """Tune the launch table on this GPU.
 
-    python -m cupyloss.tune [--knobs A,B] [--reps 10] [--margin 0.02] [--scale 1]
+    python -m cupyloss.tools.tune [--knobs A,B] [--reps 10] [--margin 0.02] [--scale 1]
                             [--max-seconds S] [--write]
 
 The knobs of cupyloss._tuning (launch choices that are not the losses' math) are tried one at a
 time, in the table's order: each candidate value is set for this GPU in this process, the
 kernels it changes compiled (all of a knob's candidates at once, in a process a core: the
 kernels recorded from one call of each workload), and the workloads that run those kernels
-timed (device time, cupyloss._timing, medians of --reps; a knob's workloads are made once, after
+timed (device time, cupyloss.bench._timing, medians of --reps; a knob's workloads are made once, after
 the previous knob's are freed and the device has settled, and kept over its candidates).  A
 candidate takes a knob's place only where its mean time ratio to the value in force beats
 1 - --margin (default 2%, about the spread of one run), or where one workload's does and none
@@ -335,7 +335,7 @@ class _Live:
     def keep(self, work: list[Workload]) -> dict[str, Callable]:
         import cupy
 
-        from cupyloss import _timing
+        from cupyloss.bench import _timing
 
         names = {w.name for w in work}
         if set(self.calls) - names:
@@ -351,7 +351,7 @@ class _Live:
 
 def _measure(calls: dict[str, Callable], reps: int) -> dict[str, float]:
     """{workload: ms} of `calls` with the knobs in force."""
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     return {name: _timing.gpu_ms(call, reps) for name, call in calls.items()}
 
@@ -421,7 +421,7 @@ def write_rows(path: pathlib.Path, gpu: str, chosen: dict[str, int],
 def main(argv=None) -> dict[str, int]:
     from cupyloss import _launch, _tuning
 
-    parser = argparse.ArgumentParser(prog="python -m cupyloss.tune",
+    parser = argparse.ArgumentParser(prog="python -m cupyloss.tools.tune",
                                      description=__doc__.splitlines()[0])
     tunable = [k.name for k in _tuning.KNOBS.values() if k.candidates]
     parser.add_argument("--knobs", help=f"comma-separated knobs (default: all of "
@@ -442,7 +442,7 @@ def main(argv=None) -> dict[str, int]:
     if args.summarize:
         print(summarize(pathlib.Path(args.summarize)))
         return {}
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     _timing.need(parser.prog)
     knobs = args.knobs.split(",") if args.knobs else tunable

@@ -1,6 +1,6 @@
 """Benchmark the LLM head's loss: fused linear cross entropy against what users pick instead.
 
-    python -m cupyloss.bench_linear [--rows 8192,16384] [--budgets 256,1024,2560,4608]
+    python -m cupyloss.bench.linear [--rows 8192,16384] [--budgets 256,1024,2560,4608]
                                     [--reps 10] [--json out.json] [--plot linear.png]
                                     [--shapes 4096x128256] [--autocast --chunk-rows 2048,4096]
 
@@ -21,7 +21,7 @@ above the inputs (torch.cuda.max_memory_allocated during a run less what was all
 it), the achieved TFLOP/s of the three matrix products (6 BT H V flops in all), the loss's
 relative error against float64 logits from the same bfloat16 operands, and the host's median
 milliseconds queueing a forward + backward (where they near the device's, the call is bound by
-its Python, as at bench_train's small widths).  --plot draws
+its Python, as at bench.train's small widths).  --plot draws
 cupyloss's time against its peak memory, with the others as points.  Never used as a test.
 """
 
@@ -134,7 +134,7 @@ def _candidates(torch, budgets, chunk_rows=()):
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_linear",
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.linear",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="8192,16384", help="BT values, comma-separated")
     ap.add_argument("--budgets", default="256,1024,2560,4608",
@@ -150,7 +150,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--chunk-rows", default="1024,2048,4096",
                     help="with --autocast: cupyloss's 16-bit logit chunks, comma-separated")
     args = ap.parse_args(argv)
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     _timing.need(ap.prog, torch=True)
     import torch

@@ -1,6 +1,6 @@
 """Benchmark gradients of broadcast operands: mse_loss_value_and_grad at four patterns.
 
-    python -m cupyloss.bench_broadcast [--reps 20] [--json out.json] [--no-compile] [--family]
+    python -m cupyloss.bench.broadcast [--reps 20] [--json out.json] [--no-compile] [--family]
                                        [--family-compile]
 
 Patterns (float32, 'mean' reduction, both gradients), x vs t:
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 
-from cupyloss import bench_rowwise
+from cupyloss.bench import rowwise as bench_rowwise
 
 PATTERNS = {
     "per-channel": ((1, 64, 1, 1), (256, 64, 56, 56)),
@@ -173,7 +173,7 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
     import cupy
 
     import cupyloss
-    from cupyloss import _timing, bench
+    from cupyloss.bench import _timing, bench
 
     rows = []
     for pattern, (x_shape, t_shape) in PATTERNS.items():
@@ -226,7 +226,7 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_broadcast",
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.broadcast",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
     ap.add_argument("--json", default=None, help="write the rows to this file")
@@ -236,7 +236,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--family-compile", action="store_true",
                     help="--family with torch.compile's time of each loss beside cupyloss's")
     args = ap.parse_args(argv)
-    from cupyloss import _timing
+    from cupyloss.bench import _timing
 
     _timing.need(ap.prog, torch=True)
     import torch

@@ -1,6 +1,6 @@
 """Benchmark cross_entropy, jsd and triplet_margin_loss against torch eager and torch.compile.
 
-    python -m cupyloss.bench_rowwise [--reps 20] [--scale 1.0] [--json out.json] [--no-compile]
+    python -m cupyloss.bench.rowwise [--reps 20] [--scale 1.0] [--json out.json] [--no-compile]
                                      [--workloads kb95,llm,jsd,kb99,options]
 
 Workloads (int64 targets, 'mean' reduction, about 1% of them ignore_index):
@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 
 import cupyloss
-from cupyloss import _timing
+from cupyloss.bench import _timing
 
 
 def _timer(torch, fn, reps: int, warmup: int = 3) -> float:
@@ -204,7 +204,7 @@ def _option_impls(torch, x, t, compile_: bool):
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench_rowwise",
+    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.rowwise",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the rows (0.25 on a "
