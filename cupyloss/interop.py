@@ -1,7 +1,7 @@
 """DLPack helpers for torch tensors, for code that wants CuPy views of them.
 
 Every cupyloss function takes torch CUDA tensors directly and returns torch tensors (see
-cupyloss._dispatch), so these are only needed to mix cupyloss with hand-written CuPy code.
+cupyloss._core.dispatch), so these are only needed to mix cupyloss with hand-written CuPy code.
 The core never imports this module.
 """
 

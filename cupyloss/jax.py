@@ -4,7 +4,7 @@
     jax.jit(jax.grad(lambda a, b: JL.mse_loss(a, b)))(a, b)
     jax.value_and_grad(JL.kl_div, argnums=(0, 1))(jnp.log(p), q, "batchmean")
 
-Generated from cupyloss's registry of every family (`cupyloss._registry.all_losses()`: the
+Generated from cupyloss's registry of every family (`cupyloss._core.registry.all_losses()`: the
 pointwise, row-wise, row-class and row-pair losses) when this module is imported: each
 loss ``f`` is ``cupyloss.jax.f`` with the core function's signature (``f(input, target, ...,
 reduction=...)``), so a loss registered later needs no code here.  A registered loss that cannot
@@ -56,9 +56,9 @@ import jax.numpy as jnp
 import numpy
 
 import cupyloss
-from cupyloss import _dispatch, _dtypes, _reduction, _validate
-from cupyloss import _engine as _core_engine
-from cupyloss._registry import all_losses
+from cupyloss._core import dispatch as _dispatch, dtypes as _dtypes, reduction as _reduction, validate as _validate
+from cupyloss._core import engine as _core_engine
+from cupyloss._core.registry import all_losses
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -68,7 +68,7 @@ except ImportError as exc:  # pragma: no cover - JAX older than 0.7
 
 _KDLCUDA = 2
 
-# Every registered loss of every family (cupyloss._registry.all_losses).
+# Every registered loss of every family (cupyloss._core.registry.all_losses).
 SPECS = all_losses()
 
 
@@ -178,7 +178,7 @@ class _Kernels:
         """Make the launches of `replays`' entry for this device with this call's addresses
         (no engine, no validation: both ran when the call was traced): True, or False where
         there is none or an address is not 16-byte aligned as the traced plans assume."""
-        from cupyloss import _args
+        from cupyloss._core import args as _args
 
         device = _cuda_device(buffers[0])
         ops = replays.get(device)
@@ -322,7 +322,7 @@ def _replay(ops, bases, tickets):
     address words are not known, or whose other words (a float64 option, a count) hold what
     reads as a fake address, is no replay: such a word is never rewritten, and the engine runs
     those calls instead."""
-    from cupyloss import _args
+    from cupyloss._core import args as _args
 
     spans = [(b, bases[k + 1] if k + 1 < len(bases) else _FAKE_END, k)
              for k, b in enumerate(bases)]

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy
 
-from cupyloss import _args, _dispatch, _dtypes, _source, _validate
+from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, source as _source, validate as _validate
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
@@ -340,7 +340,7 @@ def _status(code: int, what: str) -> None:
 
 def _narrow(src, out, stream, device) -> None:
     """out[...] = src rounded to out's 16-bit dtype (scale.cu's narrow; contiguous arrays)."""
-    from cupyloss import _launch, _source
+    from cupyloss._core import launch as _launch, source as _source
 
     n = src.size
     if (src.data.ptr | out.data.ptr) & 15:
@@ -391,7 +391,7 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         raise ValueError("hidden, weight, target and the optional arrays must be on one device")
     stream = frame.stream(device)
     if check:
-        from cupyloss import _rowwise
+        from cupyloss.rowwise import _family as _rowwise
 
         _rowwise.check_targets(frame, ops["target"], v if shard is None else shard.classes,
                                int(ignore_index), stream)
@@ -548,7 +548,7 @@ class _Call:
         [loss ('none': the rows', else their sum), None, None, lse]."""
         import cupy
 
-        from cupyloss import _rowwise
+        from cupyloss.rowwise import _family as _rowwise
 
         m, t, opts = r1 - r0, self.t[r0:r1], self.options
         stats = cupy.empty((m, _rowwise.SLICE_FIELDS), self.logit)
@@ -578,7 +578,7 @@ class _Call:
         nothing here ("slices")."""
         import cupy
 
-        from cupyloss import _rowwise
+        from cupyloss.rowwise import _family as _rowwise
 
         n, h, v, x, w = self.n, self.h, self.v, self.x, self.w
         rows = pl.rows
@@ -676,7 +676,7 @@ class _Call:
         them, its dZ from the first pass's lse, and that slice of dW."""
         import cupy
 
-        from cupyloss import _rowwise
+        from cupyloss.rowwise import _family as _rowwise
 
         n, h, v, x, w = self.n, self.h, self.v, self.x, self.w
         logit, dtype = self.logit, self.dtype

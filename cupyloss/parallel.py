@@ -40,7 +40,8 @@ import math
 
 import numpy
 
-from cupyloss import _dispatch, _dtypes, _rowwise, _validate
+from cupyloss._core import dispatch as _dispatch, dtypes as _dtypes, validate as _validate
+from cupyloss.rowwise import _family as _rowwise
 from cupyloss.linear import _INDEX_DTYPES, _target_operand
 
 FIELDS = _rowwise.SLICE_FIELDS   # m, s, a, b, t and the slice's claim (rowwise.cu)

@@ -14,7 +14,7 @@ import numpy as np
 
 import reference
 import reference_rowwise
-from cupyloss._registry import all_losses
+from cupyloss._core.registry import all_losses
 
 SPECS = all_losses()
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from cupyloss import _source
+from cupyloss._core import source as _source
 
 NAME = "cupyloss::scale_by_grad_output<float, 4>"
 

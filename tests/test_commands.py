@@ -85,7 +85,7 @@ def test_benchmarks_save_their_results_as_json(tmp_path):
 def test_bandwidth_schedules_cover_the_arrays():
     """bench.bandwidth's one-pass grid gives every vector a thread in one pass; its grid-stride
     grid holds at most GRID_WAVES waves of resident blocks, and one pass where that is fewer."""
-    from cupyloss import _launch
+    from cupyloss._core import launch as _launch
     from cupyloss.bench import bandwidth as bw
 
     tile = _launch.BLOCK * bw.STEPS

@@ -19,7 +19,7 @@ extern "C" __global__ void add_all(const float* v, long long n, float* out) {
 def _add_all(values):
     import cupy
 
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     kernel = cupy.RawKernel(_source.expand("common.cuh") + _KERNEL, "add_all",
                             options=_source.OPTIONS)
@@ -102,7 +102,7 @@ def _math(name, x):
     """Outputs of test kernel `name` over float32 x (one thread per element)."""
     import cupy
 
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     module = cupy.RawModule(code=_source.expand("common.cuh") + _source.expand("losses.cuh")
                             + _MATH, options=_source.OPTIONS)
@@ -128,7 +128,7 @@ def test_lg_normal_is_logf_on_every_positive_normal_float():
     floats."""
     import cupy
 
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     module = cupy.RawModule(code=_source.expand("common.cuh") + _source.expand("losses.cuh")
                             + _MATH, options=_source.OPTIONS)
@@ -194,7 +194,7 @@ def test_softcap_tanh_of_a_vector_is_tanh_ap_bit_for_bit():
     for a zero's sign: -0 gives +0 (0 either way)."""
     import cupy
 
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     rng = np.random.default_rng(13)
     d = _tanh_arguments(13)

@@ -35,7 +35,7 @@ import shutil
 
 import pytest
 
-from cupyloss import _dtypes, _source
+from cupyloss._core import dtypes as _dtypes, source as _source
 
 ARCHS = ("sm_80", "sm_90")  # A100 and H100: the GPUs the suite runs on
 UNITS = _source.units()
@@ -220,7 +220,7 @@ def test_kernels_compile(compiled, file, names, arch):
     missing = [name for name in names if not lowered.get(name)]
     assert not missing, f"{file} for {arch}: no lowered name for {missing}"
     assert not atomics, f"{file} for {arch}: float atomic adds {atomics} are non-deterministic"
-    # The host packs each launch's parameters as 64-bit words (cupyloss/_args.py): a buffer of
+    # The host packs each launch's parameters as 64-bit words (cupyloss/_core/args.py): a buffer of
     # another size than the kernel's parameter block fails every launch on the device.
     wrong = [(name, params.get(lowered[name]), 8 * words) for name in names
              for words in [_host_words(name)] if words is not None
@@ -241,7 +241,12 @@ def test_general_covers_every_template_and_dtype():
 
 def _host_words(name: str):
     """Words of the host Layout that launches kernel `name` (None: not launched from a Layout)."""
-    from cupyloss import _pointwise, _registry, _rowclass, _rowpair, _rowwise, linear
+    from cupyloss.pointwise import _family as _pointwise
+    from cupyloss._core import registry as _registry
+    from cupyloss.rowclass import _family as _rowclass
+    from cupyloss.rowpair import _family as _rowpair
+    from cupyloss.rowwise import _family as _rowwise
+    from cupyloss import linear
 
     kernel, _, args = name.partition("<")
     kernel = kernel.removeprefix("cupyloss::")
@@ -342,7 +347,7 @@ def test_precompile_command(monkeypatch, tmp_path, capsys):
     """python -m cupyloss.tools.precompile for named losses, dtypes and architectures, without a
     GPU: one cache entry per kernel and architecture; a second run finds them all."""
     _need_toolchain()
-    from cupyloss import _source
+    from cupyloss._core import source as _source
     from cupyloss.tools import precompile
 
     monkeypatch.setenv("CUPYLOSS_CACHE_DIR", str(tmp_path))
@@ -380,7 +385,7 @@ def _candidate_jobs(pool, lib, include):
     """{(knob, value): futures} of the most general pointwise kernels (with and without
     gradients) of TUNED_FUNCTORS x TUNED_DTYPES for sm_90 with each compile-time knob at each
     candidate value (fast mode)."""
-    from cupyloss import _tuning
+    from cupyloss._core import tuning as _tuning
 
     infos = [info for info in _dtypes.DTYPES.values() if str(info.dtype) in TUNED_DTYPES]
     names = []

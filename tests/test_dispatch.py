@@ -25,7 +25,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 def _calls(x, t):
     """(name, function, args, first) of every public entry point of cupyloss with x as its first
     array argument (named `first`: input, or input1) and t as every other required one."""
-    from cupyloss._registry import all_losses
+    from cupyloss._core.registry import all_losses
 
     for loss, spec in all_losses().items():
         arrays = (x,) + (t,) * (len(spec.arrays) - 1)
@@ -50,7 +50,7 @@ def test_every_public_function_is_covered():
 
 def test_import_cupyloss_imports_no_framework():
     """The core never imports torch or JAX (nor CuPy until a call needs it)."""
-    code = ("import sys, cupyloss, cupyloss.pointwise, cupyloss._dispatch; "
+    code = ("import sys, cupyloss, cupyloss.pointwise, cupyloss._core.dispatch; "
             "print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -125,7 +125,7 @@ def test_torch_without_cuda_is_refused_before_any_launch():
 
 
 def test_operands_on_two_devices_are_refused_naming_both():
-    from cupyloss import _dispatch, _validate
+    from cupyloss._core import dispatch as _dispatch, validate as _validate
 
     a = _dispatch.Operand(0, (3,), (1,), np.dtype(np.float32), 0, None)
     b = _dispatch.Operand(0, (3,), (1,), np.dtype(np.float32), 1, None)
@@ -136,7 +136,7 @@ def test_operands_on_two_devices_are_refused_naming_both():
 
 
 def test_unsupported_dtype_names_the_argument_and_the_supported_ones():
-    from cupyloss import _validate
+    from cupyloss._core import validate as _validate
 
     err = _validate.unsupported_dtype("target", "int64")
     assert isinstance(err, TypeError)
@@ -146,7 +146,7 @@ def test_unsupported_dtype_names_the_argument_and_the_supported_ones():
 def test_given_region_hands_out_results_in_declared_order_then_scratch():
     """A Region (how cupyloss.jax fills XLA's buffers): each result takes the first unclaimed
     buffer of its shape and dtype; pieces of scratch start on ALIGN-byte boundaries."""
-    from cupyloss import _dispatch
+    from cupyloss._core import dispatch as _dispatch
 
     f32 = np.dtype(np.float32)
     outs = [np.empty((), f32), np.empty((4, 5), f32), np.empty((4, 5), f32)]

@@ -110,7 +110,7 @@ def test_cupy_negative_strides():
 
 def test_zero_copy_both_ways():
     """Inputs are read at their own addresses; outputs are the framework's own allocations."""
-    from cupyloss import _dispatch
+    from cupyloss._core import dispatch as _dispatch
 
     torch = _torch()
     x = torch.randn(1000, device="cuda", requires_grad=True)
@@ -158,7 +158,7 @@ def test_inputs_are_never_written():
 def _torch_path(monkeypatch, fast):
     """Read torch tensors through data_ptr() (fast) or DLPack, for this test only.  Frames are
     cached per array type, so the cache starts empty too."""
-    from cupyloss import _dispatch
+    from cupyloss._core import dispatch as _dispatch
 
     monkeypatch.setattr(_dispatch, "torch_fast_path", fast)
     monkeypatch.setattr(_dispatch, "_FRAMES", {})
@@ -262,7 +262,7 @@ def test_jax_arrays_in_and_out():
     jax = _jax()
     import jax.numpy as jnp
 
-    from cupyloss import _dispatch
+    from cupyloss._core import dispatch as _dispatch
 
     rng = np.random.default_rng(4)
     p = rng.uniform(0.05, 1, (64, 100)).astype(np.float32)

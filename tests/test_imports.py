@@ -87,7 +87,7 @@ def test_the_graph_sees_lazy_imports():
     module only when a call needs it), so a cycle through one cannot hide."""
     edges = graph()
     assert "cupyloss.linear" in edges["cupyloss.torch"]
-    assert "cupyloss._torch_parallel" in edges["cupyloss.torch"]
+    assert "cupyloss.torch._parallel" in edges["cupyloss.torch"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -100,3 +100,59 @@ def test_the_library_imports_no_command():
     bad = {m: sorted(d for d in edges[m] if d.startswith(commands)) for m in library}
     assert not {m: d for m, d in bad.items() if d}
     assert any(m.startswith("cupyloss.bench.") for m in edges)    # the walk reaches them
+
+
+def _defined(path: pathlib.Path) -> set:
+    """The names a module's top level binds (defs, classes, assignments, imports), and for a
+    package its submodules."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        names.add(n.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(sub.name)
+                elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
+                elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                    names.add(sub.id)
+    if path.name == "__init__.py":
+        names |= {p.stem for p in path.parent.glob("*.py")} | {
+            p.name for p in path.parent.iterdir() if (p / "__init__.py").exists()}
+    return names
+
+
+def test_every_import_of_the_package_resolves():
+    """Every `from cupyloss... import name` in the package, the tests and the examples, those
+    inside functions included (the GPU paths' lazy imports, which no CPU test runs), names a
+    module of the package and a name it binds, so that a module moved or renamed cannot leave
+    an import behind that only a GPU would reach."""
+    modules = _modules()
+    here = pathlib.Path(__file__).resolve().parent      # tests/, beside examples/
+    sources = list(ROOT.rglob("*.py")) + list(here.glob("*.py"))
+    sources += list((here.parent / "examples").glob("*.py"))
+    bound = {}
+    bad = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0] == "cupyloss":
+                if node.module not in modules:
+                    bad.append(f"{path.name}:{node.lineno}: no module {node.module}")
+                    continue
+                have = bound.setdefault(node.module, _defined(modules[node.module]))
+                bad += [f"{path.name}:{node.lineno}: {node.module} binds no {a.name}"
+                        for a in node.names if a.name != "*" and a.name not in have]
+            elif isinstance(node, ast.Import):
+                bad += [f"{path.name}:{node.lineno}: no module {a.name}" for a in node.names
+                        if a.name.split(".")[0] == "cupyloss" and a.name not in modules]
+    assert not bad, bad

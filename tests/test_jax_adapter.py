@@ -274,7 +274,7 @@ def test_replay_patches_every_address_of_a_recorded_call(monkeypatch):
     the replaying stream's (-2, -1); everything else is kept."""
     import array
 
-    from cupyloss import _args
+    from cupyloss._core import args as _args
 
     monkeypatch.setitem(_args.POINTERS, 11, frozenset(range(7)))
 
@@ -302,7 +302,7 @@ def test_replay_never_rewrites_a_word_that_is_not_an_address(monkeypatch):
     import array
     import struct
 
-    from cupyloss import _args
+    from cupyloss._core import args as _args
 
     structs = [jax.ShapeDtypeStruct((4, 5), jnp.float32)] * 2
     bases = list(JL._fake_addresses(structs))
@@ -320,7 +320,9 @@ def test_replay_never_rewrites_a_word_that_is_not_an_address(monkeypatch):
 def test_every_layout_knows_its_address_words():
     """The address words come from the kernels' declarations: pointer parameters, pointer
     fields of a struct written field by field, and structs of pointers; never a double."""
-    from cupyloss import _pointwise, _rowwise, linear
+    from cupyloss.pointwise import _family as _pointwise
+    from cupyloss.rowwise import _family as _rowwise
+    from cupyloss import linear
 
     layout = _pointwise.flat_layout(2, 3)
     slot = layout.slot

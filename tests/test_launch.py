@@ -1,4 +1,4 @@
-"""Launch arithmetic of cupyloss._launch, checked on the CPU (no GPU, no CuPy).
+"""Launch arithmetic of cupyloss._core.launch, checked on the CPU (no GPU, no CuPy).
 
 Everything a kernel trusts the host for is here: the magic numbers of 64-bit division by a
 run-time constant, the coalesced broadcast geometry and its packed struct, and the grid, block
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyloss import _launch, _source, _tuning
-from cupyloss._launch import BLOCK, BLOCKS_PER_SM, MAX_DIMS, WARP, DeviceLimits
+from cupyloss._core import launch as _launch, source as _source, tuning as _tuning
+from cupyloss._core.launch import BLOCK, BLOCKS_PER_SM, MAX_DIMS, WARP, DeviceLimits
 
 # An H100 SXM: 132 SMs, the grid limits every CUDA device since sm_30 has, 48 KiB of static
 # shared memory per block.
@@ -976,7 +976,7 @@ def test_launch_hands_the_driver_a_well_formed_extra_array(monkeypatch):
     import ctypes
     import types
 
-    from cupyloss import _args
+    from cupyloss._core import args as _args
 
     seen = {}
 
@@ -1001,7 +1001,7 @@ def test_every_kernel_define_names_a_macro_the_kernels_read():
     """A define of the launch table that no kernel reads (a misspelt name) would change nothing
     without a word: each must be a macro the kernels require (pointwise.cu stops with #error
     without it; test_params checks the two sets are one) and use."""
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     sources = "".join(p.read_text() for p in _source.kernel_dir().iterdir()
                       if p.suffix in (".cu", ".cuh"))
@@ -1016,7 +1016,7 @@ def test_every_kernel_define_names_a_macro_the_kernels_read():
 
 def test_heavy_sizes_mask_names_element_sizes_of_the_dtypes():
     """CUPYLOSS_GRAD_HEAVY_SIZES sets bit b only for b-byte elements some dtype has."""
-    from cupyloss import _dtypes
+    from cupyloss._core import dtypes as _dtypes
 
     mask = next(int(o.split("=")[1]) for o in _tuning.kernel_defines()
                 if o.startswith("-DCUPYLOSS_GRAD_HEAVY_SIZES="))
@@ -1046,7 +1046,11 @@ def test_slice_launch_is_a_block_a_row_within_one_wave(rows, grid):
 
 
 def test_plan_caches_are_bounded_and_drop_the_oldest():
-    from cupyloss import _plans, _pointwise, _rowclass, _rowpair, _rowwise
+    from cupyloss._core import plans as _plans
+    from cupyloss.pointwise import _family as _pointwise
+    from cupyloss.rowclass import _family as _rowclass
+    from cupyloss.rowpair import _family as _rowpair
+    from cupyloss.rowwise import _family as _rowwise
 
     plans = _plans.Plans(3)
     for k in range(5):

@@ -6,7 +6,7 @@ import pytest
 
 import reference_rowwise as ref
 from cupyloss import linear
-from cupyloss._dispatch import Operand
+from cupyloss._core.dispatch import Operand
 
 
 def _op(shape, dtype):
@@ -222,7 +222,7 @@ def test_traced_by_torch_compile_fullgraph(reduction, opts):
 def test_cross_entropy_logits_grad_matches_float64(reduction, opts, weighted):
     """The gradient the op's CPU kernel writes out (no autograd) against the float64 reference."""
     torch = pytest.importorskip("torch")
-    from cupyloss import _torch_forms
+    from cupyloss.torch import _forms as _torch_forms
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((9, 7)) * 2
@@ -283,7 +283,7 @@ def test_autocast_dtype_of_a_linear_call(monkeypatch):
     """F.linear's autocast rule: the autocast dtype on CUDA tensors, unless every operand has
     it already or one is float64; never on the CPU or outside autocast."""
     torch = pytest.importorskip("torch")
-    from cupyloss import _torch_autocast as A
+    from cupyloss.torch import _autocast as A
 
     class Like:          # the metadata linear_compute reads, without a CUDA tensor
         def __init__(self, dtype, device="cuda"):

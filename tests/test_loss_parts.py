@@ -1,6 +1,6 @@
 """Every registered loss has every part a loss needs, checked on the CPU.
 
-A loss is registered once, in its family's SPECS (``cupyloss._registry.all_losses()``); from
+A loss is registered once, in its family's SPECS (``cupyloss._core.registry.all_losses()``); from
 there it needs, besides the registration:
 
   * its math in the kernels: a pointwise functor (``struct XxxOp`` in kernels/losses.cuh), a
@@ -9,7 +9,7 @@ there it needs, besides the registration:
     ``cupyloss.__all__``;
   * a float64 reference of the value and the gradients in tests/reference*.py: ``name`` and
     ``name_grads`` (pointwise references may drop a ``_loss`` suffix: ``mse``, ``mse_grads``);
-  * a CPU form for the torch adapter (torch.nn.functional's, or cupyloss._torch_forms');
+  * a CPU form for the torch adapter (torch.nn.functional's, or cupyloss.torch._forms');
   * its torch function and nn.Module, and its JAX function;
   * a row in the README's table of losses and a mention in docs/losses.md.
 
@@ -25,7 +25,7 @@ import pytest
 import cupyloss
 import reference
 import reference_rowwise
-from cupyloss import _registry, _source
+from cupyloss._core import registry as _registry, source as _source
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LOSSES = _registry.all_losses()
@@ -34,17 +34,17 @@ LOSSES = _registry.all_losses()
 def _kernel_part(name, spec) -> bool:
     """Whether the kernels hold this loss's math (see the module docstring)."""
     family = type(spec).__module__
-    if family == "cupyloss._registry":
+    if family == "cupyloss._core.registry":
         text = (ROOT / "kernels" / "losses.cuh").read_text()
         return re.search(rf"\bstruct {re.escape(spec.functor)}\b", text) is not None
-    if family == "cupyloss._rowwise":
-        from cupyloss import _rowwise
+    if family == "cupyloss.rowwise._family":
+        from cupyloss.rowwise import _family as _rowwise
 
         modes = {"cross_entropy": _rowwise.MODE_GENERAL, "nll": _rowwise.MODE_NLL}
         return spec.kind in modes
-    if family == "cupyloss._rowclass":
+    if family == "cupyloss.rowclass._family":
         return spec.loss in _source.ROWCLASS_LOSSES
-    if family == "cupyloss._rowpair":
+    if family == "cupyloss.rowpair._family":
         return spec.op in _source.ROWPAIR_OPS
     return False
 
@@ -82,7 +82,7 @@ def test_a_registered_loss_has_every_part(name):
 def test_a_registered_loss_has_its_adapters(name):
     torch = pytest.importorskip("torch")
     import cupyloss.torch as CF
-    from cupyloss import _torch_forms
+    from cupyloss.torch import _forms as _torch_forms
 
     missing = []
     if name not in CF.LOSSES or name not in CF.__all__:
@@ -90,7 +90,7 @@ def test_a_registered_loss_has_its_adapters(name):
     if name not in CF.MODULES or CF.MODULES[name].__name__ not in CF.__all__:
         missing.append("its nn.Module in cupyloss.torch")
     if name not in _torch_forms._FORMS and not callable(getattr(torch.nn.functional, name, None)):
-        missing.append("a CPU form (torch.nn.functional's or cupyloss._torch_forms')")
+        missing.append("a CPU form (torch.nn.functional's or cupyloss.torch._forms')")
     try:
         import cupyloss.jax as CJ
     except ImportError:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 import cupyloss.torch as CF  # noqa: E402
-from cupyloss import _torch_parallel as TP  # noqa: E402
+from cupyloss.torch import _parallel as TP  # noqa: E402
 from cupyloss import parallel  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 

@@ -15,7 +15,12 @@ import re
 
 import pytest
 
-from cupyloss import _launch, _pointwise, _rowclass, _rowpair, _rowwise, _source, _tuning, linear
+from cupyloss._core import launch as _launch, source as _source, tuning as _tuning
+from cupyloss.pointwise import _family as _pointwise
+from cupyloss.rowclass import _family as _rowclass
+from cupyloss.rowpair import _family as _rowpair
+from cupyloss.rowwise import _family as _rowwise
+from cupyloss import linear
 
 # (module, its layouts, where they come from)
 LAYOUTS = [
@@ -32,6 +37,12 @@ LAYOUTS = [
     (linear, {"NARROW": ("scale.cu", "narrow")}),
     (_pointwise, {"SUM_CHUNKS": ("reduce.cu", "sum_chunks")}),
 ]
+try:    # the torch adapter's own launch: scale_by_grad_output
+    import cupyloss.torch as _torch_adapter
+
+    LAYOUTS.append((_torch_adapter, {"SCALE": ("scale.cu", "scale_by_grad_output")}))
+except ImportError:
+    pass
 POINTWISE = {"flat": "pointwise_flat", "rows": "pointwise_rows", "reduce": "pointwise_reduce"}
 
 

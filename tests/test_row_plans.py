@@ -14,7 +14,10 @@ import types
 import numpy as np
 import pytest
 
-from cupyloss import _args, _dispatch, _engine, _launch, _rowclass, _rowpair, _rowwise, _source
+from cupyloss._core import args as _args, dispatch as _dispatch, engine as _engine, launch as _launch, source as _source
+from cupyloss.rowclass import _family as _rowclass
+from cupyloss.rowpair import _family as _rowpair
+from cupyloss.rowwise import _family as _rowwise
 from test_pointwise_plans import H100, FakeFrame, HostArray
 
 # H100 limits with clusters, as the rows kernel plans on sm_90

@@ -1,13 +1,13 @@
 """The rowclass family without a GPU: argument checks (torch's wording, raised from metadata before
-any launch), the registry entries and the layout helpers of cupyloss/_rowclass.py."""
+any launch), the registry entries and the layout helpers of cupyloss/rowclass/_family.py."""
 
 import types
 
 import numpy as np
 import pytest
 
-from cupyloss import _rowclass
-from cupyloss._registry import all_losses
+from cupyloss.rowclass import _family as _rowclass
+from cupyloss._core.registry import all_losses
 
 try:
     import torch

@@ -261,7 +261,7 @@ def test_wide_loss_alone(name, cols, layout, opts):
     loss within a rounding of value_and_grad's, and bitwise repeatable."""
     cp = _cupy()
     cl = _cl()
-    from cupyloss import _launch, _tuning
+    from cupyloss._core import launch as _launch, tuning as _tuning
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     rows = _tuning.value("PAIR_WIDE_GROUPS", limits.gpu) * limits.sm_count + 3   # past the threshold, not a multiple
@@ -443,7 +443,7 @@ def test_wide_loss_alone_past_2_to_the_31_elements():
     offset, are right, and the 0-d sum is the rows' sum."""
     cp = _cupy()
     cl = _cl()
-    from cupyloss import _launch
+    from cupyloss._core import launch as _launch
 
     rows, cols = 262_200, 8200
     assert rows * cols > 2**31

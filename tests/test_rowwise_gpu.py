@@ -17,7 +17,7 @@ from gpu_util import BFLOAT16, DTYPES, RTOL, TINY, assert_close, to_host
 
 pytestmark = pytest.mark.gpu
 
-# C by the table in cupyloss/_launch.py: team edges for float32 (4 elements a vector) and 16-bit
+# C by the table in cupyloss/_core/launch.py: team edges for float32 (4 elements a vector) and 16-bit
 # (8): 8 threads x 8 vectors = 256 / 512 elements, 32 x 8 = 1024 / 2048, 256 x 8 = 8192 / 16384.
 COLS = (1, 2, 7, 31, 33, 255, 256, 257, 1000, 1025, 2049, 4096, 8191, 8193, 16385)
 ROWS = (1, 2, 3, 31, 33, 64, 129)
@@ -247,7 +247,7 @@ def _rows_match_the_reference(dtype, cols, rows, extra, check_plan):
     array.  The caller sets the knobs and an empty plan cache."""
     cp = _cupy()
     cl = _cl()
-    from cupyloss import _rowwise
+    from cupyloss.rowwise import _family as _rowwise
 
     rng = np.random.default_rng(cols + rows)
     x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
@@ -292,7 +292,8 @@ def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, 
     in registers and reads the other again; value, gradient and lse against float64, the
     gradient written into the logits bitwise the same as into a new array."""
     cp = _cupy()
-    from cupyloss import _launch, _rowwise, _tuning
+    from cupyloss._core import launch as _launch, tuning as _tuning
+    from cupyloss.rowwise import _family as _rowwise
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_GRAD_TILES": 2})
@@ -318,7 +319,8 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
     merge their states in one order: bitwise the same value, gradient and lse."""
     cp = _cupy()
     cl = _cl()
-    from cupyloss import _launch, _rowwise, _tuning
+    from cupyloss._core import launch as _launch, tuning as _tuning
+    from cupyloss.rowwise import _family as _rowwise
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     if not limits.clusters:
@@ -350,7 +352,8 @@ def test_rows_a_pair_takes_match_the_reference(monkeypatch, dtype, cols, rows, p
     for rows a pair holds but for a tile): value, gradient and lse against float64; the
     gradient written into the logits bitwise the same as into a new array."""
     cp = _cupy()
-    from cupyloss import _launch, _rowwise, _tuning
+    from cupyloss._core import launch as _launch, tuning as _tuning
+    from cupyloss.rowwise import _family as _rowwise
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     if not limits.clusters:

@@ -1,4 +1,4 @@
-"""cupyloss/torch.pyi, the type stub of the functions and classes cupyloss.torch builds at
+"""cupyloss/torch/__init__.pyi, the type stub of the functions and classes cupyloss.torch builds at
 import, is what cupyloss.tools.stubs writes from the module as built now."""
 
 import pytest
@@ -10,7 +10,7 @@ def test_the_stub_is_current():
     from cupyloss.tools import stubs as _stubs
 
     assert _stubs.PATH.read_text() == _stubs.render(), \
-        "cupyloss/torch.pyi is stale: run python -m cupyloss.tools.stubs"
+        "cupyloss/torch/__init__.pyi is stale: run python -m cupyloss.tools.stubs"
 
 
 def test_the_stub_declares_every_public_name():

@@ -1,5 +1,5 @@
 """float32 and bfloat16 subnormals are kept, as torch keeps them: the kernels are compiled without
-flush-to-zero (cupyloss._source.compile_module), so a tiny input is not read as 0 and a tiny loss
+flush-to-zero (cupyloss._core.source.compile_module), so a tiny input is not read as 0 and a tiny loss
 does not come out as 0."""
 
 import numpy as np

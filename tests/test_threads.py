@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from cupyloss import _args, _dispatch, _engine, _plans
+from cupyloss._core import args as _args, dispatch as _dispatch, engine as _engine, plans as _plans
 
 
 def _together(n, body):

@@ -1,4 +1,4 @@
-"""The launch table (cupyloss._tuning): a GPU's row takes the place of the defaults for that GPU
+"""The launch table (cupyloss._core.tuning): a GPU's row takes the place of the defaults for that GPU
 alone, reaches the compile options and the launch arithmetic, and keeps its cubins apart; a
 row that names no knob, or a value the knob cannot take, is refused."""
 
@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from cupyloss import _launch, _source, _tuning
-from cupyloss._launch import DeviceLimits
+from cupyloss._core import launch as _launch, source as _source, tuning as _tuning
+from cupyloss._core.launch import DeviceLimits
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_functors_are_math_and_their_shapes_the_tables():
     trait an entry sets, for every instantiation of its functor, where pointwise.cu asks."""
     import re
 
-    from cupyloss import _registry
+    from cupyloss._core import registry as _registry
 
     losses = re.sub(r"//[^\n]*", "", _source.expand("losses.cuh"))
     schedule = re.findall(r"static constexpr \w+ (cheap|stream_shape|shape_f32|heavy_sizes|"
@@ -375,7 +375,7 @@ def test_a_bad_shape_row_is_refused_with_its_line(table, row, match):
 
 
 def test_every_shape_field_in_the_shipped_table_names_a_registered_functor():
-    from cupyloss import _registry
+    from cupyloss._core import registry as _registry
 
     families = {f.partition("<")[0] for f in _registry.functors()}
     for gpu, row in _tuning.read_table(_tuning.TABLE).items():
@@ -387,7 +387,7 @@ def test_every_shape_field_in_the_shipped_table_names_a_registered_functor():
 def test_tune_takes_a_shape_field_with_its_own_workload():
     """A shape field's workload runs its loss in the kernel the field shapes, and its candidates
     are built as a compile-time knob's are."""
-    from cupyloss import _registry
+    from cupyloss._core import registry as _registry
     from cupyloss.tools import tune
 
     for knob, shapes in (("KlDivOp.rows_blocks_f32", [(8192, 4096), (4096,)]),

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyloss import _dtypes, _reduction, _validate
+from cupyloss._core import dtypes as _dtypes, reduction as _reduction, validate as _validate
 
 # --- reductions ------------------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ def test_distinct_elements_finds_overlapping_views():
     """inplace=True writes each element once only where no two indices share an address: a
     stride of 0 and an as_strided view whose rows overlap are refused, sliced, transposed and
     negative-stride views pass."""
-    from cupyloss._validate import distinct_elements
+    from cupyloss._core.validate import distinct_elements
 
     assert distinct_elements((4, 8), (8, 1))            # C order
     assert distinct_elements((4, 8), (1, 4))            # F order
@@ -200,7 +200,7 @@ def test_distinct_elements_finds_overlapping_views():
 
 
 def test_byte_strides_must_be_whole_elements():
-    from cupyloss import _dispatch
+    from cupyloss._core import dispatch as _dispatch
 
     assert _dispatch.element_strides((32, 4), 4, "input") == (8, 1)
     with pytest.raises(ValueError, match="not multiples of its element size 4"):

@@ -22,7 +22,7 @@ def gpu_ms(fn, reps: int, warmup: int = 3, stream: int | None = None) -> float:
     """
     import cupy
 
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     hold = _source.function("bench.cu", "cupyloss::hold_stream")
     s = cupy.cuda.get_current_stream() if stream is None else cupy.cuda.ExternalStream(stream)

@@ -42,7 +42,7 @@ def memcpy_gbs(reps: int) -> float:
 
 def schedules(n_vec: int, sm_count: int) -> dict[str, int]:
     """Grid of each schedule over n_vec 16-byte vectors (256-thread blocks)."""
-    from cupyloss import _launch
+    from cupyloss._core import launch as _launch
 
     tile = _launch.BLOCK * STEPS
     return {"one pass": -(-n_vec // tile),
@@ -52,7 +52,8 @@ def schedules(n_vec: int, sm_count: int) -> dict[str, int]:
 def run(sizes, reps: int) -> dict:
     import cupy
 
-    from cupyloss import _launch, _source, _timing
+    from cupyloss._core import launch as _launch, source as _source
+    from cupyloss.bench import _timing
 
     sm_count = _launch.device_limits(cupy.cuda.runtime.getDevice()).sm_count
     out = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),

@@ -103,7 +103,7 @@ _ARGS = {
 def loss_cases() -> dict:
     """One case per registered loss, linear_cross_entropy, and cross_entropy with label
     smoothing."""
-    from cupyloss import _registry
+    from cupyloss._core import registry as _registry
 
     cases = {}
     for name in _registry.all_losses():

@@ -228,7 +228,7 @@ def _torch_fns(name, a, b, compiled=None):
 def _family_calls(x, y, u):
     """name -> (array arguments, options) of every registered loss on [n, n] float32 arrays:
     x, y standard normal, u uniform in (0, 1) (probabilities, targets, variances)."""
-    from cupyloss._registry import SPECS
+    from cupyloss._core.registry import SPECS
 
     args = {
         "kl_div": ((x, u), {}),

@@ -72,7 +72,8 @@ def _rank(rank, k, path, args, results):
     import torch.distributed as dist
 
     import cupyloss.torch as CF
-    from cupyloss import _torch_parallel, parallel
+    from cupyloss.torch import _parallel as _torch_parallel
+    from cupyloss import parallel
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=k,

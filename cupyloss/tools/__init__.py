@@ -2,5 +2,5 @@
 
     python -m cupyloss.tools.precompile   compile every kernel into the kernel cache up front
     python -m cupyloss.tools.tune         measure a GPU's row of the launch table
-    python -m cupyloss.tools.stubs        write cupyloss/torch.pyi from cupyloss.torch as built
+    python -m cupyloss.tools.stubs        write cupyloss/torch/__init__.pyi from cupyloss.torch as built
 """

@@ -25,7 +25,7 @@ __all__ = ["jobs", "precompile"]
 
 
 def _dtype_names() -> dict:
-    from cupyloss import _dtypes
+    from cupyloss._core import dtypes as _dtypes
 
     return {str(dtype): dtype for dtype in _dtypes.DTYPES}
 
@@ -33,7 +33,7 @@ def _dtype_names() -> dict:
 def jobs(losses=None, dtypes=None, archs=()) -> list[tuple[str, str, str]]:
     """(file, name expression, arch) of every kernel the named losses can run on the named
     dtypes (all of either when None), once each, for each architecture in `archs`."""
-    from cupyloss import _registry, _source
+    from cupyloss._core import registry as _registry, source as _source
 
     names = _dtype_names()
     losses = ([*_registry.all_losses(), *_source.FUSED_LOSSES] if losses is None
@@ -51,7 +51,7 @@ def jobs(losses=None, dtypes=None, archs=()) -> list[tuple[str, str, str]]:
 def _compile(job) -> float:
     """Worker: one kernel (file, name, arch, gpu) into the cache; its seconds (0 when the cache
     had it)."""
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     file, name, arch, gpu = job
     start = time.perf_counter()
@@ -63,7 +63,7 @@ def _device() -> tuple[str, str]:
     """(architecture, launch-table key) of the current GPU."""
     import cupy
 
-    from cupyloss import _launch
+    from cupyloss._core import launch as _launch
 
     try:
         device = cupy.cuda.Device()
@@ -117,7 +117,7 @@ def _reporter(stream):
 
 
 def main(argv=None) -> int:
-    from cupyloss import _registry, _source
+    from cupyloss._core import registry as _registry, source as _source
 
     parser = argparse.ArgumentParser(
         prog="python -m cupyloss.tools.precompile",

@@ -1,6 +1,6 @@
 """The type stub of cupyloss.torch, written from the module as it is built at import.
 
-    python -m cupyloss.tools.stubs            # writes cupyloss/torch.pyi
+    python -m cupyloss.tools.stubs            # writes cupyloss/torch/__init__.pyi
     python -m cupyloss.tools.stubs --check    # exits 1 when the file differs from what it would write
 
 cupyloss.torch builds most of its public functions and nn.Module classes from the loss registry
@@ -31,7 +31,7 @@ _VALUES = {"gradients_in_forward": "bool",
            "MODULES": "dict[str, type[torch.nn.Module]]",
            "SKIPPED": "dict[str, str]"}
 _RETURNS = {"scale_by_grad_output": "None"}
-PATH = pathlib.Path(__file__).resolve().parent.parent / "torch.pyi"
+PATH = pathlib.Path(__file__).resolve().parent.parent / "torch" / "__init__.pyi"
 
 
 def _annotation(p: inspect.Parameter) -> str:

@@ -3,7 +3,7 @@
     python -m cupyloss.tools.tune [--knobs A,B] [--reps 10] [--margin 0.02] [--scale 1]
                             [--max-seconds S] [--write]
 
-The knobs of cupyloss._tuning (launch choices that are not the losses' math) are tried one at a
+The knobs of cupyloss._core.tuning (launch choices that are not the losses' math) are tried one at a
 time, in the table's order: each candidate value is set for this GPU in this process, the
 kernels it changes compiled (all of a knob's candidates at once, in a process a core: the
 kernels recorded from one call of each workload), and the workloads that run those kernels
@@ -33,7 +33,7 @@ A loss's own shape (_tuning.FUNCTOR_SHAPES) is tuned by naming its fields in --k
 never by default: that loss's value_and_grad in the kernel the field shapes (functor_workloads)
 is the workload, and the row written is that GPU's alone.
 
-Prints this GPU's rows of the knobs tried; --write puts them into cupyloss/tuning.csv in place
+Prints this GPU's rows of the knobs tried; --write puts them into cupyloss/_core/tuning.csv in place
 of this GPU's values of those knobs there (its other rows stay; a GPU without a row of its own
 gets the values it ran, those of the row it adopted, for the rest).  --summarize CSV prints a
 measurements file as the Markdown table docs/tuning.md quotes.  --max-seconds stops before a
@@ -233,7 +233,7 @@ def functor_workloads(knob: str, scale: float) -> list[Workload]:
     import numpy as np
 
     import cupyloss
-    from cupyloss import _registry, _tuning
+    from cupyloss._core import registry as _registry, tuning as _tuning
 
     _tuning.functor_knob(knob)   # refuses what is not one
     template, _, field = knob.partition(".")
@@ -262,7 +262,11 @@ def functor_workloads(knob: str, scale: float) -> list[Workload]:
 
 def _reset() -> None:
     """Forget every kernel and plan built with the knobs in force before."""
-    from cupyloss import _pointwise, _rowclass, _rowpair, _rowwise, _source
+    from cupyloss.pointwise import _family as _pointwise
+    from cupyloss.rowclass import _family as _rowclass
+    from cupyloss.rowpair import _family as _rowpair
+    from cupyloss.rowwise import _family as _rowwise
+    from cupyloss._core import source as _source
 
     _source._function.cache_clear()
     _source._resident.cache_clear()
@@ -275,7 +279,7 @@ def record(work: list[Workload]) -> dict[str, set[tuple[str, str]]]:
     each with the knobs in force (what a candidate of a compile-time knob must build)."""
     import cupy
 
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     seen: dict[str, set[tuple[str, str]]] = {}
     real = _source.function
@@ -301,7 +305,7 @@ def record(work: list[Workload]) -> dict[str, set[tuple[str, str]]]:
 def _build(job) -> None:
     """Worker: one kernel (file, name, arch, gpu, {knob: value}) into the cache, with those
     values of the knobs for that GPU."""
-    from cupyloss import _source, _tuning
+    from cupyloss._core import source as _source, tuning as _tuning
 
     file, name, arch, gpu, values = job
     _tuning._OVERRIDES[gpu] = dict(values)
@@ -311,7 +315,7 @@ def _build(job) -> None:
 def candidate_jobs(knob: str, kernels: set, arch: str, gpu: str, values: dict) -> list:
     """The _build jobs of a compile-time knob's candidates: `kernels` ({(file, name)}) of
     pointwise.cu with the values in force (`values`) and the knob at each candidate."""
-    from cupyloss import _tuning
+    from cupyloss._core import tuning as _tuning
 
     spec = _tuning.knob(knob)
     if not spec.compiled:
@@ -361,7 +365,7 @@ def summarize(path: pathlib.Path) -> str:
     chosen, its mean time ratio to the default's over the knob's workloads, the best and worst
     workload ratios, and the next best value with its mean ratio (how near the choice was;
     docs/tuning.md quotes it)."""
-    from cupyloss import _tuning
+    from cupyloss._core import tuning as _tuning
 
     with path.open(newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -419,7 +423,7 @@ def write_rows(path: pathlib.Path, gpu: str, chosen: dict[str, int],
 
 
 def main(argv=None) -> dict[str, int]:
-    from cupyloss import _launch, _tuning
+    from cupyloss._core import launch as _launch, tuning as _tuning
 
     parser = argparse.ArgumentParser(prog="python -m cupyloss.tools.tune",
                                      description=__doc__.splitlines()[0])

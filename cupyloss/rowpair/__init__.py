@@ -23,8 +23,8 @@ Common rules:
 from __future__ import annotations
 
 from cupyloss._types import Any, Array, Sequence
-from cupyloss import _validate
-from cupyloss._rowpair import SPECS, evaluate
+from cupyloss._core import validate as _validate
+from cupyloss.rowpair._family import SPECS, evaluate
 
 _TRIPLET, _COSINE = SPECS["triplet_margin_loss"], SPECS["cosine_embedding_loss"]
 

@@ -7,7 +7,7 @@ Arrays arrive here as _dispatch.Operands (dtype, device index, shape).
 from __future__ import annotations
 
 
-from cupyloss import _dtypes
+from cupyloss._core import dtypes as _dtypes
 
 
 # The largest finite float32 and float64.

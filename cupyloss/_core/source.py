@@ -12,9 +12,9 @@ import functools
 import pathlib
 import re
 
-from cupyloss import _dtypes, _launch, _registry, _tuning
+from cupyloss._core import dtypes as _dtypes, launch as _launch, registry as _registry, tuning as _tuning
 
-_HERE = pathlib.Path(__file__).resolve().parent
+_HERE = pathlib.Path(__file__).resolve().parent.parent    # the cupyloss package
 _CANDIDATES = (_HERE / "kernels", _HERE.parent / "kernels")
 # Unannotated functions (the kernels' lambdas) are device functions: NVRTC 13.0 refuses them
 # otherwise, where 13.5 accepts them.
@@ -427,12 +427,12 @@ def reachable(loss: str, dtype) -> list[tuple[str, str]]:
         out.append(("reduce.cu", reduce_name("sum_chunks", info.ctype)))
         out += [("pointwise.cu", name) for functor in spec.instances()
                 for name in pointwise_names(functor, info)]
-    elif hasattr(spec, "op"):           # row-pair losses (cupyloss._rowpair)
+    elif hasattr(spec, "op"):           # row-pair losses (cupyloss.rowpair._family)
         out += [("rowpair.cu", name) for op in filter(None, (spec.op, spec.p2_op))
                 for name in rowpair_names(info, op)]
-    elif hasattr(spec, "loss"):         # row-class losses (cupyloss._rowclass)
+    elif hasattr(spec, "loss"):         # row-class losses (cupyloss.rowclass._family)
         out += [("rowclass.cu", name) for name in rowclass_names(info, spec.loss)]
-    else:                               # cross_entropy, nll_loss (cupyloss._rowwise)
+    else:                               # cross_entropy, nll_loss (cupyloss.rowwise._family)
         out += [("rowwise.cu", name) for name in rowwise_names(info)]
     return out
 

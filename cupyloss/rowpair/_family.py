@@ -16,8 +16,7 @@ import array
 import dataclasses
 import math
 
-from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
-                      _validate)
+from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
 
 # Flag bits: the enum of kernels/rowpair.cu.
 FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_SWAP, FLAG_T_INT32, FLAG_T_INT64 = _source.constants(

@@ -40,8 +40,8 @@ from __future__ import annotations
 import numbers
 
 from cupyloss._types import Any, Array, Sequence
-from cupyloss import _validate
-from cupyloss._pointwise import SPECS, evaluate
+from cupyloss._core import validate as _validate
+from cupyloss.pointwise._family import SPECS, evaluate
 
 def _value(spec, arrays, reduction, params):
     return evaluate(spec, arrays, reduction=reduction, params=params, want_value=True,
@@ -883,7 +883,7 @@ def _check_nonnegative(var):
     """torch's ``torch.any(var < 0)`` check: reads one flag back, so it synchronises."""
     import cupy
 
-    from cupyloss import _dispatch
+    from cupyloss._core import dispatch as _dispatch
 
     frame = _dispatch.frame_of(var, "var")
     op = frame.operand(var, "var")

@@ -12,7 +12,7 @@ import math
 
 import numpy
 
-from cupyloss import _tuning
+from cupyloss._core import tuning as _tuning
 
 MAX_DIMS = 8            # CUPYLOSS_MAX_DIMS in kernels/common.cuh
 BLOCK = 256             # threads per block of every kernel (their __launch_bounds__)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cupyloss import _plans, _torch_autocast, _validate, parallel
+from cupyloss._core import plans as _plans, validate as _validate
+from cupyloss.torch import _autocast as _torch_autocast
+from cupyloss import parallel
 
 _NS = "cupyloss"
 _REDUCTIONS = ("none", "mean", "sum")

@@ -15,7 +15,7 @@ import threading
 
 import numpy
 
-from cupyloss import _args, _dispatch
+from cupyloss._core import args as _args, dispatch as _dispatch
 
 INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
 

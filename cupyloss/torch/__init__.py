@@ -6,7 +6,7 @@
     step = torch.compile(lambda x, y: CF.mse_loss(model(x), y), fullgraph=True)
 
 Everything here is generated from cupyloss's registry of every family
-(`cupyloss._registry.all_losses()`: the pointwise losses and the row-wise cross_entropy and
+(`cupyloss._core.registry.all_losses()`: the pointwise losses and the row-wise cross_entropy and
 nll_loss) and the signatures of the core functions when this module is imported, so a loss
 registered later needs no code here.  A registered loss that cannot be wrapped (its entry lacks
 `arrays` or `reductions`, an option's default has no torch schema type) is left out with a
@@ -88,7 +88,7 @@ own buffer where nothing later reads it, and refuses (as eager does) where a nod
 backward is grad_output times the saved input.  On CPU tensors the out-of-place path runs (the
 same numbers).  CPU tensors take
 torch's own operations
-(cupyloss._torch_forms: torch.nn.functional's loss where torch has it, with cupyloss's extra
+(cupyloss.torch._forms: torch.nn.functional's loss where torch has it, with cupyloss's extra
 options formed around it, else the loss's formula; gradients by torch.autograd), so code written
 with cupyloss.torch runs unchanged on a machine without a GPU, with torch's semantics there
 (dtype promotion, and no target gradient for binary_cross_entropy and soft_margin_loss).
@@ -99,7 +99,6 @@ This module imports torch; ``import cupyloss`` never imports it.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import inspect
 import sys
@@ -114,9 +113,9 @@ except ImportError as exc:
                       f"({exc}): pip install 'cupyloss[torch]'") from exc
 
 import cupyloss
-from cupyloss import (_args, _dtypes, _launch, _plans, _reduction, _source, _torch_autocast,
-                      _validate)
-from cupyloss._registry import all_losses
+from cupyloss._core import args as _args, dtypes as _dtypes, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
+from cupyloss.torch import _autocast as _torch_autocast
+from cupyloss._core.registry import all_losses
 
 # Compute the gradients of a reduced loss in the forward pass (see the module docstring).
 gradients_in_forward = True
@@ -125,7 +124,7 @@ _NAMESPACE = "cupyloss"
 _LEGACY = ("size_average", "reduce")
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "Tensor?"}
 
-# Every registered loss of every family (cupyloss._registry.all_losses).
+# Every registered loss of every family (cupyloss._core.registry.all_losses).
 SPECS = all_losses()
 
 
@@ -170,7 +169,7 @@ class _Kernels:
     def _wide(name, arrays, reduction, options, wrt, grad_output, want_value=True):
         """A row-wise loss on 16-bit logits with its value (and grad_output) in float32: what
         torch's autocast returns, without its float32 copy of the logits (_autocast)."""
-        from cupyloss import _rowwise
+        from cupyloss.rowwise import _family as _rowwise
 
         kwargs = {k: v for k, v in options.items()
                   if k not in ("_wide", "weight", "check_targets")}
@@ -191,11 +190,11 @@ class _Kernels:
 
 class _TorchForms:
     """What the ops run on CPU tensors: each loss in torch's own operations
-    (cupyloss._torch_forms), its gradients by torch.autograd."""
+    (cupyloss.torch._forms), its gradients by torch.autograd."""
 
     @staticmethod
     def _run(name, arrays, reduction, options, wrt, grad_output):
-        from cupyloss import _torch_forms
+        from cupyloss.torch import _forms as _torch_forms
 
         names = SPECS[name].arrays
         leaves = [a.detach().requires_grad_(n in wrt) if a.is_floating_point() else a
@@ -211,7 +210,7 @@ class _TorchForms:
                                      for g, p in zip(grads, picked))
 
     def value(self, name, arrays, reduction, options):
-        from cupyloss import _torch_forms
+        from cupyloss.torch import _forms as _torch_forms
 
         with torch.no_grad():
             return _torch_forms.loss(name, arrays, reduction, options)
@@ -255,6 +254,8 @@ _engine = _ByDevice()
 
 
 _SCALE_PLANS = _plans.Plans()
+# scale_by_grad_output's parameters, read from its declaration in kernels/scale.cu
+SCALE = _args.Layout(_source.kernel_words("scale.cu", "scale_by_grad_output"))
 _TORCH_DTYPES: dict = {}
 
 
@@ -279,7 +280,7 @@ def _scale_plan(device, dtype, vec, n):
         with cupy.cuda.Device(device):
             function = _source.function("scale.cu", _source.scale_name(info.ctype, vec))
             cfg = _launch.flat_launch(n, vec, _launch.device_limits(device))
-        plan = _SCALE_PLANS[key] = (function.kernel.ptr, cfg.grid, cfg.block)
+        plan = _SCALE_PLANS[key] = (SCALE.bind(function.kernel.ptr), cfg.grid, cfg.block)
     return plan
 
 
@@ -349,8 +350,7 @@ def _scale(grad_output, grads) -> None:
     dtype = grad_output.dtype
     vec = _dtype_info(dtype).vec if not ((a | b) & 15) else 1
     function, grid, block = _scale_plan(device, dtype, vec, max(na, nb))
-    # scale_by_grad_output's parameters (kernels/scale.cu), one 64-bit word each.
-    words = array.array("Q", (grad_output.data_ptr(), a, na, b, nb))
+    words = SCALE.template({"go": grad_output.data_ptr(), "a": a, "na": na, "b": b, "nb": nb})
     stream = _raw_stream(device)
     if _cupy.cuda.runtime.getDevice() == device:
         _args.launch(function, grid, block, 0, stream, words)
@@ -879,7 +879,7 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed, inplace=False)
     if traced and arrays[0].device.type == "cpu" and type(_engine) is _ByDevice:
         # Traced on CPU tensors: torch's own operations, which the tracer differentiates (the
         # op's CPU kernel runs below autograd, where they could not be differentiated).
-        from cupyloss import _torch_forms
+        from cupyloss.torch import _forms as _torch_forms
 
         return _torch_forms.loss(loss.name, list(arrays), reduction,
                                  dict(zip(loss.option_names, options)) if options else {})
@@ -1164,7 +1164,7 @@ def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad
         grads = linear.linear_cross_entropy_backward(grad_output, hidden, weight, target, bias,
                                                      class_weight, wrt=names, **options)
         return None, dict(zip(names, grads))
-    from cupyloss import _torch_forms
+    from cupyloss.torch import _forms as _torch_forms
 
     reduction = options["reduction"]
     kwargs = {k: v for k, v in options.items()
@@ -1400,7 +1400,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
 
 def _linear_cpu(hidden, weight, target, bias, class_weight, options):
     """The CPU path with torch's autograd: float32 logits, then cross_entropy."""
-    from cupyloss import _torch_forms
+    from cupyloss.torch import _forms as _torch_forms
 
     reduction = options["reduction"]
     logits = torch.nn.functional.linear(hidden.float(), weight.float(),
@@ -1438,7 +1438,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                                     max_workspace_bytes=self.max_workspace_bytes)
 
 
-from cupyloss import _torch_parallel  # noqa: E402  (vocab-parallel, over torch.distributed)
+from cupyloss.torch import _parallel as _torch_parallel  # noqa: E402  (vocab-parallel, over torch.distributed)
 
 vocab_parallel_cross_entropy = _torch_parallel.vocab_parallel_cross_entropy
 vocab_parallel_linear_cross_entropy = _torch_parallel.vocab_parallel_linear_cross_entropy

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from cupyloss import _validate
+from cupyloss._core import validate as _validate
 
 F = torch.nn.functional
 

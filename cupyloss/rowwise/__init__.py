@@ -30,7 +30,7 @@ Common rules:
 from __future__ import annotations
 
 from cupyloss._types import Any, Array, Sequence
-from cupyloss._rowwise import SPECS, evaluate
+from cupyloss.rowwise._family import SPECS, evaluate
 
 _CE, _NLL = SPECS["cross_entropy"], SPECS["nll_loss"]
 
@@ -284,7 +284,7 @@ def rejected_targets(device: int | None = None, *, reset: bool = False) -> Any:
     """
     import cupy
 
-    from cupyloss import _source
+    from cupyloss._core import source as _source
 
     device = cupy.cuda.runtime.getDevice() if device is None else int(device)
     with cupy.cuda.Device(device):

@@ -24,7 +24,7 @@ Common rules:
 from __future__ import annotations
 
 from cupyloss._types import Any, Array, Sequence
-from cupyloss._rowclass import SPECS, evaluate
+from cupyloss.rowclass._family import SPECS, evaluate
 from cupyloss.rowwise import _grads, _names
 
 _MM = SPECS["multi_margin_loss"]

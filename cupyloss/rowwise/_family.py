@@ -20,9 +20,8 @@ import math
 
 import numpy
 
-from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
-                      _validate)
-from cupyloss._engine import Launched
+from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
+from cupyloss._core.engine import Launched
 
 # Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
 (FLAG_INDEX64, FLAG_PROB, FLAG_NLL, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_MEAN_W, FLAG_ACC_IO,

@@ -32,9 +32,8 @@ import math
 
 import numpy
 
-from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
-                      _tuning, _validate)
-from cupyloss._registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
+from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, tuning as _tuning, validate as _validate
+from cupyloss._core.registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
 
 # Flag bits and operand kinds: the enums of kernels/pointwise.cu.
 FLAG_GO_DEVICE, FLAG_GO_ELEMENTWISE, KIND_FULL, KIND_ROW, KIND_SCALAR = _source.constants(

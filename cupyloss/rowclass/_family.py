@@ -18,9 +18,8 @@ import math
 
 import numpy
 
-from cupyloss import (_args, _dispatch, _dtypes, _engine, _launch, _plans, _reduction, _source,
-                      _validate)
-from cupyloss._engine import Launched
+from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
+from cupyloss._core.engine import Launched
 
 # The loss ids of rowclass_rows<T, LOSS> and the flag bits: the enums of kernels/rowclass.cu.
 LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD = _source.constants(

@@ -30,7 +30,7 @@ import sys
 
 import numpy
 
-from cupyloss import _dtypes, _plans, _validate
+from cupyloss._core import dtypes as _dtypes, plans as _plans, validate as _validate
 
 _KDLCUDA = 2            # DLPack device types that are CUDA memory the kernels can read
 _KDLCUDA_MANAGED = 13
@@ -426,14 +426,14 @@ class recording:
         self.region = region
 
     def __enter__(self):
-        from cupyloss import _args
+        from cupyloss._core import args as _args
 
         self.outer = _args.RECORDING.ops
         ops = _args.RECORDING.ops = self.region.ops = []
         return ops
 
     def __exit__(self, *exc):
-        from cupyloss import _args
+        from cupyloss._core import args as _args
 
         _args.RECORDING.ops = self.outer
         return False

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from cupyloss import _args
+from cupyloss._core import args as _args
 
 F64 = "f64"
 I64 = "i64"
@@ -183,8 +183,8 @@ def reduce_masks(instance: str) -> tuple:
 # `reductions`; optionally `loss_shape(input_shape, reduction)` and `module_name`, the torch
 # adapter's nn.Module name for a loss torch lacks), in the order the adapters list their losses.  The core never imports an adapter
 # or a framework; the adapters read every family from here.
-FAMILIES = ("cupyloss._pointwise", "cupyloss._rowwise", "cupyloss._rowclass",
-            "cupyloss._rowpair")
+FAMILIES = ("cupyloss.pointwise._family", "cupyloss.rowwise._family", "cupyloss.rowclass._family",
+            "cupyloss.rowpair._family")
 
 
 def all_losses() -> dict:
