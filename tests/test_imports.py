@@ -156,3 +156,23 @@ def test_every_import_of_the_package_resolves():
                 bad += [f"{path.name}:{node.lineno}: no module {a.name}" for a in node.names
                         if a.name.split(".")[0] == "cupyloss" and a.name not in modules]
     assert not bad, bad
+
+
+def test_no_package_name_hides_a_submodule():
+    """A name a package's __init__ binds itself (a def, a class, an assignment) that is also one
+    of its submodules' names makes `from package import name` return one or the other by
+    import order: the adapter's `_autocast` function once hid its autocast module."""
+    clashes = []
+    for init in ROOT.rglob("__init__.py"):
+        subs = {p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+        subs |= {p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()}
+        for node in ast.parse(init.read_text()).body:
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            clashes += [f"{init.relative_to(ROOT.parent)}:{node.lineno} {n}" for n in names
+                        if n in subs]
+    assert not clashes, clashes

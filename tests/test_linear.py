@@ -283,7 +283,7 @@ def test_autocast_dtype_of_a_linear_call(monkeypatch):
     """F.linear's autocast rule: the autocast dtype on CUDA tensors, unless every operand has
     it already or one is float64; never on the CPU or outside autocast."""
     torch = pytest.importorskip("torch")
-    from cupyloss.torch import _autocast as A
+    from cupyloss.torch import _amp as A
 
     class Like:          # the metadata linear_compute reads, without a CUDA tensor
         def __init__(self, dtype, device="cuda"):

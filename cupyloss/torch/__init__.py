@@ -114,7 +114,7 @@ except ImportError as exc:
 
 import cupyloss
 from cupyloss._core import args as _args, dtypes as _dtypes, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
-from cupyloss.torch import _autocast as _torch_autocast
+from cupyloss.torch import _amp as _torch_autocast
 from cupyloss._core.registry import all_losses
 
 # Compute the gradients of a reduced loss in the forward pass (see the module docstring).

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cupyloss._core import plans as _plans, validate as _validate
-from cupyloss.torch import _autocast as _torch_autocast
+from cupyloss.torch import _amp as _torch_autocast
 from cupyloss import parallel
 
 _NS = "cupyloss"
