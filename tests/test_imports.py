@@ -176,3 +176,50 @@ def test_no_package_name_hides_a_submodule():
             clashes += [f"{init.relative_to(ROOT.parent)}:{node.lineno} {n}" for n in names
                         if n in subs]
     assert not clashes, clashes
+
+
+# Modules that bind names at import time (built from the registry), which ast cannot see.
+_BUILT_AT_IMPORT = ("cupyloss.torch", "cupyloss.jax")
+
+
+def _aliases(tree, modules) -> dict:
+    """Local name -> the package module it stands for, from the imports anywhere in a file."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:
+                    out[a.asname or a.name] = full
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in modules:
+                    out[a.asname] = a.name
+    return out
+
+
+def test_every_attribute_of_a_package_module_exists():
+    """`_launch.row_launch(...)`: every attribute read from a name that stands for one of the
+    package's modules (imported as `from cupyloss._core import launch as _launch`, anywhere in
+    the file) is a name that module binds, so that moving a function between modules cannot
+    leave a call behind that only a GPU path would reach."""
+    modules = _modules()
+    here = pathlib.Path(__file__).resolve().parent
+    sources = list(ROOT.rglob("*.py")) + list(here.glob("*.py"))
+    sources += list((here.parent / "examples").glob("*.py"))
+    bound, bad = {}, []
+    for path in sources:
+        tree = ast.parse(path.read_text())
+        aliases = {k: v for k, v in _aliases(tree, modules).items()
+                   if v not in _BUILT_AT_IMPORT}
+        assigned = {n.id for n in ast.walk(tree)
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.value.id not in assigned
+                    and isinstance(node.ctx, ast.Load) and not node.attr.startswith("__")):
+                module = aliases[node.value.id]
+                have = bound.setdefault(module, _defined(modules[module]))
+                if node.attr not in have:
+                    bad.append(f"{path.name}:{node.lineno}: {module} binds no {node.attr}")
+    assert not bad, bad
