@@ -56,7 +56,8 @@ import jax.numpy as jnp
 import numpy
 
 import cupyloss
-from cupyloss._core import dispatch as _dispatch, dtypes as _dtypes, reduction as _reduction, validate as _validate
+from cupyloss._core import (
+    dispatch as _dispatch, dtypes as _dtypes, reduction as _reduction, validate as _validate)
 from cupyloss._core import engine as _core_engine
 from cupyloss._core.registry import all_losses
 

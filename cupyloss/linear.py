@@ -40,7 +40,9 @@ from typing import Any
 
 import numpy
 
-from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, source as _source, validate as _validate
+from cupyloss._core import (
+    args as _args, dispatch as _dispatch, dtypes as _dtypes, source as _source,
+    validate as _validate)
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",

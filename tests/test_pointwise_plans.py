@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import cupyloss
-from cupyloss._core import args as _args, dispatch as _dispatch, engine as _engine, launch as _launch, registry as _registry, source as _source, tuning as _tuning
+from cupyloss._core import (
+    args as _args, dispatch as _dispatch, engine as _engine, launch as _launch,
+    registry as _registry, source as _source, tuning as _tuning)
 from cupyloss.pointwise import _family as _pointwise
 
 H100 = _launch.DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,

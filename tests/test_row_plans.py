@@ -14,7 +14,9 @@ import types
 import numpy as np
 import pytest
 
-from cupyloss._core import args as _args, dispatch as _dispatch, engine as _engine, launch as _launch, source as _source
+from cupyloss._core import (
+    args as _args, dispatch as _dispatch, engine as _engine, launch as _launch,
+    source as _source)
 from cupyloss.rowclass import _family as _rowclass
 from cupyloss.rowpair import _family as _rowpair
 from cupyloss.rowwise import _family as _rowwise

@@ -262,11 +262,12 @@ def test_wide_loss_alone(name, cols, layout, opts):
     cp = _cupy()
     cl = _cl()
     from cupyloss._core import launch as _launch, tuning as _tuning
+    from cupyloss.rowpair import _launch as _rowpair_launch
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     rows = _tuning.value("PAIR_WIDE_GROUPS", limits.gpu) * limits.sm_count + 3   # past the threshold, not a multiple
-    assert _launch.pair_wide(rows, cols, 4, False, limits)
-    assert not _launch.pair_wide(rows, cols, 4, True, limits)
+    assert _rowpair_launch.pair_wide(rows, cols, 4, False, limits)
+    assert not _rowpair_launch.pair_wide(rows, cols, 4, True, limits)
     case = dict(dtype=np.dtype(np.float32), name=name, shape=(rows, cols),
                 layouts=[layout] * 3, target="int64", opts=opts)
     arrays, vals, terms, _ = _arrays(case, np.random.default_rng(cols))
@@ -444,10 +445,11 @@ def test_wide_loss_alone_past_2_to_the_31_elements():
     cp = _cupy()
     cl = _cl()
     from cupyloss._core import launch as _launch
+    from cupyloss.rowpair import _launch as _rowpair_launch
 
     rows, cols = 262_200, 8200
     assert rows * cols > 2**31
-    assert _launch.pair_wide(rows, cols, 4, False, _launch.device_limits(cp.cuda.Device().id))
+    assert _rowpair_launch.pair_wide(rows, cols, 4, False, _launch.device_limits(cp.cuda.Device().id))
     gen = cp.random.default_rng(1)
     a = gen.standard_normal((rows, cols), dtype=cp.float32)
     p = a + gen.standard_normal((rows, cols), dtype=cp.float32)

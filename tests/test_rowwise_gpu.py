@@ -293,12 +293,13 @@ def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, 
     gradient written into the logits bitwise the same as into a new array."""
     cp = _cupy()
     from cupyloss._core import launch as _launch, tuning as _tuning
+    from cupyloss.rowwise import _launch as _rowwise_launch
     from cupyloss.rowwise import _family as _rowwise
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_GRAD_TILES": 2})
     monkeypatch.setattr(_rowwise, "_PLANS", {})
-    held, k = _launch.row_team(cols, np.dtype(dtype).itemsize)
+    held, k = _rowwise_launch.row_team(cols, np.dtype(dtype).itemsize)
 
     def check_plan(plan):
         tpr = plan.main.words[plan.main.slot["tpr"]]

@@ -7,6 +7,7 @@ import pathlib
 import pytest
 
 from cupyloss._core import launch as _launch, source as _source, tuning as _tuning
+from cupyloss.pointwise import _launch as _pointwise_launch
 from cupyloss._core.launch import DeviceLimits
 
 
@@ -70,11 +71,11 @@ def test_the_launch_arithmetic_reads_the_devices_row(table):
     """reduce_launch splits m into chunks of at least REDUCE_MIN_STEPS steps: the row's value
     on its GPU, the default elsewhere."""
     table([("h200", "REDUCE_MIN_STEPS", 32)])
-    split = _launch.split_reduced((2, 1 << 22), [(1 << 22, 1), (1, 0)], 1)
+    split = _pointwise_launch.split_reduced((2, 1 << 22), [(1 << 22, 1), (1, 0)], 1)
     plain = DeviceLimits(sm_count=132, max_grid_x=2**31 - 1, max_grid_y=65535,
                          max_shared_per_block=48 * 1024)
     tuned = DeviceLimits(**{**plain.__dict__, "gpu": "h200"})
-    a, b = _launch.reduce_launch(split, 4, plain), _launch.reduce_launch(split, 4, tuned)
+    a, b = _pointwise_launch.reduce_launch(split, 4, plain), _pointwise_launch.reduce_launch(split, 4, tuned)
     assert a.nchunks == 2 * b.nchunks
 
 

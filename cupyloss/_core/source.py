@@ -12,7 +12,8 @@ import functools
 import pathlib
 import re
 
-from cupyloss._core import dtypes as _dtypes, launch as _launch, registry as _registry, tuning as _tuning
+from cupyloss._core import (
+    dtypes as _dtypes, launch as _launch, registry as _registry, tuning as _tuning)
 
 _HERE = pathlib.Path(__file__).resolve().parent.parent    # the cupyloss package
 _CANDIDATES = (_HERE / "kernels", _HERE.parent / "kernels")

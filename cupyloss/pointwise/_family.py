@@ -32,7 +32,11 @@ import math
 
 import numpy
 
-from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, tuning as _tuning, validate as _validate
+from cupyloss._core import (
+    args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
+    launch as _launch, plans as _plans, reduction as _reduction, source as _source,
+    tuning as _tuning, validate as _validate)
+from cupyloss.pointwise import _launch as _pointwise_launch
 from cupyloss._core.registry import SPECS, LossSpec  # noqa: F401  (the adapters read SPECS here)
 
 # Flag bits and operand kinds: the enums of kernels/pointwise.cu.
@@ -217,8 +221,8 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
     lead = bcast[0] if bcast and (want_value or not summed) else (summed or [None])[0]
     rest = None
     if summed:
-        pattern = _launch.broadcast_pattern(shape, cstrides[lead])
-        later = tuple(k in summed and _launch.broadcast_pattern(shape, cstrides[k]) != pattern
+        pattern = _pointwise_launch.broadcast_pattern(shape, cstrides[lead])
+        later = tuple(k in summed and _pointwise_launch.broadcast_pattern(shape, cstrides[k]) != pattern
                       for k in range(k_ops))
         if any(later) and len(shape) <= _launch.MAX_DIMS:
             rest = _build(spec, reduction, params, False, later, go_kind, go_shape, go_strides,
@@ -235,7 +239,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                     shapes=shapes, contiguous=contiguous)
 
     def chunked(nchunks, cols):
-        cfg = _launch.sum_chunks_launch(cols, limits)
+        cfg = _pointwise_launch.sum_chunks_launch(cols, limits)
         return (nchunks * cols, cfg.grid,
                 SUM_CHUNKS.template({"chunks": nchunks, "cols": cols}))
 
@@ -262,7 +266,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
             const = sum(1 << k for k, kind in enumerate(kinds) if kind != KIND_FULL)
             name = _source.pointwise_name("rows", info.ctype, functor, vec, any(want_grads),
                                           const)
-            shared = _launch.rows_shared(vec)
+            shared = _pointwise_launch.rows_shared(vec)
             # The loss alone, reduced to 0-d, takes the split value_and_grad takes (the gradient
             # kernel's residency, one wave), so both add the loss up in the same order: the
             # value-only kernel's own split (more resident blocks, ROWS_WAVES_VALUE waves) gave
@@ -271,7 +275,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
                      _source.pointwise_name("rows", info.ctype, functor, vec, True, const))
             summed = any(want_grads) or reduced
             knob = _tuning.values(limits.gpu)
-            cfg = _launch.rows_launch(rows, cols, vec, limits, _resident(sized, shared, limits),
+            cfg = _pointwise_launch.rows_launch(rows, cols, vec, limits, _resident(sized, shared, limits),
                                       1 if summed else knob["ROWS_WAVES_VALUE"],
                                       knob["ROWS_TX_SUMMED"] if summed else _launch.BLOCK)
             layout = rows_layout(k_ops, spec.param_words)
@@ -334,7 +338,7 @@ def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, 
     # The flat index of the broadcast shape travels as one more operand (where the loss and
     # full-size gradients go), so it coalesces with the others.
     shape, cstrides = _launch.coalesce(out_shape, strides + [_contiguous_strides(out_shape)])
-    split = _launch.split_reduced(shape, cstrides, lead)
+    split = _pointwise_launch.split_reduced(shape, cstrides, lead)
     # VEC-element steps along the innermost dim: each operand there has stride 1 (read as
     # aligned vectors: its other strides are whole vectors) or 0 (one element).
     vec = 1
@@ -346,7 +350,7 @@ def _reduce_plan(spec, functor, info, limits, common, out_shape, strides, lead, 
     # always), or absent (a zero stride everywhere): compiled into the kernel.
     const = sum(1 << k for k in range(k_ops) if not any(split.red_strides[k]))
     name = _source.pointwise_reduce_name(info.ctype, functor, vec, const)
-    cfg = _launch.reduce_launch(split, vec, limits, _resident(name, 0, limits))
+    cfg = _pointwise_launch.reduce_launch(split, vec, limits, _resident(name, 0, limits))
     layout = reduce_layout(k_ops, spec.param_words)
     kept = _launch.geometry(split.kept, split.kept_strides, k_ops + 2)
     red = _launch.geometry(split.red, split.red_strides, k_ops + 2)

@@ -18,7 +18,11 @@ import math
 
 import numpy
 
-from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
+from cupyloss._core import (
+    args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
+    launch as _launch, plans as _plans, reduction as _reduction, source as _source,
+    validate as _validate)
+from cupyloss.rowclass import _launch as _rowclass_launch
 from cupyloss._core.engine import Launched
 
 # The loss ids of rowclass_rows<T, LOSS> and the flag bits: the enums of kernels/rowclass.cu.
@@ -199,7 +203,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
         flags |= FLAG_P2
     name = _source.rowclass_name("rowclass_rows", info.ctype, spec.loss)
     shared = _launch.ROW_SCRATCH * acc.itemsize
-    cfg = _launch.stream_row_launch(rows, cols, dtype.itemsize, acc.itemsize, limits,
+    cfg = _rowclass_launch.stream_row_launch(rows, cols, dtype.itemsize, acc.itemsize, limits,
                                     _source.resident("rowclass.cu", name, shared))
     w_rs, w_cs = w_strides or (0, 0)
     words = ROWS.template({

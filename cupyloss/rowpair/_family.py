@@ -16,7 +16,11 @@ import array
 import dataclasses
 import math
 
-from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
+from cupyloss._core import (
+    args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
+    launch as _launch, plans as _plans, reduction as _reduction, source as _source,
+    validate as _validate)
+from cupyloss.rowpair import _launch as _rowpair_launch
 
 # Flag bits: the enum of kernels/rowpair.cu.
 FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_SWAP, FLAG_T_INT32, FLAG_T_INT64 = _source.constants(
@@ -173,10 +177,10 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
     rows = math.prod(loss_shape)
     grad = any(grads)
     op = spec.p2_op if spec.p2_op and p == 2.0 and not swap else spec.op
-    cfg = _launch.pair_launch(
+    cfg = _rowpair_launch.pair_launch(
         rows, cols, dtype.itemsize, len(geos), grad, limits,
         lambda shared: _source.resident("rowpair.cu", _source.rowpair_name(
-            info.ctype, op, grad), shared, _launch.PAIR_BLOCK))
+            info.ctype, op, grad), shared, _rowpair_launch.PAIR_BLOCK))
     name = _source.rowpair_name(info.ctype, op, grad, cfg.wide)
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else math.nan) if reduction == "mean" else 1.0
@@ -245,7 +249,7 @@ def _run(plan: Plan, frame, xs, t, go, go_value, stream):
         done = array.array("Q", plan.finish_words)
         done[FINISH_LAYOUT.slot["partials"]] = words[slot["partials"]]
         done[FINISH_LAYOUT.slot["value"]] = words[slot["value"]]
-        _args.launch(plan.finish, (1,), (_launch.PAIR_FINISH_BLOCK,), 0, stream, done)
+        _args.launch(plan.finish, (1,), (_rowpair_launch.PAIR_FINISH_BLOCK,), 0, stream, done)
     result = frame.result
     return [None if a is None else result(a) for a in [out, *grads]]
 

@@ -3,7 +3,7 @@
 `evaluate` is the one entry point.  Arrays come in through `_dispatch` as Operands; class-index
 targets (int32/int64) are read here the same ways (`_target_operand`), since the pointwise dtypes
 table holds only floating types.  The input is viewed as [N, C, inner] with the class axis at
-dim 1 (`_launch.class_geometry`): when the classes are contiguous and inner == 1 the rows kernel
+dim 1 (`_rowwise_launch.class_geometry`): when the classes are contiguous and inner == 1 the rows kernel
 runs (a team of threads or several blocks per row, the row held in registers, see
 kernels/rowwise.cu), otherwise the thread-per-row kernel.  Everything that depends only on
 metadata is a cached Plan with packed parameter words; a call allocates its outputs and launches
@@ -20,7 +20,11 @@ import math
 
 import numpy
 
-from cupyloss._core import args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
+from cupyloss._core import (
+    args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
+    launch as _launch, plans as _plans, reduction as _reduction, source as _source,
+    validate as _validate)
+from cupyloss.rowwise import _launch as _rowwise_launch
 from cupyloss._core.engine import Launched
 
 # Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
@@ -192,7 +196,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
     info = _dtypes.DTYPES[dtype]
     acc = info.acc
     limits = _launch.device_limits(device)
-    geo = _launch.class_geometry(x_shape, x_strides, t_shape, t_strides, not is_index)
+    geo = _rowwise_launch.class_geometry(x_shape, x_strides, t_shape, t_strides, not is_index)
     rows, cols = geo.rows, geo.cols
     want_g = want_gx or want_gt
     # The divisor of the 0-d loss: summed weights of counted rows (class indices, 'mean'), the
@@ -231,7 +235,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
             raise ValueError(f"a {gtype} gradient of {info.ctype} logits has no kernel for "
                              f"mode {mode}")
         name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, 1, gtype)
-        cfg = _launch.row_launch(
+        cfg = _rowwise_launch.row_launch(
             rows, cols, dtype.itemsize, acc.itemsize, want_g, mode == MODE_NLL, limits,
             lambda shared, kc: _source.resident(
                 "rowwise.cu", _source.rowwise_name("cross_entropy_rows", info.ctype, mode, kc,
@@ -252,7 +256,7 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
             raise ValueError("grad_into needs logits whose classes are contiguous")
         name = _source.rowwise_name("cross_entropy_cols", info.ctype)
         shared = _launch.ROW_SCRATCH * acc.itemsize
-        cfg = _launch.thread_per_row_launch(rows, acc.itemsize, limits,
+        cfg = _rowwise_launch.thread_per_row_launch(rows, acc.itemsize, limits,
                                             _source.resident("rowwise.cu", name, shared))
         xn, xc, xd = geo.x
         tn, tc, td = geo.t
@@ -458,7 +462,7 @@ def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, 
                   want_lse, inplace, go_kind, go_strides, x, t, w, dtype, device, into=None,
                   acc_io=False):
     """The cached plan for `key`, or None when an operand needs a contiguous copy first."""
-    if (_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None
+    if (_rowwise_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None
             or (w is not None and w.strides != (1,) and w.shape[0] > 1)
             or (go_kind == "array" and go_strides is None)):
         return None
@@ -476,7 +480,7 @@ def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, o
     (made by CuPy on the caller's stream, with the caller's allocator)."""
     device = x.device
     with _engine.off_path(frame, device, stream):
-        if _launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None:
+        if _rowwise_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None:
             if inplace or into is not None:
                 raise ValueError(f"inplace=True needs an input whose dims after the class axis "
                                  f"merge into one stride, got strides {tuple(x.strides)} for "
@@ -524,7 +528,7 @@ def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, i
     info = _dtypes.DTYPES[x.dtype]
     name = _source.rowwise_name("cross_entropy_slice_grad", info.ctype,
                                 gtype=_dtypes.DTYPES[out.dtype].ctype)
-    cfg = _launch.slice_launch(rows, _launch.device_limits(device))
+    cfg = _rowwise_launch.slice_launch(rows, _launch.device_limits(device))
     words = SLICE.template({
         "x": x.data.ptr, "tgt": target.data.ptr, "weight": 0 if weight is None else weight.data.ptr,
         "wsum": 0 if wsum is None else wsum.data.ptr, "lse": lse.data.ptr, "go": go_ptr,
@@ -550,7 +554,7 @@ def slice_stats(x, target, out, c0, classes, weight, *, ignore_index, label_smoo
         return
     flags = FLAG_INDEX64 if target.dtype == _engine.INDEX_DTYPES[1] else 0
     name = _source.rowwise_name("cross_entropy_slice_stats", _dtypes.DTYPES[x.dtype].ctype)
-    cfg = _launch.slice_launch(rows, _launch.device_limits(device))
+    cfg = _rowwise_launch.slice_launch(rows, _launch.device_limits(device))
     words = STATS.template({
         "x": x.data.ptr, "tgt": target.data.ptr, "weight": 0 if weight is None else weight.data.ptr,
         "rows": rows, "cols": cols, "c0": c0, "classes": classes,
@@ -572,7 +576,7 @@ def combine(stats, target, weight, loss, lse, wy, classes, *, ignore_index, labe
         return
     flags = FLAG_INDEX64 if target.dtype == _engine.INDEX_DTYPES[1] else 0
     name = _source.rowwise_name("cross_entropy_combine", ctype)
-    cfg = _launch.row_thread_launch(rows, _launch.device_limits(device))
+    cfg = _rowwise_launch.row_thread_launch(rows, _launch.device_limits(device))
     words = COMBINE.template({
         "stats": stats.data.ptr, "tgt": target.data.ptr,
         "weight": 0 if weight is None else weight.data.ptr, "k": k, "rows": rows,

@@ -113,7 +113,9 @@ except ImportError as exc:
                       f"({exc}): pip install 'cupyloss[torch]'") from exc
 
 import cupyloss
-from cupyloss._core import args as _args, dtypes as _dtypes, launch as _launch, plans as _plans, reduction as _reduction, source as _source, validate as _validate
+from cupyloss._core import (
+    args as _args, dtypes as _dtypes, launch as _launch, plans as _plans,
+    reduction as _reduction, source as _source, validate as _validate)
 from cupyloss.torch import _amp as _torch_autocast
 from cupyloss._core.registry import all_losses
 
@@ -1438,7 +1440,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                                     max_workspace_bytes=self.max_workspace_bytes)
 
 
-from cupyloss.torch import _parallel as _torch_parallel  # noqa: E402  (vocab-parallel, over torch.distributed)
+from cupyloss.torch import (
+    _parallel as _torch_parallel)  # noqa: E402  (vocab-parallel, over torch.distributed)
 
 vocab_parallel_cross_entropy = _torch_parallel.vocab_parallel_cross_entropy
 vocab_parallel_linear_cross_entropy = _torch_parallel.vocab_parallel_linear_cross_entropy
