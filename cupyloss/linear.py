@@ -197,14 +197,8 @@ def shard_plan(n: int, v: int, hidden: int, itemsize: int, budget: int | None,
 
 
 def _names(wrt) -> tuple[tuple[str, ...], bool]:
-    if wrt is None:
-        return ("hidden", "weight"), False
-    single = isinstance(wrt, str)
-    names = (wrt,) if single else tuple(wrt)
-    for name in names:
-        if name not in _GRAD_NAMES:
-            raise ValueError(f"wrt names gradients of {_GRAD_NAMES}, got {name!r}")
-    return names, single
+    """wrt of the fused loss (None stands for hidden and weight)."""
+    return _validate.check_wrt(wrt, _GRAD_NAMES, default=("hidden", "weight"))
 
 
 def _compute(compute_dtype):

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cupyloss
 from cupyloss._core import dtypes as _dtypes, reduction as _reduction, validate as _validate
 
 # --- reductions ------------------------------------------------------------------------------
@@ -221,3 +222,31 @@ def test_fused_and_vocab_parallel_losses_check_targets_like_torch():
         CF.vocab_parallel_linear_cross_entropy(h, w, t, check_targets=True)
     t[3] = 1
     assert torch.isfinite(CF.linear_cross_entropy(h, w, t, check_targets=True))
+
+
+# Every family's _backward with a wrt that names no array of it, or one twice: the same
+# ValueError from the one check (cupyloss._core.validate.check_wrt), raised before the arrays
+# are read (so these run without a GPU: the arrays are never touched).
+_WRT_CALLS = {
+    "mse_loss": lambda wrt: cupyloss.mse_loss_backward(1.0, "x", "y", wrt=wrt),
+    "cross_entropy": lambda wrt: cupyloss.cross_entropy_backward(1.0, "x", "y", wrt=wrt),
+    "multi_margin_loss": lambda wrt: cupyloss.multi_margin_loss_backward(1.0, "x", "y", wrt=wrt),
+    "jsd": lambda wrt: cupyloss.jsd_backward(1.0, "x", "y", wrt=wrt),
+    "triplet_margin_loss": lambda wrt: cupyloss.triplet_margin_loss_backward(
+        1.0, "a", "p", "n", wrt=wrt),
+    "linear_cross_entropy": lambda wrt: cupyloss.linear_cross_entropy_backward(
+        1.0, "h", "w", "y", wrt=wrt),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(_WRT_CALLS))
+def test_wrt_is_checked_one_way_in_every_family(loss):
+    call = _WRT_CALLS[loss]
+    with pytest.raises(ValueError, match=r"^wrt names 'nothing'; it takes '\w+', .* or a "
+                                         r"sequence of them$"):
+        call("nothing")
+    with pytest.raises(ValueError, match=r"^wrt names 'nothing'; it takes "):
+        call(("nothing",))
+    first = {"triplet_margin_loss": "anchor", "linear_cross_entropy": "hidden"}.get(loss, "input")
+    with pytest.raises(ValueError, match=r"^wrt names an argument twice"):
+        call((first, first))

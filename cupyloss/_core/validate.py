@@ -94,12 +94,16 @@ def check_grad_output_shape(go_shape: tuple, loss_shape: tuple, reduction: str) 
                          f"{tuple(loss_shape)}")
 
 
-def check_wrt(wrt, names: tuple = ("input", "target"),
-              given: tuple | None = None) -> tuple[tuple[str, ...], bool]:
-    """Normalise wrt to a tuple of array argument names and whether it was a single name.
+def check_wrt(wrt, names: tuple = ("input", "target"), given: tuple | None = None,
+              default=None) -> tuple[tuple[str, ...], bool]:
+    """Normalise wrt to a tuple of array argument names and whether it was a single name: the
+    one check of wrt for every family and the fused loss, before any launch.
 
-    names: the loss's array arguments; given: those that are arrays in this call (an optional
-    one left out, or a number, has no gradient)."""
+    names: the arguments that may have a gradient; given: those that are arrays in this call
+    (an optional one left out, or a number, has no gradient); default: what None stands for
+    (the function's default: a name, or a tuple of names), else every name given."""
+    if wrt is None:
+        wrt = default if default is not None else (given if given is not None else names)
     single = isinstance(wrt, str)
     picked = (wrt,) if single else tuple(wrt)
     for name in picked:

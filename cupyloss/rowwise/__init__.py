@@ -29,6 +29,7 @@ Common rules:
 
 from __future__ import annotations
 
+from cupyloss._core import validate as _validate
 from cupyloss._types import Any, Array, Sequence
 from cupyloss.rowwise._family import SPECS, evaluate
 
@@ -36,11 +37,8 @@ _CE, _NLL = SPECS["cross_entropy"], SPECS["nll_loss"]
 
 
 def _names(wrt):
-    single = isinstance(wrt, str)
-    names = (wrt,) if single else tuple(wrt)
-    if len(set(names)) != len(names):
-        raise ValueError(f"wrt names an argument twice: {wrt!r}")
-    return names, single
+    """wrt of a row loss (its arrays are input and target; None stands for 'input')."""
+    return _validate.check_wrt(wrt, ("input", "target"), default="input")
 
 
 def _grads(names, single, gx, gt):
