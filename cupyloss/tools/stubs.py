@@ -78,9 +78,15 @@ def _def(name: str, params: str, returns: str, indent: str = "") -> list[str]:
     line = f"{indent}def {name}({params}) -> {returns}: ..."
     if len(line) <= 100:
         return [line]
-    out = [f"{indent}def {name}("]
-    out += [f"{indent}    {part}," for part in params.split(", ")]
-    out.append(f"{indent}) -> {returns}: ...")
+    # the parameters packed into lines of at most 100 characters (one a line would repeat the
+    # same runs of lines in every loss sharing torch's legacy arguments)
+    out, line = [f"{indent}def {name}("], f"{indent}   "
+    for part in params.split(", "):
+        if len(line) + len(part) + 2 > 100:
+            out.append(line)
+            line = f"{indent}   "
+        line += f" {part},"
+    out += [line, f"{indent}) -> {returns}: ..."]
     return out
 
 

@@ -68,67 +68,44 @@ __all__ = [
 
 class BCELoss(torch.nn.Module):
     def __init__(
-        self,
-        weight: Tensor | None = None,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, weight: Tensor | None = None, size_average: bool | None = None,
+        reduce: bool | None = None, reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class BCEWithLogitsLoss(torch.nn.Module):
     def __init__(
-        self,
-        weight: Tensor | None = None,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
-        pos_weight: Tensor | None = None,
+        self, weight: Tensor | None = None, size_average: bool | None = None,
+        reduce: bool | None = None, reduction: str = 'mean', pos_weight: Tensor | None = None,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class CosineEmbeddingLoss(torch.nn.Module):
     def __init__(
-        self,
-        margin: float = 0,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
+        self, margin: float = 0, size_average: bool | None = None, reduce: bool | None = None,
         reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input1: Tensor, input2: Tensor, target: Tensor) -> Tensor: ...
 
 class CrossEntropyLoss(torch.nn.Module):
     def __init__(
-        self,
-        weight: Tensor | None = None,
-        size_average: bool | None = None,
-        ignore_index: int = -100,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
-        label_smoothing: float = 0.0,
-        lse_square_scale: float = 0.0,
-        softcap: float = 0.0,
-        check_targets: bool = False,
-        inplace_backward: bool = False,
+        self, weight: Tensor | None = None, size_average: bool | None = None,
+        ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean',
+        label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float = 0.0,
+        check_targets: bool = False, inplace_backward: bool = False,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class GaussianNLLLoss(torch.nn.Module):
     def __init__(
-        self,
-        full: bool = False,
-        eps: float = 1e-06,
-        reduction: str = 'mean',
+        self, full: bool = False, eps: float = 1e-06, reduction: str = 'mean',
         check_var: bool = False,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor, var: Tensor) -> Tensor: ...
 
 class HingeEmbeddingLoss(torch.nn.Module):
     def __init__(
-        self,
-        margin: float = 1.0,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
+        self, margin: float = 1.0, size_average: bool | None = None, reduce: bool | None = None,
         reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
@@ -139,41 +116,27 @@ class HingeLoss(torch.nn.Module):
 
 class HuberLoss(torch.nn.Module):
     def __init__(
-        self,
-        reduction: str = 'mean',
-        delta: float = 1.0,
-        weight: Tensor | None = None,
+        self, reduction: str = 'mean', delta: float = 1.0, weight: Tensor | None = None,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class JSDLoss(torch.nn.Module):
     def __init__(
-        self,
-        beta: float = 0.5,
-        shift_labels: Tensor | None = None,
-        ignore_index: int = -100,
-        reduction: str = 'mean',
-        inplace_backward: bool = False,
+        self, beta: float = 0.5, shift_labels: Tensor | None = None, ignore_index: int = -100,
+        reduction: str = 'mean', inplace_backward: bool = False,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class KLDivLoss(torch.nn.Module):
     def __init__(
-        self,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
-        log_target: bool = False,
-        log_input: bool = True,
+        self, size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
+        log_target: bool = False, log_input: bool = True,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class L1Loss(torch.nn.Module):
     def __init__(
-        self,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
         weight: Tensor | None = None,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
@@ -182,22 +145,12 @@ LOSSES: dict[str, Callable[..., Tensor]]
 
 class LinearCrossEntropyLoss(torch.nn.Module):
     def __init__(
-        self,
-        class_weight: Tensor | None = None,
-        ignore_index: int = -100,
-        reduction: str = 'mean',
-        label_smoothing: float = 0.0,
-        *,
-        lse_square_scale: float = 0.0,
-        softcap: float = 0.0,
+        self, class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = 'mean',
+        label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float = 0.0,
         max_workspace_bytes: int | None = None,
     ) -> None: ...
     def forward(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        target: Tensor,
-        bias: Tensor | None = None,
+        self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
     ) -> Tensor: ...
 
 class LogCoshLoss(torch.nn.Module):
@@ -208,69 +161,45 @@ MODULES: dict[str, type[torch.nn.Module]]
 
 class MSELoss(torch.nn.Module):
     def __init__(
-        self,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
         weight: Tensor | None = None,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class MarginRankingLoss(torch.nn.Module):
     def __init__(
-        self,
-        margin: float = 0,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
+        self, margin: float = 0, size_average: bool | None = None, reduce: bool | None = None,
         reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input1: Tensor, input2: Tensor, target: Tensor) -> Tensor: ...
 
 class MultiLabelSoftMarginLoss(torch.nn.Module):
     def __init__(
-        self,
-        weight: Tensor | None = None,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, weight: Tensor | None = None, size_average: bool | None = None,
+        reduce: bool | None = None, reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class MultiMarginLoss(torch.nn.Module):
     def __init__(
-        self,
-        p: float = 1,
-        margin: float = 1.0,
-        weight: Tensor | None = None,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, p: float = 1, margin: float = 1.0, weight: Tensor | None = None,
+        size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
         check_targets: bool = False,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class NLLLoss(torch.nn.Module):
     def __init__(
-        self,
-        weight: Tensor | None = None,
-        size_average: bool | None = None,
-        ignore_index: int = -100,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
-        check_targets: bool = False,
-        inplace_backward: bool = False,
+        self, weight: Tensor | None = None, size_average: bool | None = None,
+        ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean',
+        check_targets: bool = False, inplace_backward: bool = False,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class PoissonNLLLoss(torch.nn.Module):
     def __init__(
-        self,
-        log_input: bool = True,
-        full: bool = False,
-        size_average: bool | None = None,
-        eps: float = 1e-08,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, log_input: bool = True, full: bool = False, size_average: bool | None = None,
+        eps: float = 1e-08, reduce: bool | None = None, reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
@@ -278,29 +207,20 @@ SKIPPED: dict[str, str]
 
 class SigmoidFocalLoss(torch.nn.Module):
     def __init__(
-        self,
-        alpha: float = 0.25,
-        gamma: float = 2.0,
-        reduction: str = 'none',
+        self, alpha: float = 0.25, gamma: float = 2.0, reduction: str = 'none',
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class SmoothL1Loss(torch.nn.Module):
     def __init__(
-        self,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
         beta: float = 1.0,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class SoftMarginLoss(torch.nn.Module):
     def __init__(
-        self,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
@@ -310,310 +230,158 @@ class SquaredHingeLoss(torch.nn.Module):
 
 class TripletMarginLoss(torch.nn.Module):
     def __init__(
-        self,
-        margin: float = 1.0,
-        p: float = 2,
-        eps: float = 1e-06,
-        swap: bool = False,
-        size_average: bool | None = None,
-        reduce: bool | None = None,
-        reduction: str = 'mean',
+        self, margin: float = 1.0, p: float = 2, eps: float = 1e-06, swap: bool = False,
+        size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
     ) -> None: ...
     def forward(self, anchor: Tensor, positive: Tensor, negative: Tensor) -> Tensor: ...
 
 class VocabParallelCrossEntropyLoss(torch.nn.Module):
     def __init__(
-        self,
-        group: Any = None,
-        *,
-        class_offset: int | None = None,
-        classes: int | None = None,
-        weight: Tensor | None = None,
-        ignore_index: int = -100,
-        reduction: str = 'mean',
-        label_smoothing: float = 0.0,
-        lse_square_scale: float = 0.0,
-        softcap: float = 0.0,
+        self, group: Any = None, *, class_offset: int | None = None, classes: int | None = None,
+        weight: Tensor | None = None, ignore_index: int = -100, reduction: str = 'mean',
+        label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float = 0.0,
         mean_group: Any = None,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 def binary_cross_entropy(
-    input: Tensor,
-    target: Tensor,
-    weight: Tensor | None = None,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
+    input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
+    reduce: bool | None = None, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def binary_cross_entropy_with_logits(
-    input: Tensor,
-    target: Tensor,
-    weight: Tensor | None = None,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    pos_weight: Tensor | None = None,
+    input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
+    reduce: bool | None = None, reduction: str = 'mean', pos_weight: Tensor | None = None,
 ) -> Tensor: ...
 
 def cosine_embedding_loss(
-    input1: Tensor,
-    input2: Tensor,
-    target: Tensor,
-    margin: float = 0,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
+    input1: Tensor, input2: Tensor, target: Tensor, margin: float = 0,
+    size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def cross_entropy(
-    input: Tensor,
-    target: Tensor,
-    weight: Tensor | None = None,
-    size_average: bool | None = None,
-    ignore_index: int = -100,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    label_smoothing: float = 0.0,
-    *,
-    lse_square_scale: float = 0.0,
-    softcap: float = 0.0,
-    check_targets: bool = False,
-    inplace_backward: bool = False,
+    input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
+    ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean',
+    label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float = 0.0,
+    check_targets: bool = False, inplace_backward: bool = False,
 ) -> Tensor: ...
 
 def gaussian_nll_loss(
-    input: Tensor,
-    target: Tensor,
-    var: Tensor,
-    full: bool = False,
-    eps: float = 1e-06,
-    reduction: str = 'mean',
-    *,
-    check_var: bool = False,
+    input: Tensor, target: Tensor, var: Tensor, full: bool = False, eps: float = 1e-06,
+    reduction: str = 'mean', *, check_var: bool = False,
 ) -> Tensor: ...
 
 gradients_in_forward: bool
 
 def hinge_embedding_loss(
-    input: Tensor,
-    target: Tensor,
-    margin: float = 1.0,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
+    input: Tensor, target: Tensor, margin: float = 1.0, size_average: bool | None = None,
+    reduce: bool | None = None, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def hinge_loss(
-    input: Tensor,
-    target: Tensor,
-    margin: float = 1.0,
-    reduction: str = 'mean',
+    input: Tensor, target: Tensor, margin: float = 1.0, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def huber_loss(
-    input: Tensor,
-    target: Tensor,
-    reduction: str = 'mean',
-    delta: float = 1.0,
+    input: Tensor, target: Tensor, reduction: str = 'mean', delta: float = 1.0,
     weight: Tensor | None = None,
 ) -> Tensor: ...
 
 def jsd(
-    input: Tensor,
-    target: Tensor,
-    beta: float = 0.5,
-    shift_labels: Tensor | None = None,
-    ignore_index: int = -100,
-    reduction: str = 'mean',
-    *,
-    inplace_backward: bool = False,
+    input: Tensor, target: Tensor, beta: float = 0.5, shift_labels: Tensor | None = None,
+    ignore_index: int = -100, reduction: str = 'mean', *, inplace_backward: bool = False,
 ) -> Tensor: ...
 
 def kl_div(
-    input: Tensor,
-    target: Tensor,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    log_target: bool = False,
-    *,
-    log_input: bool = True,
+    input: Tensor, target: Tensor, size_average: bool | None = None, reduce: bool | None = None,
+    reduction: str = 'mean', log_target: bool = False, *, log_input: bool = True,
 ) -> Tensor: ...
 
 def l1_loss(
-    input: Tensor,
-    target: Tensor,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    weight: Tensor | None = None,
+    input: Tensor, target: Tensor, size_average: bool | None = None, reduce: bool | None = None,
+    reduction: str = 'mean', weight: Tensor | None = None,
 ) -> Tensor: ...
 
 def linear_cross_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Tensor | None = None,
-    class_weight: Tensor | None = None,
-    ignore_index: int = -100,
-    reduction: str = 'mean',
-    label_smoothing: float = 0.0,
-    *,
-    lse_square_scale: float = 0.0,
-    softcap: float = 0.0,
-    max_workspace_bytes: int | None = None,
-    check_targets: bool = False,
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+    class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = 'mean',
+    label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float = 0.0,
+    max_workspace_bytes: int | None = None, check_targets: bool = False,
 ) -> Tensor: ...
 
 def log_cosh_loss(input: Tensor, target: Tensor, reduction: str = 'mean') -> Tensor: ...
 
 def margin_ranking_loss(
-    input1: Tensor,
-    input2: Tensor,
-    target: Tensor,
-    margin: float = 0,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
+    input1: Tensor, input2: Tensor, target: Tensor, margin: float = 0,
+    size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def mse_loss(
-    input: Tensor,
-    target: Tensor,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    weight: Tensor | None = None,
+    input: Tensor, target: Tensor, size_average: bool | None = None, reduce: bool | None = None,
+    reduction: str = 'mean', weight: Tensor | None = None,
 ) -> Tensor: ...
 
 def multi_margin_loss(
-    input: Tensor,
-    target: Tensor,
-    p: float = 1,
-    margin: float = 1.0,
-    weight: Tensor | None = None,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    *,
+    input: Tensor, target: Tensor, p: float = 1, margin: float = 1.0, weight: Tensor | None = None,
+    size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean', *,
     check_targets: bool = False,
 ) -> Tensor: ...
 
 def multilabel_soft_margin_loss(
-    input: Tensor,
-    target: Tensor,
-    weight: Tensor | None = None,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
+    input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
+    reduce: bool | None = None, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def nll_loss(
-    input: Tensor,
-    target: Tensor,
-    weight: Tensor | None = None,
-    size_average: bool | None = None,
-    ignore_index: int = -100,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    *,
-    check_targets: bool = False,
-    inplace_backward: bool = False,
+    input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
+    ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean', *,
+    check_targets: bool = False, inplace_backward: bool = False,
 ) -> Tensor: ...
 
 def poisson_nll_loss(
-    input: Tensor,
-    target: Tensor,
-    log_input: bool = True,
-    full: bool = False,
-    size_average: bool | None = None,
-    eps: float = 1e-08,
-    reduce: bool | None = None,
+    input: Tensor, target: Tensor, log_input: bool = True, full: bool = False,
+    size_average: bool | None = None, eps: float = 1e-08, reduce: bool | None = None,
     reduction: str = 'mean',
 ) -> Tensor: ...
 
 def scale_by_grad_output(grad_output: Tensor, a: Tensor, b: Tensor | None = None) -> None: ...
 
 def sigmoid_focal_loss(
-    input: Tensor,
-    target: Tensor,
-    alpha: float = 0.25,
-    gamma: float = 2.0,
-    reduction: str = 'none',
+    input: Tensor, target: Tensor, alpha: float = 0.25, gamma: float = 2.0, reduction: str = 'none',
 ) -> Tensor: ...
 
 def smooth_l1_loss(
-    input: Tensor,
-    target: Tensor,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
-    beta: float = 1.0,
+    input: Tensor, target: Tensor, size_average: bool | None = None, reduce: bool | None = None,
+    reduction: str = 'mean', beta: float = 1.0,
 ) -> Tensor: ...
 
 def soft_margin_loss(
-    input: Tensor,
-    target: Tensor,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
+    input: Tensor, target: Tensor, size_average: bool | None = None, reduce: bool | None = None,
     reduction: str = 'mean',
 ) -> Tensor: ...
 
 def squared_hinge_loss(
-    input: Tensor,
-    target: Tensor,
-    margin: float = 1.0,
-    reduction: str = 'mean',
+    input: Tensor, target: Tensor, margin: float = 1.0, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def triplet_margin_loss(
-    anchor: Tensor,
-    positive: Tensor,
-    negative: Tensor,
-    margin: float = 1.0,
-    p: float = 2,
-    eps: float = 1e-06,
-    swap: bool = False,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = 'mean',
+    anchor: Tensor, positive: Tensor, negative: Tensor, margin: float = 1.0, p: float = 2,
+    eps: float = 1e-06, swap: bool = False, size_average: bool | None = None,
+    reduce: bool | None = None, reduction: str = 'mean',
 ) -> Tensor: ...
 
 def vocab_parallel_cross_entropy(
-    input: Tensor,
-    target: Tensor,
-    group: Any = None,
-    *,
-    class_offset: int | None = None,
-    classes: int | None = None,
-    weight: Tensor | None = None,
-    ignore_index: int = -100,
-    reduction: str = 'mean',
-    label_smoothing: float = 0.0,
-    lse_square_scale: float = 0.0,
-    softcap: float = 0.0,
-    mean_group: Any = None,
-    check_targets: bool = False,
+    input: Tensor, target: Tensor, group: Any = None, *, class_offset: int | None = None,
+    classes: int | None = None, weight: Tensor | None = None, ignore_index: int = -100,
+    reduction: str = 'mean', label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+    softcap: float = 0.0, mean_group: Any = None, check_targets: bool = False,
 ) -> Tensor: ...
 
 def vocab_parallel_linear_cross_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    group: Any = None,
-    *,
-    bias: Tensor | None = None,
-    class_weight: Tensor | None = None,
-    class_offset: int | None = None,
-    classes: int | None = None,
-    ignore_index: int = -100,
-    reduction: str = 'mean',
-    label_smoothing: float = 0.0,
-    lse_square_scale: float = 0.0,
-    softcap: float = 0.0,
-    max_workspace_bytes: int | None = None,
-    check_targets: bool = False,
+    hidden: Tensor, weight: Tensor, target: Tensor, group: Any = None, *,
+    bias: Tensor | None = None, class_weight: Tensor | None = None, class_offset: int | None = None,
+    classes: int | None = None, ignore_index: int = -100, reduction: str = 'mean',
+    label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float = 0.0,
+    max_workspace_bytes: int | None = None, check_targets: bool = False,
     sequence_parallel: bool = False,
 ) -> Tensor: ...
