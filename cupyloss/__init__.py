@@ -23,7 +23,8 @@ from cupyloss.pointwise import (
     squared_hinge_loss_backward, squared_hinge_loss_value_and_grad,)
 from cupyloss.rowclass import (
     jsd, jsd_backward, jsd_value_and_grad, multi_margin_loss, multi_margin_loss_backward,
-    multi_margin_loss_value_and_grad, multilabel_soft_margin_loss,
+    multi_margin_loss_value_and_grad, multilabel_margin_loss, multilabel_margin_loss_backward,
+    multilabel_margin_loss_value_and_grad, multilabel_soft_margin_loss,
     multilabel_soft_margin_loss_backward, multilabel_soft_margin_loss_value_and_grad,)
 from cupyloss.rowpair import (
     cosine_embedding_loss, cosine_embedding_loss_backward,
@@ -86,6 +87,9 @@ __all__ = [
     "multi_margin_loss",
     "multi_margin_loss_backward",
     "multi_margin_loss_value_and_grad",
+    "multilabel_margin_loss",
+    "multilabel_margin_loss_backward",
+    "multilabel_margin_loss_value_and_grad",
     "multilabel_soft_margin_loss",
     "multilabel_soft_margin_loss_backward",
     "multilabel_soft_margin_loss_value_and_grad",

@@ -30,11 +30,21 @@
 //   beta = 1 (reverse KL): loss = Q (x - y), dx = Q (x - y + 1), dy = -Q.
 //   A row whose shift label equals ignore_index counts for nothing: loss 0, gradient 0.
 //   'mean' divides by the number of counted rows and is 0 when there are none (Liger's rule).
+// multilabel_margin_loss (class indices y_0 .. y_{L-1} ended by the first -1 or the row's end;
+// S the set of them, a bit mask in shared memory):
+//   loss = sum_{j < L} sum_{c not in S} max(0, 1 - x_{y_j} + x_c) / C
+//   dloss/dx_c = #{j < L : 1 - x_{y_j} + x_c > 0} / C                       for c not in S
+//   dloss/dx_s = -#{j < L : y_j = s} #{c not in S : 1 - x_s + x_c > 0} / C   for s in S
+//   (an index given twice counts twice, and a tie z = 0 counts nothing, as torch).  A row
+//   holding an index outside [-1, C) anywhere (torch raises) has a NaN loss and gradient.
+//   It is not a streaming loss (every element meets every target): a block takes a row, its
+//   elements in the first pass, its distinct targets one at a time in the second.
 //
 // Kernels:
 //   rowclass_rows<T, LOSS>  a team of tpr threads (8..256, the row-length table in
 //                           cupyloss/_launch.py) streams a row in 16-byte vectors, ROWC_NV of
 //                           them in flight a thread; rows go round the grid.
+//                           multilabel_margin_loss takes a block a row (margin_set_rows).
 //   rowclass_count<T>       the number of counted rows (shift label != ignore_index), the
 //                           divisor a 'mean' jsd gradient needs before its launch.
 // Indices within a row are 32-bit (C < 2^31, checked on the host); row offsets are 64-bit.
@@ -44,7 +54,8 @@
 
 namespace cupyloss {
 
-enum : int { LOSS_MULTI_MARGIN = 0, LOSS_MULTILABEL = 1, LOSS_JSD = 2 };
+enum : int { LOSS_MULTI_MARGIN = 0, LOSS_MULTILABEL = 1, LOSS_JSD = 2,
+             LOSS_MULTILABEL_MARGIN = 3 };
 
 enum : long long {
     RC_INDEX64 = 1,       // multi_margin's class indices are int64 (else int32)
@@ -151,6 +162,104 @@ __device__ __forceinline__ void element(A xv, A tv, A wv, int c, const ClassRow<
     }
 }
 
+// Whether class c is one of the row's targets (bit c of the row's mask).
+__device__ __forceinline__ bool in_set(const unsigned int* mask, int c) {
+    return (mask[c >> 5] >> (c & 31)) & 1u;
+}
+
+// multilabel_margin_loss (see the file comment): a block a row, rows going round the grid.
+// Pass 1: the row's targets end at the first negative index (L, an integer minimum: any order
+// gives it); the set S as a bit mask.  Pass 2: each element outside S against every target (its
+// loss terms and its gradient).  Pass 3, with a gradient: each distinct target against the
+// elements outside S; its first occurrence writes its gradient after the elements' (a barrier).
+template <typename T>
+__device__ __forceinline__ void margin_set_rows(
+        const T* x, const void* __restrict__ tgt, const T* __restrict__ go,
+        const long long rows, const long long cols, const long long x_rs, const long long t_rs,
+        const long long go_rs, const long long flags, const double go_value,
+        const double grad_scale, T* __restrict__ loss, T* gx, T* __restrict__ value,
+        acc_t<T>* __restrict__ partials, unsigned int* __restrict__ ticket,
+        const double divisor,
+        acc_t<T>* scratch,             // [ROW_SCRATCH]
+        unsigned int* mask) {          // [ceil(cols / 32)]: the row's set S
+    using A = acc_t<T>;
+    __shared__ int first_end;
+    const bool idx64 = (flags & RC_INDEX64) != 0;
+    const bool go_rows = (flags & RC_GO_ROWS) != 0;
+    const int ncols = (int)cols;
+    const int nwords = (ncols + 31) >> 5;
+    const A inv_cols = A(1) / A(cols);
+    A g_all = A(0);
+    if (gx != nullptr && !go_rows)
+        g_all = ((flags & RC_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+    Compensated<A> lacc;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * x_rs;
+        const long long t0 = r * t_rs;
+        for (int w = threadIdx.x; w < nwords; w += blockDim.x) mask[w] = 0u;
+        if (threadIdx.x == 0) first_end = ncols;
+        __syncthreads();
+        bool bad = false;
+        for (int c = threadIdx.x; c < ncols; c += blockDim.x) {
+            const long long v = read_index<T>(tgt, t0 + c, idx64);
+            if (v < 0) atomicMin(&first_end, c);
+            bad |= v < -1 || v >= cols;
+        }
+        bad = __syncthreads_or(bad);
+        const int len = bad ? 0 : first_end;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            const int y = (int)read_index<T>(tgt, t0 + j, idx64);
+            atomicOr(&mask[y >> 5], 1u << (y & 31));
+        }
+        __syncthreads();
+        const A g = gx == nullptr ? A(0)
+                    : (go_rows ? to_acc(go[r * go_rs]) * A(grad_scale) : g_all) * inv_cols;
+        T* gr = gx != nullptr ? gx + r * cols : nullptr;
+        Compensated<A> lsum;
+        for (int c = threadIdx.x; c < ncols; c += blockDim.x) {
+            long long n = 0;
+            if (!in_set(mask, c)) {
+                const A xc = to_acc(xr[c]);
+                for (int j = 0; j < len; ++j) {
+                    const A z = (A(1) - to_acc(xr[read_index<T>(tgt, t0 + j, idx64)])) + xc;
+                    if (z > A(0)) {
+                        lsum.add(z);
+                        ++n;
+                    }
+                }
+            }
+            if (gr != nullptr) gr[c] = from_acc<T>(bad ? quiet_nan(A(0)) : A(n) * g);
+        }
+        for (int j = 0; gr != nullptr && j < len; ++j) {
+            const long long y = read_index<T>(tgt, t0 + j, idx64);
+            const A xy = to_acc(xr[y]);
+            double counts[3] = {0.0, 0.0, 0.0};   // earlier occurrences, all, elements it loses to
+            for (int k = threadIdx.x; k < len; k += blockDim.x) {
+                const bool same = read_index<T>(tgt, t0 + k, idx64) == y;
+                counts[0] += same && k < j;
+                counts[1] += same;
+            }
+            for (int c = threadIdx.x; c < ncols; c += blockDim.x)
+                counts[2] += !in_set(mask, c) && (A(1) - xy) + to_acc(xr[c]) > A(0);
+            double total[3];
+            block_sums<3>(counts, total);   // barriers: pass 2's write of x_y's 0 comes first
+            if (threadIdx.x == 0 && total[0] == 0.0)
+                gr[y] = from_acc<T>(-A(total[1] * total[2]) * g);
+        }
+        A sum = lsum.value(), unused = A(0);
+        team_sum2(sum, unused, blockDim.x, scratch);
+        if (threadIdx.x == 0) {
+            const A l = bad ? quiet_nan(A(0)) : sum * inv_cols;
+            if (loss != nullptr) loss[r] = from_acc<T>(l);
+            lacc.add(l);
+            if (bad) count_rejected();
+        }
+        __syncthreads();   // the mask and first_end are the next row's
+    }
+    finish_ratio<T>(lacc.value(), A(0), value, nullptr, false, (flags & RC_ZERO_EMPTY) != 0,
+                    divisor, partials, ticket);
+}
+
 // One streaming pass over rows of C contiguous elements (see the file comment).  Every thread of
 // a block runs the row loop the same number of times (inactive teams take part in the merges).
 template <typename T, int LOSS>
@@ -180,163 +289,169 @@ __global__ void __launch_bounds__(256) rowclass_rows(
         unsigned int* __restrict__ ticket,
         const double divisor) {
     using A = acc_t<T>;
-    constexpr int VEC = 16 / sizeof(T);
-    constexpr bool TWO = LOSS != LOSS_MULTI_MARGIN;  // a second operand shaped like the input
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [ROW_SCRATCH]
+    if constexpr (LOSS == LOSS_MULTILABEL_MARGIN) {
+        margin_set_rows<T>(x, tgt, go, rows, cols, x_rs, t_rs, go_rs, flags, go_value,
+                           grad_scale, loss, gx, value, partials, ticket, divisor, scratch,
+                           reinterpret_cast<unsigned int*>(smem_raw + ROW_SCRATCH * sizeof(A)));
+    } else {
+        constexpr int VEC = 16 / sizeof(T);
+        constexpr bool TWO = LOSS != LOSS_MULTI_MARGIN;  // a second operand shaped like the input
 
-    ClassArgs<A> ca;
-    ca.margin = A(option);
-    ca.beta = A(option);
-    ca.one_minus_beta = A(1) - ca.beta;
-    ca.inv_cols = A(1) / A(cols);
-    ca.p2 = (flags & RC_P2) != 0;
-    const bool want_g = gx != nullptr || gt != nullptr;
-    const bool go_rows = (flags & RC_GO_ROWS) != 0;
-    A g_all = A(0);
-    if (want_g && !go_rows) {
-        g_all = ((flags & RC_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
-        if (denom != nullptr) g_all /= denom[0];
-    }
-    const int ncols = (int)cols;
-    const int t = (int)tpr;
-    const int lane = threadIdx.x & (t - 1);
-    const int teams = blockDim.x / t;
-    const int team = threadIdx.x / t;
-    Compensated<A> lacc;
-    A cacc = A(0);
-
-    for (long long r0 = (long long)blockIdx.x * teams; r0 < rows;
-         r0 += (long long)gridDim.x * teams) {
-        const long long r = r0 + team;
-        const bool active = r < rows;
-        const T* xr = x + (active ? r : 0) * x_rs;
-        const T* tr = TWO ? static_cast<const T*>(tgt) + (active ? r : 0) * t_rs : nullptr;
-
-        ClassRow<A> row{-1, A(0), A(1), true};
-        if (active && LOSS == LOSS_MULTI_MARGIN) {
-            const long long y = read_index<T>(tgt, r * t_rs, (flags & RC_INDEX64) != 0);
-            if (y >= 0 && y < cols) {
-                row.y = y;
-                row.xy = to_acc(xr[y]);
-                row.wy = weight != nullptr ? to_acc(weight[y]) : A(1);
-            } else {
-                row.wy = quiet_nan(A(0));
-                if (threadIdx.x % t == 0) count_rejected();
-            }
+        ClassArgs<A> ca;
+        ca.margin = A(option);
+        ca.beta = A(option);
+        ca.one_minus_beta = A(1) - ca.beta;
+        ca.inv_cols = A(1) / A(cols);
+        ca.p2 = (flags & RC_P2) != 0;
+        const bool want_g = gx != nullptr || gt != nullptr;
+        const bool go_rows = (flags & RC_GO_ROWS) != 0;
+        A g_all = A(0);
+        if (want_g && !go_rows) {
+            g_all = ((flags & RC_GO_DEVICE) ? to_acc(go[0]) : A(go_value)) * A(grad_scale);
+            if (denom != nullptr) g_all /= denom[0];
         }
-        if (active && LOSS == LOSS_JSD && (flags & RC_LABELS))
-            row.counted = read_index<T>(labels, r * l_rs, (flags & RC_LABELS64) != 0)
-                          != ignore_index;
-        // Everything an element's gradient is multiplied by.
-        A g = A(0);
-        if (want_g && active) {
-            g = go_rows ? to_acc(go[r * go_rs]) * A(grad_scale) : g_all;
-            if (LOSS != LOSS_JSD) g *= ca.inv_cols;
-            if (LOSS == LOSS_MULTI_MARGIN) g *= row.wy;
-        }
-        const T* wr = LOSS == LOSS_MULTILABEL && weight != nullptr
-                      ? weight + (active ? r : 0) * w_rs : nullptr;
-        T* gr = gx != nullptr ? gx + (active ? r : 0) * cols : nullptr;
-        T* gtr = gt != nullptr ? gt + (active ? r : 0) * cols : nullptr;
+        const int ncols = (int)cols;
+        const int t = (int)tpr;
+        const int lane = threadIdx.x & (t - 1);
+        const int teams = blockDim.x / t;
+        const int team = threadIdx.x / t;
+        Compensated<A> lacc;
+        A cacc = A(0);
 
-        // The row as head scalars (up to x's first 16-byte boundary), vectors, tail scalars.
-        const int mis = (int)((reinterpret_cast<unsigned long long>(xr) & 15ull) / sizeof(T));
-        const int h = mis ? min(ncols, VEC - mis) : 0;
-        const int nv = (ncols - h) / VEC;
-        const int tail = ncols - h - nv * VEC;
-        const bool t_vec = TWO && aligned16(tr + h);
-        const bool g_vec = gr != nullptr && aligned16(gr + h);
-        const bool gt_vec = gtr != nullptr && aligned16(gtr + h);
-        const bool work = active && row.counted;
+        for (long long r0 = (long long)blockIdx.x * teams; r0 < rows;
+             r0 += (long long)gridDim.x * teams) {
+            const long long r = r0 + team;
+            const bool active = r < rows;
+            const T* xr = x + (active ? r : 0) * x_rs;
+            const T* tr = TWO ? static_cast<const T*>(tgt) + (active ? r : 0) * t_rs : nullptr;
 
-        Compensated<A> lsum;
-        A dsum = A(0);
-        if (work) {
-            #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                const int c = s == 0 ? lane : h + nv * VEC + lane;
-                if (s == 0 ? lane >= h : lane >= tail) continue;
-                const A xv = to_acc(xr[c]);
-                const A tv = TWO ? to_acc(tr[c]) : A(0);
-                const A wv = wr != nullptr ? to_acc(wr[c * w_cs]) : A(1);
-                A l, dx, dt;
-                element<LOSS>(xv, tv, wv, c, row, ca, l, dx, dt);
-                lsum.add(l);
-                dsum += dx;
-                if (gr != nullptr) gr[c] = from_acc<T>(dx * g);
-                if (gtr != nullptr) gtr[c] = from_acc<T>(dt * g);
-            }
-            for (int jb = lane; jb < nv; jb += t * ROWC_NV) {
-                Vec<T, VEC> xv[ROWC_NV], tv[ROWC_NV];
-                #pragma unroll
-                for (int i = 0; i < ROWC_NV; ++i) {
-                    const int j = jb + i * t;
-                    if (j >= nv) continue;
-                    xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
-                    if (TWO) tv[i] = load_any<T, VEC>(tr + h + j * VEC, t_vec);
+            ClassRow<A> row{-1, A(0), A(1), true};
+            if (active && LOSS == LOSS_MULTI_MARGIN) {
+                const long long y = read_index<T>(tgt, r * t_rs, (flags & RC_INDEX64) != 0);
+                if (y >= 0 && y < cols) {
+                    row.y = y;
+                    row.xy = to_acc(xr[y]);
+                    row.wy = weight != nullptr ? to_acc(weight[y]) : A(1);
+                } else {
+                    row.wy = quiet_nan(A(0));
+                    if (threadIdx.x % t == 0) count_rejected();
                 }
+            }
+            if (active && LOSS == LOSS_JSD && (flags & RC_LABELS))
+                row.counted = read_index<T>(labels, r * l_rs, (flags & RC_LABELS64) != 0)
+                              != ignore_index;
+            // Everything an element's gradient is multiplied by.
+            A g = A(0);
+            if (want_g && active) {
+                g = go_rows ? to_acc(go[r * go_rs]) * A(grad_scale) : g_all;
+                if (LOSS != LOSS_JSD) g *= ca.inv_cols;
+                if (LOSS == LOSS_MULTI_MARGIN) g *= row.wy;
+            }
+            const T* wr = LOSS == LOSS_MULTILABEL && weight != nullptr
+                          ? weight + (active ? r : 0) * w_rs : nullptr;
+            T* gr = gx != nullptr ? gx + (active ? r : 0) * cols : nullptr;
+            T* gtr = gt != nullptr ? gt + (active ? r : 0) * cols : nullptr;
+
+            // The row as head scalars (up to x's first 16-byte boundary), vectors, tail scalars.
+            const int mis = (int)((reinterpret_cast<unsigned long long>(xr) & 15ull) / sizeof(T));
+            const int h = mis ? min(ncols, VEC - mis) : 0;
+            const int nv = (ncols - h) / VEC;
+            const int tail = ncols - h - nv * VEC;
+            const bool t_vec = TWO && aligned16(tr + h);
+            const bool g_vec = gr != nullptr && aligned16(gr + h);
+            const bool gt_vec = gtr != nullptr && aligned16(gtr + h);
+            const bool work = active && row.counted;
+
+            Compensated<A> lsum;
+            A dsum = A(0);
+            if (work) {
                 #pragma unroll
-                for (int i = 0; i < ROWC_NV; ++i) {
-                    const int j = jb + i * t;
-                    if (j >= nv) continue;
-                    const int c0 = h + j * VEC;
-                    A ox[VEC], ot[VEC];
+                for (int s = 0; s < 2; ++s) {
+                    const int c = s == 0 ? lane : h + nv * VEC + lane;
+                    if (s == 0 ? lane >= h : lane >= tail) continue;
+                    const A xv = to_acc(xr[c]);
+                    const A tv = TWO ? to_acc(tr[c]) : A(0);
+                    const A wv = wr != nullptr ? to_acc(wr[c * w_cs]) : A(1);
+                    A l, dx, dt;
+                    element<LOSS>(xv, tv, wv, c, row, ca, l, dx, dt);
+                    lsum.add(l);
+                    dsum += dx;
+                    if (gr != nullptr) gr[c] = from_acc<T>(dx * g);
+                    if (gtr != nullptr) gtr[c] = from_acc<T>(dt * g);
+                }
+                for (int jb = lane; jb < nv; jb += t * ROWC_NV) {
+                    Vec<T, VEC> xv[ROWC_NV], tv[ROWC_NV];
                     #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        const A wv = wr != nullptr ? to_acc(wr[(long long)(c0 + e) * w_cs])
-                                                   : A(1);
-                        A l, dx, dt;
-                        element<LOSS>(to_acc(xv[i].v[e]), TWO ? to_acc(tv[i].v[e]) : A(0), wv,
-                                      c0 + e, row, ca, l, dx, dt);
-                        lsum.add(l);
-                        dsum += dx;
-                        ox[e] = dx * g;
-                        ot[e] = dt * g;
+                    for (int i = 0; i < ROWC_NV; ++i) {
+                        const int j = jb + i * t;
+                        if (j >= nv) continue;
+                        xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
+                        if (TWO) tv[i] = load_any<T, VEC>(tr + h + j * VEC, t_vec);
                     }
-                    if (gr != nullptr) store_any<T, VEC>(gr + c0, ox, g_vec);
-                    if (gtr != nullptr) store_any<T, VEC>(gtr + c0, ot, gt_vec);
+                    #pragma unroll
+                    for (int i = 0; i < ROWC_NV; ++i) {
+                        const int j = jb + i * t;
+                        if (j >= nv) continue;
+                        const int c0 = h + j * VEC;
+                        A ox[VEC], ot[VEC];
+                        #pragma unroll
+                        for (int e = 0; e < VEC; ++e) {
+                            const A wv = wr != nullptr ? to_acc(wr[(long long)(c0 + e) * w_cs])
+                                                       : A(1);
+                            A l, dx, dt;
+                            element<LOSS>(to_acc(xv[i].v[e]), TWO ? to_acc(tv[i].v[e]) : A(0), wv,
+                                          c0 + e, row, ca, l, dx, dt);
+                            lsum.add(l);
+                            dsum += dx;
+                            ox[e] = dx * g;
+                            ot[e] = dt * g;
+                        }
+                        if (gr != nullptr) store_any<T, VEC>(gr + c0, ox, g_vec);
+                        if (gtr != nullptr) store_any<T, VEC>(gtr + c0, ot, gt_vec);
+                    }
+                }
+            } else if (active && want_g) {
+                // An ignored jsd row: its gradient is 0.
+                const A zero[VEC] = {};
+                for (int c = lane; c < h; c += t) {
+                    if (gr != nullptr) gr[c] = from_acc<T>(A(0));
+                    if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
+                }
+                for (int j = lane; j < nv; j += t) {
+                    if (gr != nullptr) store_any<T, VEC>(gr + h + j * VEC, zero, g_vec);
+                    if (gtr != nullptr) store_any<T, VEC>(gtr + h + j * VEC, zero, gt_vec);
+                }
+                for (int c = h + nv * VEC + lane; c < ncols; c += t) {
+                    if (gr != nullptr) gr[c] = from_acc<T>(A(0));
+                    if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
                 }
             }
-        } else if (active && want_g) {
-            // An ignored jsd row: its gradient is 0.
-            const A zero[VEC] = {};
-            for (int c = lane; c < h; c += t) {
-                if (gr != nullptr) gr[c] = from_acc<T>(A(0));
-                if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
+            A total = lsum.value();
+            team_sum2(total, dsum, t, scratch);
+            if (active && lane == 0) {
+                A l = total;
+                if (LOSS == LOSS_MULTI_MARGIN) l = row.wy * total * ca.inv_cols;
+                if (LOSS == LOSS_MULTILABEL) l = total * ca.inv_cols;
+                if (loss != nullptr) loss[r] = from_acc<T>(l);
+                lacc.add(l);
+                if (row.counted) cacc += A(1);
             }
-            for (int j = lane; j < nv; j += t) {
-                if (gr != nullptr) store_any<T, VEC>(gr + h + j * VEC, zero, g_vec);
-                if (gtr != nullptr) store_any<T, VEC>(gtr + h + j * VEC, zero, gt_vec);
-            }
-            for (int c = h + nv * VEC + lane; c < ncols; c += t) {
-                if (gr != nullptr) gr[c] = from_acc<T>(A(0));
-                if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
+            // multi_margin: x_y's gradient is minus the sum of the others', written by the lane that
+            // wrote its element in the pass above (the same thread, so after it).
+            if (LOSS == LOSS_MULTI_MARGIN && gr != nullptr && active && row.y >= 0) {
+                const int y = (int)row.y;
+                int owner;
+                if (y < h) owner = y;
+                else if (y < h + nv * VEC) owner = ((y - h) / VEC) % t;
+                else owner = y - h - nv * VEC;
+                if (lane == owner) gr[y] = from_acc<T>(-dsum * g);
             }
         }
-        A total = lsum.value();
-        team_sum2(total, dsum, t, scratch);
-        if (active && lane == 0) {
-            A l = total;
-            if (LOSS == LOSS_MULTI_MARGIN) l = row.wy * total * ca.inv_cols;
-            if (LOSS == LOSS_MULTILABEL) l = total * ca.inv_cols;
-            if (loss != nullptr) loss[r] = from_acc<T>(l);
-            lacc.add(l);
-            if (row.counted) cacc += A(1);
-        }
-        // multi_margin: x_y's gradient is minus the sum of the others', written by the lane that
-        // wrote its element in the pass above (the same thread, so after it).
-        if (LOSS == LOSS_MULTI_MARGIN && gr != nullptr && active && row.y >= 0) {
-            const int y = (int)row.y;
-            int owner;
-            if (y < h) owner = y;
-            else if (y < h + nv * VEC) owner = ((y - h) / VEC) % t;
-            else owner = y - h - nv * VEC;
-            if (lane == owner) gr[y] = from_acc<T>(-dsum * g);
-        }
+        finish_ratio<T>(lacc.value(), cacc, value, nullptr, (flags & RC_COUNT) != 0,
+                        (flags & RC_ZERO_EMPTY) != 0, divisor, partials, ticket);
     }
-    finish_ratio<T>(lacc.value(), cacc, value, nullptr, (flags & RC_COUNT) != 0,
-                    (flags & RC_ZERO_EMPTY) != 0, divisor, partials, ticket);
 }
 
 // out[0] = the number of rows whose shift label is not ignore_index (jsd's 'mean' divisor).

@@ -14,6 +14,8 @@ __device__ unsigned int cupyloss_rejected_targets = 0;
 
 namespace cupyloss {
 
+constexpr int ROW_SCRATCH = 64;  // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
+
 __device__ __forceinline__ void count_rejected() {
     atomicInc(&cupyloss_rejected_targets, 0xffffffffu);
 }

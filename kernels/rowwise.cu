@@ -75,7 +75,6 @@ enum : long long {
 
 constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_launch.ROW_VECS)
 constexpr int ROW_BLOCK = 256;     // threads a block of every launch (_launch.BLOCK)
-constexpr int ROW_SCRATCH = 64;    // accumulator slots of dynamic shared memory (_launch.ROW_SCRATCH)
 constexpr int ROW_FIELDS = 5;      // m, s, a, b, t
 constexpr int SLICE_FIELDS = 6;    // a slice's state and its claim (slice_claim) on the row's class
 constexpr int ROW_EXCHANGE = 8 * ROW_FIELDS;  // scratch slot of a cluster's exchange (after the

@@ -355,6 +355,65 @@ def multi_margin_loss_grads(input, target, p=1, margin=1.0, weight=None, reducti
     return (g * d).reshape(np.shape(input))
 
 
+def _margin_sets(input, target):
+    """(x rows, per row its targets before the first -1 and whether it is in [-1, C) throughout)
+    of multilabel_margin_loss."""
+    x = _f64(input).reshape(-1, np.shape(input)[-1] if np.ndim(input) else 1)
+    y = np.asarray(target).astype(np.int64).reshape(x.shape)
+    cols = x.shape[-1]
+    sets = []
+    for row in y:
+        ok = bool(np.all((row >= -1) & (row < cols)))
+        ends = np.nonzero(row < 0)[0]
+        sets.append((row[:ends[0] if len(ends) else cols], ok))
+    return x, sets
+
+
+def multilabel_margin_loss(input, target, reduction="mean"):
+    """torch.nn.functional.multilabel_margin_loss: per row
+    ``sum_{j < L} sum_{c not in S} max(0, 1 - x_{y_j} + x_c) / C`` over the targets y_0 ..
+    y_{L-1} before the first -1 (S their set); a row with an index outside [-1, C) is NaN
+    (cupyloss's defined result; torch raises); 'mean' over no rows is 0, as torch."""
+    x, sets = _margin_sets(input, target)
+    cols = x.shape[-1]
+    loss = np.zeros(len(x))
+    for r, (ys, ok) in enumerate(sets):
+        if not ok:
+            loss[r] = np.nan
+            continue
+        others = np.setdiff1d(np.arange(cols), ys)
+        for y in ys:
+            loss[r] += np.sum(np.maximum(0.0, 1.0 - x[r, y] + x[r, others]))
+    loss /= cols
+    shape = np.shape(input)[:-1]
+    if reduction == "none":
+        return loss.reshape(shape)
+    if len(loss) == 0:
+        return np.float64(0.0)
+    return np.float64(np.sum(loss) if reduction == "sum" else np.mean(loss))
+
+
+def multilabel_margin_loss_grads(input, target, reduction="mean", grad_output=1.0):
+    """d/dinput of :func:`multilabel_margin_loss`: ``#{j : z_jc > 0} / C`` at each c outside S,
+    minus ``#{c not in S : z_jc > 0} / C`` at y_j for each j (torch's strict test); a NaN row for
+    an out-of-range index."""
+    x, sets = _margin_sets(input, target)
+    cols = x.shape[-1]
+    d = np.zeros_like(x)
+    for r, (ys, ok) in enumerate(sets):
+        if not ok:
+            d[r] = np.nan
+            continue
+        others = np.setdiff1d(np.arange(cols), ys)
+        for y in ys:
+            on = (1.0 - x[r, y] + x[r, others]) > 0
+            d[r, others] += on
+            d[r, y] -= np.sum(on)
+    d /= cols
+    g = _row_scale(grad_output, np.shape(input)[:-1], reduction).reshape(-1, 1)
+    return (g * d).reshape(np.shape(input))
+
+
 def _log_sigmoid(v):
     with np.errstate(all="ignore"):
         return np.minimum(v, 0) - np.log1p(np.exp(-np.abs(v)))

@@ -148,6 +148,23 @@ def test_rowclass_words(device):
     assert rows["option"] == _args.f64_word(0.75) and rows["value"] == _ptr(loss)
 
 
+def test_multilabel_margin_words(device):
+    """multilabel_margin_loss: its rowclass_rows instance, int64 targets by row stride, the
+    gradient's 1/N, 'mean' over no rows made 0; a block a row of a warp for 9 classes."""
+    x = _host(np.zeros((4, 9), np.float32))
+    t = _host(np.zeros((4, 16), np.int32))[:, :9]
+    _, gx, _ = _rowclass.evaluate(_rowclass.SPECS["multilabel_margin_loss"], x, t,
+                                  reduction="mean", wrt=("input",))
+    ((name, words),) = device.launches
+    rows = _named(name, words)
+    assert name == _source.rowclass_name("rowclass_rows", "float",
+                                         _rowclass.LOSS_MULTILABEL_MARGIN)
+    assert rows["x"] == _ptr(x) and rows["tgt"] == _ptr(t) and rows["gx"] == _ptr(gx)
+    assert (rows["rows"], rows["cols"], rows["x_rs"], rows["t_rs"]) == (4, 9, 9, 16)
+    assert rows["flags"] & _rowclass.FLAG_ZERO_EMPTY and not rows["flags"] & _rowclass.FLAG_INDEX64
+    assert rows["grad_scale"] == _args.f64_word(0.25) and rows["tpr"] == 32
+
+
 def test_rowclass_count_words(device):
     """jsd's 'mean' over shift labels: the count kernel first, its out the main kernel's denom."""
     s = _host(np.zeros((4, 9), np.float32))

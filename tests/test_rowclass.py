@@ -102,3 +102,57 @@ def test_registry_entries():
 ])
 def test_row_strides(shape, strides, want):
     assert _rowclass._row_strides(shape, strides) == want
+
+
+def test_multilabel_margin_reference_is_torchs_on_its_own_samples():
+    """The float64 reference of multilabel_margin_loss against torch's CPU kernel, on torch's
+    OpInfo samples (torch's test suite, which needs expecttest) and on rows with repeated
+    indices, ties, junk after the -1 and no -1 at all."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    import reference_rowwise as ref
+
+    F = torch.nn.functional
+    cases = []
+    try:
+        from torch.testing._internal.common_methods_invocations import op_db
+    except ImportError:
+        pass
+    else:
+        op = next(o for o in op_db if o.name == "nn.functional.multilabel_margin_loss")
+        cases += [(s.input.detach(), s.args[0], s.kwargs.get("reduction", "mean"))
+                  for s in op.sample_inputs("cpu", torch.float64)]
+    x = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [0.5, -0.5, 1.5, 0.25, 2.0],
+                      [1.0, 2.0, 3.0, 4.0, 5.0]], dtype=torch.float64)
+    y = torch.tensor([[1, 1, -1, 0, 0], [0, 2, -1, 4, 1], [4, 3, 2, 1, 0]])
+    cases += [(x, y, r) for r in ("none", "mean", "sum")]
+    assert len(cases) >= 3
+    for inp, tgt, reduction in cases:
+        leaf = inp.clone().requires_grad_(True)
+        want = F.multilabel_margin_loss(leaf, tgt, reduction=reduction)
+        up = torch.rand_like(want)
+        want.backward(up)
+        got = ref.multilabel_margin_loss(inp.numpy(), tgt.numpy(), reduction)
+        np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-12, atol=1e-12)
+        grads = ref.multilabel_margin_loss_grads(inp.numpy(), tgt.numpy(), reduction,
+                                                 up.numpy())
+        np.testing.assert_allclose(grads, leaf.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("x_shape, t_shape", [((3, 5), (3, 4)), ((2, 3, 5), (2, 3, 5)),
+                                              ((3, 0), (3, 0)), ((1, 5), (5,)), ((5,), (4,))])
+def test_multilabel_margin_errors_have_torchs_wording(x_shape, t_shape):
+    torch = pytest.importorskip("torch")
+    x, t = torch.zeros(x_shape), torch.zeros(t_shape, dtype=torch.long)
+    want = _torch_message(lambda: torch.nn.functional.multilabel_margin_loss(x, t))
+    with pytest.raises(ValueError) as got:
+        _rowclass._check_multilabel_margin(_op(x_shape), _op(t_shape, I64), True)
+    assert str(got.value) == want
+
+
+def test_multilabel_margin_accepts_torchs_shapes():
+    for x_shape, t_shape in (((), ()), ((), (1,)), ((5,), (5,)), ((0, 5), (0, 5)), ((3, 5), (3, 5))):
+        _rowclass._check_multilabel_margin(_op(x_shape), _op(t_shape, I64), True)
+    with pytest.raises(TypeError, match="class indices"):
+        _rowclass._check_multilabel_margin(_op((3, 4)), _op((3, 4)), False)

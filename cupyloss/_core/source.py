@@ -314,7 +314,8 @@ def rowwise_name(kernel: str, ctype: str, mode: int = 2, cluster: int = 1,
     return f"cupyloss::{kernel}<{ctype}>"
 
 
-ROWCLASS_LOSSES = (0, 1, 2)   # LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD in rowclass.cu
+ROWCLASS_LOSSES = (0, 1, 2, 3)   # LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD,
+                                 # LOSS_MULTILABEL_MARGIN in rowclass.cu
 
 
 def rowclass_name(kernel: str, ctype: str, loss: int = 0) -> str:

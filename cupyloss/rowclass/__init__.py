@@ -1,5 +1,5 @@
-"""Row-wise losses along the last axis whose gradient streams with the loss: multi_margin_loss and
-multilabel_soft_margin_loss (torch.nn.functional's names, arguments and semantics) and jsd
+"""Row-wise losses along the last axis: multi_margin_loss, multilabel_soft_margin_loss and
+multilabel_margin_loss (torch.nn.functional's names, arguments and semantics) and jsd
 (Liger-Kernel's generalised Jensen-Shannon divergence, a distillation loss torch lacks), each as
 ``f``, ``f_backward`` and ``f_value_and_grad``.
 
@@ -14,7 +14,9 @@ Common rules:
     inputs on the same device give bitwise the same results.
   * The value and the gradient come from one read of each operand: every element's gradient
     needs only that element (and, for multi_margin_loss, x_y and w_y, read before the row), so
-    value_and_grad streams each row once.
+    value_and_grad streams each row once.  multilabel_margin_loss is the exception: every
+    element meets every target of its row, so a block holds a row (its targets as a bit mask
+    in shared memory) and reads it once per pass.
   * grad_output: a Python number, a 0-d array of the input's dtype and framework (read on the
     device), or for reduction='none' an array of the loss's shape.
   * wrt: 'input' (the default: that gradient alone), 'target' (floating targets) or a tuple of
@@ -30,6 +32,7 @@ from cupyloss.rowwise import _grads, _names
 _MM = SPECS["multi_margin_loss"]
 _ML = SPECS["multilabel_soft_margin_loss"]
 _JSD = SPECS["jsd"]
+_MLM = SPECS["multilabel_margin_loss"]
 
 
 # --- multi_margin_loss ------------------------------------------------------------------------
@@ -285,4 +288,82 @@ def jsd_value_and_grad(input: Array, target: Array, beta: float = 0.5,
     value, gx, gt = evaluate(_JSD, input, target, None, shift_labels, reduction=reduction,
                              beta=beta, ignore_index=ignore_index, want_value=True, wrt=names,
                              grad_output=grad_output, inplace=inplace)
+    return value, _grads(names, single, gx, gt)
+
+
+# --- multilabel_margin_loss -------------------------------------------------------------------
+
+def multilabel_margin_loss(input: Array, target: Array, reduction: str = "mean", *,
+                           check_targets: bool = False) -> Array:
+    """Multi-label hinge loss, as torch.nn.functional.multilabel_margin_loss.
+
+    Per sample with scores x (C of them) and a row of class indices y (C of them, the targets
+    y_0 .. y_{L-1} ended by the first -1, S the set of them):
+
+      ``l = sum_{j < L} sum_{c not in S} max(0, 1 - x_{y_j} + x_c) / C``
+
+    then 'mean' over the samples (0 for none, as torch) or 'sum'.  An index given twice counts
+    twice, as torch's.  A row holding an index outside [-1, C) is never used as an address: its
+    loss and its gradient row are NaN (so is a reduced loss); torch raises "argument #2
+    'target' is out of range" instead, as ``check_targets=True`` does here at the cost of a host
+    synchronisation.  Rows of up to about 390,000 classes (a bit of shared memory a class).
+
+    Args:
+      input: scores, (N, C), (C,) or 0-d; float16, bfloat16, float32, float64.
+      target: class indices (int32 or int64) of the input's shape, each row ended by -1 unless
+        every entry is a target.
+      reduction: 'none' (the loss per sample: (N,), or 0-d for a (C,) input) | 'mean' | 'sum'.
+      check_targets: raise IndexError for an index outside [-1, C) (synchronises).
+
+    Returns:
+      The loss: 0-d for 'mean'/'sum', else input.shape[:-1]; input's dtype.
+
+    Example:
+      >>> x = cupy.random.randn(4, 6).astype(cupy.float32)
+      >>> y = cupy.array([[3, 0, -1, 1, 1, 1]] * 4)   # classes 3 and 0
+      >>> cupyloss.multilabel_margin_loss(x, y)
+    """
+    return evaluate(_MLM, input, target, reduction=reduction, check=check_targets)[0]
+
+
+def multilabel_margin_loss_backward(grad_output: Array | float, input: Array, target: Array,
+                                    reduction: str = "mean", *, check_targets: bool = False,
+                                    wrt: str | Sequence[str] | None = "input") -> Any:
+    """Gradient of multilabel_margin_loss, equal to torch autograd's.
+
+    With z_jc = 1 - x_{y_j} + x_c and g the sample's upstream gradient (over N for 'mean'):
+
+      ``dl/dx_c = g #{j < L : z_jc > 0} / C`` for c not in S,
+      ``dl/dx_s = -g #{j < L : y_j = s} #{c not in S : z_sc > 0} / C`` for s in S
+
+    (a tie z = 0 gives 0, as torch).
+
+    Returns:
+      The input's gradient (or a one-element tuple for a tuple wrt), its shape and dtype.
+
+    Example:
+      >>> g = cupyloss.multilabel_margin_loss_backward(1.0, x, y)
+    """
+    names, single = _names(wrt)
+    _, gx, gt = evaluate(_MLM, input, target, reduction=reduction, check=check_targets,
+                         want_value=False, wrt=names, grad_output=grad_output)
+    return _grads(names, single, gx, gt)
+
+
+def multilabel_margin_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean",
+                                          *, check_targets: bool = False,
+                                          grad_output: Array | float = 1.0,
+                                          wrt: str | Sequence[str] | None = "input"
+                                          ) -> tuple[Array, Any]:
+    """multilabel_margin_loss and its gradient from one launch.
+
+    Returns:
+      ``(loss, grads)``: loss as from multilabel_margin_loss, grads as from its backward.
+
+    Example:
+      >>> loss, g = cupyloss.multilabel_margin_loss_value_and_grad(x, y)
+    """
+    names, single = _names(wrt)
+    value, gx, gt = evaluate(_MLM, input, target, reduction=reduction, check=check_targets,
+                             want_value=True, wrt=names, grad_output=grad_output)
     return value, _grads(names, single, gx, gt)

@@ -1,5 +1,5 @@
-"""The engine behind the streaming row-wise losses (multi_margin_loss, multilabel_soft_margin_loss,
-jsd): plan once per layout, launch.
+"""The engine behind the row-wise losses along the last axis (multi_margin_loss,
+multilabel_soft_margin_loss, jsd, multilabel_margin_loss): plan once per layout, launch.
 
 `evaluate` is the one entry point.  A row is the input's last axis (kernels/rowclass.cu): the
 input is viewed as [rows, C] with the leading dims merged into one row stride and the classes at
@@ -26,8 +26,8 @@ from cupyloss.rowclass import _launch as _rowclass_launch
 from cupyloss._core.engine import Launched
 
 # The loss ids of rowclass_rows<T, LOSS> and the flag bits: the enums of kernels/rowclass.cu.
-LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD = _source.constants(
-    "rowclass.cu", "LOSS_MULTI_MARGIN", "LOSS_MULTILABEL", "LOSS_JSD")
+LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD, LOSS_MULTILABEL_MARGIN = _source.constants(
+    "rowclass.cu", "LOSS_MULTI_MARGIN", "LOSS_MULTILABEL", "LOSS_JSD", "LOSS_MULTILABEL_MARGIN")
 (FLAG_INDEX64, FLAG_LABELS, FLAG_LABELS64, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_COUNT,
  FLAG_ZERO_EMPTY, FLAG_P2) = _source.constants(
     "rowclass.cu", "RC_INDEX64", "RC_LABELS", "RC_LABELS64", "RC_GO_DEVICE", "RC_GO_ROWS",
@@ -67,7 +67,11 @@ SPECS = {
                                              options=("weight",)),
     "jsd": ClassSpec("jsd", LOSS_JSD, options=("beta", "shift_labels", "ignore_index"),
                      module_name="JSDLoss"),
+    "multilabel_margin_loss": ClassSpec("multilabel_margin_loss", LOSS_MULTILABEL_MARGIN,
+                                        options=("check_targets",)),
 }
+# The losses whose target is a row of class indices shaped like the input.
+_INDEX_ROWS = (LOSS_MULTILABEL_MARGIN,)
 
 # The kernels' parameter lists, one word each, named as kernels/rowclass.cu names them.
 ROWS = _args.Layout(_source.kernel_words("rowclass.cu", "rowclass_rows"))
@@ -116,6 +120,13 @@ def _index_stride(shape: tuple, strides: tuple):
     return 0 if 0 in shape else _launch.merged_stride(shape, strides)
 
 
+def _target_stride(spec, t, is_index):
+    """The target's row stride (a class index a row: its element stride), or None."""
+    if is_index and spec.loss not in _INDEX_ROWS:
+        return _index_stride(t.shape, t.strides)
+    return _row_strides(t.shape, t.strides)
+
+
 # --- checks -------------------------------------------------------------------------------------
 
 def _check_multi_margin(x, t, is_index, p, w):
@@ -143,6 +154,21 @@ def _check_multi_margin(x, t, is_index, p, w):
                              f"{list(w.shape)}")
 
 
+def _check_multilabel_margin(x, t, is_index):
+    nd = len(x.shape)
+    if not ((nd == 2 and x.shape[1] != 0) or (nd == 1 and x.shape[0] != 0) or nd == 0):
+        raise ValueError(f"Expected non-empty vector or matrix with optional 0-dim batch size, "
+                         f"but got: {list(x.shape)}")
+    if not is_index:
+        raise TypeError(f"multilabel_margin_loss needs class indices (int32 or int64) as target, "
+                        f"got dtype {t.dtype}")
+    same = tuple(t.shape) == tuple(x.shape) if nd == 2 else \
+        (len(t.shape) <= 1 and math.prod(t.shape) == math.prod(x.shape))
+    if not same:
+        raise ValueError(f"inconsistent target size: {list(t.shape)} for input of size: "
+                         f"{list(x.shape)}")
+
+
 def _check_paired(spec, x, t, is_index):
     if len(x.shape) == 0:
         raise ValueError(f"{spec.name} needs an input with a class axis (its last dim), got a "
@@ -157,15 +183,15 @@ def _check_paired(spec, x, t, is_index):
                          f"got {tuple(t.shape)}")
 
 
-def check_targets(frame, t, cols, stream):
-    """Raise IndexError with torch's message if a class index lies outside [0, cols).  Reads a
+def check_targets(frame, t, cols, stream, low=0, message="target out of range"):
+    """Raise IndexError with torch's message if a class index lies outside [low, cols).  Reads a
     flag back to the host (a synchronisation): opt-in."""
     import cupy
 
     with cupy.cuda.Device(t.device), cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)):
         v = frame.cupy_view(t)
-        if bool(((v < 0) | (v >= cols)).any()):
-            raise IndexError("target out of range")
+        if bool(((v < low) | (v >= cols)).any()):
+            raise IndexError(message)
 
 
 # --- plans --------------------------------------------------------------------------------------
@@ -187,7 +213,7 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
     if reduction == "mean" and not count_rows:
         grad_scale = 1.0 / divisor if divisor else math.nan
     flags = 0
-    if spec.loss == LOSS_MULTI_MARGIN and t_dtype == _INT64:
+    if spec.loss in (LOSS_MULTI_MARGIN, LOSS_MULTILABEL_MARGIN) and t_dtype == _INT64:
         flags |= FLAG_INDEX64
     if labels:
         flags |= FLAG_LABELS | (FLAG_LABELS64 if l_dtype == _INT64 else 0)
@@ -197,14 +223,20 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
         flags |= FLAG_GO_ROWS
     if count_rows and want_value:
         flags |= FLAG_COUNT
-    if jsd:
+    if jsd or spec.loss == LOSS_MULTILABEL_MARGIN:
         flags |= FLAG_ZERO_EMPTY
     if p2:
         flags |= FLAG_P2
     name = _source.rowclass_name("rowclass_rows", info.ctype, spec.loss)
-    shared = _launch.ROW_SCRATCH * acc.itemsize
-    cfg = _rowclass_launch.stream_row_launch(rows, cols, dtype.itemsize, acc.itemsize, limits,
-                                    _source.resident("rowclass.cu", name, shared))
+    if spec.loss == LOSS_MULTILABEL_MARGIN:
+        shared = _rowclass_launch.set_row_shared(cols, acc.itemsize, limits)
+        cfg = _rowclass_launch.set_row_launch(rows, cols, shared, limits,
+                                              _source.resident("rowclass.cu", name, shared))
+    else:
+        shared = _launch.ROW_SCRATCH * acc.itemsize
+        cfg = _rowclass_launch.stream_row_launch(rows, cols, dtype.itemsize, acc.itemsize,
+                                                 limits,
+                                                 _source.resident("rowclass.cu", name, shared))
     w_rs, w_cs = w_strides or (0, 0)
     words = ROWS.template({
         "rows": rows, "cols": cols, "x_rs": x_rs, "t_rs": t_rs, "w_rs": w_rs, "w_cs": w_cs,
@@ -323,6 +355,8 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     w = None if weight is None else _operand(frame, weight, "weight", x)
     if spec.loss == LOSS_MULTI_MARGIN:
         _check_multi_margin(x, t, is_index, p, w)
+    elif spec.loss == LOSS_MULTILABEL_MARGIN:
+        _check_multilabel_margin(x, t, is_index)
     else:
         _check_paired(spec, x, t, is_index)
     if t.device != device:
@@ -384,9 +418,13 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
                                                                loss_shape, reduction)
     stream = frame.stream(device)
     if check and is_index:
-        check_targets(frame, t, x.shape[-1] if x.shape else 1, stream)
+        if spec.loss == LOSS_MULTILABEL_MARGIN:
+            check_targets(frame, t, x.shape[-1] if x.shape else 1, stream, -1,
+                          "argument #2 'target' is out of range")
+        else:
+            check_targets(frame, t, x.shape[-1] if x.shape else 1, stream)
     x_rs = _row_strides(x.shape, x.strides)
-    t_rs = _index_stride(t.shape, t.strides) if is_index else _row_strides(t.shape, t.strides)
+    t_rs = _target_stride(spec, t, is_index)
     w_strides = None
     if w is not None:
         if spec.loss == LOSS_MULTILABEL:
@@ -429,8 +467,7 @@ def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args
         if _row_strides(x.shape, x.strides) is None:
             x, copy = _engine.contiguous_input(frame, x, "input")
             keep.append(copy)
-        if (_index_stride(t.shape, t.strides) if is_index
-                else _row_strides(t.shape, t.strides)) is None:
+        if _target_stride(spec, t, is_index) is None:
             t = _engine.contiguous(frame, t, "target")
         if labels is not None and _index_stride(labels.shape, labels.strides) is None:
             labels = _engine.contiguous(frame, labels, "shift_labels")
@@ -455,8 +492,7 @@ def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args
                     w = _engine.contiguous(frame, w, "weight")
                 w_strides = (0, 1 if w.shape[0] > 1 else 0)
         x_rs = _row_strides(x.shape, x.strides)
-        t_rs = _index_stride(t.shape, t.strides) if is_index else _row_strides(t.shape,
-                                                                              t.strides)
+        t_rs = _target_stride(spec, t, is_index)
         l_rs = None if labels is None else _index_stride(labels.shape, labels.strides)
         go_rs = _index_stride(go.shape, go.strides) if args[-1] == "array" else 0
         plan = _make_plan(spec, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,

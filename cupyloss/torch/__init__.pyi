@@ -25,6 +25,7 @@ __all__ = [
     'MODULES',
     'MSELoss',
     'MarginRankingLoss',
+    'MultiLabelMarginLoss',
     'MultiLabelSoftMarginLoss',
     'MultiMarginLoss',
     'NLLLoss',
@@ -53,6 +54,7 @@ __all__ = [
     'margin_ranking_loss',
     'mse_loss',
     'multi_margin_loss',
+    'multilabel_margin_loss',
     'multilabel_soft_margin_loss',
     'nll_loss',
     'poisson_nll_loss',
@@ -172,6 +174,13 @@ class MarginRankingLoss(torch.nn.Module):
         reduction: str = 'mean',
     ) -> None: ...
     def forward(self, input1: Tensor, input2: Tensor, target: Tensor) -> Tensor: ...
+
+class MultiLabelMarginLoss(torch.nn.Module):
+    def __init__(
+        self, size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean',
+        check_targets: bool = False,
+    ) -> None: ...
+    def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
 class MultiLabelSoftMarginLoss(torch.nn.Module):
     def __init__(
@@ -325,6 +334,11 @@ def multi_margin_loss(
     input: Tensor, target: Tensor, p: float = 1, margin: float = 1.0, weight: Tensor | None = None,
     size_average: bool | None = None, reduce: bool | None = None, reduction: str = 'mean', *,
     check_targets: bool = False,
+) -> Tensor: ...
+
+def multilabel_margin_loss(
+    input: Tensor, target: Tensor, size_average: bool | None = None, reduce: bool | None = None,
+    reduction: str = 'mean', *, check_targets: bool = False,
 ) -> Tensor: ...
 
 def multilabel_soft_margin_loss(
