@@ -22,6 +22,7 @@ SPECS = all_losses()
 # slope (hinge_embedding_loss compares its +-1 target with 1 and -1), or that are integers.
 SELECTORS = {"hinge_embedding_loss": ("target",), "cross_entropy": ("target",),
              "nll_loss": ("target",), "multi_margin_loss": ("target",),
+             "multilabel_margin_loss": ("target",),
              "cosine_embedding_loss": ("target",)}
 ROWWISE = {"cross_entropy": (reference_rowwise.cross_entropy,
                              reference_rowwise.cross_entropy_grads),
@@ -32,7 +33,9 @@ ROWCLASS = {"multi_margin_loss": (reference_rowwise.multi_margin_loss,
             "multilabel_soft_margin_loss": (reference_rowwise.multilabel_soft_margin_loss,
                                             reference_rowwise.multilabel_soft_margin_loss_grads,
                                             ("weight",)),
-            "jsd": (reference_rowwise.jsd, reference_rowwise.jsd_grads, ())}
+            "jsd": (reference_rowwise.jsd, reference_rowwise.jsd_grads, ()),
+            "multilabel_margin_loss": (reference_rowwise.multilabel_margin_loss,
+                                       reference_rowwise.multilabel_margin_loss_grads, ())}
 # Losses of two or three same-shaped arrays along the last axis (the rowpair family), no
 # optional arrays.
 ROWPAIR = {"triplet_margin_loss": (reference_rowwise.triplet_margin_loss,
@@ -124,6 +127,16 @@ def operands(name, shape=(4, 5), target_shape=None, with_optional=False, seed=0)
         x = np.where(np.arange(shape[-1]) == (y[..., None] if len(shape) > 1 else y), x,
                      _either_sign(rng, shape) - MARGIN + xy)
         a = [x, y]
+    elif name == "multilabel_margin_loss":
+        # Targets at 0, the others at -1 +- [0.1, 1]: 1 - x_y + x_c = +-[0.1, 1] for every pair.
+        cols = shape[-1]
+        y = np.full(shape, -1, np.int64).reshape(-1, cols)
+        x = (_either_sign(rng, shape) - 1.0).reshape(-1, cols)
+        for r in range(len(y)):
+            chosen = rng.permutation(cols)[:rng.integers(1, max(cols - 1, 1) + 1)]
+            y[r, :len(chosen)] = chosen
+            x[r, chosen] = 0.0
+        a = [x.reshape(shape), y.reshape(shape)]
     elif name == "multilabel_soft_margin_loss":
         a = [2.0 * normal(shape), rng.random(shape)]
     elif name in ROWPAIR:

@@ -116,18 +116,20 @@ def device(monkeypatch):
         else:
             record.launches.append((grid, list(words)))
 
-    def slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value, want_grads):
-        return _pointwise._run(plan, frame, ops, go, go_value, 0)
-
     monkeypatch.setattr(_launch, "device_limits", lambda d: H100)
     monkeypatch.setattr(_source, "function", resolve)
     monkeypatch.setattr(_args, "launch", launch)
-    monkeypatch.setattr(_pointwise, "_make_plan", lambda *a: _pointwise._build(*a))
+    monkeypatch.setattr(_engine, "on_device", lambda build, key, device: build(key))
     monkeypatch.setattr(_engine, "current_device", lambda: 0)
     monkeypatch.setattr(_engine, "ticket", lambda d, s: 0x7)
     monkeypatch.setattr(_engine, "col_tickets", lambda d, s: 0x70)
-    monkeypatch.setattr(_pointwise, "_run_slow", slow)
-    monkeypatch.setattr(_pointwise, "_PLANS", {})
+    # Off the hot path the operands go as they are (the fake device makes no copies).
+    monkeypatch.setattr(_engine, "off_path", lambda frame, device, stream: contextlib.nullcontext())
+    monkeypatch.setattr(_pointwise.FAMILY, "copies", lambda frame, stream, key, state: (key, state,
+                                                                                      None))
+    plans = {}
+    monkeypatch.setattr(_pointwise.FAMILY, "plans", plans)
+    monkeypatch.setattr(_pointwise, "_PLANS", plans)
     monkeypatch.setitem(_dispatch._FRAMES, HostArray, frame)
     return record
 

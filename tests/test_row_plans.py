@@ -66,9 +66,11 @@ def device(monkeypatch):
     monkeypatch.setattr(_source, "resident", lambda *a, **k: 2)
     monkeypatch.setattr(_args, "launch", launch)
     monkeypatch.setattr(_args, "launch_cooperative", cooperative)
+    monkeypatch.setattr(_engine, "on_device", lambda build, key, device: build(key))
     for module in (_rowwise, _rowclass, _rowpair):
-        monkeypatch.setattr(module, "_make_plan", getattr(module, "_build"))
-        monkeypatch.setattr(module, "_PLANS", {})
+        plans = {}
+        monkeypatch.setattr(module.FAMILY, "plans", plans)
+        monkeypatch.setattr(module, "_PLANS", plans)
     monkeypatch.setattr(_engine, "current_device", lambda: 0)
     monkeypatch.setattr(_engine, "ticket", lambda d, s: 0x7)
     monkeypatch.setattr(_engine, "target_operand", target_operand)

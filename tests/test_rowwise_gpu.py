@@ -298,7 +298,7 @@ def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, 
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_GRAD_TILES": 2})
-    monkeypatch.setattr(_rowwise, "_PLANS", {})
+    _fresh_plans(monkeypatch)
     held, k = _rowwise_launch.row_team(cols, np.dtype(dtype).itemsize)
 
     def check_plan(plan):
@@ -333,7 +333,7 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
     got = {}
     for clusters in (True, False):
         monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_CLUSTERS": int(clusters)})
-        monkeypatch.setattr(_rowwise, "_PLANS", {})
+        _fresh_plans(monkeypatch)
         got[clusters] = cl.cross_entropy_value_and_grad(x, t, **opts)
         (plan,) = _rowwise._PLANS.values()
         assert plan.main.cooperative is not clusters
@@ -361,7 +361,7 @@ def test_rows_a_pair_takes_match_the_reference(monkeypatch, dtype, cols, rows, p
         pytest.skip("this GPU has no thread block clusters (sm_90 and later)")
     monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_ALONE_STASH": 2,
                                                          "ROW_PAIR_REREAD": 1})
-    monkeypatch.setattr(_rowwise, "_PLANS", {})
+    _fresh_plans(monkeypatch)
 
     def check_plan(plan):
         k = plan.main.words[plan.main.slot["k"]]
@@ -681,3 +681,12 @@ def test_more_than_2_to_the_31_elements():
     assert_close(to_host(value), np.sum(per_row), np.float16, np.sum(np.abs(per_row)), "sum")
     del g
     cp.get_default_memory_pool().free_all_blocks()
+
+
+def _fresh_plans(monkeypatch):
+    """An empty plan cache for the rowwise family (the engine's and the module's name)."""
+    from cupyloss.rowwise import _family as _rowwise
+
+    plans = {}
+    monkeypatch.setattr(_rowwise.FAMILY, "plans", plans)
+    monkeypatch.setattr(_rowwise, "_PLANS", plans)

@@ -590,6 +590,10 @@ def test_compile_fullgraph_on_cpu_tensors_without_an_engine(fresh_dynamo, name):
     if name == "gaussian_nll_loss":
         pytest.skip("torch's own F.gaussian_nll_loss checks var < 0 on the data, which "
                     "fullgraph cannot trace")
+    if name == "multilabel_margin_loss":
+        pytest.skip("torch's own F.multilabel_margin_loss compiles to other values than its "
+                    "eager ones on CPU tensors (2/3 eager, 2 compiled for x = [[0, 0, 0]], "
+                    "y = [[1, -1, -1]]); the CPU path traces torch's op")
     (x, *rest), kw = _arguments(name)
     model = _tiny_model()
     head = HEADS.get(name, lambda y: y)

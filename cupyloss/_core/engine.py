@@ -1,9 +1,22 @@
-"""What the kernel families' engines (_pointwise, _rowwise, _rowclass, _rowpair) share: the
-current device and the building of plans on it, where a call off the hot path runs and the
-copies it makes, the last-block tickets their launches count on, the operands they take
-(class-index targets), the row launches' kernels (Launched), scratch and grad_output words.
-Each engine keeps its own plans (a _plans.Plans cache of packed launches keyed by metadata) and
-its own run; this is what none of them owns.
+"""The one engine every family runs on: `execute` (the hot path of every call) and `run_slow`
+(calls off it), written once, and what the families share below them (the current device, plans
+built on it, the copies made off the hot path, the last-block tickets, class-index targets, row
+launches' kernels, scratch and grad_output words).
+
+A family (pointwise, rowwise, rowclass, rowpair; the fused head runs rowwise's) declares only
+what differs.  Its `evaluate` takes a call's arguments, checks them (everything raised before any
+launch) and ends in `execute(FAMILY, key, device, frame, stream, state)`: the plan key (a tuple
+in the order of the family's `Key` record of fields), the device, the caller's framework and
+stream, and what its run takes besides the plan.  Its `Family` holds its plan cache and three
+hooks:
+  build(key) -> Plan | None
+      the plan of a key, on the key's device (its kernels, launch shape and packed words), or
+      None when an operand's layout needs a copy first;
+  copies(frame, stream, key, state) -> (key, state, keep)
+      off the hot path: contiguous copies of the operands that need them (kept alive in `keep`
+      until the launch is queued) and the key they give;
+  run(plan, frame, stream, state) -> list
+      allocate the outputs, fill the pointer words, launch.
 """
 
 from __future__ import annotations
@@ -34,13 +47,49 @@ class Launched:
     cooperative: bool = False
 
 
-def on_device(build, *args, **kw):
-    """build(*args, **kw) with device args[-1] current: a plan holds the kernels of its device
-    (each engine's _make_plan, the miss path of its plan cache)."""
+@dataclasses.dataclass
+class Family:
+    """A family's hooks into the engine (see the module docstring) and its plan cache."""
+
+    plans: object        # a _plans.Plans: key -> Plan
+    build: object
+    copies: object
+    run: object
+
+
+def execute(family: Family, key, device: int, frame, stream: int, state):
+    """The rest of every call once its family's `evaluate` has checked it: the cached plan of
+    its key (built on the first call with that key) and one run; off the hot path (an operand
+    that needs a copy first, a plan that says so, another current device) `run_slow`."""
+    plan = family.plans.get(key)
+    if plan is None:
+        plan = on_device(family.build, key, device)
+        if plan is None:
+            return run_slow(family, key, device, frame, stream, state)
+        family.plans[key] = plan
+    if plan.slow or current_device() != device:
+        return run_slow(family, key, device, frame, stream, state)
+    return family.run(plan, frame, stream, state)
+
+
+def run_slow(family: Family, key, device: int, frame, stream: int, state):
+    """A call off the hot path: `device` current, CuPy on the caller's stream with the caller's
+    allocator, the family's copies made, a plan built for them (not cached: the copies' layout
+    is the next call's only by chance), one run."""
+    with off_path(frame, device, stream):
+        key, state, keep = family.copies(frame, stream, key, state)
+        result = family.run(family.build(key), frame, stream, state)
+        del keep
+        return result
+
+
+def on_device(build, key, device: int):
+    """build(key) with `device` current: a plan holds the kernels of its device (the miss path
+    of a plan cache)."""
     import cupy
 
-    with cupy.cuda.Device(args[-1]):
-        return build(*args, **kw)
+    with cupy.cuda.Device(device):
+        return build(key)
 
 
 @contextlib.contextmanager

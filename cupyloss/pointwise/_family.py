@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import numpy
 
@@ -81,6 +82,23 @@ def reduce_layout(k: int, params: int) -> _args.Layout:
 
 SUM_CHUNKS = _args.Layout(_source.kernel_words("reduce.cu", "sum_chunks"))
 _F64 = numpy.dtype(numpy.float64)
+
+
+class Key(NamedTuple):
+    """What a pointwise plan depends on: the plan cache's key, passed whole to _build."""
+
+    name: str                # the loss (SPECS)
+    reduction: str
+    params: tuple            # the functor's options, in spec.params' order
+    want_value: bool
+    want_grads: tuple        # per operand: its gradient is written
+    go_kind: str             # grad_output: "host", "device" (0-d) or "array" (elementwise)
+    go_shape: tuple | None
+    go_strides: tuple | None
+    layouts: tuple           # per operand: (shape, strides), None for a number or left out
+    dtype: object
+    aligned: bool            # every pointer on a 16-byte boundary
+    device: int
 
 
 @dataclasses.dataclass
@@ -157,14 +175,12 @@ def _resident(name: str, shared: int, limits) -> int:
     return _launch.resident_blocks(attrs["num_regs"], shared, limits)
 
 
-def _make_plan(*args) -> Plan:
-    """The plan of a call, built on its device (the last argument)."""
-    return _engine.on_device(_build, *args)
-
-
-def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides,
-           layouts, dtype, aligned, device) -> Plan:
-    """The plan of a call; layouts[k] is (shape, strides) of array operand k, else None."""
+def _build(key: Key) -> Plan:
+    """The plan of a key; layouts[k] is (shape, strides) of array operand k, else None."""
+    key = Key._make(key)
+    (name, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides, layouts,
+     dtype, aligned, device) = key
+    spec = SPECS[name]
     info = _dtypes.DTYPES[dtype]
     limits = _launch.device_limits(device)
     k_ops = len(spec.operands)
@@ -225,8 +241,7 @@ def _build(spec, reduction, params, want_value, want_grads, go_kind, go_shape, g
         later = tuple(k in summed and _pointwise_launch.broadcast_pattern(shape, cstrides[k]) != pattern
                       for k in range(k_ops))
         if any(later) and len(shape) <= _launch.MAX_DIMS:
-            rest = _build(spec, reduction, params, False, later, go_kind, go_shape, go_strides,
-                          layouts, dtype, aligned, device)
+            rest = _build(key._replace(want_value=False, want_grads=later))
             want_grads = tuple(w and not b for w, b in zip(want_grads, later))
             summed = [k for k in summed if not later[k]]
 
@@ -453,23 +468,18 @@ def evaluate(spec: LossSpec, arrays, *, reduction: str, params: tuple, want_valu
             go_shape, go_strides = go.shape, go.strides
             bits |= go.ptr
     key = (spec.name, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides,
-           layouts, dtype, not (bits & 15), device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _make_plan(spec, reduction, params, want_value, want_grads,
-                                        go_kind, go_shape, go_strides, layouts, dtype,
-                                        not (bits & 15), device)
-    if plan.slow or _engine.current_device() != device:
-        return _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value,
-                         want_grads)
-    return _run(plan, frame, ops, go, go_value, frame.stream(device))
+           layouts, dtype, not (bits & 15), device)   # Key's fields
+    return _engine.execute(FAMILY, key, device, frame, frame.stream(device),
+                           (ops, go, go_value, None))
 
 
 
-def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
+def _run(plan: Plan, frame, stream, state):
     """Allocate the outputs, fill the pointer words, launch.  The hot path of every call.
 
-    Outputs are allocated by `frame` like `like` (the caller's first array by default)."""
+    state: (operands, grad_output, its value, like): outputs are allocated by `frame` like
+    `like` (None: the first operand's array)."""
+    ops, go, go_value, like = state
     words = _args.array.array("Q", plan.words)
     for k, s in plan.in_slots:
         words[s] = ops[k].ptr
@@ -517,7 +527,7 @@ def _run(plan: Plan, frame, ops, go, go_value, stream, like=None):
         out[index] = result(out[index])
     if plan.rest is not None:
         # The later passes (a chain: one per further broadcast pattern) fill what this left.
-        more = _run(plan.rest, frame, ops, go, go_value, stream, like)
+        more = _run(plan.rest, frame, stream, (ops, go, go_value, like))
         for index, value in enumerate(more):
             if value is not None:
                 out[index] = value
@@ -549,43 +559,41 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _run_slow(spec, plan, frame, ops, go, go_value, reduction, params, want_value, want_grads):
-    """Calls off the hot path: another current device, or more than MAX_DIMS dims (contiguous
-    copies made by CuPy, allocated by the caller's framework, on the caller's stream)."""
+def _copies(frame, stream, key, state):
+    """Where the plan has more than MAX_DIMS dims after coalescing: contiguous copies (one dim
+    each; results still like the caller's arrays) and their key.  Else (another current device)
+    the operands as they are."""
     import cupy
 
-    x = ops[0]
-    device = x.device
-    stream = frame.stream(device)
-    like = x.array
-    with _engine.off_path(frame, device, stream):
-        if plan.too_many_dims:
-            # Contiguous copies coalesce to one dim; results still go to the caller's frame.
-            cupy_frame = _dispatch.CupyFrame()
-            copies = []
-            for name, op in zip(spec.operands, ops):
-                if op is None or type(op) is float:
-                    copies.append(op)
-                else:
-                    copies.append(cupy_frame.operand(
-                        cupy.ascontiguousarray(frame.cupy_view(op)), name))
-            ops = copies
-            go_shape = go_strides = None
-            go_kind = "host"
-            if go is not None:
-                go = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(go)),
-                                        "grad_output")
-                go_kind = "device" if go.shape == () else "array"
-                go_shape, go_strides = go.shape, go.strides
-            bits = go.ptr if go is not None else 0
-            layouts = []
-            for op in ops:
-                if op is None or type(op) is float:
-                    layouts.append(None)
-                else:
-                    bits |= op.ptr
-                    layouts.append((op.shape, op.strides))
-            plan = _make_plan(spec, reduction, params, want_value, want_grads, go_kind,
-                              go_shape, go_strides, tuple(layouts), x.dtype, not (bits & 15),
-                              device)
-        return _run(plan, frame, ops, go, go_value, stream, like)
+    plan = _PLANS.get(key)
+    if plan is None or not plan.too_many_dims:
+        return key, state, None
+    ops, go, go_value, _ = state
+    like = ops[0].array
+    cupy_frame = _dispatch.CupyFrame()
+    copies = []
+    for name, op in zip(SPECS[key[0]].operands, ops):
+        if op is None or type(op) is float:
+            copies.append(op)
+        else:
+            copies.append(cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(op)), name))
+    go_shape = go_strides = None
+    go_kind = "host"
+    if go is not None:
+        go = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(go)), "grad_output")
+        go_kind = "device" if go.shape == () else "array"
+        go_shape, go_strides = go.shape, go.strides
+    bits = go.ptr if go is not None else 0
+    layouts = []
+    for op in copies:
+        if op is None or type(op) is float:
+            layouts.append(None)
+        else:
+            bits |= op.ptr
+            layouts.append((op.shape, op.strides))
+    key = Key._make(key)._replace(go_kind=go_kind, go_shape=go_shape, go_strides=go_strides,
+                                  layouts=tuple(layouts), aligned=not (bits & 15))
+    return key, (copies, go, go_value, like), copies
+
+
+FAMILY = _engine.Family(_PLANS, _build, _copies, _run)

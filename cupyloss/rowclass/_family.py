@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy
 
@@ -79,10 +80,37 @@ COUNT = _args.Layout(_source.kernel_words("rowclass.cu", "rowclass_count"))
 _ONE = _args.f64_word(1.0)
 
 
+class Key(NamedTuple):
+    """What a rowclass plan depends on: the plan cache's key, passed whole to _build."""
+
+    name: str                # the loss (SPECS)
+    reduction: str
+    option: float            # multi_margin's margin, jsd's beta
+    p2: bool                 # multi_margin's p == 2
+    ignore_index: int
+    want_value: bool
+    want_gx: bool
+    want_gt: bool
+    go_kind: str             # grad_output: "host", "device" (0-d) or "array" (per row)
+    go_rs: int | None        # a per-row grad_output's element stride
+    x_shape: tuple
+    x_rs: int | None         # the input's row stride (None: it needs a copy)
+    t_rs: int | None         # the target's row (or index) stride
+    t_dtype: object
+    w_strides: object        # the weight's (row, class) strides; False without one, None
+                             # when it needs a copy
+    l_rs: int | None         # jsd's shift labels' stride, None without them
+    l_dtype: object
+    loss_shape: tuple        # of a reduction='none' loss
+    dtype: object
+    device: int
+
+
 @dataclasses.dataclass
 class Plan:
     """Everything about a call that depends only on metadata, ready to launch."""
 
+    slow = False             # a plan is always run as it is (copies are made before its key)
     main: Launched
     count: Launched | None      # rowclass_count, before a 'mean' jsd gradient with labels
     loss_shape: tuple           # of a reduction='none' loss
@@ -196,9 +224,15 @@ def check_targets(frame, t, cols, stream, low=0, message="target out of range"):
 
 # --- plans --------------------------------------------------------------------------------------
 
-def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind,
-           go_rs, x_shape, x_rs, t_rs, t_dtype, w_strides, l_rs, l_dtype, loss_shape, dtype,
-           device) -> Plan:
+def _build(key: Key) -> Plan:
+    (name, reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind, go_rs,
+     x_shape, x_rs, t_rs, t_dtype, w_strides, l_rs, l_dtype, loss_shape, dtype,
+     device) = Key._make(key)
+    spec = SPECS[name]
+    if (x_rs is None or t_rs is None or go_rs is None or (l_dtype is not None and l_rs is None)
+            or w_strides is None
+            or (w_strides and spec.loss != LOSS_MULTILABEL and w_strides[1] not in (0, 1))):
+        return None     # an operand needs a copy first (_copies)
     info = _dtypes.DTYPES[dtype]
     acc = info.acc
     limits = _launch.device_limits(device)
@@ -273,16 +307,12 @@ def _build(spec, reduction, option, p2, ignore_index, want_value, want_gx, want_
                 want_gx, want_gt, scratch, size, ticket)
 
 
-def _make_plan(*args) -> Plan:
-    """The plan of a call, built on its device (the last argument)."""
-    return _engine.on_device(_build, *args)
-
-
 # --- running ------------------------------------------------------------------------------------
 
-def _run(plan: Plan, frame, x, t, w, labels, go, go_value, stream, inplace=False):
+def _run(plan: Plan, frame, stream, state):
     """Allocate the outputs, fill the pointer words, launch.  Returns [value or loss, gx, gt]
     (gx the input itself with inplace)."""
+    x, t, w, labels, go, go_value, inplace, _ = state
     main = plan.main
     words = array.array("Q", main.words)
     slot = main.slot
@@ -425,7 +455,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
             check_targets(frame, t, x.shape[-1] if x.shape else 1, stream)
     x_rs = _row_strides(x.shape, x.strides)
     t_rs = _target_stride(spec, t, is_index)
-    w_strides = None
+    w_strides = False
     if w is not None:
         if spec.loss == LOSS_MULTILABEL:
             b = _launch.broadcast_strides(w.shape, w.strides, x.shape)
@@ -435,68 +465,54 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
             w_strides = (0, w.strides[0] if w.shape[0] > 1 else 0)
     l_rs = None if labels is None else _index_stride(labels.shape, labels.strides)
     go_rs = _index_stride(go.shape, go.strides) if go_kind == "array" else 0
-    fast = (x_rs is not None and t_rs is not None and go_rs is not None
-            and (labels is None or l_rs is not None)
-            and (w is None or (w_strides is not None and
-                               (spec.loss == LOSS_MULTILABEL or w_strides[1] in (0, 1)))))
-    args = (reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind)
-    if not fast or _engine.current_device() != device:
-        return _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args,
-                         loss_shape, inplace)
-    key = (spec.name, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
-           None if labels is None else labels.dtype, loss_shape, dtype, device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _make_plan(spec, *args, go_rs, x.shape, x_rs, t_rs, t.dtype,
-                                        w_strides, l_rs,
-                                        None if labels is None else labels.dtype, loss_shape,
-                                        dtype, device)
-    return _run(plan, frame, x, t, w, labels, go, go_value, stream, inplace)
+    key = (spec.name, reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind,
+           go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
+           None if labels is None else labels.dtype, loss_shape, dtype, device)   # Key's fields
+    return _engine.execute(FAMILY, key, device, frame, stream,
+                           (x, t, w, labels, go, go_value, inplace, is_index))
 
 
-
-def _run_slow(spec, frame, x, t, w, labels, go, go_value, stream, is_index, args, loss_shape,
-              inplace=False):
-    """Calls off the hot path: another current device, or operands that need contiguous copies
-    (made by CuPy on the caller's stream, with the caller's allocator)."""
+def _copies(frame, stream, key, state):
+    """Contiguous copies of the operands whose layout does not merge into rows (a weight
+    broadcast the same way materialised), and their key."""
     import cupy
 
-    device = x.device
-    with _engine.off_path(frame, device, stream):
-        keep = []
-        if _row_strides(x.shape, x.strides) is None:
-            x, copy = _engine.contiguous_input(frame, x, "input")
-            keep.append(copy)
-        if _target_stride(spec, t, is_index) is None:
-            t = _engine.contiguous(frame, t, "target")
-        if labels is not None and _index_stride(labels.shape, labels.strides) is None:
-            labels = _engine.contiguous(frame, labels, "shift_labels")
-        if go is not None and go.shape != () and _index_stride(go.shape, go.strides) is None:
-            go = _engine.contiguous(frame, go, "grad_output")
-        w_strides = None
-        if w is not None:
-            if spec.loss == LOSS_MULTILABEL:
-                b = _launch.broadcast_strides(w.shape, w.strides, x.shape)
+    x, t, w, labels, go, go_value, inplace, is_index = state
+    key = Key._make(key)
+    spec = SPECS[key.name]
+    keep = []
+    if _row_strides(x.shape, x.strides) is None:
+        x, copy = _engine.contiguous_input(frame, x, "input")
+        keep.append(copy)
+    if _target_stride(spec, t, is_index) is None:
+        t = _engine.contiguous(frame, t, "target")
+    if labels is not None and _index_stride(labels.shape, labels.strides) is None:
+        labels = _engine.contiguous(frame, labels, "shift_labels")
+    if go is not None and go.shape != () and _index_stride(go.shape, go.strides) is None:
+        go = _engine.contiguous(frame, go, "grad_output")
+    w_strides = False
+    if w is not None:
+        if spec.loss == LOSS_MULTILABEL:
+            b = _launch.broadcast_strides(w.shape, w.strides, x.shape)
+            w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
+            if w_rs is None:
+                full = cupy.ascontiguousarray(cupy.broadcast_to(frame.cupy_view(w), x.shape))
+                w = _dispatch.Operand(full.data.ptr, full.shape,
+                                      tuple(s // full.itemsize for s in full.strides),
+                                      full.dtype, x.device, full)
+                b = w.strides
                 w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
-                if w_rs is None:
-                    full = cupy.ascontiguousarray(cupy.broadcast_to(frame.cupy_view(w),
-                                                                    x.shape))
-                    w = _dispatch.Operand(full.data.ptr, full.shape,
-                                          tuple(s // full.itemsize for s in full.strides),
-                                          full.dtype, device, full)
-                    b = w.strides
-                    w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
-                w_strides = (w_rs, b[-1])
-            else:
-                if w.shape[0] > 1 and w.strides[0] != 1:
-                    w = _engine.contiguous(frame, w, "weight")
-                w_strides = (0, 1 if w.shape[0] > 1 else 0)
-        x_rs = _row_strides(x.shape, x.strides)
-        t_rs = _target_stride(spec, t, is_index)
-        l_rs = None if labels is None else _index_stride(labels.shape, labels.strides)
-        go_rs = _index_stride(go.shape, go.strides) if args[-1] == "array" else 0
-        plan = _make_plan(spec, *args, go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
-                          None if labels is None else labels.dtype, loss_shape, x.dtype, device)
-        result = _run(plan, frame, x, t, w, labels, go, go_value, stream, inplace)
-        del keep
-        return result
+            w_strides = (w_rs, b[-1])
+        else:
+            if w.shape[0] > 1 and w.strides[0] != 1:
+                w = _engine.contiguous(frame, w, "weight")
+            w_strides = (0, 1 if w.shape[0] > 1 else 0)
+    key = key._replace(
+        x_rs=_row_strides(x.shape, x.strides), t_rs=_target_stride(spec, t, is_index),
+        l_rs=None if labels is None else _index_stride(labels.shape, labels.strides),
+        go_rs=_index_stride(go.shape, go.strides) if key.go_kind == "array" else 0,
+        w_strides=w_strides)
+    return key, (x, t, w, labels, go, go_value, inplace, is_index), keep
+
+
+FAMILY = _engine.Family(_PLANS, _build, _copies, _run)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import math
+from typing import NamedTuple
 
 from cupyloss._core import (
     args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
@@ -136,10 +137,29 @@ _ONE = _args.f64_word(1.0)
 _PLANS = _plans.Plans()
 
 
+class Key(NamedTuple):
+    """What a row-pair plan depends on: the plan cache's key, passed whole to _build."""
+
+    name: str                # the loss (SPECS)
+    reduction: str
+    options: tuple           # spec.parse's (margin, p, eps, swap)
+    want_value: bool
+    grads: tuple             # per input: its gradient is written
+    go_kind: str             # grad_output: "host", "device" (0-d) or "array" (per row)
+    go_rs: int | None        # a per-row grad_output's element stride (None: it needs a copy)
+    x_shape: tuple
+    geos: tuple              # per input: (row stride, element stride), None: it needs a copy
+    t_rs: int                # the target's element stride
+    t_dtype: object          # the target's dtype, None without one
+    dtype: object
+    device: int
+
+
 @dataclasses.dataclass
 class Plan:
     """Everything about a call that depends only on metadata, ready to launch."""
 
+    slow = False             # a plan is always run as it is (copies are made before its key)
     function: int
     grid: tuple
     block: tuple
@@ -166,12 +186,17 @@ def _row_geometry(shape, strides):
     return None if rs is None else (rs, strides[-1])
 
 
-def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape, geos, t_rs,
-           t_dtype, dtype, device) -> Plan:
-    margin, p, eps, swap = options
+def _build(key: Key) -> Plan:
+    key = Key._make(key)
+    spec, reduction, want_value, grads, x_shape, geos = (
+        SPECS[key.name], key.reduction, key.want_value, key.grads, key.x_shape, key.geos)
+    dtype, go_kind, t_dtype = key.dtype, key.go_kind, key.t_dtype
+    margin, p, eps, swap = key.options
+    if None in geos or key.go_rs is None:
+        return None     # an operand needs a copy first (_copies)
     info = _dtypes.DTYPES[dtype]
     acc = info.acc
-    limits = _launch.device_limits(device)
+    limits = _launch.device_limits(key.device)
     cols = x_shape[-1]
     loss_shape = tuple(x_shape[:-1])
     rows = math.prod(loss_shape)
@@ -193,8 +218,8 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
         flags |= FLAG_T_INT32
     elif t_dtype == _engine.INDEX_DTYPES[1]:
         flags |= FLAG_T_INT64
-    values = {"rows": rows, "cols": cols, "t_rs": _args.i64_word(t_rs),
-              "go_rs": _args.i64_word(go_rs), "flags": flags, "tpr": cfg.tpr, "hv": cfg.hv,
+    values = {"rows": rows, "cols": cols, "t_rs": _args.i64_word(key.t_rs),
+              "go_rs": _args.i64_word(key.go_rs), "flags": flags, "tpr": cfg.tpr, "hv": cfg.hv,
               "p": _args.f64_word(p), "eps": _args.f64_word(eps),
               "margin": _args.f64_word(margin), "go_value": _ONE,
               "grad_scale": _args.f64_word(grad_scale), "divisor": _args.f64_word(divisor)}
@@ -215,13 +240,9 @@ def _build(spec, reduction, options, want_value, grads, go_kind, go_rs, x_shape,
                 partials, finish, finish_words)
 
 
-def _make_plan(*args) -> Plan:
-    """The plan of a call, built on its device (the last argument)."""
-    return _engine.on_device(_build, *args)
-
-
-def _run(plan: Plan, frame, xs, t, go, go_value, stream):
+def _run(plan: Plan, frame, stream, state):
     """Allocate the outputs, fill the pointer words, launch.  Returns [loss, grad per input]."""
+    xs, t, go, go_value = state
     words = array.array("Q", plan.words)
     slot = LAYOUT.slot
     for k, x in enumerate(xs):
@@ -302,45 +323,33 @@ def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=Tr
         go_kind, go_value, go = _dispatch.classify_grad_output(frame, grad_output, dtype, device,
                                                                loss_shape, reduction)
     stream = frame.stream(device)
-    geos = [_row_geometry(x.shape, x.strides) for x in xs]
+    geos = tuple(_row_geometry(x.shape, x.strides) for x in xs)
     t_rs = 0 if t is None or not t.shape else t.strides[0]
     go_rs = 0 if go_kind != "array" else _launch.merged_stride(go.shape, go.strides)
     key = (spec.name, reduction, parsed, want_value, grads, go_kind, go_rs, tuple(xs[0].shape),
-           tuple(geos), t_rs, None if t is None else t.dtype, dtype, device)
-    plan = _PLANS.get(key)
-    if plan is None and None not in geos and go_rs is not None:
-        plan = _PLANS[key] = _make_plan(spec, reduction, parsed, want_value, grads, go_kind,
-                                        go_rs, tuple(xs[0].shape), geos, t_rs,
-                                        None if t is None else t.dtype, dtype, device)
-    if plan is None or _engine.current_device() != device:
-        return _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed,
-                         want_value, grads, go_kind)
-    return _run(plan, frame, xs, t, go, go_value, stream)
+           geos, t_rs, None if t is None else t.dtype, dtype, device)   # Key's fields
+    return _engine.execute(FAMILY, key, device, frame, stream,
+                           (xs, t, go, go_value))
 
 
-
-def _run_slow(spec, frame, xs, t, go, go_value, stream, reduction, parsed, want_value, grads,
-              go_kind):
-    """Calls off the hot path: another current device, or operands whose leading dims do not
-    merge (copied contiguous by CuPy on the caller's stream, with the caller's allocator)."""
-    device = xs[0].device
-    with _engine.off_path(frame, device, stream):
-        keep = []
-        for k, x in enumerate(xs):
-            if _row_geometry(x.shape, x.strides) is None:
-                xs[k], copy = _engine.contiguous_input(frame, x, "input")
-                keep.append(copy)
-        go_rs = 0
-        if go_kind == "array":
+def _copies(frame, stream, key, state):
+    """Contiguous copies of the inputs whose leading dims do not merge and of a per-row
+    grad_output whose dims do not, and their key."""
+    xs, t, go, go_value = state
+    key = Key._make(key)
+    keep, xs = [], list(xs)
+    for k, x in enumerate(xs):
+        if _row_geometry(x.shape, x.strides) is None:
+            xs[k], copy = _engine.contiguous_input(frame, x, "input")
+            keep.append(copy)
+    go_rs = 0
+    if key.go_kind == "array":
+        go_rs = _launch.merged_stride(go.shape, go.strides)
+        if go_rs is None:
+            go = _engine.contiguous(frame, go, "grad_output")
             go_rs = _launch.merged_stride(go.shape, go.strides)
-            if go_rs is None:
-                go = _engine.contiguous(frame, go, "grad_output")
-                go_rs = _launch.merged_stride(go.shape, go.strides)
-        geos = [_row_geometry(x.shape, x.strides) for x in xs]
-        t_rs = 0 if t is None or not t.shape else t.strides[0]
-        plan = _make_plan(spec, reduction, parsed, want_value, grads, go_kind, go_rs,
-                          tuple(xs[0].shape), geos, t_rs, None if t is None else t.dtype,
-                          xs[0].dtype, device)
-        result = _run(plan, frame, xs, t, go, go_value, stream)
-        del keep
-        return result
+    key = key._replace(go_rs=go_rs, geos=tuple(_row_geometry(x.shape, x.strides) for x in xs))
+    return key, (xs, t, go, go_value), keep
+
+
+FAMILY = _engine.Family(_PLANS, _build, _copies, _run)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy
 
@@ -83,10 +84,37 @@ _NARROW_MODES = _source.ROWWISE_NARROW_MODES
 _ONE = _args.f64_word(1.0)
 
 
+class Key(NamedTuple):
+    """What a rowwise plan depends on: the plan cache's key, passed whole to _build."""
+
+    name: str                # the loss (SPECS)
+    reduction: str
+    is_index: bool           # class indices (else probabilities)
+    options: tuple           # (ignore_index, label_smoothing, lse_square_scale, softcap)
+    want_value: bool
+    want_gx: bool
+    want_gt: bool
+    want_lse: bool
+    inplace: bool
+    go_kind: str             # grad_output: "host", "device" (0-d) or "array" (per row)
+    go_strides: tuple | None # a per-row grad_output's (n, d) strides
+    x_shape: tuple
+    x_strides: tuple
+    t_shape: tuple
+    t_strides: tuple
+    t_dtype: object
+    w_strides: object        # the class weight's strides, False without one
+    dtype: object
+    device: int
+    into: tuple | None       # (dtype, strides) of grad_into, the fused head's gradient
+    acc_io: bool             # the loss and grad_output in the accumulator type (autocast)
+
+
 @dataclasses.dataclass
 class Plan:
     """Everything about a call that depends only on metadata, ready to launch."""
 
+    slow = False             # a plan is always run as it is (copies are made before its key)
     main: Launched
     wsum: Launched | None       # class_weight_sum, before a 'mean' gradient over class indices
     batch_shape: tuple
@@ -187,16 +215,22 @@ def _flags(spec, is_index, t_dtype, go_kind, mean_w, acc_io=False) -> int:
     return flags
 
 
-def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, want_lse, inplace,
-           go_kind, go_strides, x_shape, x_strides, t_shape, t_strides, t_dtype, has_weight,
-           dtype, device, into=None, acc_io=False) -> Plan:
-    """into: None, or (dtype, strides) of the array the input gradient is written to; acc_io:
-    the loss and grad_output in the accumulator type (FLAG_ACC_IO)."""
+def _build(key: Key) -> Plan:
+    """The plan of a key (see Key: into is None or the (dtype, strides) of the array the input
+    gradient is written to; acc_io: the loss and grad_output in the accumulator type,
+    FLAG_ACC_IO)."""
+    (name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse, inplace,
+     go_kind, go_strides, x_shape, x_strides, t_shape, t_strides, t_dtype, w_strides, dtype,
+     device, into, acc_io) = Key._make(key)
+    spec = SPECS[name]
     ignore_index, smoothing, zscale, softcap = options
     info = _dtypes.DTYPES[dtype]
     acc = info.acc
     limits = _launch.device_limits(device)
     geo = _rowwise_launch.class_geometry(x_shape, x_strides, t_shape, t_strides, not is_index)
+    if (geo is None or (w_strides is not False and w_strides != (1,) and geo.cols > 1)
+            or (go_kind == "array" and go_strides is None)):
+        return None     # an operand needs a copy first (_copies)
     rows, cols = geo.rows, geo.cols
     want_g = want_gx or want_gt
     # The divisor of the 0-d loss: summed weights of counted rows (class indices, 'mean'), the
@@ -288,15 +322,11 @@ def _build(spec, reduction, is_index, options, want_value, want_gx, want_gt, wan
                 into is not None, scratch, size, counters, ticket)
 
 
-def _make_plan(*args, into=None, acc_io=False) -> Plan:
-    """The plan of a call, built on its device (the last argument)."""
-    return _engine.on_device(_build, *args, into=into, acc_io=acc_io)
-
-
 # --- running -----------------------------------------------------------------------------------------
 
-def _run(plan: Plan, frame, x, t, w, go, go_value, stream, into=None):
+def _run(plan: Plan, frame, stream, state):
     """Allocate the outputs, fill the pointer words, launch.  Returns (value or loss, gx, gt, lse)."""
+    x, t, w, go, go_value, into = state
     main = plan.main
     words = array.array("Q", main.words)
     slot = main.slot
@@ -434,17 +464,9 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
                zscale if spec.kind != "nll" else 0.0, softcap if spec.kind != "nll" else 0.0)
     key = (spec.name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse,
            inplace, go_kind, go_strides, x.shape, x.strides, t.shape, t.strides, t.dtype,
-           w is not None and w.strides, dtype, device, into_key, acc_io)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx,
-                             want_gt, want_lse, inplace, go_kind, go_strides, x, t, w, dtype,
-                             device, into_key, acc_io)
-    if plan is None or _engine.current_device() != device:
-        return _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index,
-                         options, want_value, want_gx, want_gt, want_lse, inplace, go_kind,
-                         into, acc_io)
-    return _run(plan, frame, x, t, w, go, go_value, stream, into)
+           w is not None and w.strides, dtype, device, into_key, acc_io)   # Key's fields
+    return _engine.execute(FAMILY, key, device, frame, stream,
+                           (x, t, w, go, go_value, into))
 
 
 def _go_strides(go):
@@ -455,53 +477,35 @@ def _go_strides(go):
     return None if d is None else (go.strides[0] if go.shape[0] > 1 else 0, d)
 
 
-def _plan_or_none(key, spec, reduction, is_index, options, want_value, want_gx, want_gt,
-                  want_lse, inplace, go_kind, go_strides, x, t, w, dtype, device, into=None,
-                  acc_io=False):
-    """The cached plan for `key`, or None when an operand needs a contiguous copy first."""
-    if (_rowwise_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None
-            or (w is not None and w.strides != (1,) and w.shape[0] > 1)
-            or (go_kind == "array" and go_strides is None)):
-        return None
-    plan = _PLANS[key] = _make_plan(spec, reduction, is_index, options, want_value, want_gx,
-                                    want_gt, want_lse, inplace, go_kind, go_strides, x.shape,
-                                    x.strides, t.shape, t.strides, t.dtype, w is not None, dtype,
-                                    device, into=into, acc_io=acc_io)
-    return plan
-
-
-
-def _run_slow(spec, frame, x, t, w, go, go_value, stream, reduction, is_index, options,
-              want_value, want_gx, want_gt, want_lse, inplace, go_kind, into=None, acc_io=False):
-    """Calls off the hot path: another current device, or operands that need contiguous copies
-    (made by CuPy on the caller's stream, with the caller's allocator)."""
-    device = x.device
-    with _engine.off_path(frame, device, stream):
-        if _rowwise_launch.class_geometry(x.shape, x.strides, t.shape, t.strides, not is_index) is None:
-            if inplace or into is not None:
-                raise ValueError(f"inplace=True needs an input whose dims after the class axis "
-                                 f"merge into one stride, got strides {tuple(x.strides)} for "
-                                 f"shape {tuple(x.shape)}")
-            x, x_copy = _engine.contiguous_input(frame, x, "input")
-            t = _engine.contiguous(frame, t, "target")
-        else:
-            x_copy = None
-        if w is not None and w.strides != (1,) and w.shape[0] > 1:
-            w = _engine.contiguous(frame, w, "weight")
-        go_strides = None
-        if go_kind == "array":
+def _copies(frame, stream, key, state):
+    """Contiguous copies of the operands whose layout the kernels do not walk, and their key."""
+    x, t, w, go, go_value, into = state
+    key = Key._make(key)
+    is_index = key.is_index
+    x_copy = None
+    if _rowwise_launch.class_geometry(x.shape, x.strides, t.shape, t.strides,
+                                      not is_index) is None:
+        if key.inplace or into is not None:
+            raise ValueError(f"inplace=True needs an input whose dims after the class axis "
+                             f"merge into one stride, got strides {tuple(x.strides)} for "
+                             f"shape {tuple(x.shape)}")
+        x, x_copy = _engine.contiguous_input(frame, x, "input")
+        t = _engine.contiguous(frame, t, "target")
+    if w is not None and w.strides != (1,) and w.shape[0] > 1:
+        w = _engine.contiguous(frame, w, "weight")
+    go_strides = None
+    if key.go_kind == "array":
+        go_strides = _go_strides(go)
+        if go_strides is None:
+            go = _engine.contiguous(frame, go, "grad_output")
             go_strides = _go_strides(go)
-            if go_strides is None:
-                go = _engine.contiguous(frame, go, "grad_output")
-                go_strides = _go_strides(go)
-        plan = _make_plan(spec, reduction, is_index, options, want_value, want_gx, want_gt,
-                          want_lse, inplace, go_kind, go_strides, x.shape, x.strides, t.shape,
-                          t.strides, t.dtype, w is not None, x.dtype, device,
-                          into=None if into is None else (into.dtype, into.strides),
-                          acc_io=acc_io)
-        result = _run(plan, frame, x, t, w, go, go_value, stream, into)
-        del x_copy
-        return result
+    key = key._replace(go_strides=go_strides, x_shape=x.shape, x_strides=x.strides,
+                       t_shape=t.shape, t_strides=t.strides,
+                       w_strides=w is not None and w.strides)
+    return key, (x, t, w, go, go_value, into), x_copy
+
+
+FAMILY = _engine.Family(_PLANS, _build, _copies, _run)
 
 
 def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, ignore_index,
