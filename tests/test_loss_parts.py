@@ -108,3 +108,61 @@ def test_the_check_finds_a_missing_part(monkeypatch):
     assert _reference("mse_loss") == (reference.mse, reference.mse_grads)
     assert _reference("cross_entropy") == (reference_rowwise.cross_entropy,
                                            reference_rowwise.cross_entropy_grads)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_backward_and_value_and_grad_docstrings_derive_from_the_loss(name):
+    """Each parameter of name_backward and name_value_and_grad is described in its Args, the
+    loss's own descriptions carried over word for word; a formula, Returns and Example stay."""
+    import inspect
+
+    from cupyloss._core import docs as _docs
+
+    _, theirs = _docs.sections(getattr(cupyloss, name).__doc__)
+    base = _docs.entries(theirs["Args"])
+    for suffix in ("_backward", "_value_and_grad"):
+        function = getattr(cupyloss, name + suffix)
+        head, own = _docs.sections(function.__doc__)
+        described = _docs.entries(own["Args"])
+        params = list(inspect.signature(function).parameters)
+        assert list(described) == params, f"{name + suffix}: Args {list(described)}"
+        for p in params:
+            if p in base and p not in ("grad_output", "wrt", "inplace"):
+                assert " ".join(described[p].split()) == " ".join(base[p].split()) or \
+                    not described[p].startswith("as for"), f"{name + suffix}: {p}"
+        assert "Returns" in own and ">>>" in own.get("Example", ""), name + suffix
+        assert head.strip(), name + suffix
+
+
+def test_a_parameter_nobody_describes_is_an_error():
+    from cupyloss._core import docs as _docs
+
+    def loss(input, target, reduction="mean"):
+        """A loss.
+
+        Args:
+          input: x.
+          target: t.
+          reduction: r.
+        """
+
+    def loss_backward(grad_output, input, target, reduction="mean", *, margin=1.0, wrt=None):
+        """Its gradient.
+
+        Returns:
+          g.
+
+        Example:
+          >>> loss_backward(1.0, x, t)
+        """
+
+    with pytest.raises(ValueError, match=r"loss_backward: no description of \['margin'\]"):
+        _docs.derived(loss, loss_backward)
+    indent = " " * 8     # the docstrings' own, in this nested function
+    loss_backward.__doc__ = loss_backward.__doc__.replace(
+        f"{indent}Returns:", f"{indent}Args:\n{indent}  margin: m.\n\n{indent}Returns:")
+    doc = _docs.derived(loss, loss_backward)
+    _, parts = _docs.sections(doc)
+    assert list(_docs.entries(parts["Args"])) == ["grad_output", "input", "target", "reduction",
+                                                  "margin", "wrt"]
+    assert _docs.entries(parts["Args"])["input"] == "x."

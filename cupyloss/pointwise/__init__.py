@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import numbers
 
+from cupyloss._core import docs as _docs
 from cupyloss._types import Any, Array, Sequence
 from cupyloss._core import validate as _validate
 from cupyloss.pointwise._family import SPECS, evaluate
@@ -175,6 +176,8 @@ def kl_div(input: Array, target: Array, reduction: str = "mean", log_target: boo
       target: array of the same framework broadcastable with input, same dtype; probabilities, or
         log-probabilities with log_target=True.
       reduction: 'none' | 'mean' | 'sum' | 'batchmean'.
+      log_target: the target holds log-probabilities.
+      log_input: the input holds log-probabilities (the default, torch's); False: probabilities.
 
     Returns:
       The loss: 0-d unless reduction='none'; input's dtype.
@@ -813,7 +816,10 @@ def poisson_nll_loss(input: Array, target: Array, log_input: bool = True, full: 
     Args:
       input: GPU array of any shape; float16, bfloat16, float32 or float64.
       target: array of the same framework broadcastable with input, same dtype; counts.
-      log_input, full: Python bools.  eps: Python float.
+      log_input: True: input is the log-rate (exp(input) - target input); False: the rate
+        (input - target log(input + eps)).
+      full: add Stirling's approximation of log(target!) for target > 1.
+      eps: the floor of the rate inside the log (log_input=False).
       reduction: 'none' | 'mean' | 'sum'.
 
     Returns:
@@ -914,7 +920,8 @@ def gaussian_nll_loss(input: Array, target: Array, var: Array | float, full: boo
       input: GPU array of predicted means, any shape; float16, bfloat16, float32 or float64.
       target: array of the same framework broadcastable with input, same dtype.
       var: array of the same framework and dtype (shapes above), or a Python number.
-      full: Python bool.  eps: Python float.
+      full: add the constant 0.5 log(2 pi).
+      eps: the floor of var (var is clamped to at least eps).
       reduction: 'none' | 'mean' | 'sum'.
       check_var: raise ValueError for a negative var (synchronises).
 
@@ -1048,7 +1055,9 @@ def sigmoid_focal_loss(input: Array, target: Array, alpha: float = 0.25, gamma: 
     Args:
       input: GPU array of logits, any shape; float16, bfloat16, float32 or float64.
       target: array of the same framework broadcastable with input, same dtype; in [0, 1].
-      alpha: Python float; < 0 turns the class weighting off.  gamma: Python float >= 0.
+      alpha: the positive class's weight (1 - alpha the negative's); < 0 turns the weighting
+        off.
+      gamma: the focusing exponent, >= 0.
       reduction: 'none' | 'mean' | 'sum'.
 
     Returns:
@@ -1152,3 +1161,6 @@ def log_cosh_loss_value_and_grad(input: Array, target: Array, reduction: str = "
       >>> loss, g_in = cupyloss.log_cosh_loss_value_and_grad(x, y, wrt="input")
     """
     return _grads(_LOG_COSH, (input, target), reduction, (), grad_output, wrt, True)
+
+
+_docs.derive(globals(), SPECS)

@@ -25,6 +25,7 @@ Common rules:
 
 from __future__ import annotations
 
+from cupyloss._core import docs as _docs
 from cupyloss._types import Any, Array, Sequence
 from cupyloss.rowclass._family import SPECS, evaluate
 from cupyloss.rowwise import _grads, _names
@@ -277,6 +278,9 @@ def jsd_value_and_grad(input: Array, target: Array, beta: float = 0.5,
     torch arrays; wrt must name the input).  No second input-sized array: use it only when
     nothing else still needs the input.
 
+    Args:
+      inplace: write the input gradient into input (see above).
+
     Returns:
       ``(loss, grads)``: loss as from jsd, grads as from jsd_backward.
 
@@ -367,3 +371,6 @@ def multilabel_margin_loss_value_and_grad(input: Array, target: Array, reduction
     value, gx, gt = evaluate(_MLM, input, target, reduction=reduction, check=check_targets,
                              want_value=True, wrt=names, grad_output=grad_output)
     return value, _grads(names, single, gx, gt)
+
+
+_docs.derive(globals(), SPECS)

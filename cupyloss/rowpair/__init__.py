@@ -22,6 +22,7 @@ Common rules:
 
 from __future__ import annotations
 
+from cupyloss._core import docs as _docs
 from cupyloss._types import Any, Array, Sequence
 from cupyloss._core import validate as _validate
 from cupyloss.rowpair._family import SPECS, evaluate
@@ -210,3 +211,6 @@ def cosine_embedding_loss_value_and_grad(input1: Array, input2: Array, target: A
     got = evaluate(_COSINE, (input1, input2, target), (margin,), reduction=reduction,
                    want_value=True, wrt=names, grad_output=grad_output)
     return got[0], _pick(_COSINE, got[1:], names, single)
+
+
+_docs.derive(globals(), SPECS)

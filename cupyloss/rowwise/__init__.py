@@ -30,6 +30,7 @@ Common rules:
 from __future__ import annotations
 
 from cupyloss._core import validate as _validate
+from cupyloss._core import docs as _docs
 from cupyloss._types import Any, Array, Sequence
 from cupyloss.rowwise._family import SPECS, evaluate
 
@@ -241,6 +242,9 @@ def nll_loss_value_and_grad(input: Array, target: Array, weight: Array | None = 
     **inplace=True OVERWRITES THE INPUT with its gradient** (returned as the input array itself);
     see cross_entropy_value_and_grad.
 
+    Args:
+      inplace: write the input gradient into input (see above).
+
     Returns:
       ``(loss, grads)`` with loss as from nll_loss and grads as from nll_loss_backward.
 
@@ -295,3 +299,6 @@ def rejected_targets(device: int | None = None, *, reset: bool = False) -> Any:
             if reset:
                 count.fill(0)
     return total
+
+
+_docs.derive(globals(), SPECS)
