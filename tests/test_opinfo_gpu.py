@@ -107,14 +107,16 @@ def _no_further(got, want, truth, what):
     """|got - truth| <= max(|want - truth|, a 16-bit rounding of truth), NaN where truth is."""
     import torch
 
-    eps = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[got.dtype]
+    # half an ulp relative, and half the smallest subnormal (a tiny result's rounding)
+    eps, tiny = {torch.float16: (2.0**-11, 2.0**-25), torch.bfloat16: (2.0**-8, 2.0**-134)}[
+        got.dtype]
     g, w, t = got.double(), want.double(), truth.double()
     assert g.shape == t.shape, f"{what}: shape {tuple(g.shape)} != {tuple(t.shape)}"
     nan = torch.isnan(t)
     assert torch.equal(torch.isnan(g), nan), f"{what}: NaN where float64 has none, or none"
     finite = ~nan & torch.isfinite(t)
     scale = t[finite].abs().mean() if bool(finite.any()) else torch.zeros((), dtype=t.dtype)
-    allowed = torch.maximum((w - t).abs(), eps * t.abs() + eps * scale) * 1.001
+    allowed = torch.maximum((w - t).abs(), eps * t.abs() + eps * scale + tiny) * 1.001
     bad = finite & ~((g - t).abs() <= allowed)
     assert not bool(bad.any()), (
         f"{what}: {int(bad.sum())} of {g.numel()} further from float64 than torch's; got "

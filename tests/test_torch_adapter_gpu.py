@@ -413,14 +413,19 @@ def test_autocast_returns_what_torch_returns(name, dtype):
         got = CF.LOSSES[name](*ours, **kw)
         torch_dtype = theirs(*args, **fkw).dtype
     assert got.dtype == torch_dtype == torch.float32
-    x32 = args[0].float().requires_grad_()
-    want = theirs(x32, *[a.float() if a.is_floating_point() else a for a in args[1:]], **fkw)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    # torch's CUDA multilabel_margin_loss backward now and then loses a target's gradient (its
+    # last write and its scaling loop touch the same element without a barrier): its CPU kernel
+    # is the yardstick there.
+    on = "cpu" if name == "multilabel_margin_loss" else "cuda"
+    x32 = args[0].float().to(on).requires_grad_()
+    want = theirs(x32, *[(a.float() if a.is_floating_point() else a).to(on) for a in args[1:]],
+                  **fkw)
+    torch.testing.assert_close(got.to(on), want, rtol=2e-5, atol=1e-6)
     got.backward()
     want.backward()
     assert all(a.grad.dtype == dtype for a, f in zip(ours, flags) if f)
-    torch.testing.assert_close(ours[0].grad.float(), x32.grad.to(dtype).float(), rtol=2e-2,
-                               atol=1e-5)
+    torch.testing.assert_close(ours[0].grad.float().to(on), x32.grad.to(dtype).float(),
+                               rtol=2e-2, atol=1e-5)
 
 
 def test_autocast_cross_entropy_reads_the_16_bit_logits_without_a_float32_copy():
