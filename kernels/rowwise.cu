@@ -659,19 +659,389 @@ __device__ __forceinline__ void keep_tile(const Vec<T, VEC> (&xv)[NV], int4* dst
     }
 }
 
-// The body of every cross_entropy_rows kernel.  KC > 1: a thread block cluster of KC blocks
-// takes each row (sm_90 and later), exchanging the row states through distributed shared memory
-// instead of global memory and a counter.  G: the gradient's type, T's, or a 16-bit type for
-// float32 logits whose gradient is wanted rounded (the fused linear loss: one pass writes what
-// a second would otherwise read back and round).
+// What each variant of cross_entropy_rows compiles in (MODE: see MODE_FORWARD; KC > 1: a
+// cluster of KC blocks a row), its policy: the phases below read these and nothing else of MODE.
+template <typename T, int MODE, int KC>
+struct RowPolicy {
+    static constexpr bool PLAIN = MODE == MODE_FORWARD || MODE == MODE_GRAD;  // no per-class terms
+    // a and b stay 0 and z_y sits in the row's first thread: merges of m and s alone (merge)
+    static constexpr bool TRACK = !(PLAIN || MODE == MODE_NLL || MODE == MODE_CAP);
+    static constexpr int VEC = 16 / sizeof(T);
+    static constexpr int NV = MODE == MODE_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile
+    // gt (the target's gradient) is given only with probability targets (PROB_T): the other
+    // variants with a gradient always have gx.
+    static constexpr bool PROB_T = MODE == MODE_GENERAL || MODE == MODE_PROB;
+    // The variants whose gradient is mostly one form, and 16-bit ones of them without a softcap,
+    // which keep their vectors' smallest logit (both: see grad_vector).
+    static constexpr bool DEFER = MODE == MODE_GRAD || MODE == MODE_CAP || MODE == MODE_SMOOTH;
+    static constexpr bool ROW_MIN = DEFER && MODE != MODE_CAP && sizeof(T) == 2;
+    // The plain gradient of a cluster's row takes its kept tiles' loads ahead (see row_load).
+    static constexpr bool PIPE = MODE == MODE_GRAD && KC > 1;
+};
+
+// How a launch's threads share rows: teams of t threads (t a power of two), or k blocks a row.
+struct RowTeam {
+    int t, lane, kk, teams, team, member;
+    long long unit, units;
+    int span, span_log2;   // vectors of a tile (a power of two: a row's tiles by a shift)
+    long long step;        // elements from a thread's vector to its next
+};
+
+// One row of a team: where it is, its target, and its share of the row as head scalars (up to
+// the first 16-byte boundary), vectors and tail scalars; this block's share of the vectors is
+// [v0, v1), the head goes to member 0, the tail to k - 1.
+template <typename T, typename A>
+struct RowPlace {
+    long long r;
+    bool active, read;
+    const T* xr;
+    const T* tr;
+    RowTarget<A> rt;
+    int h, nv, tail, v0, v1, ntiles, kept, c_tail;
+    bool has_head, has_tail, t_vec;
+};
+
+template <typename T, int MODE, int VEC>
+__device__ __forceinline__ RowPlace<T, acc_t<T>> row_place(
+        long long r, long long rows, const T* x, long long x_rs, const void* tgt, long long t_rs,
+        const T* __restrict__ weight, const acc_t<T>* lse, long long stash, int ncols,
+        const RowTeam& tm, const RowArgs<acc_t<T>>& ra) {
+    using A = acc_t<T>;
+    RowPlace<T, A> p;
+    p.r = r;
+    p.active = r < rows;
+    p.xr = x + (p.active ? r : 0) * x_rs;
+    p.tr = ra.prob ? static_cast<const T*>(tgt) + (p.active ? r : 0) * t_rs : nullptr;
+    p.rt = RowTarget<A>{-1, false, false, A(1)};
+    if (p.active) p.rt = row_target<T, A>(tgt, r * t_rs, weight, ra);
+    p.read = p.active && !ra.nll && !(p.rt.ignored && lse == nullptr);
+    const int mis = (int)((reinterpret_cast<unsigned long long>(p.xr) & 15ull) / sizeof(T));
+    p.h = mis ? min(ncols, VEC - mis) : 0;
+    p.nv = (ncols - p.h) / VEC;
+    p.tail = ncols - p.h - p.nv * VEC;
+    const int cv = tm.kk == 1 ? p.nv : (p.nv + tm.kk - 1) / tm.kk;  // no division where k == 1
+    p.v0 = min(p.nv, tm.member * cv);
+    p.v1 = min(p.nv, p.v0 + cv);
+    p.ntiles = (p.v1 - p.v0 + tm.span - 1) >> tm.span_log2;
+    // Tiles 0 .. kept - 1 go to shared memory, the last stays in registers, the ones between
+    // are read again from global memory for the gradient (kept in L2 meanwhile).
+    p.kept = MODE == MODE_FORWARD ? 0 : min((int)stash, max(p.ntiles - 1, 0));
+    p.has_head = tm.member == 0 && tm.lane < p.h;
+    p.has_tail = tm.member == tm.kk - 1 && tm.lane < p.tail;
+    p.c_tail = p.h + p.nv * VEC + tm.lane;
+    p.t_vec = ra.prob && aligned16(p.tr + p.h);
+    return p;
+}
+
+// The load phase: a row's share read once into its softmax state st, its last tile left in xv,
+// its kept tiles in shared memory (held), its head and tail scalars in xh and xt, and (ROW_MIN)
+// its vectors' smallest logits in lo2.
+template <typename T, int MODE, int KC>
+__device__ __forceinline__ void row_load(
+        RowStat<acc_t<T>>& st, Vec<T, RowPolicy<T, MODE, KC>::VEC> (&xv)[RowPolicy<T, MODE, KC>::NV],
+        T& xh, T& xt, unsigned& lo2, const RowPlace<T, acc_t<T>>& p, const RowTeam& tm,
+        const T* __restrict__ weight, int4* held, const RowArgs<acc_t<T>>& ra) {
+    using A = acc_t<T>;
+    using P = RowPolicy<T, MODE, KC>;
+    constexpr int VEC = P::VEC, NV = P::NV;
+    const int lane = tm.lane, t = tm.t, span = tm.span, v0 = p.v0, v1 = p.v1, h = p.h;
+    const int ntiles = p.ntiles, kept = p.kept;
+    const T* xr = p.xr;
+    const T* tr = p.tr;
+    if (p.has_head) {
+        xh = xr[lane];
+        push(st, zval(xh, ra),
+             ra.track ? elem_u<T, A>(weight, lane, ra.prob ? to_acc(tr[lane]) : A(0), ra)
+                      : A(0), ra.track);
+    }
+    if (p.has_tail) {
+        xt = xr[p.c_tail];
+        push(st, zval(xt, ra),
+             ra.track ? elem_u<T, A>(weight, p.c_tail, ra.prob ? to_acc(tr[p.c_tail]) : A(0),
+                                     ra) : A(0), ra.track);
+    }
+    A ref = sum_ref<T>(st.m);
+    // The kept tiles reach shared memory through registers: cp.async copies of all of a
+    // row's tiles at once were slower (docs/tuning.md, "The kernels' code").
+    if constexpr (P::PIPE) {
+        auto fetch = [&](int ti) {
+            const int vb = v0 + ti * span + lane;
+            const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
+            load_tile(xv, xr + h + (long long)vb * VEC, tm.step, vb, t, v1, again);
+        };
+        auto keep = [&](int ti) {
+            const int vb = v0 + ti * span + lane;
+            keep_tile(xv, held + ti * NV * ROW_BLOCK + threadIdx.x, vb, t, v1);
+        };
+        // Adds tile ti up, from xv or (HELD) from its kept copy.
+        auto add_tile = [&](int ti, auto from_held) {
+            constexpr bool HELD = decltype(from_held)::value;
+            const int vb = v0 + ti * span + lane;
+            const int4* mine = held + ti * NV * ROW_BLOCK + threadIdx.x;
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int j = vb + i * t;
+                if (j < v1) {
+                    Vec<T, VEC> xi;
+                    if constexpr (HELD)
+                        *reinterpret_cast<int4*>(&xi) = mine[i * ROW_BLOCK];
+                    else xi = xv[i];
+                    absorb(st, ref, xi, h + j * VEC, tr, p.t_vec, weight, ra);
+                    if constexpr (P::ROW_MIN) lo2 = min_words(lo2, xi);
+                }
+            }
+        };
+        // A kept tile, once stored, is added up from shared memory while the next
+        // tile's loads are in flight; only the variants this pays for take it
+        // (docs/tuning.md, "The kernels' code").
+        if (ntiles > 0) fetch(0);
+        for (int ti = 0; ti < ntiles; ++ti) {
+            if (ti < kept) {
+                keep(ti);
+                if (ti + 1 < ntiles) fetch(ti + 1);
+                add_tile(ti, Flag<true>{});
+            } else {
+                add_tile(ti, Flag<false>{});
+                if (ti + 1 < ntiles) fetch(ti + 1);
+            }
+        }
+    } else {
+        // No lambdas here: with the ones above, the softcap's kernel took 114 registers
+        // instead of 96.
+        for (int ti = 0; ti < ntiles; ++ti) {
+            const int vb = v0 + ti * span + lane;
+            const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
+            load_tile(xv, xr + h + (long long)vb * VEC, tm.step, vb, t, v1, again);
+            if (ti < kept)
+                keep_tile(xv, held + ti * NV * ROW_BLOCK + threadIdx.x, vb, t, v1);
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int j = vb + i * t;
+                if (j < v1) {
+                    absorb(st, ref, xv[i], h + j * VEC, tr, p.t_vec, weight, ra);
+                    if constexpr (P::ROW_MIN) lo2 = min_words(lo2, xv[i]);
+                }
+            }
+        }
+    }
+}
+
+// What a row's gradient phase writes with and to.
+template <typename T, typename G>
+struct GradRow {
+    G* gr;              // the row's input gradient, or null
+    T* gtr;             // the row's target gradient, or null
+    bool g_vec, gt_vec; // they are 16-byte aligned from the head on
+    int jy, ey;         // the target's vector among the row's (-1: none) and its place there
+    acc_t<T> gk;        // a non-target element's g k p_c is gk p_c: one multiply an element
+};
+
+// A vector's gradient (classes from h + j VEC).  COMMON: the form of a row's vectors but the
+// target's where none of its p is subnormal and the gradient row is 16-byte aligned (`common` in
+// row_grad), and only that form's code.  For DEFER variants such rows take COMMON in the tiles'
+// loop (NV copies) and the target's vector the whole form once after it; other rows take the
+// whole form in a loop that is not unrolled, so the variants' code stays small for the
+// instruction cache (docs/tuning.md, "The kernels' code").  Other variants take the whole form
+// in the tiles' loop.
+template <typename T, int MODE, int KC, bool COMMON, typename G>
+__device__ __forceinline__ void grad_vector(
+        const Vec<T, RowPolicy<T, MODE, KC>::VEC>& xi, int j, const RowPlace<T, acc_t<T>>& p,
+        const GradRow<T, G>& gw, const RowResult<acc_t<T>>& o, const T* __restrict__ weight,
+        const RowArgs<acc_t<T>>& ra) {
+    using A = acc_t<T>;
+    using P = RowPolicy<T, MODE, KC>;
+    constexpr int VEC = P::VEC;
+    const int c0 = p.h + j * VEC;
+    const bool y_here = !COMMON && j == gw.jy;  // jy >= 0 then: ey is the target's place
+    Vec<T, VEC> tv;
+    if (ra.prob) tv = load_any<T, VEC>(p.tr + c0, p.t_vec);
+    A z[VEC], pr[VEC], gi[VEC];
+    widen(xi, z);
+    zval_each(z, ra);
+    if constexpr (COMMON && sizeof(T) == 2) {
+        probs_normal(z, o.lse, pr);
+    } else {
+        probs<sizeof(T) == 2>(z, o.lse, pr);
+    }
+    if ((P::PLAIN || MODE == MODE_CAP) && !y_here) {
+        // Not the target's vector: g k p_c (g (k p_c + dz p_c) with a z-loss; times dz_c/dx_c
+        // with a softcap), grad_input's value without its selects (k p - 0 is k p), g k formed
+        // once a row.
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            gi[e] = ra.zloss ? o.g * fma_rn(o.dz, pr[e], o.k * pr[e]) : gw.gk * pr[e];
+            if (MODE == MODE_CAP) {
+                const A q = z[e] * ra.inv_cap;
+                gi[e] *= A(1) - q * q;
+            }
+        }
+    } else if (MODE == MODE_SMOOTH && !y_here) {
+        // Label smoothing, not the target's vector: no compares; w_c only with weights.
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
+            gi[e] = grad_input(pr[e], z[e], false, A(0), w, o, p.rt, ra);
+        }
+    } else if (!COMMON) {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
+            gi[e] = grad_input(pr[e], z[e], y_here && gw.ey == e,
+                               ra.prob ? to_acc(tv.v[e]) : A(0), w, o, p.rt, ra);
+        }
+    }
+    if (!P::PROB_T || gw.gr != nullptr) store_any<G, VEC>(gw.gr + c0, gi, COMMON || gw.g_vec);
+    if (P::PROB_T && gw.gtr != nullptr) {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
+            gi[e] = grad_target(zval(xi.v[e], ra), w, o, ra);
+        }
+        store_any<T, VEC>(gw.gtr + c0, gi, gw.gt_vec);
+    }
+}
+
+// A row with no softmax in its gradient (nll_loss, an ignored row): 0 everywhere (NaN for an
+// out-of-range nll target), -w_y g at y.
+template <typename T, int VEC, typename G>
+__device__ __forceinline__ void grad_no_softmax(const RowPlace<T, acc_t<T>>& p,
+                                                const RowTeam& tm, G* gr, bool g_vec,
+                                                acc_t<T> g) {
+    using A = acc_t<T>;
+    const RowTarget<A>& rt = p.rt;
+    const A fill = rt.oor ? quiet_nan(A(0)) : A(0);
+    const A at_y = rt.ignored ? A(0) : -rt.wy * g;
+    if (p.has_head) gr[tm.lane] = from_acc<G>(tm.lane == rt.y ? at_y : fill);
+    if (p.has_tail) gr[p.c_tail] = from_acc<G>(p.c_tail == rt.y ? at_y : fill);
+    for (int j = p.v0 + tm.lane; j < p.v1; j += tm.t) {
+        const int c0 = p.h + j * VEC;
+        A gi[VEC];
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) gi[e] = c0 + e == rt.y ? at_y : fill;
+        store_any<G, VEC>(gr + c0, gi, g_vec);
+    }
+}
+
+// The gradient phase of a row (o.g its upstream gradient): the head and tail scalars, then its
+// vectors, the last tile from the registers (xv) and the others from shared or global memory.
+template <typename T, int MODE, int KC, typename G>
+__device__ __forceinline__ void row_grad(
+        Vec<T, RowPolicy<T, MODE, KC>::VEC> (&xv)[RowPolicy<T, MODE, KC>::NV], T xh, T xt,
+        unsigned lo2, const RowPlace<T, acc_t<T>>& p, const RowTeam& tm,
+        const RowResult<acc_t<T>>& o, G* gx, T* gt, long long g_rs, long long cols,
+        const T* __restrict__ weight, const int4* held, const RowArgs<acc_t<T>>& ra) {
+    using A = acc_t<T>;
+    using P = RowPolicy<T, MODE, KC>;
+    constexpr int VEC = P::VEC, NV = P::NV;
+    const int lane = tm.lane, t = tm.t, v0 = p.v0, v1 = p.v1, h = p.h;
+    const int ntiles = p.ntiles, kept = p.kept;
+    GradRow<T, G> gw;
+    gw.gk = o.g * o.k;
+    gw.gr = gx != nullptr ? gx + p.r * g_rs : nullptr;
+    gw.gtr = gt != nullptr ? gt + p.r * cols : nullptr;
+    gw.g_vec = gw.gr != nullptr &&
+        (reinterpret_cast<unsigned long long>(gw.gr + h) & (sizeof(Vec<G, VEC>) - 1)) == 0;
+    if (ra.nll || p.rt.ignored) {
+        grad_no_softmax<T, VEC>(p, tm, gw.gr, gw.g_vec, o.g);
+        return;
+    }
+    gw.gt_vec = gw.gtr != nullptr && aligned16(gw.gtr + h);
+    #pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        if (s == 0 ? !p.has_head : !p.has_tail) continue;
+        const int c = s == 0 ? lane : p.c_tail;
+        const A z = zval(s == 0 ? xh : xt, ra);
+        const A w = weight != nullptr && ra.track ? to_acc(weight[c]) : A(1);
+        const A tv = ra.prob ? to_acc(p.tr[c]) : A(0);
+        if (gw.gr != nullptr)
+            gw.gr[c] = from_acc<G>(grad_input(fexp(z - o.lse), z, c == p.rt.y, tv, w, o, p.rt,
+                                              ra));
+        if (gw.gtr != nullptr) gw.gtr[c] = from_acc<T>(grad_target(z, w, o, ra));
+    }
+    // Instructions bound this loop with 16-bit logits, so a vector costs one target compare
+    // (jy, ey), no selects away from the target, and one conversion a pair (docs/tuning.md,
+    // "The kernels' code").
+    const long long yv = p.rt.y - h;
+    gw.jy = yv >= 0 && yv < (long long)p.nv * VEC ? (int)(yv / VEC) : -1;
+    gw.ey = gw.jy >= 0 ? (int)(yv - (long long)gw.jy * VEC) : -1;
+    // A row whose vectors take the common form: its gradient row 16-byte aligned, and for
+    // 16-bit logits no p below 2^-126 (e^(z - lse) with z log2 e - lse log2 e >= -126, the
+    // fused argument being monotonic in z): z >= the row's smallest (ROW_MIN), or with a
+    // softcap z >= -c.  Float32 and float64 rows test each vector (probs).
+    bool common = P::DEFER && gw.g_vec;
+    if constexpr (P::DEFER && sizeof(T) == 2) {
+        const A low = P::ROW_MIN ? min_of_words<T>(lo2) : -ra.cap;
+        const float nl = -o.lse * 1.4426950408889634f;   // as probs forms it
+        common = common && fmaf(low, 1.4426950408889634f, nl) >= -126.0f;
+    }
+    if (P::DEFER && !common) {
+        // The whole form, a vector at a time, each read again from shared or global memory
+        // (no class of the row has been written yet).
+        #pragma unroll 1
+        for (int ti = 0; ti < ntiles; ++ti) {
+            #pragma unroll 1
+            for (int i = 0; i < NV; ++i) {
+                const int j = v0 + ti * tm.span + lane + i * t;
+                if (j >= v1) break;
+                Vec<T, VEC> xi;
+                if (ti < kept) {
+                    const int4 raw = held[(ti * NV + i) * ROW_BLOCK + threadIdx.x];
+                    xi = *reinterpret_cast<const Vec<T, VEC>*>(&raw);
+                } else {
+                    xi = load16<T, VEC>(p.xr + h + (long long)j * VEC, false);
+                }
+                grad_vector<T, MODE, KC, false>(xi, j, p, gw, o, weight, ra);
+            }
+        }
+        return;
+    }
+    bool y_mine = false;
+    // The last tile first, from the registers; then the others from shared or global memory.
+    for (int q = 0; q < ntiles; ++q) {
+        const int ti = q == 0 ? ntiles - 1 : q - 1;
+        const int vb = v0 + ti * tm.span + lane;
+        if (q > 0) {
+            const T* src = p.xr + h + (long long)vb * VEC;
+            const int4* kept_at = held + ti * NV * ROW_BLOCK + threadIdx.x;
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                if (vb + i * t >= v1) continue;
+                if (ti < kept) {
+                    const int4 raw = kept_at[i * ROW_BLOCK];
+                    xv[i] = *reinterpret_cast<const Vec<T, VEC>*>(&raw);
+                } else {
+                    xv[i] = load16<T, VEC>(src + i * tm.step, false);
+                }
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int j = vb + i * t;
+            if (j >= v1) continue;
+            if (P::DEFER && j == gw.jy) {
+                y_mine = true;   // done after the row's tiles
+                continue;
+            }
+            grad_vector<T, MODE, KC, P::DEFER>(xv[i], j, p, gw, o, weight, ra);
+        }
+    }
+    // The target's vector, with DEFER: read again (nothing has written its classes yet).
+    if (P::DEFER && y_mine)
+        grad_vector<T, MODE, KC, false>(load16<T, VEC>(p.xr + h + (long long)gw.jy * VEC, false),
+                                        gw.jy, p, gw, o, weight, ra);
+}
+
+// The body of every cross_entropy_rows kernel: per row the load phase (row_load), the merge of
+// the row's states (team_merge; a cluster's or a group's), its loss, and the gradient phase
+// (row_grad).  KC > 1: a thread block cluster of KC blocks takes each row (sm_90 and later),
+// exchanging the row states through distributed shared memory instead of global memory and a
+// counter.  G: the gradient's type, T's, or a 16-bit type for float32 logits whose gradient is
+// wanted rounded (the fused linear loss: one pass writes what a second would otherwise read back
+// and round).
 template <typename T, int MODE, int KC, typename G>
 __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
     using A = acc_t<T>;
-    constexpr bool PLAIN = MODE == MODE_FORWARD || MODE == MODE_GRAD;  // no per-class terms
-    // a and b stay 0 and z_y sits in the row's first thread: merges of m and s alone (merge)
-    constexpr bool TRACK = !(PLAIN || MODE == MODE_NLL || MODE == MODE_CAP);
-    constexpr int VEC = 16 / sizeof(T);
-    constexpr int NV = MODE == MODE_FORWARD ? ROW_VECS / 2 : ROW_VECS;  // vectors a tile a thread
+    using P = RowPolicy<T, MODE, KC>;
     extern __shared__ unsigned char smem_raw[];
     A* scratch = reinterpret_cast<A*>(smem_raw);  // [ROW_SCRATCH]
     // [stash][NV][ROW_BLOCK] vectors: thread-interleaved, conflict-free 16-byte accesses.
@@ -686,15 +1056,6 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         ra.track = ra.prob || ra.smooth;
     }
     ra.nll = MODE == MODE_NLL;
-    // gt (the target's gradient) is given only with probability targets (PROB_T): the other
-    // variants with a gradient always have gx.
-    constexpr bool PROB_T = MODE == MODE_GENERAL || MODE == MODE_PROB;
-    // The variants whose gradient is mostly one form, and 16-bit ones of them without a softcap,
-    // which keep their vectors' smallest logit (both: see grad_vec).
-    constexpr bool DEFER = MODE == MODE_GRAD || MODE == MODE_CAP || MODE == MODE_SMOOTH;
-    constexpr bool ROW_MIN = DEFER && MODE != MODE_CAP && sizeof(T) == 2;
-    // The plain gradient of a cluster's row takes its kept tiles' loads ahead (see the loop).
-    constexpr bool PIPE = MODE == MODE_GRAD && KC > 1;
     const bool want_g = MODE != MODE_FORWARD && (gx != nullptr || gt != nullptr);
     const bool go_rows = (flags & ROW_GO_ROWS) != 0;
     const bool mean_w = (flags & ROW_MEAN_W) != 0;
@@ -705,318 +1066,60 @@ __device__ __forceinline__ void rows_body(CUPYLOSS_ROWS_PARAMS(T, G)) {
         if (denom != nullptr) g_all /= denom[0];
     }
     const int ncols = (int)cols;
-    const int t = (int)tpr;
-    const int lane = threadIdx.x & (t - 1);
-    const int kk = KC > 1 ? KC : (int)k;
-    const int teams = kk > 1 ? 1 : blockDim.x / t;
-    const int team = kk > 1 ? 0 : threadIdx.x / t;
-    const int member = kk > 1 ? blockIdx.x % kk : 0;
-    const long long unit = kk > 1 ? blockIdx.x / kk : blockIdx.x;
-    const long long units = kk > 1 ? gridDim.x / kk : gridDim.x;
-    const int span = t * NV;  // vectors of a tile
-    const int span_log2 = __ffs(span) - 1;  // span is a power of two: a row's tiles by a shift
-    const long long step = (long long)t * VEC;  // elements from a thread's vector to its next
+    RowTeam tm;
+    tm.t = (int)tpr;
+    tm.lane = threadIdx.x & (tm.t - 1);
+    tm.kk = KC > 1 ? KC : (int)k;
+    tm.teams = tm.kk > 1 ? 1 : blockDim.x / tm.t;
+    tm.team = tm.kk > 1 ? 0 : threadIdx.x / tm.t;
+    tm.member = tm.kk > 1 ? blockIdx.x % tm.kk : 0;
+    tm.unit = tm.kk > 1 ? blockIdx.x / tm.kk : blockIdx.x;
+    tm.units = tm.kk > 1 ? gridDim.x / tm.kk : gridDim.x;
+    tm.span = tm.t * P::NV;
+    tm.span_log2 = __ffs(tm.span) - 1;
+    tm.step = (long long)tm.t * P::VEC;
     A lacc = A(0), wacc = A(0);
 
     long long it = 0;
-    for (long long r0 = unit * teams; r0 < rows; r0 += units * teams, ++it) {
-        const long long r = r0 + team;
-        const bool active = r < rows;
-        const T* xr = x + (active ? r : 0) * x_rs;
-        const T* tr = ra.prob ? static_cast<const T*>(tgt) + (active ? r : 0) * t_rs : nullptr;
-        RowTarget<A> rt{-1, false, false, A(1)};
-        if (active) rt = row_target<T, A>(tgt, r * t_rs, weight, ra);
-        const bool read = active && !ra.nll && !(rt.ignored && lse == nullptr);
-
-        // The row as head scalars (up to the first 16-byte boundary), vectors, tail scalars; this
-        // block's share of the vectors is [v0, v1), the head goes to member 0, the tail to k - 1.
-        const int mis = (int)((reinterpret_cast<unsigned long long>(xr) & 15ull) / sizeof(T));
-        const int h = mis ? min(ncols, VEC - mis) : 0;
-        const int nv = (ncols - h) / VEC;
-        const int tail = ncols - h - nv * VEC;
-        const int cv = kk == 1 ? nv : (nv + kk - 1) / kk;  // no division a row where k == 1
-        const int v0 = min(nv, member * cv);
-        const int v1 = min(nv, v0 + cv);
-        const int ntiles = (v1 - v0 + span - 1) >> span_log2;
-        // Tiles 0 .. kept - 1 go to shared memory, the last stays in registers, the ones between
-        // are read again from global memory for the gradient (kept in L2 meanwhile).
-        const int kept = MODE == MODE_FORWARD ? 0 : min((int)stash, max(ntiles - 1, 0));
-        const bool has_head = member == 0 && lane < h;
-        const bool has_tail = member == kk - 1 && lane < tail;
-        const int c_tail = h + nv * VEC + lane;
-        const bool t_vec = ra.prob && aligned16(tr + h);
-
+    for (long long r0 = tm.unit * tm.teams; r0 < rows; r0 += tm.units * tm.teams, ++it) {
+        const RowPlace<T, A> p = row_place<T, MODE, P::VEC>(r0 + tm.team, rows, x, x_rs, tgt,
+                                                            t_rs, weight, lse, stash, ncols, tm,
+                                                            ra);
+        const long long r = p.r;
         RowStat<A> st = empty_stat<A>();
-        Vec<T, VEC> xv[NV];
+        Vec<T, P::VEC> xv[P::NV];
         T xh = T(), xt = T();
         // ROW_MIN: the smallest logits of this thread's vectors, in pairs (from +inf)
         unsigned lo2 = IsBf16<T>::value ? 0x7f807f80u : 0x7c007c00u;
-        if (read) {
-            if (has_head) {
-                xh = xr[lane];
-                push(st, zval(xh, ra),
-                     ra.track ? elem_u<T, A>(weight, lane, ra.prob ? to_acc(tr[lane]) : A(0), ra)
-                              : A(0), ra.track);
-            }
-            if (has_tail) {
-                xt = xr[c_tail];
-                push(st, zval(xt, ra),
-                     ra.track ? elem_u<T, A>(weight, c_tail, ra.prob ? to_acc(tr[c_tail]) : A(0),
-                                             ra) : A(0), ra.track);
-            }
-            A ref = sum_ref<T>(st.m);
-            // The kept tiles reach shared memory through registers: cp.async copies of all of a
-            // row's tiles at once were slower (docs/tuning.md, "The kernels' code").
-            if constexpr (PIPE) {
-                auto fetch = [&](int ti) {
-                    const int vb = v0 + ti * span + lane;
-                    const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
-                    load_tile(xv, xr + h + (long long)vb * VEC, step, vb, t, v1, again);
-                };
-                auto keep = [&](int ti) {
-                    const int vb = v0 + ti * span + lane;
-                    keep_tile(xv, held + ti * NV * ROW_BLOCK + threadIdx.x, vb, t, v1);
-                };
-                // Adds tile ti up, from xv or (HELD) from its kept copy.
-                auto add_tile = [&](int ti, auto from_held) {
-                    constexpr bool HELD = decltype(from_held)::value;
-                    const int vb = v0 + ti * span + lane;
-                    const int4* mine = held + ti * NV * ROW_BLOCK + threadIdx.x;
-                    #pragma unroll
-                    for (int i = 0; i < NV; ++i) {
-                        const int j = vb + i * t;
-                        if (j < v1) {
-                            Vec<T, VEC> xi;
-                            if constexpr (HELD)
-                                *reinterpret_cast<int4*>(&xi) = mine[i * ROW_BLOCK];
-                            else xi = xv[i];
-                            absorb(st, ref, xi, h + j * VEC, tr, t_vec, weight, ra);
-                            if constexpr (ROW_MIN) lo2 = min_words(lo2, xi);
-                        }
-                    }
-                };
-                // A kept tile, once stored, is added up from shared memory while the next
-                // tile's loads are in flight; only the variants this pays for take it
-                // (docs/tuning.md, "The kernels' code").
-                if (ntiles > 0) fetch(0);
-                for (int ti = 0; ti < ntiles; ++ti) {
-                    if (ti < kept) {
-                        keep(ti);
-                        if (ti + 1 < ntiles) fetch(ti + 1);
-                        add_tile(ti, Flag<true>{});
-                    } else {
-                        add_tile(ti, Flag<false>{});
-                        if (ti + 1 < ntiles) fetch(ti + 1);
-                    }
-                }
-            } else {
-                // No lambdas here: with the ones above, the softcap's kernel took 114 registers
-                // instead of 96.
-                for (int ti = 0; ti < ntiles; ++ti) {
-                    const int vb = v0 + ti * span + lane;
-                    const bool again = MODE != MODE_FORWARD && ti >= kept && ti < ntiles - 1;
-                    load_tile(xv, xr + h + (long long)vb * VEC, step, vb, t, v1, again);
-                    if (ti < kept)
-                        keep_tile(xv, held + ti * NV * ROW_BLOCK + threadIdx.x, vb, t, v1);
-                    #pragma unroll
-                    for (int i = 0; i < NV; ++i) {
-                        const int j = vb + i * t;
-                        if (j < v1) {
-                            absorb(st, ref, xv[i], h + j * VEC, tr, t_vec, weight, ra);
-                            if constexpr (ROW_MIN) lo2 = min_words(lo2, xv[i]);
-                        }
-                    }
-                }
-            }
-        }
+        if (p.read) row_load<T, MODE, KC>(st, xv, xh, xt, lo2, p, tm, weight, held, ra);
         // A team of the whole block (a row of a block or more): the next row's first tile of
         // this block's share is fetched into L2 now, so that DRAM stays busy through this row's
         // merge, barrier and gradient stores, and the next row's loads start from L2.
-        if (MODE != MODE_FORWARD && t == (int)blockDim.x && r + units < rows)
-            prefetch_l2_span(x + (r + units) * x_rs + h + (long long)v0 * VEC, min(v1 - v0, span));
+        if (MODE != MODE_FORWARD && tm.t == (int)blockDim.x && r + tm.units < rows)
+            prefetch_l2_span(x + (r + tm.units) * x_rs + p.h + (long long)p.v0 * P::VEC,
+                             min(p.v1 - p.v0, tm.span));
         // z_y from one thread (the group's first block), read before any block of the row stores.
-        if (active && lane == 0 && member == 0 && !ra.prob && !rt.ignored && !rt.oor)
-            st.t = ra.nll ? to_acc(xr[rt.y]) : zval(xr[rt.y], ra);
-        if (active && lane == 0 && member == 0 && rt.oor) count_rejected();
-        st = team_merge<TRACK>(st, t, scratch);
+        const bool first = p.active && tm.lane == 0 && tm.member == 0;
+        if (first && !ra.prob && !p.rt.ignored && !p.rt.oor)
+            st.t = ra.nll ? to_acc(p.xr[p.rt.y]) : zval(p.xr[p.rt.y], ra);
+        if (first && p.rt.oor) count_rejected();
+        st = team_merge<P::TRACK>(st, tm.t, scratch);
         if constexpr (KC > 1) {
-            st = cluster_merge<A, KC, TRACK>(st, scratch + ROW_EXCHANGE, it);
-        } else if (kk > 1) {
-            st = group_merge<TRACK>(st, exchange + unit * 2 * kk * ROW_FIELDS, sync + unit, kk, member,
-                             it);
+            st = cluster_merge<A, KC, P::TRACK>(st, scratch + ROW_EXCHANGE, it);
+        } else if (tm.kk > 1) {
+            st = group_merge<P::TRACK>(st, exchange + tm.unit * 2 * tm.kk * ROW_FIELDS,
+                                       sync + tm.unit, tm.kk, tm.member, it);
         }
-        RowResult<A> o = finalize(st, rt, ra);
-
-        if (active && lane == 0 && member == 0) {
+        RowResult<A> o = finalize(st, p.rt, ra);
+        if (first) {
             if (loss != nullptr) write_io(loss, r, o.loss, acc_io);
             if (lse != nullptr) lse[r] = o.lse;
             lacc += o.loss;
-            if (mean_w && !rt.ignored) wacc += rt.wy;
+            if (mean_w && !p.rt.ignored) wacc += p.rt.wy;
         }
-        if (!want_g || !active) continue;
-
+        if (!want_g || !p.active) continue;
         o.g = go_rows ? read_io(go, r * go_rs, acc_io) * A(grad_scale) : g_all;
-        const A gk = o.g * o.k;   // a non-target element's g k p_c: one multiply an element
-        G* gr = gx != nullptr ? gx + r * g_rs : nullptr;
-        T* gtr = gt != nullptr ? gt + r * cols : nullptr;
-        const bool g_vec = gr != nullptr &&
-            (reinterpret_cast<unsigned long long>(gr + h) & (sizeof(Vec<G, VEC>) - 1)) == 0;
-        if (ra.nll || rt.ignored) {
-            // No softmax: 0 everywhere (NaN for an out-of-range nll target), -w_y g at y.
-            const A fill = rt.oor ? quiet_nan(A(0)) : A(0);
-            const A at_y = rt.ignored ? A(0) : -rt.wy * o.g;
-            if (has_head) gr[lane] = from_acc<G>(lane == rt.y ? at_y : fill);
-            if (has_tail) gr[c_tail] = from_acc<G>(c_tail == rt.y ? at_y : fill);
-            for (int j = v0 + lane; j < v1; j += t) {
-                const int c0 = h + j * VEC;
-                A gi[VEC];
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) gi[e] = c0 + e == rt.y ? at_y : fill;
-                store_any<G, VEC>(gr + c0, gi, g_vec);
-            }
-            continue;
-        }
-        const bool gt_vec = gtr != nullptr && aligned16(gtr + h);
-        #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            if (s == 0 ? !has_head : !has_tail) continue;
-            const int c = s == 0 ? lane : c_tail;
-            const A z = zval(s == 0 ? xh : xt, ra);
-            const A w = weight != nullptr && ra.track ? to_acc(weight[c]) : A(1);
-            const A tv = ra.prob ? to_acc(tr[c]) : A(0);
-            if (gr != nullptr)
-                gr[c] = from_acc<G>(grad_input(fexp(z - o.lse), z, c == rt.y, tv, w, o, rt, ra));
-            if (gtr != nullptr) gtr[c] = from_acc<T>(grad_target(z, w, o, ra));
-        }
-        // Instructions bound this loop with 16-bit logits, so a vector costs one target compare
-        // (jy, ey below), no selects away from the target, and one conversion a pair
-        // (docs/tuning.md, "The kernels' code").
-        // The target's vector among the row's (-1: none of them) and its place there.
-        const long long yv = rt.y - h;
-        const int jy = yv >= 0 && yv < (long long)nv * VEC ? (int)(yv / VEC) : -1;
-        const int ey = jy >= 0 ? (int)(yv - (long long)jy * VEC) : -1;
-        // A vector's gradient (classes from h + j VEC).  COMMON: the form of a row's vectors
-        // but the target's where none of its p is subnormal and the gradient row is 16-byte
-        // aligned (`common`, below), and only that form's code.  For DEFER variants such rows
-        // take COMMON in the tiles' loop (NV copies) and the target's vector the whole form once
-        // after it; other rows take the whole form in a loop that is not unrolled, so the
-        // variants' code stays small for the instruction cache (docs/tuning.md, "The kernels'
-        // code").  Other variants take the whole form in the tiles' loop.
-        auto grad_vec = [&](const Vec<T, VEC>& xi, int j, auto form) {
-            constexpr bool COMMON = decltype(form)::value;
-            const int c0 = h + j * VEC;
-            const bool y_here = !COMMON && j == jy;  // jy >= 0 then: ey is the target's place
-            Vec<T, VEC> tv;
-            if (ra.prob) tv = load_any<T, VEC>(tr + c0, t_vec);
-            A z[VEC], p[VEC], gi[VEC];
-            widen(xi, z);
-            zval_each(z, ra);
-            if constexpr (COMMON && sizeof(T) == 2) {
-                probs_normal(z, o.lse, p);
-            } else {
-                probs<sizeof(T) == 2>(z, o.lse, p);
-            }
-            if ((PLAIN || MODE == MODE_CAP) && !y_here) {
-                // Not the target's vector: g k p_c (g (k p_c + dz p_c) with a z-loss; times
-                // dz_c/dx_c with a softcap), grad_input's value without its selects (k p - 0 is
-                // k p), g k formed once a row.
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    gi[e] = ra.zloss ? o.g * fma_rn(o.dz, p[e], o.k * p[e]) : gk * p[e];
-                    if (MODE == MODE_CAP) {
-                        const A q = z[e] * ra.inv_cap;
-                        gi[e] *= A(1) - q * q;
-                    }
-                }
-            } else if (MODE == MODE_SMOOTH && !y_here) {
-                // Label smoothing, not the target's vector: no compares; w_c only with weights.
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
-                    gi[e] = grad_input(p[e], z[e], false, A(0), w, o, rt, ra);
-                }
-            } else if (!COMMON) {
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    const A w = weight != nullptr && ra.track ? to_acc(weight[c0 + e]) : A(1);
-                    gi[e] = grad_input(p[e], z[e], y_here && ey == e,
-                                       ra.prob ? to_acc(tv.v[e]) : A(0), w, o, rt, ra);
-                }
-            }
-            if (!PROB_T || gr != nullptr) store_any<G, VEC>(gr + c0, gi, COMMON || g_vec);
-            if (PROB_T && gtr != nullptr) {
-                #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    const A w = weight != nullptr ? to_acc(weight[c0 + e]) : A(1);
-                    gi[e] = grad_target(zval(xi.v[e], ra), w, o, ra);
-                }
-                store_any<T, VEC>(gtr + c0, gi, gt_vec);
-            }
-        };
-        // A row whose vectors take the common form: its gradient row 16-byte aligned, and for
-        // 16-bit logits no p below 2^-126 (e^(z - lse) with z log2 e - lse log2 e >= -126, the
-        // fused argument being monotonic in z): z >= the row's smallest (ROW_MIN), or with a
-        // softcap z >= -c.  Float32 and float64 rows test each vector (probs).
-        bool common = DEFER && g_vec;
-        if constexpr (DEFER && sizeof(T) == 2) {
-            const A low = ROW_MIN ? min_of_words<T>(lo2) : -ra.cap;
-            const float nl = -o.lse * 1.4426950408889634f;   // as probs forms it
-            common = common && fmaf(low, 1.4426950408889634f, nl) >= -126.0f;
-        }
-        if (DEFER && !common) {
-            // The whole form, a vector at a time, each read again from shared or global memory
-            // (no class of the row has been written yet).
-            #pragma unroll 1
-            for (int ti = 0; ti < ntiles; ++ti) {
-                #pragma unroll 1
-                for (int i = 0; i < NV; ++i) {
-                    const int j = v0 + ti * span + lane + i * t;
-                    if (j >= v1) break;
-                    Vec<T, VEC> xi;
-                    if (ti < kept) {
-                        const int4 raw = held[(ti * NV + i) * ROW_BLOCK + threadIdx.x];
-                        xi = *reinterpret_cast<const Vec<T, VEC>*>(&raw);
-                    } else {
-                        xi = load16<T, VEC>(xr + h + (long long)j * VEC, false);
-                    }
-                    grad_vec(xi, j, Flag<false>{});
-                }
-            }
-            continue;
-        }
-        bool y_mine = false;
-        // The last tile first, from the registers; then the others from shared or global memory.
-        for (int q = 0; q < ntiles; ++q) {
-            const int ti = q == 0 ? ntiles - 1 : q - 1;
-            const int vb = v0 + ti * span + lane;
-            if (q > 0) {
-                const T* src = xr + h + (long long)vb * VEC;
-                const int4* kept_at = held + ti * NV * ROW_BLOCK + threadIdx.x;
-                #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    if (vb + i * t >= v1) continue;
-                    if (ti < kept) {
-                        const int4 raw = kept_at[i * ROW_BLOCK];
-                        xv[i] = *reinterpret_cast<const Vec<T, VEC>*>(&raw);
-                    } else {
-                        xv[i] = load16<T, VEC>(src + i * step, false);
-                    }
-                }
-            }
-            #pragma unroll
-            for (int i = 0; i < NV; ++i) {
-                const int j = vb + i * t;
-                if (j >= v1) continue;
-                if (DEFER && j == jy) {
-                    y_mine = true;   // done after the row's tiles
-                    continue;
-                }
-                grad_vec(xv[i], j, Flag<DEFER>{});
-            }
-        }
-        // The target's vector, with DEFER: read again (nothing has written its classes yet).
-        if (DEFER && y_mine) grad_vec(load16<T, VEC>(xr + h + (long long)jy * VEC, false), jy,
-                                      Flag<false>{});
+        row_grad<T, MODE, KC>(xv, xh, xt, lo2, p, tm, o, gx, gt, g_rs, cols, weight, held, ra);
     }
     // A block's shared memory must outlive its cluster's last reads of it.
     if constexpr (KC > 1) cluster_sync();
