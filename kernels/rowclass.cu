@@ -260,6 +260,88 @@ __device__ __forceinline__ void margin_set_rows(
                     divisor, partials, ticket);
 }
 
+// One row's pass over its elements (a team of t threads, lane its thread; the row as h head
+// scalars up to x's first 16-byte boundary, nv vectors, tail scalars): each element's loss term
+// added to lsum and its gradient written (times g), the input gradients' sum to dsum
+// (multi_margin's x_y); an ignored jsd row's gradient is 0.
+template <typename T, int LOSS>
+__device__ __forceinline__ void class_row(
+        Compensated<acc_t<T>>& lsum, acc_t<T>& dsum, const T* xr, const T* tr, const T* wr,
+        T* gr, T* gtr, long long w_cs, int ncols, int h, int nv, int tail, int lane, int t,
+        bool active, bool want_g, acc_t<T> g, const ClassRow<acc_t<T>>& row,
+        const ClassArgs<acc_t<T>>& ca) {
+    using A = acc_t<T>;
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr bool TWO = LOSS != LOSS_MULTI_MARGIN;  // a second operand shaped like the input
+    const bool t_vec = TWO && aligned16(tr + h);
+    const bool g_vec = gr != nullptr && aligned16(gr + h);
+    const bool gt_vec = gtr != nullptr && aligned16(gtr + h);
+    const bool work = active && row.counted;
+
+    if (work) {
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            const int c = s == 0 ? lane : h + nv * VEC + lane;
+            if (s == 0 ? lane >= h : lane >= tail) continue;
+            const A xv = to_acc(xr[c]);
+            const A tv = TWO ? to_acc(tr[c]) : A(0);
+            const A wv = wr != nullptr ? to_acc(wr[c * w_cs]) : A(1);
+            A l, dx, dt;
+            element<LOSS>(xv, tv, wv, c, row, ca, l, dx, dt);
+            lsum.add(l);
+            dsum += dx;
+            if (gr != nullptr) gr[c] = from_acc<T>(dx * g);
+            if (gtr != nullptr) gtr[c] = from_acc<T>(dt * g);
+        }
+        for (int jb = lane; jb < nv; jb += t * ROWC_NV) {
+            Vec<T, VEC> xv[ROWC_NV], tv[ROWC_NV];
+            #pragma unroll
+            for (int i = 0; i < ROWC_NV; ++i) {
+                const int j = jb + i * t;
+                if (j >= nv) continue;
+                xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
+                if (TWO) tv[i] = load_any<T, VEC>(tr + h + j * VEC, t_vec);
+            }
+            #pragma unroll
+            for (int i = 0; i < ROWC_NV; ++i) {
+                const int j = jb + i * t;
+                if (j >= nv) continue;
+                const int c0 = h + j * VEC;
+                A ox[VEC], ot[VEC];
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const A wv = wr != nullptr ? to_acc(wr[(long long)(c0 + e) * w_cs])
+                                               : A(1);
+                    A l, dx, dt;
+                    element<LOSS>(to_acc(xv[i].v[e]), TWO ? to_acc(tv[i].v[e]) : A(0), wv,
+                                  c0 + e, row, ca, l, dx, dt);
+                    lsum.add(l);
+                    dsum += dx;
+                    ox[e] = dx * g;
+                    ot[e] = dt * g;
+                }
+                if (gr != nullptr) store_any<T, VEC>(gr + c0, ox, g_vec);
+                if (gtr != nullptr) store_any<T, VEC>(gtr + c0, ot, gt_vec);
+            }
+        }
+    } else if (active && want_g) {
+        // An ignored jsd row: its gradient is 0.
+        const A zero[VEC] = {};
+        for (int c = lane; c < h; c += t) {
+            if (gr != nullptr) gr[c] = from_acc<T>(A(0));
+            if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
+        }
+        for (int j = lane; j < nv; j += t) {
+            if (gr != nullptr) store_any<T, VEC>(gr + h + j * VEC, zero, g_vec);
+            if (gtr != nullptr) store_any<T, VEC>(gtr + h + j * VEC, zero, gt_vec);
+        }
+        for (int c = h + nv * VEC + lane; c < ncols; c += t) {
+            if (gr != nullptr) gr[c] = from_acc<T>(A(0));
+            if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
+        }
+    }
+}
+
 // One streaming pass over rows of C contiguous elements (see the file comment).  Every thread of
 // a block runs the row loop the same number of times (inactive teams take part in the merges).
 template <typename T, int LOSS>
@@ -359,75 +441,10 @@ __global__ void __launch_bounds__(256) rowclass_rows(
             const int h = mis ? min(ncols, VEC - mis) : 0;
             const int nv = (ncols - h) / VEC;
             const int tail = ncols - h - nv * VEC;
-            const bool t_vec = TWO && aligned16(tr + h);
-            const bool g_vec = gr != nullptr && aligned16(gr + h);
-            const bool gt_vec = gtr != nullptr && aligned16(gtr + h);
-            const bool work = active && row.counted;
-
             Compensated<A> lsum;
             A dsum = A(0);
-            if (work) {
-                #pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    const int c = s == 0 ? lane : h + nv * VEC + lane;
-                    if (s == 0 ? lane >= h : lane >= tail) continue;
-                    const A xv = to_acc(xr[c]);
-                    const A tv = TWO ? to_acc(tr[c]) : A(0);
-                    const A wv = wr != nullptr ? to_acc(wr[c * w_cs]) : A(1);
-                    A l, dx, dt;
-                    element<LOSS>(xv, tv, wv, c, row, ca, l, dx, dt);
-                    lsum.add(l);
-                    dsum += dx;
-                    if (gr != nullptr) gr[c] = from_acc<T>(dx * g);
-                    if (gtr != nullptr) gtr[c] = from_acc<T>(dt * g);
-                }
-                for (int jb = lane; jb < nv; jb += t * ROWC_NV) {
-                    Vec<T, VEC> xv[ROWC_NV], tv[ROWC_NV];
-                    #pragma unroll
-                    for (int i = 0; i < ROWC_NV; ++i) {
-                        const int j = jb + i * t;
-                        if (j >= nv) continue;
-                        xv[i] = load16<T, VEC>(xr + h + j * VEC, false);
-                        if (TWO) tv[i] = load_any<T, VEC>(tr + h + j * VEC, t_vec);
-                    }
-                    #pragma unroll
-                    for (int i = 0; i < ROWC_NV; ++i) {
-                        const int j = jb + i * t;
-                        if (j >= nv) continue;
-                        const int c0 = h + j * VEC;
-                        A ox[VEC], ot[VEC];
-                        #pragma unroll
-                        for (int e = 0; e < VEC; ++e) {
-                            const A wv = wr != nullptr ? to_acc(wr[(long long)(c0 + e) * w_cs])
-                                                       : A(1);
-                            A l, dx, dt;
-                            element<LOSS>(to_acc(xv[i].v[e]), TWO ? to_acc(tv[i].v[e]) : A(0), wv,
-                                          c0 + e, row, ca, l, dx, dt);
-                            lsum.add(l);
-                            dsum += dx;
-                            ox[e] = dx * g;
-                            ot[e] = dt * g;
-                        }
-                        if (gr != nullptr) store_any<T, VEC>(gr + c0, ox, g_vec);
-                        if (gtr != nullptr) store_any<T, VEC>(gtr + c0, ot, gt_vec);
-                    }
-                }
-            } else if (active && want_g) {
-                // An ignored jsd row: its gradient is 0.
-                const A zero[VEC] = {};
-                for (int c = lane; c < h; c += t) {
-                    if (gr != nullptr) gr[c] = from_acc<T>(A(0));
-                    if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
-                }
-                for (int j = lane; j < nv; j += t) {
-                    if (gr != nullptr) store_any<T, VEC>(gr + h + j * VEC, zero, g_vec);
-                    if (gtr != nullptr) store_any<T, VEC>(gtr + h + j * VEC, zero, gt_vec);
-                }
-                for (int c = h + nv * VEC + lane; c < ncols; c += t) {
-                    if (gr != nullptr) gr[c] = from_acc<T>(A(0));
-                    if (gtr != nullptr) gtr[c] = from_acc<T>(A(0));
-                }
-            }
+            class_row<T, LOSS>(lsum, dsum, xr, tr, wr, gr, gtr, w_cs, ncols, h, nv, tail, lane, t,
+                               active, want_g, g, row, ca);
             A total = lsum.value();
             team_sum2(total, dsum, t, scratch);
             if (active && lane == 0) {
