@@ -371,6 +371,88 @@ __device__ __forceinline__ void copies_wait() {
 // to partials[r] for rowpair_finish instead of a block's sum and a last-block ticket (the runs:
 // docs/tuning.md, "The kernels' code").  The rows' sums are the persistent form's, in the same
 // order: the rows' losses are bitwise the same.
+// The streaming read of a row's chunks without a gradient (rowpair_rows): tiles of NS chunks of
+// each array a thread, all loads of a tile in flight, added to the row's sums s.
+template <typename Op, int NS, bool PREFETCH, typename T, int N, int S, typename A>
+__device__ __forceinline__ void pair_stream(A (&s)[S], const PairRow<T, N>& w,
+                                            const long long (&cs)[3], int lane, int t,
+                                            const PairArgs<A>& pa) {
+    constexpr int VEC = 16 / sizeof(T);
+    using V = Vec<T, VEC>;
+    for (int vb = lane; vb < w.nv; vb += t * NS) {
+        if constexpr (PREFETCH) {
+            #pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int j = vb + (NS + i) * t;
+                if (j >= w.nv) continue;
+                #pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    if (w.vec[k]) prefetch_l2(w.at(k, j, cs[k]));
+                }
+            }
+        }
+        V xv[NS][N];
+        #pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            const int j = vb + i * t;
+            if (j >= w.nv) continue;
+            #pragma unroll
+            for (int k = 0; k < N; ++k)
+                xv[i][k] = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], w.vec[k]);
+        }
+        #pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            if (vb + i * t < w.nv) pair_add<Op>(xv[i], s, pa);
+        }
+    }
+}
+
+// A row's gradients (rowpair_rows, c its factors): the head and tail scalars from xh and xt,
+// then its chunks from the stages, unit u on (slot: a thread's place of a chunk in a stage;
+// release(u): unit u is used, the stage takes the next).  The gradients are C-contiguous: row r
+// at r * cols.
+template <typename Op, typename T, int N, int S, typename A, typename Slot, typename Release>
+__device__ __forceinline__ void pair_row_grads(
+        const A (&xh)[N], const A (&xt)[N], const A (&c)[S], const PairRow<T, N>& w,
+        T* const (&gs)[3], long long r, long long cols, bool active, bool has_head,
+        bool has_tail, int c_tail, int lane, int t, int nh, int ntiles, bool twice,
+        long long& u, const Slot& slot, const Release& release, const PairArgs<A>& pa) {
+    constexpr int VEC = 16 / sizeof(T);
+    using V = Vec<T, VEC>;
+    T* gr[N];
+    bool gvec[N];
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
+        gr[k] = gs[k] != nullptr && active ? gs[k] + r * cols : nullptr;
+        gvec[k] = gr[k] != nullptr && aligned16(gr[k] + w.h);
+    }
+    A o[N];
+    if (has_head) {
+        Op::grad(xh, c, o, pa);
+        #pragma unroll
+        for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][lane] = from_acc<T>(o[k]);
+    }
+    if (has_tail) {
+        Op::grad(xt, c, o, pa);
+        #pragma unroll
+        for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][c_tail] = from_acc<T>(o[k]);
+    }
+    const int span = t * nh;
+    for (int tile = 0; tile < ntiles; ++tile, ++u) {
+        if (twice) copies_wait<PAIR_STAGES - 1>();
+        const int st = (int)(u % PAIR_STAGES);
+        for (int i = 0; active && i < nh; ++i) {
+            const int j = tile * span + lane + i * t;
+            if (j >= w.nv) break;
+            V xv[N];
+            #pragma unroll
+            for (int k = 0; k < N; ++k) xv[k] = *slot(st, k, i);
+            pair_grad<Op>(xv, c, gr, gvec, w.h + j * VEC, pa);
+        }
+        release(u);
+    }
+}
+
 template <typename T, typename Op, bool GRAD, bool WIDE>
 __global__ void __launch_bounds__(PAIR_BLOCK, GRAD ? 2 : WIDE ? Op::WIDE_BLOCKS : 4)
 rowpair_rows(
@@ -514,34 +596,8 @@ rowpair_rows(
                     }
                     if (!want_g || twice) release(u);
                 }
-            } else {
-                // Tiles of NS chunks of each array a thread, all loads of a tile in flight.
-                for (int vb = lane; active && vb < w.nv; vb += t * NS) {
-                    if constexpr (PREFETCH) {
-                        #pragma unroll
-                        for (int i = 0; i < NS; ++i) {
-                            const int j = vb + (NS + i) * t;
-                            if (j >= w.nv) continue;
-                            #pragma unroll
-                            for (int k = 0; k < N; ++k) {
-                                if (w.vec[k]) prefetch_l2(w.at(k, j, cs[k]));
-                            }
-                        }
-                    }
-                    V xv[NS][N];
-                    #pragma unroll
-                    for (int i = 0; i < NS; ++i) {
-                        const int j = vb + i * t;
-                        if (j >= w.nv) continue;
-                        #pragma unroll
-                        for (int k = 0; k < N; ++k)
-                            xv[i][k] = pair_load<T, VEC>(w.at(k, j, cs[k]), cs[k], w.vec[k]);
-                    }
-                    #pragma unroll
-                    for (int i = 0; i < NS; ++i) {
-                        if (vb + i * t < w.nv) pair_add<Op>(xv[i], s, pa);
-                    }
-                }
+            } else if (active) {
+                pair_stream<Op, NS, PREFETCH>(s, w, cs, lane, t, pa);
             }
             team_sum<A, S>(s, t, red);
             long long target = 0;
@@ -560,39 +616,9 @@ rowpair_rows(
             }
             if (!GRAD || !want_g) continue;
 
-            // The gradients are C-contiguous: row r at r * cols.
-            T* gr[N];
-            bool gvec[N];
-            #pragma unroll
-            for (int k = 0; k < N; ++k) {
-                gr[k] = gs[k] != nullptr && active ? gs[k] + r * cols : nullptr;
-                gvec[k] = gr[k] != nullptr && aligned16(gr[k] + w.h);
-            }
-            A o[N];
-            if (has_head) {
-                Op::grad(xh, c, o, pa);
-                #pragma unroll
-                for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][lane] = from_acc<T>(o[k]);
-            }
-            if (has_tail) {
-                Op::grad(xt, c, o, pa);
-                #pragma unroll
-                for (int k = 0; k < N; ++k) if (gr[k] != nullptr) gr[k][c_tail] = from_acc<T>(o[k]);
-            }
             if (!twice) --u;  // the held unit, once more
-            for (int tile = 0; tile < ntiles; ++tile, ++u) {
-                if (twice) copies_wait<PAIR_STAGES - 1>();
-                const int st = (int)(u % PAIR_STAGES);
-                for (int i = 0; active && i < nh; ++i) {
-                    const int j = tile * span + lane + i * t;
-                    if (j >= w.nv) break;
-                    V xv[N];
-                    #pragma unroll
-                    for (int k = 0; k < N; ++k) xv[k] = *slot(st, k, i);
-                    pair_grad<Op>(xv, c, gr, gvec, w.h + j * VEC, pa);
-                }
-                release(u);
-            }
+            pair_row_grads<Op>(xh, xt, c, w, gs, r, cols, active, has_head, has_tail, c_tail, lane, t,
+                               nh, ntiles, twice, u, slot, release, pa);
         }
     };
     if constexpr (Op::P2) {  // the host launches this instance for p = 2 without swap alone
