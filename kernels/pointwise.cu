@@ -598,6 +598,62 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::flat_blocks : 1)
     finish<T, K>(s, o, blockIdx.x, gridDim.x);
 }
 
+// pointwise_rows' row operands' gradients, summed down the column by each thread (row_grad):
+// across the ty lanes in shared memory in lane order (in double), then written to
+// ws[k][by, col] or, with one row block, straight to g[k][col].  With col_tickets the row blocks
+// of this column block meet here: the one that draws the last ticket adds their partials in
+// row-block order (the same order whichever block that is) and writes the gradients, so no
+// second launch is needed.
+template <typename T, int K, int VEC>
+__device__ __forceinline__ void rows_finish_row_grads(
+        const Compensated<acc_t<T>> (&row_grad)[K][VEC], const bool (&want_row)[K], double* smem,
+        const PerOperand<T*, K>& g, const PerOperand<double*, K>& ws,
+        unsigned int* __restrict__ col_tickets, long long cols, long long c, long long lx,
+        long long ly, long long tx, long long ty, bool active) {
+    using A = acc_t<T>;
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!want_row[k]) continue;
+        __syncthreads();  // smem may still be read by finish or by the previous operand
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j].wide();
+        __syncthreads();
+        if (ly == 0 && active) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                double acc = smem[lx * VEC + j];
+                for (long long q = 1; q < ty; ++q) acc += smem[(q * tx + lx) * VEC + j];
+                if (ws.p[k] != nullptr) ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
+                else g.p[k][c + j] = from_acc<T>(A(acc));
+            }
+        }
+    }
+    if (col_tickets == nullptr) return;
+    __shared__ unsigned int is_last;
+    __threadfence();  // every thread's partials published before the block takes a ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int last = gridDim.y - 1;
+        is_last = atomicInc(col_tickets + blockIdx.x, last) == last;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const long long c0 = (long long)blockIdx.x * tx * VEC;
+    const long long c1 = min(cols, c0 + tx * VEC);
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!want_row[k] || ws.p[k] == nullptr) continue;
+        for (long long col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
+            double acc = 0.0;
+            #pragma unroll 8
+            for (unsigned int by = 0; by < gridDim.y; ++by)
+                acc += __ldcg(ws.p[k] + (long long)by * cols + col);  // L2: other blocks'
+            g.p[k][col] = from_acc<T>(A(acc));
+        }
+    }
+}
+
 // Rows layout: the broadcast shape is [rows, cols] and kind[k] says how operand k covers it
 // (KIND_FULL, KIND_ROW or KIND_SCALAR; the host guarantees at least one row operand).  Block
 // (bx, by) covers columns [bx * tx * VEC, (bx + 1) * tx * VEC) of the rows
@@ -764,50 +820,8 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 
     const long long block = (long long)blockIdx.y * gridDim.x + blockIdx.x;
     finish<T, K>(s, o, block, (long long)gridDim.x * gridDim.y);
-    #pragma unroll
-    for (int k = 0; k < K; ++k) {
-        if (!want_row[k]) continue;
-        __syncthreads();  // smem may still be read by finish or by the previous operand
-        #pragma unroll
-        for (int j = 0; j < VEC; ++j) smem[(ly * tx + lx) * VEC + j] = row_grad[k][j].wide();
-        __syncthreads();
-        if (ly == 0 && active) {
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                double acc = smem[lx * VEC + j];
-                for (long long q = 1; q < ty; ++q) acc += smem[(q * tx + lx) * VEC + j];
-                if (ws.p[k] != nullptr) ws.p[k][(long long)blockIdx.y * cols + c + j] = acc;
-                else g.p[k][c + j] = from_acc<T>(A(acc));
-            }
-        }
-    }
-    if (col_tickets == nullptr) return;
-    // The row blocks of this column block meet here: the one that draws the last ticket adds
-    // their partials in row-block order (the same order whichever block that is) and writes
-    // the gradients, so no second launch is needed.
-    __shared__ unsigned int is_last;
-    __threadfence();  // every thread's partials published before the block takes a ticket
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned int last = gridDim.y - 1;
-        is_last = atomicInc(col_tickets + blockIdx.x, last) == last;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    const long long c0 = (long long)blockIdx.x * tx * VEC;
-    const long long c1 = min(cols, c0 + tx * VEC);
-    #pragma unroll
-    for (int k = 0; k < K; ++k) {
-        if (!want_row[k] || ws.p[k] == nullptr) continue;
-        for (long long col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
-            double acc = 0.0;
-            #pragma unroll 8
-            for (unsigned int by = 0; by < gridDim.y; ++by)
-                acc += __ldcg(ws.p[k] + (long long)by * cols + col);  // L2: other blocks'
-            g.p[k][col] = from_acc<T>(A(acc));
-        }
-    }
+    rows_finish_row_grads<T, K, VEC>(row_grad, want_row, smem, g, ws, col_tickets, cols, c, lx,
+                                     ly, tx, ty, active);
 }
 
 // Reduce layout, for the gradient G_k[o] = sum_m g_k[o, m] of the operands broadcast along the

@@ -355,18 +355,21 @@ def multi_margin_loss_grads(input, target, p=1, margin=1.0, weight=None, reducti
     return (g * d).reshape(np.shape(input))
 
 
-def _margin_sets(input, target):
-    """(x rows, per row its targets before the first -1 and whether it is in [-1, C) throughout)
-    of multilabel_margin_loss."""
+def _margin_rows_of(input, target):
+    """(x rows, [(row, its targets before the first -1, the classes outside them, or None for a
+    row with an index outside [-1, C))]) of multilabel_margin_loss."""
     x = _f64(input).reshape(-1, np.shape(input)[-1] if np.ndim(input) else 1)
     y = np.asarray(target).astype(np.int64).reshape(x.shape)
     cols = x.shape[-1]
-    sets = []
-    for row in y:
-        ok = bool(np.all((row >= -1) & (row < cols)))
+    rows = []
+    for r, row in enumerate(y):
+        if not np.all((row >= -1) & (row < cols)):
+            rows.append((r, None, None))
+            continue
         ends = np.nonzero(row < 0)[0]
-        sets.append((row[:ends[0] if len(ends) else cols], ok))
-    return x, sets
+        ys = row[:ends[0] if len(ends) else cols]
+        rows.append((r, ys, np.setdiff1d(np.arange(cols), ys)))
+    return x, rows
 
 
 def multilabel_margin_loss(input, target, reduction="mean"):
@@ -374,17 +377,12 @@ def multilabel_margin_loss(input, target, reduction="mean"):
     ``sum_{j < L} sum_{c not in S} max(0, 1 - x_{y_j} + x_c) / C`` over the targets y_0 ..
     y_{L-1} before the first -1 (S their set); a row with an index outside [-1, C) is NaN
     (cupyloss's defined result; torch raises); 'mean' over no rows is 0, as torch."""
-    x, sets = _margin_sets(input, target)
-    cols = x.shape[-1]
+    x, rows = _margin_rows_of(input, target)
     loss = np.zeros(len(x))
-    for r, (ys, ok) in enumerate(sets):
-        if not ok:
-            loss[r] = np.nan
-            continue
-        others = np.setdiff1d(np.arange(cols), ys)
-        for y in ys:
-            loss[r] += np.sum(np.maximum(0.0, 1.0 - x[r, y] + x[r, others]))
-    loss /= cols
+    for r, ys, others in rows:
+        loss[r] = np.nan if ys is None else sum(
+            np.sum(np.maximum(0.0, 1.0 - x[r, y] + x[r, others])) for y in ys)
+    loss /= x.shape[-1]
     shape = np.shape(input)[:-1]
     if reduction == "none":
         return loss.reshape(shape)
@@ -397,19 +395,16 @@ def multilabel_margin_loss_grads(input, target, reduction="mean", grad_output=1.
     """d/dinput of :func:`multilabel_margin_loss`: ``#{j : z_jc > 0} / C`` at each c outside S,
     minus ``#{c not in S : z_jc > 0} / C`` at y_j for each j (torch's strict test); a NaN row for
     an out-of-range index."""
-    x, sets = _margin_sets(input, target)
-    cols = x.shape[-1]
+    x, rows = _margin_rows_of(input, target)
     d = np.zeros_like(x)
-    for r, (ys, ok) in enumerate(sets):
-        if not ok:
+    for r, ys, others in rows:
+        if ys is None:
             d[r] = np.nan
-            continue
-        others = np.setdiff1d(np.arange(cols), ys)
-        for y in ys:
+        for y in () if ys is None else ys:
             on = (1.0 - x[r, y] + x[r, others]) > 0
             d[r, others] += on
             d[r, y] -= np.sum(on)
-    d /= cols
+    d /= x.shape[-1]
     g = _row_scale(grad_output, np.shape(input)[:-1], reduction).reshape(-1, 1)
     return (g * d).reshape(np.shape(input))
 

@@ -157,14 +157,21 @@ def _target_stride(spec, t, is_index):
 
 # --- checks -------------------------------------------------------------------------------------
 
-def _check_multi_margin(x, t, is_index, p, w):
+def _check_scores_and_indices(name, x, t, is_index):
+    """torch's check of the margin losses' input (a non-empty vector or matrix, or 0-d), and
+    class indices as target."""
     nd = len(x.shape)
     if not ((nd == 2 and x.shape[1] != 0) or (nd == 1 and x.shape[0] != 0) or nd == 0):
         raise ValueError(f"Expected non-empty vector or matrix with optional 0-dim batch size, "
                          f"but got: {list(x.shape)}")
     if not is_index:
-        raise TypeError(f"multi_margin_loss needs class indices (int32 or int64) as target, got "
-                        f"dtype {t.dtype}")
+        raise TypeError(f"{name} needs class indices (int32 or int64) as target, got dtype "
+                        f"{t.dtype}")
+
+
+def _check_multi_margin(x, t, is_index, p, w):
+    _check_scores_and_indices("multi_margin_loss", x, t, is_index)
+    nd = len(x.shape)
     nframe = 1 if nd <= 1 else x.shape[0]
     if len(t.shape) > 1 or math.prod(t.shape) != nframe:
         raise ValueError(f"multi_margin_loss: target tensor should be 1-D with size equal to the "
@@ -183,13 +190,8 @@ def _check_multi_margin(x, t, is_index, p, w):
 
 
 def _check_multilabel_margin(x, t, is_index):
+    _check_scores_and_indices("multilabel_margin_loss", x, t, is_index)
     nd = len(x.shape)
-    if not ((nd == 2 and x.shape[1] != 0) or (nd == 1 and x.shape[0] != 0) or nd == 0):
-        raise ValueError(f"Expected non-empty vector or matrix with optional 0-dim batch size, "
-                         f"but got: {list(x.shape)}")
-    if not is_index:
-        raise TypeError(f"multilabel_margin_loss needs class indices (int32 or int64) as target, "
-                        f"got dtype {t.dtype}")
     same = tuple(t.shape) == tuple(x.shape) if nd == 2 else \
         (len(t.shape) <= 1 and math.prod(t.shape) == math.prod(x.shape))
     if not same:
