@@ -194,6 +194,23 @@ def test_rowpair_words(device):
     assert rows["rows"] == 5 and rows["cols"] == 7 and rows["g0"] != 0 and rows["g1"] == 0
 
 
+def test_rowpair_wide_form_is_finished_by_a_second_launch(device, monkeypatch):
+    """The wide form (a block a row, the loss alone) writes the rows' losses into the scratch's
+    partials, takes no ticket, and rowpair_finish reads those partials into the 0-d value."""
+    from cupyloss.rowpair import _launch as _rowpair_launch
+
+    monkeypatch.setattr(_rowpair_launch, "pair_wide", lambda *a: True)
+    a, p, n = (_host(np.full((6, 8), v, np.float32)) for v in (0.0, 1.0, 2.0))
+    value, *_ = _rowpair.evaluate(_rowpair.SPECS["triplet_margin_loss"], (a, p, n),
+                                  (1.0, 2.0, 1e-6, False), reduction="sum")
+    (name, words), (fname, fwords) = device.launches
+    rows, done = _named(name, words), _named(fname, fwords)
+    assert "rowpair_rows" in name and "true>" in name and "rowpair_finish" in fname
+    assert rows["partials"] != 0 and rows["ticket"] == 0 and rows["value"] == _ptr(value)
+    assert done["partials"] == rows["partials"] and done["value"] == rows["value"]
+    assert done["rows"] == 6
+
+
 class _CupyLike(np.ndarray):
     """A NumPy array with CuPy's `.data.ptr`, as the fused loss hands slice_grad its arrays."""
 

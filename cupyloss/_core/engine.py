@@ -16,7 +16,8 @@ hooks:
       off the hot path: contiguous copies of the operands that need them (kept alive in `keep`
       until the launch is queued) and the key they give;
   run(plan, frame, stream, state) -> list
-      allocate the outputs, fill the pointer words, launch.
+      allocate the outputs, fill the pointer words, launch: `row_run` for the row families
+      (rowwise, rowclass, rowpair), whose build returns a `RowPlan`; the pointwise family's own.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy
 from cupyloss._core import args as _args, dispatch as _dispatch
 
 INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
+_F32 = numpy.dtype(numpy.float32)
 
 
 @dataclasses.dataclass
@@ -81,6 +83,95 @@ def run_slow(family: Family, key, device: int, frame, stream: int, state):
         result = family.run(family.build(key), frame, stream, state)
         del keep
         return result
+
+
+@dataclasses.dataclass
+class RowPlan:
+    """A row family's plan (rowwise, rowclass, rowpair): its launches and what a call fills in,
+    ready for `row_run`.  Operands are a call's state[0], in the family's order."""
+
+    slow = False         # a plan is always run as it is (copies are made before its key)
+    main: Launched
+    inputs: tuple        # (word of main, operand): the operands' pointers (a None one skipped)
+    outputs: tuple       # per result: None, or (word of main, shape, dtype, how): how "empty",
+                         # or an operand whose array is the result (in place, grad_into)
+    acc: numpy.dtype
+    scratch: dict        # acc-typed scratch regions: name -> (offset, size)
+    scratch_size: int
+    ticket: bool         # the launches count on the stream's last-block ticket
+    main_regions: tuple = ()   # (word of main, region): more scratch the main launch reads
+    counters: tuple = ()       # (word of main, n): n zeroed 32-bit counters (cooperative groups)
+    before: tuple = ()         # (Launched, inputs, regions, ticket word or -1): launched first
+    after: tuple = ()          # (Launched, ((its word, word of main), ...)): launched after
+
+    def __post_init__(self):
+        # What row_run does per call, precomputed: the outputs made (result index, word, shape,
+        # dtype, how), and whether any scratch, counters or other launches are there at all.
+        self.made = tuple((i, *out) for i, out in enumerate(self.outputs) if out is not None)
+        self.nresults = len(self.outputs)
+        self.extra = bool(self.scratch_size or self.ticket or self.main_regions or self.counters
+                          or self.before)
+
+
+def row_run(plan: RowPlan, frame, stream: int, state):
+    """Allocate a row plan's outputs, fill the pointer words, launch.  state: (operands,
+    grad_output, its value, and what the family's copies want besides).  Returns the results in
+    plan.outputs' order, in the caller's framework.  The hot path of every row-family call."""
+    ops = state[0]
+    main = plan.main
+    words = array.array("Q", main.words)
+    for word, k in plan.inputs:
+        op = ops[k]
+        if op is not None:
+            words[word] = op.ptr
+    grad_output_words(words, main.slot, state[1], state[2])
+    first = ops[0]
+    like = first.array
+    results = [None] * plan.nresults
+    for i, word, shape, dtype, how in plan.made:
+        if how == "empty":
+            results[i], words[word] = frame.empty(shape, dtype, like)
+        else:
+            op = ops[how]
+            results[i], words[word] = op.array, op.ptr
+    held = counters = None
+    if plan.extra:
+        held, base, ticket_ptr = scratch(frame, plan, like, first.device, stream, words,
+                                         main.slot)
+        step = plan.acc.itemsize
+        for word, region in plan.main_regions:
+            words[word] = base + step * plan.scratch[region][0]
+        if plan.counters:
+            counters = [frame.zeros((n,), _F32, like) for _, n in plan.counters]
+            for (word, _), (_, ptr) in zip(plan.counters, counters):
+                words[word] = ptr
+        for launched, inputs, regions, ticket_word in plan.before:
+            pre = array.array("Q", launched.words)
+            for word, k in inputs:
+                if ops[k] is not None:
+                    pre[word] = ops[k].ptr
+            for word, region in regions:
+                pre[word] = base + step * plan.scratch[region][0]
+            if ticket_word >= 0:
+                pre[ticket_word] = ticket_ptr
+            _args.launch(launched.function, launched.grid, launched.block, launched.shared,
+                         stream, pre)
+    if main.cooperative:
+        _args.launch_cooperative(main.function, main.grid, main.block, main.shared, stream,
+                                 words)
+    else:
+        _args.launch(main.function, main.grid, main.block, main.shared, stream, words)
+    for launched, wires in plan.after:
+        post = array.array("Q", launched.words)
+        for word, from_main in wires:
+            post[word] = words[from_main]
+        _args.launch(launched.function, launched.grid, launched.block, launched.shared, stream,
+                     post)
+    del held, counters
+    result = frame.result
+    for i, *_ in plan.made:
+        results[i] = result(results[i])
+    return results
 
 
 def on_device(build, key, device: int):

@@ -12,7 +12,6 @@ computes first on the device.  Nothing is read back to the host unless `check_ta
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import math
 from typing import NamedTuple
@@ -24,7 +23,7 @@ from cupyloss._core import (
     launch as _launch, plans as _plans, reduction as _reduction, source as _source,
     validate as _validate)
 from cupyloss.rowclass import _launch as _rowclass_launch
-from cupyloss._core.engine import Launched
+from cupyloss._core.engine import Launched, RowPlan
 
 # The loss ids of rowclass_rows<T, LOSS> and the flag bits: the enums of kernels/rowclass.cu.
 LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD, LOSS_MULTILABEL_MARGIN = _source.constants(
@@ -104,26 +103,7 @@ class Key(NamedTuple):
     loss_shape: tuple        # of a reduction='none' loss
     dtype: object
     device: int
-
-
-@dataclasses.dataclass
-class Plan:
-    """Everything about a call that depends only on metadata, ready to launch."""
-
-    slow = False             # a plan is always run as it is (copies are made before its key)
-    main: Launched
-    count: Launched | None      # rowclass_count, before a 'mean' jsd gradient with labels
-    loss_shape: tuple           # of a reduction='none' loss
-    x_shape: tuple
-    dtype: numpy.dtype
-    acc: numpy.dtype
-    value: bool                 # allocate the 0-d loss
-    loss: bool                  # allocate the per-row loss (reduction 'none')
-    gx: bool
-    gt: bool
-    scratch: dict               # acc-typed scratch regions: name -> (offset, size)
-    scratch_size: int
-    ticket: bool
+    inplace: bool            # jsd's input gradient written into the input
 
 
 _PLANS = _plans.Plans()
@@ -226,10 +206,10 @@ def check_targets(frame, t, cols, stream, low=0, message="target out of range"):
 
 # --- plans --------------------------------------------------------------------------------------
 
-def _build(key: Key) -> Plan:
+def _build(key: Key) -> RowPlan:
     (name, reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind, go_rs,
-     x_shape, x_rs, t_rs, t_dtype, w_strides, l_rs, l_dtype, loss_shape, dtype,
-     device) = Key._make(key)
+     x_shape, x_rs, t_rs, t_dtype, w_strides, l_rs, l_dtype, loss_shape, dtype, device,
+     inplace) = Key._make(key)
     spec = SPECS[name]
     if (x_rs is None or t_rs is None or go_rs is None or (l_dtype is not None and l_rs is None)
             or w_strides is None
@@ -304,60 +284,29 @@ def _build(key: Key) -> Plan:
         if ccfg.grid[0] > 1:
             region("count_partials", ccfg.grid[0])
     ticket = "partials" in scratch or "count_partials" in scratch
-    return Plan(main, count, tuple(loss_shape), tuple(x_shape), dtype, acc,
-                want_value and reduction != "none", want_value and reduction == "none",
-                want_gx, want_gt, scratch, size, ticket)
-
-
-# --- running ------------------------------------------------------------------------------------
-
-def _run(plan: Plan, frame, stream, state):
-    """Allocate the outputs, fill the pointer words, launch.  Returns [value or loss, gx, gt]
-    (gx the input itself with inplace)."""
-    x, t, w, labels, go, go_value, inplace, _ = state
-    main = plan.main
-    words = array.array("Q", main.words)
+    # Operands: (x, target, weight, shift labels); results: (value or loss, gx, gt).
     slot = main.slot
-    words[slot["x"]] = x.ptr
-    words[slot["tgt"]] = t.ptr
-    if w is not None:
-        words[slot["weight"]] = w.ptr
-    if labels is not None:
-        words[slot["labels"]] = labels.ptr
-    _engine.grad_output_words(words, slot, go, go_value)
-    like = x.array
-    dtype = plan.dtype
-    out = gx = gt = None
-    if plan.value:
-        out, words[slot["value"]] = frame.empty((), dtype, like)
-    elif plan.loss:
-        out, words[slot["loss"]] = frame.empty(plan.loss_shape, dtype, like)
-    if plan.gx and inplace:
-        gx, words[slot["gx"]] = x.array, x.ptr
-    elif plan.gx:
-        gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
-    if plan.gt:
-        gt, words[slot["gt"]] = frame.empty(plan.x_shape, dtype, like)
-    held, scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words,
-                                                 slot)
-    step = plan.acc.itemsize
-
-    def at(key):
-        return scratch_ptr + step * plan.scratch[key][0]
-
-    if plan.count is not None:
-        cwords = array.array("Q", plan.count.words)
-        cs = plan.count.slot
-        cwords[cs["labels"]] = labels.ptr
-        cwords[cs["out"]] = words[slot["denom"]] = at("denom")
-        if "count_partials" in plan.scratch:
-            cwords[cs["partials"]] = at("count_partials")
-            cwords[cs["ticket"]] = ticket
-        _args.launch(plan.count.function, plan.count.grid, plan.count.block, plan.count.shared,
-                     stream, cwords)
-    _args.launch(main.function, main.grid, main.block, main.shared, stream, words)
-    result = frame.result
-    return [None if a is None else result(a) for a in (out, gx, gt)]
+    out = None
+    if want_value:
+        out = ((slot["value"], (), dtype, "empty") if reduction != "none"
+               else (slot["loss"], tuple(loss_shape), dtype, "empty"))
+    gx = None
+    if want_gx:
+        gx = (slot["gx"], None, None, 0) if inplace else (slot["gx"], tuple(x_shape), dtype,
+                                                            "empty")
+    outputs = (out, gx, (slot["gt"], tuple(x_shape), dtype, "empty") if want_gt else None)
+    before = ()
+    if count is not None:
+        cs = count.slot
+        regions = ((cs["out"], "denom"),)
+        if "count_partials" in scratch:
+            regions += ((cs["partials"], "count_partials"),)
+        before = ((count, ((cs["labels"], 3),), regions,
+                   cs["ticket"] if "count_partials" in scratch else -1),)
+    return RowPlan(main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2),
+                          (slot["labels"], 3)), outputs, acc, scratch, size, ticket,
+                   main_regions=((slot["denom"], "denom"),) if "denom" in scratch else (),
+                   before=before)
 
 
 def _operand(frame, a, name, x):
@@ -469,9 +418,10 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     go_rs = _index_stride(go.shape, go.strides) if go_kind == "array" else 0
     key = (spec.name, reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind,
            go_rs, x.shape, x_rs, t_rs, t.dtype, w_strides, l_rs,
-           None if labels is None else labels.dtype, loss_shape, dtype, device)   # Key's fields
+           None if labels is None else labels.dtype, loss_shape, dtype, device,
+           inplace)   # Key's fields
     return _engine.execute(FAMILY, key, device, frame, stream,
-                           (x, t, w, labels, go, go_value, inplace, is_index))
+                           ((x, t, w, labels), go, go_value, is_index))
 
 
 def _copies(frame, stream, key, state):
@@ -479,7 +429,7 @@ def _copies(frame, stream, key, state):
     broadcast the same way materialised), and their key."""
     import cupy
 
-    x, t, w, labels, go, go_value, inplace, is_index = state
+    (x, t, w, labels), go, go_value, is_index = state
     key = Key._make(key)
     spec = SPECS[key.name]
     keep = []
@@ -514,7 +464,7 @@ def _copies(frame, stream, key, state):
         l_rs=None if labels is None else _index_stride(labels.shape, labels.strides),
         go_rs=_index_stride(go.shape, go.strides) if key.go_kind == "array" else 0,
         w_strides=w_strides)
-    return key, (x, t, w, labels, go, go_value, inplace, is_index), keep
+    return key, ((x, t, w, labels), go, go_value, is_index), keep
 
 
-FAMILY = _engine.Family(_PLANS, _build, _copies, _run)
+FAMILY = _engine.Family(_PLANS, _build, _copies, _engine.row_run)

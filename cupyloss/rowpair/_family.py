@@ -12,7 +12,6 @@ host.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import math
 from typing import NamedTuple
@@ -21,6 +20,7 @@ from cupyloss._core import (
     args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
     launch as _launch, plans as _plans, reduction as _reduction, source as _source,
     validate as _validate)
+from cupyloss._core.engine import Launched, RowPlan
 from cupyloss.rowpair import _launch as _rowpair_launch
 
 # Flag bits: the enum of kernels/rowpair.cu.
@@ -155,28 +155,6 @@ class Key(NamedTuple):
     device: int
 
 
-@dataclasses.dataclass
-class Plan:
-    """Everything about a call that depends only on metadata, ready to launch."""
-
-    slow = False             # a plan is always run as it is (copies are made before its key)
-    function: int
-    grid: tuple
-    block: tuple
-    shared: int             # bytes of dynamic shared memory
-    words: array.array
-    x_shape: tuple
-    loss_shape: tuple
-    dtype: object
-    acc: object
-    value: bool             # allocate the 0-d loss
-    loss: bool              # allocate the per-row loss (reduction 'none')
-    grads: tuple            # per input: allocate its gradient
-    partials: int           # acc-typed partial sums (0: none): a block's each, or (wide) a row's
-    finish: int             # rowpair_finish, which adds a wide launch's rows' losses (0: none)
-    finish_words: array.array
-
-
 def _row_geometry(shape, strides):
     """(rows stride, element stride) of an array viewed as [rows, cols], or None when its leading
     dims do not merge into one stride."""
@@ -186,7 +164,7 @@ def _row_geometry(shape, strides):
     return None if rs is None else (rs, strides[-1])
 
 
-def _build(key: Key) -> Plan:
+def _build(key: Key) -> RowPlan:
     key = Key._make(key)
     spec, reduction, want_value, grads, x_shape, geos = (
         SPECS[key.name], key.reduction, key.want_value, key.grads, key.x_shape, key.geos)
@@ -229,50 +207,32 @@ def _build(key: Key) -> Plan:
     words = LAYOUT.template(values)
     function = LAYOUT.bind(_source.function("rowpair.cu", name).kernel.ptr)  # shared above
     value = want_value and reduction != "none"
-    finish = 0
-    partials = (rows if cfg.wide else cfg.grid[0] if cfg.grid[0] > 1 else 0) if value else 0
-    finish_words = FINISH_LAYOUT.template({"rows": rows, "divisor": _args.f64_word(divisor)})
-    if value and cfg.wide:
-        finish = FINISH_LAYOUT.bind(
-            _source.function("rowpair.cu", _source.rowpair_finish_name(info.ctype)).kernel.ptr)
-    return Plan(function, cfg.grid, cfg.block, cfg.shared, words, tuple(x_shape), loss_shape,
-                dtype, acc, value, want_value and reduction == "none", tuple(grads),
-                partials, finish, finish_words)
-
-
-def _run(plan: Plan, frame, stream, state):
-    """Allocate the outputs, fill the pointer words, launch.  Returns [loss, grad per input]."""
-    xs, t, go, go_value = state
-    words = array.array("Q", plan.words)
+    main = Launched(function, cfg.grid, cfg.block, cfg.shared, words, LAYOUT.slot)
     slot = LAYOUT.slot
-    for k, x in enumerate(xs):
-        words[slot["x0"] + k] = x.ptr
-    if t is not None:
-        words[slot["tgt"]] = t.ptr
-    _engine.grad_output_words(words, slot, go, go_value)
-    like = xs[0].array
+    n = len(geos)
+    # Operands: (the inputs, the target); results: (value or loss, a gradient per input).
     out = None
-    if plan.value:
-        out, words[slot["value"]] = frame.empty((), plan.dtype, like)
-    elif plan.loss:
-        out, words[slot["loss"]] = frame.empty(plan.loss_shape, plan.dtype, like)
-    grads = [None] * len(xs)
-    for k, wanted in enumerate(plan.grads):
-        if wanted:
-            grads[k], words[slot["g0"] + k] = frame.empty(plan.x_shape, plan.dtype, like)
-    if plan.partials:
-        partials, words[slot["partials"]] = frame.empty((plan.partials,), plan.acc, like)
-        if not plan.finish:
-            words[slot["ticket"]] = _engine.ticket(xs[0].device, stream)
-    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
-    if plan.finish:
-        # The wide launch wrote the rows' losses; rowpair_finish adds them into the 0-d loss.
-        done = array.array("Q", plan.finish_words)
-        done[FINISH_LAYOUT.slot["partials"]] = words[slot["partials"]]
-        done[FINISH_LAYOUT.slot["value"]] = words[slot["value"]]
-        _args.launch(plan.finish, (1,), (_rowpair_launch.PAIR_FINISH_BLOCK,), 0, stream, done)
-    result = frame.result
-    return [None if a is None else result(a) for a in [out, *grads]]
+    if want_value:
+        out = ((slot["value"], (), dtype, "empty") if value
+               else (slot["loss"], loss_shape, dtype, "empty"))
+    outputs = (out, *((slot["g0"] + k, tuple(x_shape), dtype, "empty") if grads[k] else None
+                      for k in range(n)))
+    scratch, size, after = {}, 0, ()
+    partials = (rows if cfg.wide else cfg.grid[0] if cfg.grid[0] > 1 else 0) if value else 0
+    if partials:
+        scratch["partials"] = (0, partials)
+        size = partials
+    if value and cfg.wide:
+        # The wide launch writes the rows' losses; rowpair_finish adds them into the 0-d loss.
+        finish = Launched(FINISH_LAYOUT.bind(_source.function(
+            "rowpair.cu", _source.rowpair_finish_name(info.ctype)).kernel.ptr), (1,),
+            (_rowpair_launch.PAIR_FINISH_BLOCK,), 0,
+            FINISH_LAYOUT.template({"rows": rows, "divisor": _args.f64_word(divisor)}),
+            FINISH_LAYOUT.slot)
+        after = ((finish, ((FINISH_LAYOUT.slot["partials"], slot["partials"]),
+                           (FINISH_LAYOUT.slot["value"], slot["value"]))),)
+    return RowPlan(main, (*((slot["x0"] + k, k) for k in range(n)), (slot["tgt"], n)),
+                   outputs, acc, scratch, size, bool(partials) and not after, after=after)
 
 
 def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=True, wrt=(),
@@ -328,16 +288,15 @@ def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=Tr
     go_rs = 0 if go_kind != "array" else _launch.merged_stride(go.shape, go.strides)
     key = (spec.name, reduction, parsed, want_value, grads, go_kind, go_rs, tuple(xs[0].shape),
            geos, t_rs, None if t is None else t.dtype, dtype, device)   # Key's fields
-    return _engine.execute(FAMILY, key, device, frame, stream,
-                           (xs, t, go, go_value))
+    return _engine.execute(FAMILY, key, device, frame, stream, ((*xs, t), go, go_value))
 
 
 def _copies(frame, stream, key, state):
     """Contiguous copies of the inputs whose leading dims do not merge and of a per-row
     grad_output whose dims do not, and their key."""
-    xs, t, go, go_value = state
+    ops, go, go_value = state
     key = Key._make(key)
-    keep, xs = [], list(xs)
+    keep, xs, t = [], list(ops[:-1]), ops[-1]
     for k, x in enumerate(xs):
         if _row_geometry(x.shape, x.strides) is None:
             xs[k], copy = _engine.contiguous_input(frame, x, "input")
@@ -349,7 +308,7 @@ def _copies(frame, stream, key, state):
             go = _engine.contiguous(frame, go, "grad_output")
             go_rs = _launch.merged_stride(go.shape, go.strides)
     key = key._replace(go_rs=go_rs, geos=tuple(_row_geometry(x.shape, x.strides) for x in xs))
-    return key, (xs, t, go, go_value), keep
+    return key, ((*xs, t), go, go_value), keep
 
 
-FAMILY = _engine.Family(_PLANS, _build, _copies, _run)
+FAMILY = _engine.Family(_PLANS, _build, _copies, _engine.row_run)

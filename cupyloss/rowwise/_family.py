@@ -14,7 +14,6 @@ unless `check_targets` asks for it.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import math
 from typing import NamedTuple
@@ -26,7 +25,7 @@ from cupyloss._core import (
     launch as _launch, plans as _plans, reduction as _reduction, source as _source,
     validate as _validate)
 from cupyloss.rowwise import _launch as _rowwise_launch
-from cupyloss._core.engine import Launched
+from cupyloss._core.engine import Launched, RowPlan
 
 # Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
 (FLAG_INDEX64, FLAG_PROB, FLAG_NLL, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_MEAN_W, FLAG_ACC_IO,
@@ -110,32 +109,6 @@ class Key(NamedTuple):
     acc_io: bool             # the loss and grad_output in the accumulator type (autocast)
 
 
-@dataclasses.dataclass
-class Plan:
-    """Everything about a call that depends only on metadata, ready to launch."""
-
-    slow = False             # a plan is always run as it is (copies are made before its key)
-    main: Launched
-    wsum: Launched | None       # class_weight_sum, before a 'mean' gradient over class indices
-    batch_shape: tuple
-    x_shape: tuple
-    t_shape: tuple
-    dtype: numpy.dtype
-    acc: numpy.dtype
-    value_dtype: numpy.dtype    # the loss's: dtype, or acc with acc_io (autocast)
-    value: bool                 # allocate the 0-d loss
-    loss: bool                  # allocate the per-row loss (reduction 'none')
-    lse: bool                   # allocate the per-row logsumexp
-    gx: bool                    # allocate the input gradient (unless in place)
-    gt: bool                    # allocate the target gradient (probability targets)
-    inplace: bool
-    into: bool                  # the input gradient goes to a given array (grad_into)
-    scratch: dict               # acc-typed scratch regions: name -> (offset, size)
-    scratch_size: int
-    counters: int               # zeroed uint32 counters (cooperative groups)
-    ticket: bool
-
-
 _PLANS = _plans.Plans()
 
 
@@ -215,7 +188,7 @@ def _flags(spec, is_index, t_dtype, go_kind, mean_w, acc_io=False) -> int:
     return flags
 
 
-def _build(key: Key) -> Plan:
+def _build(key: Key) -> RowPlan:
     """The plan of a key (see Key: into is None or the (dtype, strides) of the array the input
     gradient is written to; acc_io: the loss and grad_output in the accumulator type,
     FLAG_ACC_IO)."""
@@ -316,71 +289,33 @@ def _build(key: Key) -> Plan:
         if wcfg.grid[0] > 1:
             region("wsum_partials", wcfg.grid[0])
     ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
-    return Plan(main, wsum, geo.batch_shape, tuple(x_shape), tuple(t_shape), dtype, acc,
-                acc if acc_io else dtype, want_value and reduction != "none",
-                want_value and reduction == "none", want_lse, want_gx and not inplace and into is None, want_gt, inplace,
-                into is not None, scratch, size, counters, ticket)
-
-
-# --- running -----------------------------------------------------------------------------------------
-
-def _run(plan: Plan, frame, stream, state):
-    """Allocate the outputs, fill the pointer words, launch.  Returns (value or loss, gx, gt, lse)."""
-    x, t, w, go, go_value, into = state
-    main = plan.main
-    words = array.array("Q", main.words)
+    # Operands: (x, target, weight, grad_into); results: (value or loss, gx, gt, lse).
     slot = main.slot
-    words[slot["x"]] = x.ptr
-    words[slot["tgt"]] = t.ptr
-    if w is not None:
-        words[slot["weight"]] = w.ptr
-    _engine.grad_output_words(words, slot, go, go_value)
-    like = x.array
-    dtype = plan.dtype
-    out = gx = gt = lse = None
-    if plan.value:
-        out, words[slot["value"]] = frame.empty((), plan.value_dtype, like)
-    elif plan.loss:
-        out, words[slot["loss"]] = frame.empty(plan.batch_shape, plan.value_dtype, like)
-    if plan.lse:
-        lse, words[slot["lse"]] = frame.empty(plan.batch_shape, plan.acc, like)
-    if plan.into:
-        gx, words[slot["gx"]] = into.array, into.ptr
-    elif plan.inplace:
-        gx, words[slot["gx"]] = x.array, x.ptr
-    elif plan.gx:
-        gx, words[slot["gx"]] = frame.empty(plan.x_shape, dtype, like)
-    if plan.gt:
-        gt, words[slot["gt"]] = frame.empty(plan.t_shape, dtype, like)
-    held, scratch_ptr, ticket = _engine.scratch(frame, plan, like, x.device, stream, words,
-                                                 slot)
-    step = plan.acc.itemsize
-
-    def at(name):
-        return scratch_ptr + step * plan.scratch[name][0]
-
-    if "exchange" in plan.scratch:
-        words[slot["exchange"]] = at("exchange")
-        sync, words[slot["sync"]] = frame.zeros((plan.counters,), numpy.dtype(numpy.float32), like)
-    if plan.wsum is not None:
-        wwords = array.array("Q", plan.wsum.words)
-        ws = plan.wsum.slot
-        wwords[ws["tgt"]] = t.ptr
-        if w is not None:
-            wwords[ws["weight"]] = w.ptr
-        wwords[ws["out"]] = words[slot["denom"]] = at("denom")
-        if "wsum_partials" in plan.scratch:
-            wwords[ws["partials"]] = at("wsum_partials")
-            wwords[ws["ticket"]] = ticket
-        _args.launch(plan.wsum.function, plan.wsum.grid, plan.wsum.block, plan.wsum.shared,
-                     stream, wwords)
-    if main.cooperative:
-        _args.launch_cooperative(main.function, main.grid, main.block, main.shared, stream,
-                                 words)
-    else:
-        _args.launch(main.function, main.grid, main.block, main.shared, stream, words)
-    result = frame.result
-    return [None if a is None else result(a) for a in (out, gx, gt, lse)]
+    value_dtype = acc if acc_io else dtype
+    out = None
+    if want_value:
+        out = ((slot["value"], (), value_dtype, "empty") if reduction != "none"
+               else (slot["loss"], geo.batch_shape, value_dtype, "empty"))
+    gx = None
+    if want_gx:
+        gx = (slot["gx"], None, None, 3 if into is not None else 0 if inplace else None)
+        if gx[3] is None:
+            gx = (slot["gx"], tuple(x_shape), dtype, "empty")
+    outputs = (out, gx, (slot["gt"], tuple(t_shape), dtype, "empty") if want_gt else None,
+               (slot["lse"], geo.batch_shape, acc, "empty") if want_lse else None)
+    before = ()
+    if wsum is not None:
+        ws = wsum.slot
+        regions = ((ws["out"], "denom"),)
+        if "wsum_partials" in scratch:
+            regions += ((ws["partials"], "wsum_partials"),)
+        before = ((wsum, ((ws["tgt"], 1), (ws["weight"], 2)), regions,
+                   ws["ticket"] if "wsum_partials" in scratch else -1),)
+    return RowPlan(
+        main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2)), outputs, acc, scratch,
+        size, ticket,
+        main_regions=tuple((slot[r], r) for r in ("exchange", "denom") if r in scratch),
+        counters=((slot["sync"], counters),) if counters else (), before=before)
 
 
 def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ignore_index=-100,
@@ -465,8 +400,7 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     key = (spec.name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse,
            inplace, go_kind, go_strides, x.shape, x.strides, t.shape, t.strides, t.dtype,
            w is not None and w.strides, dtype, device, into_key, acc_io)   # Key's fields
-    return _engine.execute(FAMILY, key, device, frame, stream,
-                           (x, t, w, go, go_value, into))
+    return _engine.execute(FAMILY, key, device, frame, stream, ((x, t, w, into), go, go_value))
 
 
 def _go_strides(go):
@@ -479,7 +413,7 @@ def _go_strides(go):
 
 def _copies(frame, stream, key, state):
     """Contiguous copies of the operands whose layout the kernels do not walk, and their key."""
-    x, t, w, go, go_value, into = state
+    (x, t, w, into), go, go_value = state
     key = Key._make(key)
     is_index = key.is_index
     x_copy = None
@@ -502,10 +436,10 @@ def _copies(frame, stream, key, state):
     key = key._replace(go_strides=go_strides, x_shape=x.shape, x_strides=x.strides,
                        t_shape=t.shape, t_strides=t.strides,
                        w_strides=w is not None and w.strides)
-    return key, (x, t, w, go, go_value, into), x_copy
+    return key, ((x, t, w, into), go, go_value), x_copy
 
 
-FAMILY = _engine.Family(_PLANS, _build, _copies, _run)
+FAMILY = _engine.Family(_PLANS, _build, _copies, _engine.row_run)
 
 
 def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, ignore_index,
