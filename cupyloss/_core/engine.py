@@ -113,6 +113,20 @@ class RowPlan:
                           or self.before)
 
 
+def before_main(launched: Launched, inputs: tuple, scratch: dict, out: str, partials: str):
+    """A RowPlan's `before` entry for a small reduction launched ahead of the main one
+    (class_weight_sum, rowclass_count): its operands, its result into scratch region `out`, and
+    its blocks' partials into region `partials` with the stream's ticket where the plan has
+    that region."""
+    slot = launched.slot
+    regions = ((slot["out"], out),)
+    ticket_word = -1
+    if partials in scratch:
+        regions += ((slot["partials"], partials),)
+        ticket_word = slot["ticket"]
+    return launched, inputs, regions, ticket_word
+
+
 def row_run(plan: RowPlan, frame, stream: int, state):
     """Allocate a row plan's outputs, fill the pointer words, launch.  state: (operands,
     grad_output, its value, and what the family's copies want besides).  Returns the results in

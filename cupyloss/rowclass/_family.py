@@ -297,12 +297,8 @@ def _build(key: Key) -> RowPlan:
     outputs = (out, gx, (slot["gt"], tuple(x_shape), dtype, "empty") if want_gt else None)
     before = ()
     if count is not None:
-        cs = count.slot
-        regions = ((cs["out"], "denom"),)
-        if "count_partials" in scratch:
-            regions += ((cs["partials"], "count_partials"),)
-        before = ((count, ((cs["labels"], 3),), regions,
-                   cs["ticket"] if "count_partials" in scratch else -1),)
+        before = (_engine.before_main(count, ((count.slot["labels"], 3),), scratch, "denom",
+                                      "count_partials"),)
     return RowPlan(main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2),
                           (slot["labels"], 3)), outputs, acc, scratch, size, ticket,
                    main_regions=((slot["denom"], "denom"),) if "denom" in scratch else (),

@@ -305,12 +305,8 @@ def _build(key: Key) -> RowPlan:
                (slot["lse"], geo.batch_shape, acc, "empty") if want_lse else None)
     before = ()
     if wsum is not None:
-        ws = wsum.slot
-        regions = ((ws["out"], "denom"),)
-        if "wsum_partials" in scratch:
-            regions += ((ws["partials"], "wsum_partials"),)
-        before = ((wsum, ((ws["tgt"], 1), (ws["weight"], 2)), regions,
-                   ws["ticket"] if "wsum_partials" in scratch else -1),)
+        before = (_engine.before_main(wsum, ((wsum.slot["tgt"], 1), (wsum.slot["weight"], 2)),
+                                      scratch, "denom", "wsum_partials"),)
     return RowPlan(
         main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2)), outputs, acc, scratch,
         size, ticket,
