@@ -4,7 +4,8 @@ A loss's docstring documents its arguments once (Args: shapes, dtypes, options).
 and value_and_grad keep what is theirs (the summary, the gradient's formula, Returns, Example)
 and take their Args section from here: each parameter of their signature in order, described by
 their own docstring where it says something of its own, else by the loss's, else (grad_output,
-wrt) by the one description every family shares.
+wrt) by the one description every family shares.  A value_and_grad that returns what they all
+return, ``(loss, grads)``, takes that Returns from here too.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def derived(loss, function) -> str:
         raise ValueError(f"{function.__name__}: no description of {missing} in its docstring, "
                          f"{loss.__name__}'s or the shared ones")
     parts = [own_head, "", "Args:", *lines]
+    if "Returns" not in own and function.__name__.endswith("_value_and_grad"):
+        own["Returns"] = textwrap.fill(
+            f"``(loss, grads)``: loss as from {loss.__name__}, grads as from "
+            f"{loss.__name__}_backward.", 92, initial_indent="  ", subsequent_indent="  ")
     for section in ("Returns", "Raises", "Example", "Examples"):
         if section in own:
             parts += ["", f"{section}:", own[section]]

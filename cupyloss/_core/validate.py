@@ -131,3 +131,12 @@ def distinct_elements(shape, strides) -> bool:
             return False
         extent += s * (n - 1)
     return True
+
+
+def check_like_input(x, t, shape_message: str) -> None:
+    """A floating target of the input's dtype (TypeError naming both) and shape (ValueError
+    with `shape_message`)."""
+    if t.dtype != x.dtype:
+        check_same_dtype(x, t, "input", "target")
+    if tuple(t.shape) != tuple(x.shape):
+        raise ValueError(shape_message)

@@ -105,3 +105,23 @@ def save(path, data):
         with open(path, "w") as fh:
             json.dump(data, fh, indent=1)
     return data
+
+
+def arguments(prog: str, doc: str, reps: int, json_help: str = "write the rows to this file"):
+    """A benchmark command's parser (its description the first line of `doc`) with the options
+    every benchmark takes: --reps (default `reps`) and --json."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=reps, help="timed runs a median is taken of")
+    ap.add_argument("--json", default=None, help=json_help)
+    return ap
+
+
+def torch_gpu(prog: str):
+    """(torch, the GPU's name) for a benchmark that times torch on the GPU; exits saying what is
+    missing otherwise (`need`)."""
+    need(prog, torch=True)
+    import torch
+
+    return torch, torch.cuda.get_device_name()

@@ -26,9 +26,7 @@ of its time to cupyloss's.  Never used as a test.
 
 from __future__ import annotations
 
-import argparse
-
-from cupyloss.bench import rowwise as bench_rowwise
+from cupyloss.bench import _timing, rowwise as bench_rowwise
 
 PATTERNS = {
     "per-channel": ((1, 64, 1, 1), (256, 64, 56, 56)),
@@ -227,22 +225,15 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.broadcast",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap = _timing.arguments("python -m cupyloss.bench.broadcast", __doc__, 20)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--family", action="store_true",
                     help="also every pointwise loss on the same patterns (cupyloss alone)")
     ap.add_argument("--family-compile", action="store_true",
                     help="--family with torch.compile's time of each loss beside cupyloss's")
     args = ap.parse_args(argv)
-    from cupyloss.bench import _timing
+    torch, device = _timing.torch_gpu(ap.prog)
 
-    _timing.need(ap.prog, torch=True)
-    import torch
-
-    device = torch.cuda.get_device_name()
     _, copy_bw = bench_rowwise.bandwidth(torch, args.reps)
     _free(torch)
     print(f"device: {device}; copy {copy_bw:.0f} GB/s (read + write)")

@@ -27,9 +27,10 @@ cupyloss's time against its peak memory, with the others as points.  Never used 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+
+from cupyloss.bench import _timing
 
 H, V = 4096, 128256
 
@@ -134,15 +135,12 @@ def _candidates(torch, budgets, chunk_rows=()):
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.linear",
-                                 description=__doc__.splitlines()[0])
+    ap = _timing.arguments("python -m cupyloss.bench.linear", __doc__, 10)
     ap.add_argument("--rows", default="8192,16384", help="BT values, comma-separated")
     ap.add_argument("--budgets", default="256,1024,2560,4608",
                     help="cupyloss workspace budgets in MiB, comma-separated")
     ap.add_argument("--only", default=None,
                     help="comma-separated names of the candidates to run (default: all)")
-    ap.add_argument("--reps", type=int, default=10, help="timed runs a median is taken of")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--plot", default=None, help="draw time against peak memory to this file")
     ap.add_argument("--shapes", default=f"{H}x{V}", help="H x V pairs, comma-separated")
     ap.add_argument("--autocast", action="store_true",
@@ -150,12 +148,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--chunk-rows", default="1024,2048,4096",
                     help="with --autocast: cupyloss's 16-bit logit chunks, comma-separated")
     args = ap.parse_args(argv)
-    from cupyloss.bench import _timing
+    torch, device = _timing.torch_gpu(ap.prog)
 
-    _timing.need(ap.prog, torch=True)
-    import torch
-
-    device = torch.cuda.get_device_name()
     budgets = [int(b) for b in args.budgets.split(",") if b]
     chunk_rows = [int(r) for r in args.chunk_rows.split(",") if r] if args.autocast else []
     kind = "float32 in bf16 autocast" if args.autocast else "bf16"

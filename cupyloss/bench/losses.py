@@ -27,7 +27,6 @@ and value_and_grad, every array [32768, 32768] float32) next to mse_loss, and sk
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -417,12 +416,9 @@ def write_plot(rows: list[dict], path: str) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench",
-                                 description=__doc__.splitlines()[0])
+    ap = _timing.arguments("python -m cupyloss.bench", __doc__, 20)
     ap.add_argument("--scale", type=float, default=1.0, help="shrink every side (0.25 on a "
                     "small GPU)")
-    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--small-only", action="store_true", help="only the small-call host cost")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="sweep sizes 1K..1G, write a plot here and a markdown table beside it")

@@ -31,8 +31,6 @@ as a test.
 
 from __future__ import annotations
 
-import argparse
-
 import cupyloss
 from cupyloss.bench import _timing
 
@@ -204,22 +202,16 @@ def _option_impls(torch, x, t, compile_: bool):
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.rowwise",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
+    ap = _timing.arguments("python -m cupyloss.bench.rowwise", __doc__, 20)
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the rows (0.25 on a "
                     "small GPU)")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--workloads", default="kb95,llm,jsd,kb99",
                     help="comma-separated, of kb95, llm, jsd, kb99, options (default: all but "
                     "options)")
     args = ap.parse_args(argv)
-    _timing.need(ap.prog, torch=True)
+    torch, device = _timing.torch_gpu(ap.prog)
 
-    import torch
-
-    device = torch.cuda.get_device_name()
     read_bw, copy_bw = bandwidth(torch, args.reps)
     print(f"device: {device}; read {read_bw:.0f} GB/s (float32 sum), copy {copy_bw:.0f} GB/s "
           f"(read + write)")

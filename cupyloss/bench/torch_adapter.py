@@ -46,8 +46,6 @@ autocast  under torch.autocast("cuda", dtype=torch.bfloat16), forward + backward
 
 from __future__ import annotations
 
-import argparse
-
 from cupyloss.bench import _timing
 from cupyloss.bench.losses import _host_us
 from cupyloss.bench.rowwise import _timer
@@ -378,21 +376,17 @@ def autocast(reps: int, scale: float) -> list:
 
 def main(argv=None) -> dict:
     global torch, CF
-    ap = argparse.ArgumentParser(prog="python -m cupyloss.bench.torch_adapter",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20, help="timed runs a median is taken of")
+    ap = _timing.arguments("python -m cupyloss.bench.torch_adapter", __doc__, 20,
+                           json_help="write the results to this file")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink every side")
     ap.add_argument("--small-only", action="store_true", help="only the 1K-element host cost")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections of small, large, compiled, autocast "
                          "(default: all)")
-    ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--profile", action="store_true", help="cProfile the 1K adapter loop")
     args = ap.parse_args(argv)
-    _timing.need(ap.prog, torch=True)
-    import torch
+    torch, device = _timing.torch_gpu(ap.prog)
     import cupyloss.torch as CF
-    device = torch.cuda.get_device_name()
     print(f"device: {device}; torch {torch.__version__}")
     sections = (["small"] if args.small_only
                 else args.only.split(",") if args.only

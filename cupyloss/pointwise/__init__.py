@@ -142,8 +142,6 @@ def mse_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean"
                             wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """mse_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from mse_loss and grads as from mse_loss_backward.
 
     Example:
       >>> loss, (g_in, g_t) = cupyloss.mse_loss_value_and_grad(x, y)
@@ -218,8 +216,6 @@ def kl_div_value_and_grad(input: Array, target: Array, reduction: str = "mean",
                           ) -> tuple[Array, Any]:
     """kl_div and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from kl_div and grads as from kl_div_backward.
 
     Example:
       >>> loss, (g_in, g_t) = cupyloss.kl_div_value_and_grad(cupy.log(p), q, "batchmean")
@@ -280,8 +276,6 @@ def hinge_loss_value_and_grad(input: Array, target: Array, margin: float = 1.0,
                               wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """hinge_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from hinge_loss and grads as from hinge_loss_backward.
 
     Example:
       >>> loss, g_s = cupyloss.hinge_loss_value_and_grad(s, y, wrt="input")
@@ -334,8 +328,6 @@ def l1_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean",
                            ) -> tuple[Array, Any]:
     """l1_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from l1_loss and grads as from l1_loss_backward.
 
     Example:
       >>> loss, g_in = cupyloss.l1_loss_value_and_grad(x, y, wrt="input")
@@ -399,9 +391,6 @@ def smooth_l1_loss_value_and_grad(input: Array, target: Array, reduction: str = 
                                   wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """smooth_l1_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from smooth_l1_loss and grads as from
-      smooth_l1_loss_backward.
 
     Example:
       >>> loss, (g_in, g_t) = cupyloss.smooth_l1_loss_value_and_grad(x, y)
@@ -461,8 +450,6 @@ def huber_loss_value_and_grad(input: Array, target: Array, reduction: str = "mea
                               wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """huber_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from huber_loss and grads as from huber_loss_backward.
 
     Example:
       >>> loss, (g_in, g_t) = cupyloss.huber_loss_value_and_grad(x, y, delta=2.0)
@@ -527,9 +514,6 @@ def binary_cross_entropy_value_and_grad(input: Array, target: Array, weight: Arr
                                         ) -> tuple[Array, Any]:
     """binary_cross_entropy and its gradients from one pass over the arrays.
 
-    Returns:
-      ``(loss, grads)`` with loss as from binary_cross_entropy and grads as from
-      binary_cross_entropy_backward.
 
     Example:
       >>> loss, g_p = cupyloss.binary_cross_entropy_value_and_grad(p, y, wrt="input")
@@ -603,9 +587,6 @@ def binary_cross_entropy_with_logits_value_and_grad(input: Array, target: Array,
                                                     ) -> tuple[Array, Any]:
     """binary_cross_entropy_with_logits and its gradients from one pass over the arrays.
 
-    Returns:
-      ``(loss, grads)`` with loss as from binary_cross_entropy_with_logits and grads as from
-      binary_cross_entropy_with_logits_backward.
 
     Example:
       >>> loss, g_z = cupyloss.binary_cross_entropy_with_logits_value_and_grad(z, y, wrt="input")
@@ -662,9 +643,6 @@ def soft_margin_loss_value_and_grad(input: Array, target: Array, reduction: str 
                                     wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """soft_margin_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from soft_margin_loss and grads as from
-      soft_margin_loss_backward.
 
     Example:
       >>> loss, (g_s, g_y) = cupyloss.soft_margin_loss_value_and_grad(s, y)
@@ -724,9 +702,6 @@ def hinge_embedding_loss_value_and_grad(input: Array, target: Array, margin: flo
                                         ) -> tuple[Array, Any]:
     """hinge_embedding_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from hinge_embedding_loss and grads as from
-      hinge_embedding_loss_backward.
 
     Example:
       >>> loss, g_d = cupyloss.hinge_embedding_loss_value_and_grad(d, y, wrt="input")
@@ -788,9 +763,6 @@ def margin_ranking_loss_value_and_grad(input1: Array, input2: Array, target: Arr
                                        wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """margin_ranking_loss and its gradients from one pass over the three arrays.
 
-    Returns:
-      ``(loss, grads)`` with loss as from margin_ranking_loss and grads as from
-      margin_ranking_loss_backward.
 
     Example:
       >>> loss, (g_a, g_b, g_y) = cupyloss.margin_ranking_loss_value_and_grad(a, b, y)
@@ -861,9 +833,6 @@ def poisson_nll_loss_value_and_grad(input: Array, target: Array, log_input: bool
                                     wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """poisson_nll_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from poisson_nll_loss and grads as from
-      poisson_nll_loss_backward.
 
     Example:
       >>> loss, g = cupyloss.poisson_nll_loss_value_and_grad(log_rate, counts, wrt="input")
@@ -967,9 +936,6 @@ def gaussian_nll_loss_value_and_grad(input: Array, target: Array, var: Array | f
                                      wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """gaussian_nll_loss and its gradients from one pass over the arrays.
 
-    Returns:
-      ``(loss, grads)`` with loss as from gaussian_nll_loss and grads as from
-      gaussian_nll_loss_backward.
 
     Example:
       >>> loss, (g_mu, g_var) = cupyloss.gaussian_nll_loss_value_and_grad(
@@ -1029,9 +995,6 @@ def squared_hinge_loss_value_and_grad(input: Array, target: Array, margin: float
                                       wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """squared_hinge_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from squared_hinge_loss and grads as from
-      squared_hinge_loss_backward.
 
     Example:
       >>> loss, g_s = cupyloss.squared_hinge_loss_value_and_grad(s, y, wrt="input")
@@ -1097,9 +1060,6 @@ def sigmoid_focal_loss_value_and_grad(input: Array, target: Array, alpha: float 
                                       wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """sigmoid_focal_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from sigmoid_focal_loss and grads as from
-      sigmoid_focal_loss_backward.
 
     Example:
       >>> loss, g_z = cupyloss.sigmoid_focal_loss_value_and_grad(z, y, reduction="mean",
@@ -1153,9 +1113,6 @@ def log_cosh_loss_value_and_grad(input: Array, target: Array, reduction: str = "
                                  wrt: str | Sequence[str] | None = None) -> tuple[Array, Any]:
     """log_cosh_loss and its gradients from one pass over input and target.
 
-    Returns:
-      ``(loss, grads)`` with loss as from log_cosh_loss and grads as from
-      log_cosh_loss_backward.
 
     Example:
       >>> loss, g_in = cupyloss.log_cosh_loss_value_and_grad(x, y, wrt="input")

@@ -36,6 +36,15 @@ _JSD = SPECS["jsd"]
 _MLM = SPECS["multilabel_margin_loss"]
 
 
+def _with_grads(spec, want_value, wrt, grad_output, *arrays, **options):
+    """(the loss or None, the gradients wrt names: one, or a tuple for a tuple wrt) of a call
+    of `spec` from one launch."""
+    names, single = _names(wrt)
+    value, gx, gt = evaluate(spec, *arrays, want_value=want_value, wrt=names,
+                             grad_output=grad_output, **options)
+    return value, _grads(names, single, gx, gt)
+
+
 # --- multi_margin_loss ------------------------------------------------------------------------
 
 def multi_margin_loss(input: Array, target: Array, p: float = 1, margin: float = 1.0,
@@ -92,11 +101,8 @@ def multi_margin_loss_backward(grad_output: Array | float, input: Array, target:
     Example:
       >>> g = cupyloss.multi_margin_loss_backward(1.0, x, y)
     """
-    names, single = _names(wrt)
-    _, gx, gt = evaluate(_MM, input, target, weight, reduction=reduction, p=p, margin=margin,
-                         check=check_targets, want_value=False, wrt=names,
-                         grad_output=grad_output)
-    return _grads(names, single, gx, gt)
+    return _with_grads(_MM, False, wrt, grad_output, input, target, weight, reduction=reduction,
+                       p=p, margin=margin, check=check_targets)[1]
 
 
 def multi_margin_loss_value_and_grad(input: Array, target: Array, p: float = 1,
@@ -107,17 +113,12 @@ def multi_margin_loss_value_and_grad(input: Array, target: Array, p: float = 1,
                                      ) -> tuple[Array, Any]:
     """multi_margin_loss and its gradient from one read of the input (one launch).
 
-    Returns:
-      ``(loss, grads)``: loss as from multi_margin_loss, grads as from its backward.
 
     Example:
       >>> loss, g = cupyloss.multi_margin_loss_value_and_grad(x, y, margin=0.5)
     """
-    names, single = _names(wrt)
-    value, gx, gt = evaluate(_MM, input, target, weight, reduction=reduction, p=p,
-                             margin=margin, check=check_targets, want_value=True, wrt=names,
-                             grad_output=grad_output)
-    return value, _grads(names, single, gx, gt)
+    return _with_grads(_MM, True, wrt, grad_output, input, target, weight, reduction=reduction,
+                       p=p, margin=margin, check=check_targets)
 
 
 # --- multilabel_soft_margin_loss --------------------------------------------------------------
@@ -170,10 +171,8 @@ def multilabel_soft_margin_loss_backward(grad_output: Array | float, input: Arra
     Example:
       >>> gx, gt = cupyloss.multilabel_soft_margin_loss_backward(1.0, x, t, wrt=("input", "target"))
     """
-    names, single = _names(wrt)
-    _, gx, gt = evaluate(_ML, input, target, weight, reduction=reduction, want_value=False,
-                         wrt=names, grad_output=grad_output)
-    return _grads(names, single, gx, gt)
+    return _with_grads(_ML, False, wrt, grad_output, input, target, weight,
+                       reduction=reduction)[1]
 
 
 def multilabel_soft_margin_loss_value_and_grad(input: Array, target: Array,
@@ -184,16 +183,11 @@ def multilabel_soft_margin_loss_value_and_grad(input: Array, target: Array,
                                                ) -> tuple[Array, Any]:
     """multilabel_soft_margin_loss and its gradients from one read of input and target.
 
-    Returns:
-      ``(loss, grads)``: loss as from multilabel_soft_margin_loss, grads as from its backward.
 
     Example:
       >>> loss, g = cupyloss.multilabel_soft_margin_loss_value_and_grad(x, t)
     """
-    names, single = _names(wrt)
-    value, gx, gt = evaluate(_ML, input, target, weight, reduction=reduction, want_value=True,
-                             wrt=names, grad_output=grad_output)
-    return value, _grads(names, single, gx, gt)
+    return _with_grads(_ML, True, wrt, grad_output, input, target, weight, reduction=reduction)
 
 
 # --- jsd --------------------------------------------------------------------------------------
@@ -258,11 +252,8 @@ def jsd_backward(grad_output: Array | float, input: Array, target: Array, beta: 
     Example:
       >>> g = cupyloss.jsd_backward(1.0, s, t)
     """
-    names, single = _names(wrt)
-    _, gx, gt = evaluate(_JSD, input, target, None, shift_labels, reduction=reduction, beta=beta,
-                         ignore_index=ignore_index, want_value=False, wrt=names,
-                         grad_output=grad_output)
-    return _grads(names, single, gx, gt)
+    return _with_grads(_JSD, False, wrt, grad_output, input, target, None, shift_labels,
+                       reduction=reduction, beta=beta, ignore_index=ignore_index)[1]
 
 
 def jsd_value_and_grad(input: Array, target: Array, beta: float = 0.5,
@@ -281,18 +272,13 @@ def jsd_value_and_grad(input: Array, target: Array, beta: float = 0.5,
     Args:
       inplace: write the input gradient into input (see above).
 
-    Returns:
-      ``(loss, grads)``: loss as from jsd, grads as from jsd_backward.
 
     Example:
       >>> loss, g = cupyloss.jsd_value_and_grad(s, t, beta=0.5)
       >>> loss, g = cupyloss.jsd_value_and_grad(s, t, inplace=True)     # g is s
     """
-    names, single = _names(wrt)
-    value, gx, gt = evaluate(_JSD, input, target, None, shift_labels, reduction=reduction,
-                             beta=beta, ignore_index=ignore_index, want_value=True, wrt=names,
-                             grad_output=grad_output, inplace=inplace)
-    return value, _grads(names, single, gx, gt)
+    return _with_grads(_JSD, True, wrt, grad_output, input, target, None, shift_labels,
+                       reduction=reduction, beta=beta, ignore_index=ignore_index, inplace=inplace)
 
 
 # --- multilabel_margin_loss -------------------------------------------------------------------
@@ -348,10 +334,8 @@ def multilabel_margin_loss_backward(grad_output: Array | float, input: Array, ta
     Example:
       >>> g = cupyloss.multilabel_margin_loss_backward(1.0, x, y)
     """
-    names, single = _names(wrt)
-    _, gx, gt = evaluate(_MLM, input, target, reduction=reduction, check=check_targets,
-                         want_value=False, wrt=names, grad_output=grad_output)
-    return _grads(names, single, gx, gt)
+    return _with_grads(_MLM, False, wrt, grad_output, input, target, reduction=reduction,
+                       check=check_targets)[1]
 
 
 def multilabel_margin_loss_value_and_grad(input: Array, target: Array, reduction: str = "mean",
@@ -361,16 +345,12 @@ def multilabel_margin_loss_value_and_grad(input: Array, target: Array, reduction
                                           ) -> tuple[Array, Any]:
     """multilabel_margin_loss and its gradient from one launch.
 
-    Returns:
-      ``(loss, grads)``: loss as from multilabel_margin_loss, grads as from its backward.
 
     Example:
       >>> loss, g = cupyloss.multilabel_margin_loss_value_and_grad(x, y)
     """
-    names, single = _names(wrt)
-    value, gx, gt = evaluate(_MLM, input, target, reduction=reduction, check=check_targets,
-                             want_value=True, wrt=names, grad_output=grad_output)
-    return value, _grads(names, single, gx, gt)
+    return _with_grads(_MLM, True, wrt, grad_output, input, target, reduction=reduction,
+                       check=check_targets)
 
 
 _docs.derive(globals(), SPECS)

@@ -186,11 +186,8 @@ def _check_paired(spec, x, t, is_index):
     if is_index:
         raise TypeError(f"{spec.name} needs a floating target shaped like the input, got class "
                         f"indices of dtype {t.dtype}")
-    if t.dtype != x.dtype:
-        _validate.check_same_dtype(x, t, "input", "target")
-    if tuple(t.shape) != tuple(x.shape):
-        raise ValueError(f"{spec.name} needs a target of the input's shape {tuple(x.shape)}, "
-                         f"got {tuple(t.shape)}")
+    _validate.check_like_input(x, t, f"{spec.name} needs a target of the input's shape "
+                                     f"{tuple(x.shape)}, got {tuple(t.shape)}")
 
 
 def check_targets(frame, t, cols, stream, low=0, message="target out of range"):

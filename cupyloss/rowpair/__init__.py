@@ -121,9 +121,6 @@ def triplet_margin_loss_value_and_grad(anchor: Array, positive: Array, negative:
       anchor, positive, negative, margin, p, eps, swap, reduction: as for triplet_margin_loss.
       grad_output, wrt: as for triplet_margin_loss_backward.
 
-    Returns:
-      ``(loss, grads)``: loss as from triplet_margin_loss, grads as from
-      triplet_margin_loss_backward.
 
     Example:
       >>> loss, (ga, gp, gn) = cupyloss.triplet_margin_loss_value_and_grad(a, p, n)
@@ -200,9 +197,6 @@ def cosine_embedding_loss_value_and_grad(input1: Array, input2: Array, target: A
     """cosine_embedding_loss and its gradients from one read of the inputs (see
     triplet_margin_loss_value_and_grad).
 
-    Returns:
-      ``(loss, grads)``: loss as from cosine_embedding_loss, grads as from
-      cosine_embedding_loss_backward.
 
     Example:
       >>> loss, (g1, g2) = cupyloss.cosine_embedding_loss_value_and_grad(x1, x2, y)

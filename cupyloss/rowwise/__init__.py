@@ -245,8 +245,6 @@ def nll_loss_value_and_grad(input: Array, target: Array, weight: Array | None = 
     Args:
       inplace: write the input gradient into input (see above).
 
-    Returns:
-      ``(loss, grads)`` with loss as from nll_loss and grads as from nll_loss_backward.
 
     Example:
       >>> loss, g = cupyloss.nll_loss_value_and_grad(logp, cupy.array([0, 1, 2, 1]))

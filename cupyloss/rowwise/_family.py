@@ -140,11 +140,8 @@ def _check_shapes(spec, x, t, is_index):
     if spec.kind == "nll":
         raise TypeError(f"nll_loss needs class indices (int32 or int64) as target, got dtype "
                         f"{t.dtype}")
-    if t.dtype != x.dtype:
-        _validate.check_same_dtype(x, t, "input", "target")
-    if tuple(t.shape) != tuple(x.shape):
-        raise ValueError(f"probability targets must have the input's shape {tuple(x.shape)}, "
-                         f"got {tuple(t.shape)}")
+    _validate.check_like_input(x, t, f"probability targets must have the input's shape "
+                                     f"{tuple(x.shape)}, got {tuple(t.shape)}")
 
 
 def _check_weight(w, x, cols):
