@@ -113,6 +113,17 @@ class RowPlan:
                           or self.before)
 
 
+class Regions(dict):
+    """A row plan's accumulator-typed scratch regions, name -> (offset, size), laid out in the
+    order they are added; `size` is their total."""
+
+    size = 0
+
+    def add(self, name: str, n: int) -> None:
+        self[name] = (self.size, n)
+        self.size += n
+
+
 def before_main(launched: Launched, inputs: tuple, scratch: dict, out: str, partials: str):
     """A RowPlan's `before` entry for a small reduction launched ahead of the main one
     (class_weight_sum, rowclass_count): its operands, its result into scratch region `out`, and

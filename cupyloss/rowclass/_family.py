@@ -259,16 +259,10 @@ def _build(key: Key) -> RowPlan:
         "divisor": _args.f64_word(divisor)})
     main = Launched(ROWS.bind(_source.function("rowclass.cu", name).kernel.ptr), cfg.grid,
                     cfg.block, cfg.shared, words, ROWS.slot)
-    scratch: dict = {}
-    size = 0
-
-    def region(key, n):
-        nonlocal size
-        scratch[key] = (size, n)
-        size += n
+    scratch = _engine.Regions()
 
     if want_value and reduction != "none" and main.grid[0] > 1:
-        region("partials", 2 * main.grid[0])
+        scratch.add("partials", 2 * main.grid[0])
     count = None
     if count_rows and want_g:
         cname = _source.rowclass_name("rowclass_count", info.ctype)
@@ -277,9 +271,9 @@ def _build(key: Key) -> RowPlan:
                                  "ignore_index": _args.i64_word(ignore_index)})
         count = Launched(COUNT.bind(_source.function("rowclass.cu", cname).kernel.ptr), ccfg.grid,
                          ccfg.block, ccfg.shared, cwords, COUNT.slot)
-        region("denom", 1)
+        scratch.add("denom", 1)
         if ccfg.grid[0] > 1:
-            region("count_partials", ccfg.grid[0])
+            scratch.add("count_partials", ccfg.grid[0])
     ticket = "partials" in scratch or "count_partials" in scratch
     # Operands: (x, target, weight, shift labels); results: (value or loss, gx, gt).
     slot = main.slot
@@ -297,7 +291,7 @@ def _build(key: Key) -> RowPlan:
         before = (_engine.before_main(count, ((count.slot["labels"], 3),), scratch, "denom",
                                       "count_partials"),)
     return RowPlan(main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2),
-                          (slot["labels"], 3)), outputs, acc, scratch, size, ticket,
+                          (slot["labels"], 3)), outputs, acc, scratch, scratch.size, ticket,
                    main_regions=((slot["denom"], "denom"),) if "denom" in scratch else (),
                    before=before)
 

@@ -217,11 +217,10 @@ def _build(key: Key) -> RowPlan:
                else (slot["loss"], loss_shape, dtype, "empty"))
     outputs = (out, *((slot["g0"] + k, tuple(x_shape), dtype, "empty") if grads[k] else None
                       for k in range(n)))
-    scratch, size, after = {}, 0, ()
+    scratch, after = _engine.Regions(), ()
     partials = (rows if cfg.wide else cfg.grid[0] if cfg.grid[0] > 1 else 0) if value else 0
     if partials:
-        scratch["partials"] = (0, partials)
-        size = partials
+        scratch.add("partials", partials)
     if value and cfg.wide:
         # The wide launch writes the rows' losses; rowpair_finish adds them into the 0-d loss.
         finish = Launched(FINISH_LAYOUT.bind(_source.function(
@@ -232,7 +231,8 @@ def _build(key: Key) -> RowPlan:
         after = ((finish, ((FINISH_LAYOUT.slot["partials"], slot["partials"]),
                            (FINISH_LAYOUT.slot["value"], slot["value"]))),)
     return RowPlan(main, (*((slot["x0"] + k, k) for k in range(n)), (slot["tgt"], n)),
-                   outputs, acc, scratch, size, bool(partials) and not after, after=after)
+                   outputs, acc, scratch, scratch.size, bool(partials) and not after,
+                   after=after)
 
 
 def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=True, wrt=(),

@@ -220,13 +220,7 @@ def _build(key: Key) -> RowPlan:
     if into is not None:
         g_strides = (into[1][0] if len(into[1]) > 1 else 0, 1, 0)
         gtype = _dtypes.DTYPES[into[0]].ctype
-    scratch: dict = {}
-    size = 0
-
-    def region(name, n):
-        nonlocal size
-        scratch[name] = (size, n)
-        size += n
+    scratch = _engine.Regions()
 
     counters = 0
     if geo.contiguous_classes:
@@ -254,7 +248,7 @@ def _build(key: Key) -> RowPlan:
         if cfg.cooperative:
             groups = cfg.grid[0] // cfg.k
             counters = groups
-            region("exchange", groups * 2 * cfg.k * _FIELDS)
+            scratch.add("exchange", groups * 2 * cfg.k * _FIELDS)
     else:
         if gtype is not None:
             raise ValueError("grad_into needs logits whose classes are contiguous")
@@ -272,7 +266,7 @@ def _build(key: Key) -> RowPlan:
                         cfg.block, cfg.shared, words, COLS.slot)
     nblocks = main.grid[0]
     if want_value and nblocks > 1:
-        region("partials", 2 * nblocks)
+        scratch.add("partials", 2 * nblocks)
     wsum = None
     if mean_w and want_g:
         wname = _source.rowwise_name("class_weight_sum", info.ctype)
@@ -282,9 +276,9 @@ def _build(key: Key) -> RowPlan:
                                 "ignore_index": _args.i64_word(ignore_index)})
         wsum = Launched(WSUM.bind(_source.function("rowwise.cu", wname).kernel.ptr), wcfg.grid,
                         wcfg.block, wcfg.shared, wwords, WSUM.slot)
-        region("denom", 1)
+        scratch.add("denom", 1)
         if wcfg.grid[0] > 1:
-            region("wsum_partials", wcfg.grid[0])
+            scratch.add("wsum_partials", wcfg.grid[0])
     ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
     # Operands: (x, target, weight, grad_into); results: (value or loss, gx, gt, lse).
     slot = main.slot
@@ -306,7 +300,7 @@ def _build(key: Key) -> RowPlan:
                                       scratch, "denom", "wsum_partials"),)
     return RowPlan(
         main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2)), outputs, acc, scratch,
-        size, ticket,
+        scratch.size, ticket,
         main_regions=tuple((slot[r], r) for r in ("exchange", "denom") if r in scratch),
         counters=((slot["sync"], counters),) if counters else (), before=before)
 
