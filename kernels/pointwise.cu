@@ -853,6 +853,114 @@ __global__ void __launch_bounds__(256, GRAD ? GradShape<Op, T>::rows_blocks : 1)
 // the functor's arithmetic on per-unit values is computed once per vector, not per element.
 // k's slot when it streams: stream_slot<K>(CONST, k), above GradShape.
 
+// Where pointwise_reduce's streamed operands start in a reduced row (`off`: each operand's
+// offset of the row's first element) and their strides along it: slot f holds the f-th operand
+// not in CONST; an empty slot reads nothing.
+template <int K, int F, int CONST, typename T>
+__device__ __forceinline__ void stream_sources(
+        const PerOperand<const T*, K> in, const long long (&off)[K + 2],
+        const Geometry<K + 2>& red, const int inner, const T* (&src)[F],
+        long long (&src_stride)[F]) {
+    #pragma unroll
+    for (int f = 0; f < F; ++f) {
+        src[f] = nullptr;   // no operand in this slot: nothing read
+        src_stride[f] = 0;
+        #pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (((CONST >> k) & 1) || stream_slot<K>(CONST, k) != f) continue;
+            src[f] = in.p[k] + off[k];
+            src_stride[f] = red.stride[k][inner];
+        }
+    }
+}
+
+// pointwise_reduce's steps of a row from e0 on, UNROLL steps a group (load_steps, then visit):
+// whole, the groups whose last step lies in the row (len: its elements), none checking its
+// bounds; else what is left, step by step.  PIPE: the next group's loads issued before this
+// group's arithmetic.
+template <bool PIPE, int UNROLL, int F, int VEC, typename A, typename Load, typename Visit>
+__device__ __forceinline__ void reduce_groups(const bool whole, long long& e0, const long long len,
+                                              const long long step, Load& load_steps,
+                                              Visit& visit) {
+    const long long last = (UNROLL - 1) * step;  // a group's last step from its first
+    auto in_row = [&](long long e) { return (whole ? e + last : e) < len; };
+    if constexpr (PIPE) {
+        // Written out rather than through pipelined(): there its integer bookkeeping came out
+        // otherwise, and binary_cross_entropy's per-channel and per-row patterns lost
+        // (docs/tuning.md, "The kernels' code").
+        A fv[UNROLL][F][VEC];
+        if (in_row(e0)) load_steps(whole, e0, fv);
+        #pragma unroll 1
+        for (; in_row(e0); e0 += UNROLL * step) {
+            A cf[UNROLL][F][VEC];
+            #pragma unroll
+            for (int j = 0; j < UNROLL; ++j) {
+                #pragma unroll
+                for (int f = 0; f < F; ++f) {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) cf[j][f][v] = fv[j][f][v];
+                }
+            }
+            if (in_row(e0 + UNROLL * step))
+                load_steps(whole, e0 + UNROLL * step, fv);
+            visit(whole, e0, cf);
+        }
+    } else {
+        #pragma unroll 1
+        for (; in_row(e0); e0 += UNROLL * step) {
+            A fv[UNROLL][F][VEC];
+            load_steps(whole, e0, fv);
+            visit(whole, e0, fv);
+        }
+    }
+}
+
+// The end of a pointwise_reduce unit: each reduced operand's per-lane sums over the lanes_m lanes
+// of its o (a fixed butterfly in double), written to g[k][o] (one chunk) or ws[k][c, o].  Where
+// o's chunks have column tickets, the unit that draws o's last ticket (`ticket`: its group of
+// lanes_o elements o), whichever unit that is, adds their partials in a fixed order and writes
+// G_k = g[k][o], so no second launch is needed.
+template <typename T, int K>
+__device__ __forceinline__ void reduce_unit_end(
+        Compensated<acc_t<T>> (&sum)[K], const long long reduced, const long long lanes_m,
+        const long long q, const long long lane, const bool active, const long long nchunks,
+        const long long n_o, const long long oi, const long long c, const long long ticket,
+        const PerOperand<T*, K>& g, const PerOperand<double*, K>& ws,
+        unsigned int* col_tickets) {
+    using A = acc_t<T>;
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!((reduced >> k) & 1)) continue;
+        double v = sum[k].wide();
+        for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
+        if (q == 0 && active) {
+            if (nchunks == 1) g.p[k][oi] = from_acc<T>(A(v));
+            else ws.p[k][c * n_o + oi] = v;
+        }
+    }
+    if (nchunks == 1 || col_tickets == nullptr) return;
+    __threadfence();  // this unit's partials published before its ticket
+    __syncwarp();
+    unsigned int last = 0;
+    if (lane == 0) {
+        const unsigned int end = (unsigned int)(nchunks - 1);
+        last = atomicInc(col_tickets + ticket, end) == end;
+    }
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!((reduced >> k) & 1)) continue;
+        double v = 0.0;
+        if (active) {
+            for (long long cc = q; cc < nchunks; cc += lanes_m)
+                v += __ldcg(ws.p[k] + cc * n_o + oi);  // L2: other units'
+        }
+        for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
+        if (q == 0 && active) g.p[k][oi] = from_acc<T>(A(v));
+    }
+}
+
 template <typename T, typename Op, int VEC, int CONST>
 __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwise_reduce(
         const PerOperand<const T*, Op::K> in,     // operand k through kept/red strides, or null
@@ -936,17 +1044,7 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                 for (int k = 0; k < K + 2; ++k) off[k] += base[k];
                 const T* src[F];
                 long long src_stride[F];
-                #pragma unroll
-                for (int f = 0; f < F; ++f) {
-                    src[f] = nullptr;   // no operand in this slot: nothing read
-                    src_stride[f] = 0;
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        if (((CONST >> k) & 1) || stream_slot<K>(CONST, k) != f) continue;
-                        src[f] = in.p[k] + off[k];
-                        src_stride[f] = red.stride[k][inner];
-                    }
-                }
+                stream_sources<K, F, CONST>(in, off, red, inner, src, src_stride);
                 // UNROLL steps' loads from e0 on, and their arithmetic.  whole: every step of
                 // the group lies in the row, and the streamed operands and the flat index walk it
                 // with stride 1 (grad_output not elementwise), so no step checks its bounds, a
@@ -1025,77 +1123,13 @@ __global__ void __launch_bounds__(256, GradShape<Op, T>::reduce_blocks) pointwis
                 #pragma unroll
                 for (int f = 0; f < F; ++f) fast = fast && (NF == 0 || src_stride[f] == 1);
                 const long long len = row_end - row;
-                const long long last = (UNROLL - 1) * step;  // a group's last step from its first
-                auto groups = [&](const bool whole) {
-                    auto in_row = [&](long long e) { return (whole ? e + last : e) < len; };
-                    if constexpr (PIPE) {
-                        // Written out rather than through pipelined(): there its integer
-                        // bookkeeping came out otherwise, and binary_cross_entropy's per-channel
-                        // and per-row patterns lost (docs/tuning.md, "The kernels' code").
-                        A fv[UNROLL][F][VEC];
-                        if (in_row(e0)) load_steps(whole, e0, fv);
-                        #pragma unroll 1
-                        for (; in_row(e0); e0 += UNROLL * step) {
-                            A cf[UNROLL][F][VEC];
-                            #pragma unroll
-                            for (int j = 0; j < UNROLL; ++j) {
-                                #pragma unroll
-                                for (int f = 0; f < F; ++f) {
-                                    #pragma unroll
-                                    for (int v = 0; v < VEC; ++v) cf[j][f][v] = fv[j][f][v];
-                                }
-                            }
-                            if (in_row(e0 + UNROLL * step))
-                                load_steps(whole, e0 + UNROLL * step, fv);
-                            visit(whole, e0, cf);
-                        }
-                    } else {
-                        #pragma unroll 1
-                        for (; in_row(e0); e0 += UNROLL * step) {
-                            A fv[UNROLL][F][VEC];
-                            load_steps(whole, e0, fv);
-                            visit(whole, e0, fv);
-                        }
-                    }
-                };
-                if (fast) groups(true);
-                groups(false);
+                if (fast)
+                    reduce_groups<PIPE, UNROLL, F, VEC, A>(true, e0, len, step, load_steps, visit);
+                reduce_groups<PIPE, UNROLL, F, VEC, A>(false, e0, len, step, load_steps, visit);
                 m = row_end;
             }
-            #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (!((reduced >> k) & 1)) continue;
-                double v = sum[k].wide();
-                for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
-                if (q == 0 && active) {
-                    if (nchunks == 1) g.p[k][oi] = from_acc<T>(A(v));
-                    else ws.p[k][c * n_o + oi] = v;
-                }
-            }
-            if (nchunks == 1 || col_tickets == nullptr) continue;
-            // The chunks of these o meet here: the unit that draws the last ticket of its o
-            // adds their partials in a fixed order (whichever unit that is) and writes G_k, so
-            // no second launch is needed.
-            __threadfence();  // this unit's partials published before its ticket
-            __syncwarp();
-            unsigned int last = 0;
-            if (lane == 0) {
-                const unsigned int end = (unsigned int)(nchunks - 1);
-                last = atomicInc(col_tickets + (u - c * units_o), end) == end;
-            }
-            if (!__shfl_sync(0xffffffffu, last, 0)) continue;
-            __threadfence();
-            #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (!((reduced >> k) & 1)) continue;
-                double v = 0.0;
-                if (active) {
-                    for (long long cc = q; cc < nchunks; cc += lanes_m)
-                        v += __ldcg(ws.p[k] + cc * n_o + oi);  // L2: other units'
-                }
-                for (int b = 1; b < lanes_m; b <<= 1) v += __shfl_xor_sync(0xffffffffu, v, b);
-                if (q == 0 && active) g.p[k][oi] = from_acc<T>(A(v));
-            }
+            reduce_unit_end<T, K>(sum, reduced, lanes_m, q, lane, active, nchunks, n_o, oi, c,
+                                  u - c * units_o, g, ws, col_tickets);
         }
     };
     reduce_loop();

@@ -29,6 +29,20 @@ if BFLOAT16 is not None:
     TINY[BFLOAT16] = 2.0**-133
 
 
+def cupy_module():
+    """cupy, imported at the first test that runs (collection needs no GPU)."""
+    import cupy
+
+    return cupy
+
+
+def cupyloss_module():
+    """cupyloss, imported at the first test that runs."""
+    import cupyloss
+
+    return cupyloss
+
+
 def to_device(a, dtype):
     """float64 host values -> (device array of dtype, the rounded values as float64 on the host)."""
     import cupy

@@ -629,6 +629,27 @@ def test_many_dims_non_contiguous():
         assert_close(to_host(got), ref, np.float64)
 
 
+def test_many_dims_torch_tensors():
+    """The same with torch tensors, an elementwise grad_output among them: the contiguous copies
+    read through CuPy, the results torch tensors of the operands' shapes, C-contiguous."""
+    torch = pytest.importorskip("torch")
+    import cupyloss
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn((3,) * 10, device="cuda", dtype=torch.float64, generator=gen)
+    x = base[(slice(None, None, 2),) * 10]
+    t = torch.randn((2,) * 10, device="cuda", dtype=torch.float64,
+                    generator=gen).permute(*range(9, -1, -1))
+    go = torch.randn((2,) * 10, device="cuda", dtype=torch.float64, generator=gen)[..., [1, 0]]
+    loss, (gx, gt) = cupyloss.mse_loss_value_and_grad(x, t, reduction="none", grad_output=go)
+    for got in (loss, gx, gt):
+        assert isinstance(got, torch.Tensor) and got.shape == x.shape and got.is_contiguous()
+    xr, tr, gr = (a.cpu().numpy() for a in (x, t, go))
+    assert_close(loss.cpu().numpy(), (xr - tr) ** 2, np.float64)
+    assert_close(gx.cpu().numpy(), 2 * (xr - tr) * gr, np.float64)
+    assert_close(gt.cpu().numpy(), -2 * (xr - tr) * gr, np.float64)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_no_host_sync_under_graph_capture(case):
     """value_and_grad records into a CUDA graph: a host-device sync would break the capture."""

@@ -215,8 +215,8 @@ def test_kernel_choice_and_gradient_routes(device):
     words = device.launches[0][1]
     assert _words(spec, "rows", words, "kind") == [_pointwise.KIND_FULL, _pointwise.KIND_FULL,
                                                    _pointwise.KIND_ROW, _pointwise.KIND_SCALAR]
-    assert plan.partials == 5 * np.prod(plan.grid)   # the loss and 4 operands' 0-d sums
-    assert plan.grid[1] > 1 and _words(spec, "rows", words, "col_tickets") == [0x70]
+    assert plan.scratch_size == 5 * np.prod(plan.main.grid)  # the loss and 4 operands' 0-d sums
+    assert plan.main.grid[1] > 1 and _words(spec, "rows", words, "col_tickets") == [0x70]
     ws = _words(spec, "rows", words, "ws")
     assert ws[:2] == [0, 0] and ws[3] == 0 and ws[2] != 0    # partials for the row operand
     g = _words(spec, "rows", words, "g")
@@ -381,7 +381,7 @@ def test_per_channel_and_per_row_take_the_reduce_kernel(device):
     assert (n_o, n_m, lanes) == (64, 256 * 56 * 56, 32)
     assert nchunks > 1 and (nchunks - 1) * chunk < n_m <= nchunks * chunk
     (plan,) = _pointwise._PLANS.values()
-    assert plan.grads == ("fused", "g") and plan.fused == [(0, nchunks * 64)]
+    assert plan.grads == ("fused", "g") and plan.wide == ((plan.main.slot["ws"], nchunks * 64),)
     assert _words(spec, "reduce", words, "col_tickets") == [0x70]
     g, ws = _words(spec, "reduce", words, "g"), _words(spec, "reduce", words, "ws")
     assert 0 not in (g[0], ws[0]) and g[0] != ws[0] and ws[1] == 0
@@ -391,7 +391,7 @@ def test_per_channel_and_per_row_take_the_reduce_kernel(device):
     # 8192 rows fill an H100's resident warps: one chunk, the gradient written directly.
     assert device.names == ["cupyloss::pointwise_reduce<float, cupyloss::MseOp, 4, 1>"]
     (plan,) = [p for p in _pointwise._PLANS.values() if p.out_shape == (8192, 4096)]
-    assert plan.grads == ("g", "g") and plan.chunks == (None, None)
+    assert plan.grads == ("g", "g") and plan.wide == () and plan.after == ()
     # The target broadcast instead: it is read once per unit (mask 2); with a weight-free
     # bce_with_logits the absent weight and pos_weight are in the mask too (4 + 8).
     device.names.clear()
@@ -553,20 +553,27 @@ def test_row_gradients_summed_in_one_launch_up_to_the_column_tickets(device, mon
     assert plan.grads == ("fused", "g") and len(device.launches) == 1
     words = device.launches[0][1]
     assert _words(spec, "rows", words, "tx") == [_tuning.value("ROWS_TX_SUMMED")]
-    assert plan.grid[0] == 4096 // (4 * _tuning.value("ROWS_TX_SUMMED")) and plan.grid[1] > 1
+    assert plan.main.grid[0] == 4096 // (4 * _tuning.value("ROWS_TX_SUMMED")) and plan.main.grid[1] > 1
     cupyloss.mse_loss(x, t, reduction="none")
     assert _words(spec, "rows", device.launches[-1][1], "tx") == [_launch.BLOCK]
     cupyloss.mse_loss(x, t)   # a 0-d loss alone: value_and_grad's split, so the same sum
     assert _words(spec, "rows", device.launches[-1][1], "tx") == [_tuning.value("ROWS_TX_SUMMED")]
     # More column blocks than tickets: the partials go to sum_chunks.
     _pointwise._PLANS.clear()
-    monkeypatch.setattr(_engine, "COL_TICKETS", plan.grid[0] - 1)
+    monkeypatch.setattr(_engine, "COL_TICKETS", plan.main.grid[0] - 1)
     cupyloss.mse_loss_value_and_grad(x, t)
     (again,) = _pointwise._PLANS.values()
-    assert again.grid == plan.grid and again.grads == ("chunks", "g")
+    assert again.main.grid == plan.main.grid and again.grads == ("chunks", "g")
     assert device.launches[-1][0] == "sum_chunks"
-    assert device.launches[-1][2][1:3] == [plan.grid[1], 4096]   # [row blocks, cols] partials
+    assert device.launches[-1][2][1:3] == [plan.main.grid[1], 4096]   # [row blocks, cols] partials
     assert _words(spec, "rows", device.launches[-2][1], "col_tickets") == [0]
+    # sum_chunks reads the main launch's partials of the input and writes the input's gradient,
+    # an array of its own (no word of the main launch).
+    sums, main = device.launches[-1][2], device.launches[-2][1]
+    ws, g = _words(spec, "rows", main, "ws"), _words(spec, "rows", main, "g")
+    slot = _pointwise.SUM_CHUNKS.slot
+    assert sums[slot["ws"]] == ws[0] != 0 and ws[1] == 0 and g[0] == 0
+    assert sums[slot["out"]] not in (0, ws[0], g[1])
     # The same past the tickets in pointwise_reduce (64 channels, a unit each).
     monkeypatch.setattr(_engine, "COL_TICKETS", 63)
     cupyloss.mse_loss_value_and_grad(arr((1, 64, 1, 1)), arr((256, 64, 56, 56)))

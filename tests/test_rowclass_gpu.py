@@ -12,31 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference_rowwise as ref
-from gpu_util import BFLOAT16, DTYPES, TINY, assert_close, to_host
+from gpu_util import (
+    assert_close, BFLOAT16, cupy_module as _cupy, cupyloss_module as _cl, DTYPES, TINY,
+    to_device, to_host)
 
 pytestmark = pytest.mark.gpu
 
 COLS = (1, 2, 7, 31, 33, 255, 256, 257, 1000, 1025, 2049, 4096, 8193, 16385)
 ROWS = (0, 1, 2, 3, 31, 33, 64, 129)
 LOSSES = ("multi_margin_loss", "multilabel_soft_margin_loss", "jsd")
-
-
-def _cl():
-    import cupyloss
-
-    return cupyloss
-
-
-def _cupy():
-    import cupy
-
-    return cupy
-
-
-def _put(host, dtype):
-    """A float64 host array -> (device array of dtype, its rounded values as float64)."""
-    rounded = np.asarray(host, np.float64).astype(dtype)
-    return _cupy().asarray(rounded), rounded.astype(np.float64)
 
 
 def _layout(dev, kind):
@@ -154,16 +138,16 @@ def _operands(case, rng):
     batch = shape[:-1]
     opts = dict(case["opts"])
     if name == "jsd":
-        x, xr = _put(_log_probs(rng, shape, rng.choice([1.0, 3.0, 40.0])), dtype)
-        t, tr = _put(_log_probs(rng, shape), dtype)
+        x, xr = to_device(_log_probs(rng, shape, rng.choice([1.0, 3.0, 40.0])), dtype)
+        t, tr = to_device(_log_probs(rng, shape), dtype)
         t = _layout(t, case["layout"])
     elif name == "multilabel_soft_margin_loss":
-        x, xr = _put(rng.standard_normal(shape) * 4, dtype)
+        x, xr = to_device(rng.standard_normal(shape) * 4, dtype)
         soft = rng.random(shape)
-        t, tr = _put(np.where(rng.random(shape) < 0.5, np.round(soft), soft), dtype)
+        t, tr = to_device(np.where(rng.random(shape) < 0.5, np.round(soft), soft), dtype)
         t = _layout(t, case["layout"])
     else:
-        x, xr = _put(rng.standard_normal(shape) * 2, dtype)
+        x, xr = to_device(rng.standard_normal(shape) * 2, dtype)
         tr = rng.integers(0, cols, batch if shape else ())
         tr = np.asarray(tr).astype(np.int64 if case["index64"] else np.int32)
         t = cp.asarray(tr)
@@ -171,12 +155,12 @@ def _operands(case, rng):
     w = None
     if case["weighted"]:
         if name == "multi_margin_loss" or case["weight_kind"] == "classes":
-            w, wr = _put(rng.uniform(0.2, 2.0, cols), dtype)
+            w, wr = to_device(rng.uniform(0.2, 2.0, cols), dtype)
         elif case["weight_kind"] == "full":
-            w, wr = _put(rng.uniform(0.2, 2.0, shape), dtype)
+            w, wr = to_device(rng.uniform(0.2, 2.0, shape), dtype)
             w = _layout(w, "wide")
         else:  # one weight per row, broadcast along the classes
-            w, wr = _put(rng.uniform(0.2, 2.0, batch + (1,)), dtype)
+            w, wr = to_device(rng.uniform(0.2, 2.0, batch + (1,)), dtype)
         opts["weight"] = wr
     if case["labels"]:
         lab = np.where(rng.random(batch) < 0.3, -100, rng.integers(0, max(cols, 1), batch))
@@ -211,9 +195,9 @@ def test_against_reference(case):
     ref_opts = {k: v for k, v in opts.items()}
     loss_shape = np.shape(tr) if name == "multi_margin_loss" else xr.shape[:-1]
     if reduction == "none" and loss_shape != ():
-        go, gor = _put(rng.standard_normal(loss_shape), dtype)
+        go, gor = to_device(rng.standard_normal(loss_shape), dtype)
     elif case["go_kind"] == "device":
-        go, gor = _put(np.float64(0.75), dtype)
+        go, gor = to_device(np.float64(0.75), dtype)
     else:
         go, gor = 0.75, 0.75
     want, per_row, row_scale, gx_want, gt_want = _reference(name, xr, tr, ref_opts, reduction,
@@ -316,14 +300,14 @@ def test_empty_and_single_class(name):
     assert g.shape == (0, cols) and to_host(value) == 0
     # One class: multi_margin's loss is 0 (no c != y), the others are elementwise.
     rng = np.random.default_rng(3)
-    x1, xr1 = _put(rng.standard_normal((4, 1)), np.float32)
+    x1, xr1 = to_device(rng.standard_normal((4, 1)), np.float32)
     if name == "multi_margin_loss":
         t1, tr1 = cp.zeros(4, cp.int64), np.zeros(4, np.int64)
     elif name == "jsd":
         x1, xr1 = cp.zeros((4, 1), cp.float32), np.zeros((4, 1))   # log 1: the only class
         t1, tr1 = x1.copy(), xr1
     else:
-        t1, tr1 = _put(rng.random((4, 1)), np.float32)
+        t1, tr1 = to_device(rng.random((4, 1)), np.float32)
     want = getattr(ref, name)(xr1, tr1, reduction="none")
     assert_close(to_host(fn(x1, t1, reduction="none")), want, np.float32)
 
@@ -333,7 +317,7 @@ def test_multi_margin_shapes_follow_torch():
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(4)
-    x, xr = _put(rng.standard_normal(6), np.float32)
+    x, xr = to_device(rng.standard_normal(6), np.float32)
     for tr in (np.int64(2), np.array([2])):
         got = cl.multi_margin_loss(x, cp.asarray(tr), reduction="none")
         assert got.shape == np.shape(tr)
@@ -371,8 +355,8 @@ def test_jsd_ignored_rows_and_labels():
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(5)
-    x, xr = _put(_log_probs(rng, (6, 50)), np.float32)
-    t, tr = _put(_log_probs(rng, (6, 50)), np.float32)
+    x, xr = to_device(_log_probs(rng, (6, 50)), np.float32)
+    t, tr = to_device(_log_probs(rng, (6, 50)), np.float32)
     x[2, 3] = cp.nan
     lab = np.array([1, 7, -100, 3, -100, 0])
     for dtype in (np.int32, np.int64):
@@ -447,8 +431,8 @@ def test_inputs_are_never_written():
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(8)
-    x, _ = _put(rng.standard_normal((33, 1000)), np.float16)
-    t, _ = _put(rng.random((33, 1000)), np.float16)
+    x, _ = to_device(rng.standard_normal((33, 1000)), np.float16)
+    t, _ = to_device(rng.random((33, 1000)), np.float16)
     before = (x.copy(), t.copy())
     cl.multilabel_soft_margin_loss_value_and_grad(x, t, wrt=("input", "target"))
     cl.jsd_value_and_grad(x, t, wrt=("input", "target"))

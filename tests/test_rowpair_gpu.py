@@ -17,30 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference_rowwise as ref
-from gpu_util import BFLOAT16, DTYPES, RTOL, assert_close, to_host
+from gpu_util import (
+    assert_close, BFLOAT16, cupy_module as _cupy, cupyloss_module as _cl, DTYPES, RTOL,
+    to_device, to_host)
 
 pytestmark = pytest.mark.gpu
 
 COLS = (1, 7, 33, 255, 256, 257, 511, 513, 1000, 2049, 8191, 8192, 8195, 16389)
 ROWS = (1, 2, 3, 33, 129)
-
-
-def _cl():
-    import cupyloss
-
-    return cupyloss
-
-
-def _cupy():
-    import cupy
-
-    return cupy
-
-
-def _put(host, dtype):
-    """A float64 host array -> (device array of dtype, its rounded values as float64)."""
-    rounded = np.asarray(host, np.float64).astype(dtype)
-    return _cupy().asarray(rounded), rounded.astype(np.float64)
 
 
 def _layout(dev, kind):
@@ -125,7 +109,7 @@ def _arrays(case, rng):
         a = rng.standard_normal(shape)
         spread = np.where(rng.random(rows + (1,)) < 0.5, 0.3, 1.0)
         host = [a, a + 0.7 * rng.standard_normal(shape), a + spread * rng.standard_normal(shape)]
-        dev = [_put(h, dtype) for h in host]
+        dev = [to_device(h, dtype) for h in host]
         vals = [v for _, v in dev]
         terms, d_ap, d_neg, d_an, d_pn = _triplet_rows(*vals, opts)
         amb = _ambiguous(opts["margin"] + d_ap - d_neg, terms, dtype,
@@ -134,11 +118,11 @@ def _arrays(case, rng):
         return arrays, vals, terms, amb
     x1 = rng.standard_normal(shape)
     x2 = np.where(rng.random(rows + (1,)) < 0.3, x1, 0) + rng.standard_normal(shape)
-    dev = [_put(h, dtype) for h in (x1, x2)]
+    dev = [to_device(h, dtype) for h in (x1, x2)]
     v1, v2 = (v for _, v in dev)
     y = rng.choice([1, -1, -1, 0], rows)
     if case["target"] == "float":
-        t, y = _put(y, dtype)
+        t, y = to_device(y, dtype)
     else:
         t = cp.asarray(y.astype(case["target"]))
     m1, m2 = np.sum(v1 * v1, -1) + 1e-12, np.sum(v2 * v2, -1) + 1e-12
@@ -167,9 +151,9 @@ def test_against_reference(case):
     f, grads_of = _refs(name)
     rows = shape[:-1]
     if reduction == "none" and rows != ():
-        go, gor = _put(rng.standard_normal(rows), dtype)
+        go, gor = to_device(rng.standard_normal(rows), dtype)
     elif case["go_kind"] == "device":
-        go, gor = _put(np.float64(0.75), dtype)
+        go, gor = to_device(np.float64(0.75), dtype)
     else:
         go, gor = 0.75, 0.75
     want = f(*vals, reduction=reduction, **opts)

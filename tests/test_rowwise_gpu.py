@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import reference_rowwise as ref
-from gpu_util import BFLOAT16, DTYPES, RTOL, TINY, assert_close, to_host
+from gpu_util import (
+    assert_close, BFLOAT16, cupy_module as _cupy, cupyloss_module as _cl, DTYPES, RTOL, TINY,
+    to_device, to_host)
 
 pytestmark = pytest.mark.gpu
 
@@ -21,24 +23,6 @@ pytestmark = pytest.mark.gpu
 # (8): 8 threads x 8 vectors = 256 / 512 elements, 32 x 8 = 1024 / 2048, 256 x 8 = 8192 / 16384.
 COLS = (1, 2, 7, 31, 33, 255, 256, 257, 1000, 1025, 2049, 4096, 8191, 8193, 16385)
 ROWS = (1, 2, 3, 31, 33, 64, 129)
-
-
-def _cl():
-    import cupyloss
-
-    return cupyloss
-
-
-def _cupy():
-    import cupy
-
-    return cupy
-
-
-def _put(host, dtype):
-    """A float64 host array -> (device array of dtype, its rounded values as float64)."""
-    rounded = np.asarray(host, np.float64).astype(dtype)
-    return _cupy().asarray(rounded), rounded.astype(np.float64)
 
 
 def _layout(dev, kind):
@@ -135,23 +119,23 @@ def test_against_reference(case):
         with np.errstate(all="ignore"):
             x64 = x64 - np.log(np.sum(np.exp(np.where(np.isnan(x64), 0, x64)),
                                       axis=1 if len(shape) > 1 else 0, keepdims=True))
-    x, xr = _put(x64, dtype)
+    x, xr = to_device(x64, dtype)
     x = _layout(x, case["layout"])
     if kind == "prob":
         p = rng.random(shape)
-        t, tr = _put(p / p.sum(axis=1 if len(shape) > 1 else 0, keepdims=True), dtype)
+        t, tr = to_device(p / p.sum(axis=1 if len(shape) > 1 else 0, keepdims=True), dtype)
     else:
         tr = _targets(rng, batch, cols, 0.2).astype(np.int64 if case["index64"] else np.int32)
         t = cp.asarray(tr)
     w = wr = None
     if case["weighted"]:
-        w, wr = _put(rng.uniform(0.2, 2.0, cols), dtype)
+        w, wr = to_device(rng.uniform(0.2, 2.0, cols), dtype)
     reduction = case["reduction"]
     if reduction == "none" and batch != ():
         go_host = rng.standard_normal(batch)
-        go, gor = _put(go_host, dtype)
+        go, gor = to_device(go_host, dtype)
     elif case["go_kind"] == "device":
-        go, gor = _put(np.float64(0.75), dtype)
+        go, gor = to_device(np.float64(0.75), dtype)
     else:
         go, gor = 0.75, 0.75
     if kind == "nll":
@@ -197,7 +181,7 @@ def test_z_loss_gradient_keeps_its_precision_when_softmax_cancels(reduction):
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(31)
-    x, xr = _put(rng.standard_normal((31, 1)) * 3, np.float32)
+    x, xr = to_device(rng.standard_normal((31, 1)) * 3, np.float32)
     tr = np.zeros(31, dtype=np.int64)
     opts = dict(lse_square_scale=1e-3)
     gx_want, _ = ref.cross_entropy_grads(xr, tr, reduction=reduction, grad_output=1.0, **opts)
@@ -220,7 +204,7 @@ def test_long_rows_split_over_blocks(dtype, cols, rows, extra):
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(cols)
-    x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
+    x, xr = to_device(rng.standard_normal((rows, cols)) * 4, dtype)
     tr = _targets(rng, rows, cols, 0.2)
     t = cp.asarray(tr)
     opts = dict(lse_square_scale=1e-4, **extra)
@@ -250,14 +234,14 @@ def _rows_match_the_reference(dtype, cols, rows, extra, check_plan):
     from cupyloss.rowwise import _family as _rowwise
 
     rng = np.random.default_rng(cols + rows)
-    x, xr = _put(rng.standard_normal((rows, cols)) * 4, dtype)
+    x, xr = to_device(rng.standard_normal((rows, cols)) * 4, dtype)
     opts = {k: v for k, v in extra.items() if k not in ("weights", "prob")}
     w = wr = None
     if extra.get("weights"):
-        w, wr = _put(rng.uniform(0.2, 2.0, cols), dtype)
+        w, wr = to_device(rng.uniform(0.2, 2.0, cols), dtype)
     if extra.get("prob"):
         p = rng.random((rows, cols))
-        t, tr = _put(p / p.sum(axis=1, keepdims=True), dtype)
+        t, tr = to_device(p / p.sum(axis=1, keepdims=True), dtype)
         count = rows
     else:
         tr = _targets(rng, rows, cols, 0.2)
@@ -294,7 +278,6 @@ def test_two_tiles_a_thread_match_the_reference(monkeypatch, dtype, cols, rows, 
     cp = _cupy()
     from cupyloss._core import launch as _launch, tuning as _tuning
     from cupyloss.rowwise import _launch as _rowwise_launch
-    from cupyloss.rowwise import _family as _rowwise
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     monkeypatch.setitem(_tuning._OVERRIDES, limits.gpu, {"ROW_GRAD_TILES": 2})
@@ -327,7 +310,7 @@ def test_cluster_rows_match_the_cooperative_ones_bitwise(monkeypatch, dtype, col
     if not limits.clusters:
         pytest.skip("this GPU has no thread block clusters (sm_90 and later)")
     rng = np.random.default_rng(cols + rows)
-    x, _ = _put(rng.standard_normal((rows, cols)) * 4, dtype)
+    x, _ = to_device(rng.standard_normal((rows, cols)) * 4, dtype)
     t = cp.asarray(_targets(rng, rows, cols, 0.2))
     opts = dict(lse_square_scale=1e-4, return_lse=True, **extra)
     got = {}
@@ -354,7 +337,6 @@ def test_rows_a_pair_takes_match_the_reference(monkeypatch, dtype, cols, rows, p
     gradient written into the logits bitwise the same as into a new array."""
     cp = _cupy()
     from cupyloss._core import launch as _launch, tuning as _tuning
-    from cupyloss.rowwise import _family as _rowwise
 
     limits = _launch.device_limits(cp.cuda.Device().id)
     if not limits.clusters:
@@ -390,7 +372,7 @@ def test_gradients_that_reach_the_subnormals(dtype, cols, extra, layout):
     zc[:, ::37] = rng.uniform(-1.0, 1.0, zc[:, ::37].shape)
     zc[1::2] = rng.standard_normal((rows // 2, cols)) * 3
     x64 = cap * np.arctanh(zc / cap) if cap else zc
-    x, xr = _put(x64, dtype)
+    x, xr = to_device(x64, dtype)
     x = _layout(x, layout)
     tr = _targets(rng, rows, cols, 0.0)
     tr[1] = -100
@@ -421,7 +403,7 @@ def test_forward_with_many_rows(dtype, rows, cols):
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(rows)
-    x, xr = _put(rng.standard_normal((rows, cols)) * 3, dtype)
+    x, xr = to_device(rng.standard_normal((rows, cols)) * 3, dtype)
     tr = _targets(rng, rows, cols, 0.05)
     t = cp.asarray(tr)
     per_row = ref.cross_entropy(xr, tr, reduction="none")
@@ -439,7 +421,7 @@ def test_inplace_writes_the_gradient_into_the_input(dtype, cols):
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(1)
-    x, xr = _put(rng.standard_normal((9, cols)), dtype)
+    x, xr = to_device(rng.standard_normal((9, cols)), dtype)
     tr = _targets(rng, 9, cols, 0.2)
     t = cp.asarray(tr)
     want_value, want_g = cl.cross_entropy_value_and_grad(x, t, label_smoothing=0.05)
@@ -448,7 +430,7 @@ def test_inplace_writes_the_gradient_into_the_input(dtype, cols):
     assert cp.array_equal(value, want_value) and cp.array_equal(x, want_g)
     # A view with rows off 16-byte boundaries, written where it points (its rows split into
     # head, vectors and tail elsewhere, so the sums' order, and the last bits, may differ).
-    big, _ = _put(np.concatenate([np.zeros((9, 1)), xr], axis=1), dtype)
+    big, _ = to_device(np.concatenate([np.zeros((9, 1)), xr], axis=1), dtype)
     view = big[:, 1:]
     _, g = cl.cross_entropy_value_and_grad(view, t, label_smoothing=0.05, inplace=True)
     assert g is view and cp.all(big[:, 0] == 0)
@@ -509,7 +491,7 @@ def test_grad_output_forms_and_strided_views():
     cp = _cupy()
     cl = _cl()
     rng = np.random.default_rng(3)
-    x, xr = _put(rng.standard_normal((40, 70)), np.float32)
+    x, xr = to_device(rng.standard_normal((40, 70)), np.float32)
     tr = _targets(rng, 80, 70, 0.1)
     t = cp.asarray(tr)[::2]
     go_rows = cp.asarray(rng.standard_normal(80), cp.float32)[1::2]

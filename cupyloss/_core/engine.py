@@ -7,17 +7,16 @@ A family (pointwise, rowwise, rowclass, rowpair; the fused head runs rowwise's) 
 what differs.  Its `evaluate` takes a call's arguments, checks them (everything raised before any
 launch) and ends in `execute(FAMILY, key, device, frame, stream, state)`: the plan key (a tuple
 in the order of the family's `Key` record of fields), the device, the caller's framework and
-stream, and what its run takes besides the plan.  Its `Family` holds its plan cache and three
+stream, and state: (operands, grad_output, its value).  Its `Family` holds its plan cache and two
 hooks:
   build(key) -> Plan | None
-      the plan of a key, on the key's device (its kernels, launch shape and packed words), or
-      None when an operand's layout needs a copy first;
+      the plan of a key, on the key's device: its launches (kernels, launch shapes, packed words)
+      and the tables `run` fills a call's words from; None when an operand's layout needs a copy
+      first;
   copies(frame, stream, key, state) -> (key, state, keep)
       off the hot path: contiguous copies of the operands that need them (kept alive in `keep`
-      until the launch is queued) and the key they give;
-  run(plan, frame, stream, state) -> list
-      allocate the outputs, fill the pointer words, launch: `row_run` for the row families
-      (rowwise, rowclass, rowpair), whose build returns a `RowPlan`; the pointwise family's own.
+      until the launch is queued) and the key they give.
+`run` (one for every family) allocates a plan's outputs, fills the pointer words and launches.
 """
 
 from __future__ import annotations
@@ -33,11 +32,12 @@ from cupyloss._core import args as _args, dispatch as _dispatch
 
 INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
 _F32 = numpy.dtype(numpy.float32)
+_F64 = numpy.dtype(numpy.float64)
 
 
 @dataclasses.dataclass
 class Launched:
-    """One kernel of a row family's plan: CUfunction, launch shape, packed words (pointers left
+    """One kernel of a plan: CUfunction, launch shape, packed words (pointers left
     zero) and their slots by parameter name, whether it is a cooperative launch."""
 
     function: int
@@ -48,6 +48,30 @@ class Launched:
     slot: dict
     cooperative: bool = False
 
+    @classmethod
+    def of(cls, layout, source: str, name: str, cfg, words, cooperative: bool = False):
+        """Kernel `name` of kernels/`source` bound to `layout` (an _args.Layout), launched with
+        cfg's grid, block and shared memory and the packed `words`."""
+        from cupyloss._core import source as _source
+
+        function = layout.bind(_source.function(source, name).kernel.ptr)
+        return cls(function, cfg.grid, cfg.block, cfg.shared, words, layout.slot, cooperative)
+
+
+def small_reduction(layout, source: str, name: str, rows: int, words, limits,
+                    scratch: "Regions", partials: str) -> Launched:
+    """A one-thread-a-row reduction over `rows` launched ahead of the main one
+    (class_weight_sum, rowclass_count): its launch, its result in scratch region "denom" and
+    its blocks' partials in region `partials` where it takes more than one block (wire it with
+    `before_main`)."""
+    from cupyloss._core import launch as _launch
+
+    launched = Launched.of(layout, source, name, _launch.flat_launch(rows, 1, limits), words)
+    scratch.add("denom", 1)
+    if launched.grid[0] > 1:
+        scratch.add(partials, launched.grid[0])
+    return launched
+
 
 @dataclasses.dataclass
 class Family:
@@ -56,7 +80,6 @@ class Family:
     plans: object        # a _plans.Plans: key -> Plan
     build: object
     copies: object
-    run: object
 
 
 def execute(family: Family, key, device: int, frame, stream: int, state):
@@ -71,7 +94,7 @@ def execute(family: Family, key, device: int, frame, stream: int, state):
         family.plans[key] = plan
     if plan.slow or current_device() != device:
         return run_slow(family, key, device, frame, stream, state)
-    return family.run(plan, frame, stream, state)
+    return run(plan, frame, stream, state)
 
 
 def run_slow(family: Family, key, device: int, frame, stream: int, state):
@@ -80,21 +103,22 @@ def run_slow(family: Family, key, device: int, frame, stream: int, state):
     is the next call's only by chance), one run."""
     with off_path(frame, device, stream):
         key, state, keep = family.copies(frame, stream, key, state)
-        result = family.run(family.build(key), frame, stream, state)
+        result = run(family.build(key), frame, stream, state)
         del keep
         return result
 
 
 @dataclasses.dataclass
-class RowPlan:
-    """A row family's plan (rowwise, rowclass, rowpair): its launches and what a call fills in,
-    ready for `row_run`.  Operands are a call's state[0], in the family's order."""
+class Plan:
+    """A plan: its launches and what a call fills in, ready for `run`.  Operands are a call's
+    state[0], in the family's order."""
 
-    slow = False         # a plan is always run as it is (copies are made before its key)
+    slow = False         # run off the hot path (run_slow), for a family's copies
     main: Launched
     inputs: tuple        # (word of main, operand): the operands' pointers (a None one skipped)
-    outputs: tuple       # per result: None, or (word of main, shape, dtype, how): how "empty",
-                         # or an operand whose array is the result (in place, grad_into)
+    outputs: tuple       # per result: None, or (word of main or -1, shape, dtype, how): how is
+                         # "empty", "zeros", ("like", k) (new, like contiguous operand k) or an
+                         # operand k whose array is the result (in place, grad_into)
     acc: numpy.dtype
     scratch: dict        # acc-typed scratch regions: name -> (offset, size)
     scratch_size: int
@@ -102,15 +126,28 @@ class RowPlan:
     main_regions: tuple = ()   # (word of main, region): more scratch the main launch reads
     counters: tuple = ()       # (word of main, n): n zeroed 32-bit counters (cooperative groups)
     before: tuple = ()         # (Launched, inputs, regions, ticket word or -1): launched first
-    after: tuple = ()          # (Launched, ((its word, word of main), ...)): launched after
+    after: tuple = ()          # (Launched, ((its word, word of main), ...), ((its word, result),
+                               # ...)): launched after, pointers from main's words and results
+    numbers: tuple = ()        # (word of main, operand): an operand given as a number (float)
+    wide: tuple = ()           # (word of main, n): n float64 partials of the main launch
+    col_tickets: int = -1      # word of main taking the stream's column tickets, -1 for none
+    ticket_slots: tuple = ("partials", "ticket")   # main's words of the "partials" region and
+                                                   # the ticket
+    rest: "Plan | None" = None  # a later plan whose results fill those this one leaves None
 
     def __post_init__(self):
-        # What row_run does per call, precomputed: the outputs made (result index, word, shape,
-        # dtype, how), and whether any scratch, counters or other launches are there at all.
+        # What run does per call, precomputed: the outputs made (result index, word, shape,
+        # dtype, how), whether any scratch, counters or other launches are there at all, and
+        # the offsets of the float64 partials (each on a 16-byte boundary).
         self.made = tuple((i, *out) for i, out in enumerate(self.outputs) if out is not None)
         self.nresults = len(self.outputs)
         self.extra = bool(self.scratch_size or self.ticket or self.main_regions or self.counters
-                          or self.before)
+                          or self.before or self.wide)
+        offsets, size = [], 0
+        for word, n in self.wide:
+            offsets.append((word, size))
+            size += n + (n & 1)
+        self.wide_offsets, self.wide_size = tuple(offsets), size
 
 
 class Regions(dict):
@@ -125,7 +162,7 @@ class Regions(dict):
 
 
 def before_main(launched: Launched, inputs: tuple, scratch: dict, out: str, partials: str):
-    """A RowPlan's `before` entry for a small reduction launched ahead of the main one
+    """A Plan's `before` entry for a small reduction launched ahead of the main one
     (class_weight_sum, rowclass_count): its operands, its result into scratch region `out`, and
     its blocks' partials into region `partials` with the stream's ticket where the plan has
     that region."""
@@ -138,10 +175,10 @@ def before_main(launched: Launched, inputs: tuple, scratch: dict, out: str, part
     return launched, inputs, regions, ticket_word
 
 
-def row_run(plan: RowPlan, frame, stream: int, state):
-    """Allocate a row plan's outputs, fill the pointer words, launch.  state: (operands,
+def run(plan: Plan, frame, stream: int, state):
+    """Allocate a plan's outputs, fill the pointer words, launch.  state: (operands,
     grad_output, its value, and what the family's copies want besides).  Returns the results in
-    plan.outputs' order, in the caller's framework.  The hot path of every row-family call."""
+    plan.outputs' order, in the caller's framework.  The hot path of every call."""
     ops = state[0]
     main = plan.main
     words = array.array("Q", main.words)
@@ -149,17 +186,29 @@ def row_run(plan: RowPlan, frame, stream: int, state):
         op = ops[k]
         if op is not None:
             words[word] = op.ptr
+    for word, k in plan.numbers:
+        if ops[k] is not None:
+            words[word] = _args.f64_word(ops[k])
     grad_output_words(words, main.slot, state[1], state[2])
     first = ops[0]
     like = first.array
     results = [None] * plan.nresults
+    loose = {}
     for i, word, shape, dtype, how in plan.made:
         if how == "empty":
-            results[i], words[word] = frame.empty(shape, dtype, like)
-        else:
+            results[i], ptr = frame.empty(shape, dtype, like)
+        elif how.__class__ is int:
             op = ops[how]
-            results[i], words[word] = op.array, op.ptr
-    held = counters = None
+            results[i], ptr = op.array, op.ptr
+        elif how == "zeros":
+            results[i], ptr = frame.zeros(shape, dtype, like)
+        else:
+            results[i], ptr = frame.empty_like(ops[how[1]].array)
+        if word >= 0:
+            words[word] = ptr
+        else:
+            loose[i] = ptr
+    held = counters = wide = None
     if plan.extra:
         held, base, ticket_ptr = scratch(frame, plan, like, first.device, stream, words,
                                          main.slot)
@@ -170,6 +219,12 @@ def row_run(plan: RowPlan, frame, stream: int, state):
             counters = [frame.zeros((n,), _F32, like) for _, n in plan.counters]
             for (word, _), (_, ptr) in zip(plan.counters, counters):
                 words[word] = ptr
+        if plan.wide:
+            wide, wbase = frame.empty((plan.wide_size,), _F64, like)
+            for word, offset in plan.wide_offsets:
+                words[word] = wbase + 8 * offset
+            if plan.col_tickets >= 0:
+                words[plan.col_tickets] = col_tickets(first.device, stream)
         for launched, inputs, regions, ticket_word in plan.before:
             pre = array.array("Q", launched.words)
             for word, k in inputs:
@@ -186,16 +241,22 @@ def row_run(plan: RowPlan, frame, stream: int, state):
                                  words)
     else:
         _args.launch(main.function, main.grid, main.block, main.shared, stream, words)
-    for launched, wires in plan.after:
+    for launched, wires, outs in plan.after:
         post = array.array("Q", launched.words)
         for word, from_main in wires:
             post[word] = words[from_main]
+        for word, i in outs:
+            post[word] = loose[i]
         _args.launch(launched.function, launched.grid, launched.block, launched.shared, stream,
                      post)
-    del held, counters
+    del held, counters, wide
     result = frame.result
     for i, *_ in plan.made:
         results[i] = result(results[i])
+    if plan.rest is not None:
+        for i, value in enumerate(run(plan.rest, frame, stream, state)):
+            if value is not None:
+                results[i] = value
     return results
 
 
@@ -224,14 +285,15 @@ def scratch(frame, plan, like, device: int, stream: int, words, slot) -> tuple[o
     """A row launch's scratch and ticket: (the scratch array, None for none: the caller keeps it
     until its launch is queued, or its memory goes back to the pool for the next allocation to
     take; its base pointer, plan.scratch_size accumulators of plan.acc, 0 for none; the stream's
-    ticket, 0 where the plan takes none), the main launch's partials and ticket words filled
-    where plan.scratch has "partials"."""
+    ticket, 0 where the plan takes none), the main launch's partials and ticket words
+    (plan.ticket_slots) filled where plan.scratch has "partials"."""
     mine = ticket(device, stream) if plan.ticket else 0
     held, base = frame.empty((plan.scratch_size,), plan.acc, like) if plan.scratch_size \
         else (None, 0)
     if "partials" in plan.scratch:
-        words[slot["partials"]] = base + plan.acc.itemsize * plan.scratch["partials"][0]
-        words[slot["ticket"]] = mine
+        partials, ticket_slot = plan.ticket_slots
+        words[slot[partials]] = base + plan.acc.itemsize * plan.scratch["partials"][0]
+        words[slot[ticket_slot]] = mine
     return held, base, mine
 
 

@@ -107,14 +107,20 @@ def save(path, data):
     return data
 
 
-def arguments(prog: str, doc: str, reps: int, json_help: str = "write the rows to this file"):
+def arguments(prog: str, doc: str, reps: int, json_help: str = "write the rows to this file",
+              scale: str | None = None, no_compile: bool = False):
     """A benchmark command's parser (its description the first line of `doc`) with the options
-    every benchmark takes: --reps (default `reps`) and --json."""
+    every benchmark takes: --reps (default `reps`) and --json; --scale (a factor, default 1,
+    `scale` its help) and --no-compile where asked for."""
     import argparse
 
     ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     ap.add_argument("--reps", type=int, default=reps, help="timed runs a median is taken of")
     ap.add_argument("--json", default=None, help=json_help)
+    if scale is not None:
+        ap.add_argument("--scale", type=float, default=1.0, help=scale)
+    if no_compile:
+        ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     return ap
 
 

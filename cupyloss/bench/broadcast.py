@@ -225,12 +225,12 @@ def family(reps: int, copy_bw: float, device: str, compile_: bool = False) -> li
 
 
 def main(argv=None) -> list[dict]:
-    ap = _timing.arguments("python -m cupyloss.bench.broadcast", __doc__, 20)
-    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--family", action="store_true",
-                    help="also every pointwise loss on the same patterns (cupyloss alone)")
-    ap.add_argument("--family-compile", action="store_true",
-                    help="--family with torch.compile's time of each loss beside cupyloss's")
+    ap = _timing.arguments("python -m cupyloss.bench.broadcast", __doc__, 20, no_compile=True)
+    for flag, text in (
+            ("--family", "also every pointwise loss on the same patterns (cupyloss alone)"),
+            ("--family-compile", "--family with torch.compile's time of each loss beside "
+                                 "cupyloss's")):
+        ap.add_argument(flag, action="store_true", help=text)
     args = ap.parse_args(argv)
     torch, device = _timing.torch_gpu(ap.prog)
 

@@ -416,9 +416,8 @@ def write_plot(rows: list[dict], path: str) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = _timing.arguments("python -m cupyloss.bench", __doc__, 20)
-    ap.add_argument("--scale", type=float, default=1.0, help="shrink every side (0.25 on a "
-                    "small GPU)")
+    ap = _timing.arguments("python -m cupyloss.bench", __doc__, 20,
+                           scale="shrink every side (0.25 on a small GPU)")
     ap.add_argument("--small-only", action="store_true", help="only the small-call host cost")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="sweep sizes 1K..1G, write a plot here and a markdown table beside it")

@@ -202,10 +202,8 @@ def _option_impls(torch, x, t, compile_: bool):
 
 
 def main(argv=None) -> list[dict]:
-    ap = _timing.arguments("python -m cupyloss.bench.rowwise", __doc__, 20)
-    ap.add_argument("--scale", type=float, default=1.0, help="shrink the rows (0.25 on a "
-                    "small GPU)")
-    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap = _timing.arguments("python -m cupyloss.bench.rowwise", __doc__, 20,
+                           scale="shrink the rows (0.25 on a small GPU)", no_compile=True)
     ap.add_argument("--workloads", default="kb95,llm,jsd,kb99",
                     help="comma-separated, of kb95, llm, jsd, kb99, options (default: all but "
                     "options)")

@@ -377,8 +377,7 @@ def autocast(reps: int, scale: float) -> list:
 def main(argv=None) -> dict:
     global torch, CF
     ap = _timing.arguments("python -m cupyloss.bench.torch_adapter", __doc__, 20,
-                           json_help="write the results to this file")
-    ap.add_argument("--scale", type=float, default=1.0, help="shrink every side")
+                           json_help="write the results to this file", scale="shrink every side")
     ap.add_argument("--small-only", action="store_true", help="only the 1K-element host cost")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections of small, large, compiled, autocast "

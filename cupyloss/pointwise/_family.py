@@ -1,4 +1,4 @@
-"""The engine behind every pointwise loss: plan once per layout, then allocate and launch.
+"""The pointwise family: every pointwise loss planned once per layout, then run by the engine.
 
 `evaluate` is the one entry point.  A loss (a LossSpec of _registry) has K array operands, 2 to
 4, in torch's order; each comes through `_dispatch` as an Operand (pointer, shape, strides, dtype,
@@ -7,9 +7,9 @@ its own gradient on request.  An optional operand left out (None) reads as the s
 value, and a Python number where the public function accepts one reads as that number; neither
 has a gradient.  Everything that depends only on metadata (shapes, strides, dtype, alignment,
 device, reduction, the functor's options, which outputs) is computed once and cached as a Plan
-holding the kernel, its launch configuration and its packed parameter words (the functor's
-Params struct among them).  A call with a cached plan validates, allocates its outputs and
-launches once: the 0-d loss is finished inside the same kernel (grid_sum_out in
+(an `_engine.Plan`: the kernel, its launch configuration, its packed parameter words with the
+functor's Params struct among them, and the tables `_engine.run` fills).  A call with a cached
+plan validates, allocates its outputs and launches once: the 0-d loss is finished inside the same kernel (grid_sum_out in
 kernels/common.cuh).
 
 The gradient of an operand broadcast along some of the dims (a per-channel or per-row
@@ -30,8 +30,6 @@ import dataclasses
 import functools
 import math
 from typing import NamedTuple
-
-import numpy
 
 from cupyloss._core import (
     args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
@@ -81,7 +79,6 @@ def reduce_layout(k: int, params: int) -> _args.Layout:
 
 
 SUM_CHUNKS = _args.Layout(_source.kernel_words("reduce.cu", "sum_chunks"))
-_F64 = numpy.dtype(numpy.float64)
 
 
 class Key(NamedTuple):
@@ -99,70 +96,24 @@ class Key(NamedTuple):
     dtype: object
     aligned: bool            # every pointer on a 16-byte boundary
     device: int
+    copied: bool             # the operands are contiguous copies (results allocated anew)
 
 
 @dataclasses.dataclass
-class Plan:
-    """Everything about a call that depends only on metadata, ready to launch."""
+class Plan(_engine.Plan):
+    """A pointwise plan: the engine's tables, and what they were made from."""
 
-    function: int            # CUfunction of the pointwise kernel
-    grid: tuple
-    block: tuple
-    shared: int
-    words: object            # array('Q'): the packed parameters, per-call words left zero
-    slot: dict               # parameter name -> first word index (the layout's)
-    out_shape: tuple
-    n: int
-    loss: bool               # allocate the elementwise loss
-    value: bool              # allocate the 0-d loss
-    grads: tuple             # per operand: None or where its gradient goes: "g", "g0",
-                             # "chunks" (float64 partials summed by sum_chunks), "fused" ("g",
-                             # with float64 partials the kernel itself adds up) or "zeros"
-    partials: int            # accumulator elements of scratch for several blocks (0: none)
-    acc: numpy.dtype
-    chunks: tuple = ()       # per operand: None or (partials' words, sum_chunks grid and words;
-                             # None for "fused")
-    sum_chunks: int = 0      # CUfunction of sum_chunks for this dtype (when chunks are used)
-    rest: "Plan | None" = None   # the pass for operands broadcast along other dims
-    too_many_dims: bool = False
-    shapes: tuple = ()       # per operand: its shape (its gradient's), None when not an array
-    contiguous: tuple = ()   # per operand: whether it is C-contiguous
-
-    def __post_init__(self):
-        # What _run does per call, precomputed.  allocs: (result index, word slot or -1, shape,
-        # how) for every output; result 0 is the loss, k + 1 operand k's gradient; how is
-        # "empty", "like" (the operand is C-contiguous: the cheapest allocation copies its
-        # metadata) or "zeros".  in_slots: (operand, word) of every array operand's pointer;
-        # number_slots: (operand, word) of every operand given as a number.
-        slot = self.slot
-        self.allocs = []
-        if self.value:
-            self.allocs.append((0, slot["o.value"], (), "empty"))
-        elif self.loss:
-            self.allocs.append((0, slot["loss"], self.out_shape, "empty"))
-        for k, where in enumerate(self.grads):
-            if where is None:
-                continue
-            word = {"g": "g", "g0": "o.g", "fused": "g"}.get(where)  # "chunks": sum_chunks's
-            how = "zeros" if where == "zeros" else "like" if self.contiguous[k] else "empty"
-            self.allocs.append((k + 1, slot[word] + k if word else -1, self.shapes[k], how))
-        self.slow = self.too_many_dims
-        self.empty_results = (None,) * (len(self.shapes) + 1)
-        self.results = tuple(index for index, _, _, _ in self.allocs)
-        if slot:
-            self.in_slots = [(k, slot["in"] + k) for k, s in enumerate(self.shapes)
-                             if s is not None]
-            self.number_slots = [(k, slot["fill"] + k) for k, s in enumerate(self.shapes)
-                                 if s is None]
-            self.sgo, self.sgov = slot["go"], slot["go_value"]
-            self.spartials, self.sticket = slot["o.partials"], slot["o.ticket"]
-            self.sws = slot.get("ws", 0)
-            self.scol = slot.get("col_tickets", 0)
-        self.fused = [(k, self.chunks[k][0]) for k, where in enumerate(self.grads)
-                      if where == "fused"]
+    out_shape: tuple = ()
+    grads: tuple = ()        # per operand: None or where its gradient goes: "g", "g0", "chunks"
+                             # (float64 partials summed by sum_chunks), "fused" ("g", with
+                             # float64 partials the kernel itself adds up) or "zeros"
+    value: bool = False      # a 0-d loss
+    loss: bool = False       # an elementwise loss
 
 
 _PLANS = _plans.Plans()
+
+
 def _mode(size: int, n: int) -> str:
     if size == n:
         return "direct"
@@ -179,7 +130,7 @@ def _build(key: Key) -> Plan:
     """The plan of a key; layouts[k] is (shape, strides) of array operand k, else None."""
     key = Key._make(key)
     (name, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides, layouts,
-     dtype, aligned, device) = key
+     dtype, aligned, device, copied) = key
     spec = SPECS[name]
     info = _dtypes.DTYPES[dtype]
     limits = _launch.device_limits(device)
@@ -246,12 +197,40 @@ def _build(key: Key) -> Plan:
             summed = [k for k in summed if not later[k]]
 
     def plan(function, cfg, words, layout, grads, chunks, scalars):
+        slot = layout.slot
         nblocks = math.prod(cfg.grid)
-        return Plan(function, cfg.grid, cfg.block, cfg.shared, words, layout.slot, out_shape,
-                    n, not reduced and want_value, reduced and want_value, tuple(grads),
-                    (k_ops + 1) * nblocks if nblocks > 1 and scalars else 0, info.acc,
-                    tuple(chunks), _sum_chunks_function(info) if any(chunks) else 0, rest,
-                    shapes=shapes, contiguous=contiguous)
+        outputs = [None] * (k_ops + 1)
+        if want_value:
+            outputs[0] = ((slot["o.value"], (), dtype, "empty") if reduced
+                          else (slot["loss"], out_shape, dtype, "empty"))
+        wide, after = [], []
+        for k, where in enumerate(grads):
+            if where is None:
+                continue
+            word = {"g": slot["g"] + k, "g0": slot["o.g"] + k,
+                    "fused": slot["g"] + k}.get(where, -1)   # "chunks": sum_chunks's
+            how = ("zeros" if where == "zeros" else ("like", k) if contiguous[k] and not copied
+                   else "empty")
+            outputs[k + 1] = (word, shapes[k], dtype, how)
+            if chunks[k] is not None:
+                wide.append((slot["ws"] + k, chunks[k][0]))
+            if where == "chunks":
+                _, grid, template = chunks[k]
+                after.append((_engine.Launched(_sum_chunks_function(info), grid,
+                                               (_launch.BLOCK,), 0, template, SUM_CHUNKS.slot),
+                              ((SUM_CHUNKS.slot["ws"], slot["ws"] + k),),
+                              ((SUM_CHUNKS.slot["out"], k + 1),)))
+        scratch = _engine.Regions()
+        if nblocks > 1 and scalars:
+            scratch.add("partials", (k_ops + 1) * nblocks)
+        return Plan(
+            _engine.Launched(function, cfg.grid, cfg.block, cfg.shared, words, slot),
+            tuple((slot["in"] + k, k) for k in range(k_ops) if shapes[k] is not None),
+            tuple(outputs), info.acc, scratch, scratch.size, bool(scratch.size), after=tuple(after),
+            numbers=tuple((slot["fill"] + k, k) for k in range(k_ops) if shapes[k] is None),
+            wide=tuple(wide), col_tickets=slot["col_tickets"] if "fused" in grads else -1,
+            ticket_slots=("o.partials", "o.ticket"), rest=rest, out_shape=out_shape,
+            grads=tuple(grads), value=reduced and want_value, loss=not reduced and want_value)
 
     def chunked(nchunks, cols):
         cfg = _pointwise_launch.sum_chunks_launch(cols, limits)
@@ -312,9 +291,10 @@ def _build(key: Key) -> Plan:
             function = layout.bind(_source.function("pointwise.cu", name).kernel.ptr)
             return plan(function, cfg, words, layout, grads, chunks, scalars)
 
-    if len(shape) > _launch.MAX_DIMS:  # evaluate makes the operands contiguous and retries
-        return Plan(0, (), (), 0, None, {}, out_shape, n, False, False, (), 0, info.acc,
-                    too_many_dims=True, shapes=shapes, contiguous=contiguous)
+    if len(shape) > _launch.MAX_DIMS:  # run_slow makes the operands contiguous and retries
+        slow = Plan(None, (), (), info.acc, {}, 0, False, out_shape=out_shape)
+        slow.slow = True
+        return slow
     grads = [None] * k_ops
     for k in range(k_ops):
         if want_grads[k]:
@@ -468,87 +448,9 @@ def evaluate(spec: LossSpec, arrays, *, reduction: str, params: tuple, want_valu
             go_shape, go_strides = go.shape, go.strides
             bits |= go.ptr
     key = (spec.name, reduction, params, want_value, want_grads, go_kind, go_shape, go_strides,
-           layouts, dtype, not (bits & 15), device)   # Key's fields
-    return _engine.execute(FAMILY, key, device, frame, frame.stream(device),
-                           (ops, go, go_value, None))
+           layouts, dtype, not (bits & 15), device, False)   # Key's fields
+    return _engine.execute(FAMILY, key, device, frame, frame.stream(device), (ops, go, go_value))
 
-
-
-def _run(plan: Plan, frame, stream, state):
-    """Allocate the outputs, fill the pointer words, launch.  The hot path of every call.
-
-    state: (operands, grad_output, its value, like): outputs are allocated by `frame` like
-    `like` (None: the first operand's array)."""
-    ops, go, go_value, like = state
-    words = _args.array.array("Q", plan.words)
-    for k, s in plan.in_slots:
-        words[s] = ops[k].ptr
-    if plan.number_slots:
-        for k, s in plan.number_slots:
-            if ops[k] is not None:
-                words[s] = _args.f64_word(ops[k])
-    if go is not None:
-        words[plan.sgo] = go.ptr
-    elif go_value != 1.0:
-        words[plan.sgov] = _args.f64_word(go_value)
-    out = list(plan.empty_results)
-    post = []
-    x = ops[0]
-    if like is None:
-        like = x.array
-    dtype = x.dtype
-    for index, slot, shape, how in plan.allocs:
-        if how == "like":
-            out[index], ptr = frame.empty_like(ops[index - 1].array)
-        elif how == "empty":
-            out[index], ptr = frame.empty(shape, dtype, like)
-        else:
-            out[index], _ = frame.zeros(shape, dtype, like)
-            continue
-        if slot >= 0:
-            words[slot] = ptr
-        else:
-            post.append((index - 1, ptr))
-    if plan.partials:
-        partials, words[plan.spartials] = frame.empty((plan.partials,), plan.acc, like)
-        words[plan.sticket] = _engine.ticket(x.device, stream)
-    held = []
-    for k, size in plan.fused:
-        part, words[plan.sws + k] = frame.empty((size,), _F64, like)
-        held.append(part)
-    if held:
-        words[plan.scol] = _engine.col_tickets(x.device, stream)
-    if post:
-        _launch_chunked(plan, frame, words, post, stream, like)
-    else:
-        _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
-    result = frame.result
-    for index in plan.results:
-        out[index] = result(out[index])
-    if plan.rest is not None:
-        # The later passes (a chain: one per further broadcast pattern) fill what this left.
-        more = _run(plan.rest, frame, stream, (ops, go, go_value, like))
-        for index, value in enumerate(more):
-            if value is not None:
-                out[index] = value
-    return out
-
-
-def _launch_chunked(plan, frame, words, post, stream, like):
-    """The main launch with float64 partials [chunks, size] for the gradients in `post`
-    ((operand, output pointer)), then sum_chunks over each, chunks in order."""
-    held = []
-    for k, out_ptr in post:
-        size, grid, template = plan.chunks[k]
-        part, ptr = frame.empty((size,), _F64, like)
-        words[plan.sws + k] = ptr
-        sum_words = _args.array.array("Q", template)
-        sum_words[SUM_CHUNKS.slot["ws"]] = ptr
-        sum_words[SUM_CHUNKS.slot["out"]] = out_ptr
-        held.append((part, grid, sum_words))
-    _args.launch(plan.function, plan.grid, plan.block, plan.shared, stream, words)
-    for _, grid, sum_words in held:
-        _args.launch(plan.sum_chunks, grid, (_launch.BLOCK,), 0, stream, sum_words)
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -561,29 +463,27 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 def _copies(frame, stream, key, state):
     """Where the plan has more than MAX_DIMS dims after coalescing: contiguous copies (one dim
-    each; results still like the caller's arrays) and their key.  Else (another current device)
-    the operands as they are."""
-    import cupy
-
+    each; results still allocated like the caller's arrays) and their key.  Else (another
+    current device) the operands as they are."""
     plan = _PLANS.get(key)
-    if plan is None or not plan.too_many_dims:
+    if plan is None or not plan.slow:
         return key, state, None
-    ops, go, go_value, _ = state
-    like = ops[0].array
-    cupy_frame = _dispatch.CupyFrame()
-    copies = []
+    ops, go, go_value = state
+    copies, keep = [], []
     for name, op in zip(SPECS[key[0]].operands, ops):
         if op is None or type(op) is float:
             copies.append(op)
         else:
-            copies.append(cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(op)), name))
+            copy, kept = _engine.contiguous_input(frame, op, name)
+            copies.append(copy)
+            keep.append(kept)
     go_shape = go_strides = None
     go_kind = "host"
+    bits = 0
     if go is not None:
-        go = cupy_frame.operand(cupy.ascontiguousarray(frame.cupy_view(go)), "grad_output")
+        go = _engine.contiguous(frame, go, "grad_output")
         go_kind = "device" if go.shape == () else "array"
-        go_shape, go_strides = go.shape, go.strides
-    bits = go.ptr if go is not None else 0
+        go_shape, go_strides, bits = go.shape, go.strides, go.ptr
     layouts = []
     for op in copies:
         if op is None or type(op) is float:
@@ -592,8 +492,8 @@ def _copies(frame, stream, key, state):
             bits |= op.ptr
             layouts.append((op.shape, op.strides))
     key = Key._make(key)._replace(go_kind=go_kind, go_shape=go_shape, go_strides=go_strides,
-                                  layouts=tuple(layouts), aligned=not (bits & 15))
-    return key, (copies, go, go_value, like), copies
+                                  layouts=tuple(layouts), aligned=not (bits & 15), copied=True)
+    return key, (copies, go, go_value), (keep, go)
 
 
-FAMILY = _engine.Family(_PLANS, _build, _copies, _run)
+FAMILY = _engine.Family(_PLANS, _build, _copies)

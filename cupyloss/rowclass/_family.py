@@ -23,7 +23,7 @@ from cupyloss._core import (
     launch as _launch, plans as _plans, reduction as _reduction, source as _source,
     validate as _validate)
 from cupyloss.rowclass import _launch as _rowclass_launch
-from cupyloss._core.engine import Launched, RowPlan
+from cupyloss._core.engine import Launched, Plan
 
 # The loss ids of rowclass_rows<T, LOSS> and the flag bits: the enums of kernels/rowclass.cu.
 LOSS_MULTI_MARGIN, LOSS_MULTILABEL, LOSS_JSD, LOSS_MULTILABEL_MARGIN = _source.constants(
@@ -203,7 +203,7 @@ def check_targets(frame, t, cols, stream, low=0, message="target out of range"):
 
 # --- plans --------------------------------------------------------------------------------------
 
-def _build(key: Key) -> RowPlan:
+def _build(key: Key) -> Plan:
     (name, reduction, option, p2, ignore_index, want_value, want_gx, want_gt, go_kind, go_rs,
      x_shape, x_rs, t_rs, t_dtype, w_strides, l_rs, l_dtype, loss_shape, dtype, device,
      inplace) = Key._make(key)
@@ -257,23 +257,18 @@ def _build(key: Key) -> RowPlan:
         "ignore_index": _args.i64_word(ignore_index), "option": _args.f64_word(option),
         "go_value": _ONE, "grad_scale": _args.f64_word(grad_scale), "tpr": cfg.tpr,
         "divisor": _args.f64_word(divisor)})
-    main = Launched(ROWS.bind(_source.function("rowclass.cu", name).kernel.ptr), cfg.grid,
-                    cfg.block, cfg.shared, words, ROWS.slot)
+    main = Launched.of(ROWS, "rowclass.cu", name, cfg, words)
     scratch = _engine.Regions()
 
     if want_value and reduction != "none" and main.grid[0] > 1:
         scratch.add("partials", 2 * main.grid[0])
     count = None
     if count_rows and want_g:
-        cname = _source.rowclass_name("rowclass_count", info.ctype)
-        ccfg = _launch.flat_launch(rows, 1, limits)
-        cwords = COUNT.template({"rows": rows, "l_rs": l_rs, "flags": flags & FLAG_LABELS64,
-                                 "ignore_index": _args.i64_word(ignore_index)})
-        count = Launched(COUNT.bind(_source.function("rowclass.cu", cname).kernel.ptr), ccfg.grid,
-                         ccfg.block, ccfg.shared, cwords, COUNT.slot)
-        scratch.add("denom", 1)
-        if ccfg.grid[0] > 1:
-            scratch.add("count_partials", ccfg.grid[0])
+        count = _engine.small_reduction(
+            COUNT, "rowclass.cu", _source.rowclass_name("rowclass_count", info.ctype), rows,
+            COUNT.template({"rows": rows, "l_rs": l_rs, "flags": flags & FLAG_LABELS64,
+                            "ignore_index": _args.i64_word(ignore_index)}),
+            limits, scratch, "count_partials")
     ticket = "partials" in scratch or "count_partials" in scratch
     # Operands: (x, target, weight, shift labels); results: (value or loss, gx, gt).
     slot = main.slot
@@ -290,10 +285,10 @@ def _build(key: Key) -> RowPlan:
     if count is not None:
         before = (_engine.before_main(count, ((count.slot["labels"], 3),), scratch, "denom",
                                       "count_partials"),)
-    return RowPlan(main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2),
-                          (slot["labels"], 3)), outputs, acc, scratch, scratch.size, ticket,
-                   main_regions=((slot["denom"], "denom"),) if "denom" in scratch else (),
-                   before=before)
+    return Plan(main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2),
+                       (slot["labels"], 3)), outputs, acc, scratch, scratch.size, ticket,
+                main_regions=((slot["denom"], "denom"),) if "denom" in scratch else (),
+                before=before)
 
 
 def _operand(frame, a, name, x):
@@ -454,4 +449,4 @@ def _copies(frame, stream, key, state):
     return key, ((x, t, w, labels), go, go_value, is_index), keep
 
 
-FAMILY = _engine.Family(_PLANS, _build, _copies, _engine.row_run)
+FAMILY = _engine.Family(_PLANS, _build, _copies)

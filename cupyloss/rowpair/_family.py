@@ -20,7 +20,7 @@ from cupyloss._core import (
     args as _args, dispatch as _dispatch, dtypes as _dtypes, engine as _engine,
     launch as _launch, plans as _plans, reduction as _reduction, source as _source,
     validate as _validate)
-from cupyloss._core.engine import Launched, RowPlan
+from cupyloss._core.engine import Launched, Plan
 from cupyloss.rowpair import _launch as _rowpair_launch
 
 # Flag bits: the enum of kernels/rowpair.cu.
@@ -164,7 +164,7 @@ def _row_geometry(shape, strides):
     return None if rs is None else (rs, strides[-1])
 
 
-def _build(key: Key) -> RowPlan:
+def _build(key: Key) -> Plan:
     key = Key._make(key)
     spec, reduction, want_value, grads, x_shape, geos = (
         SPECS[key.name], key.reduction, key.want_value, key.grads, key.x_shape, key.geos)
@@ -229,10 +229,10 @@ def _build(key: Key) -> RowPlan:
             FINISH_LAYOUT.template({"rows": rows, "divisor": _args.f64_word(divisor)}),
             FINISH_LAYOUT.slot)
         after = ((finish, ((FINISH_LAYOUT.slot["partials"], slot["partials"]),
-                           (FINISH_LAYOUT.slot["value"], slot["value"]))),)
-    return RowPlan(main, (*((slot["x0"] + k, k) for k in range(n)), (slot["tgt"], n)),
-                   outputs, acc, scratch, scratch.size, bool(partials) and not after,
-                   after=after)
+                           (FINISH_LAYOUT.slot["value"], slot["value"])), ()),)
+    return Plan(main, (*((slot["x0"] + k, k) for k in range(n)), (slot["tgt"], n)),
+                outputs, acc, scratch, scratch.size, bool(partials) and not after,
+                after=after)
 
 
 def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=True, wrt=(),
@@ -311,4 +311,4 @@ def _copies(frame, stream, key, state):
     return key, ((*xs, t), go, go_value), keep
 
 
-FAMILY = _engine.Family(_PLANS, _build, _copies, _engine.row_run)
+FAMILY = _engine.Family(_PLANS, _build, _copies)

@@ -25,7 +25,7 @@ from cupyloss._core import (
     launch as _launch, plans as _plans, reduction as _reduction, source as _source,
     validate as _validate)
 from cupyloss.rowwise import _launch as _rowwise_launch
-from cupyloss._core.engine import Launched, RowPlan
+from cupyloss._core.engine import Launched, Plan
 
 # Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
 (FLAG_INDEX64, FLAG_PROB, FLAG_NLL, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_MEAN_W, FLAG_ACC_IO,
@@ -185,7 +185,7 @@ def _flags(spec, is_index, t_dtype, go_kind, mean_w, acc_io=False) -> int:
     return flags
 
 
-def _build(key: Key) -> RowPlan:
+def _build(key: Key) -> Plan:
     """The plan of a key (see Key: into is None or the (dtype, strides) of the array the input
     gradient is written to; acc_io: the loss and grad_output in the accumulator type,
     FLAG_ACC_IO)."""
@@ -243,8 +243,7 @@ def _build(key: Key) -> RowPlan:
                                "stash": cfg.stash})
         if cfg.cluster:
             name = _source.rowwise_name("cross_entropy_rows", info.ctype, mode, cfg.k, gtype)
-        main = Launched(ROWS.bind(_source.function("rowwise.cu", name).kernel.ptr), cfg.grid,
-                        cfg.block, cfg.shared, words, ROWS.slot, cfg.cooperative)
+        main = Launched.of(ROWS, "rowwise.cu", name, cfg, words, cfg.cooperative)
         if cfg.cooperative:
             groups = cfg.grid[0] // cfg.k
             counters = groups
@@ -262,23 +261,18 @@ def _build(key: Key) -> RowPlan:
         words = COLS.template({**common, "inner": geo.inner, "xn": xn, "xc": xc, "xd": xd,
                                "tn": tn, "tc": tc, "td": td, "gon": go_rs[0], "god": go_rs[1],
                                "gn": gn, "gc": gc, "gd": gd})
-        main = Launched(COLS.bind(_source.function("rowwise.cu", name).kernel.ptr), cfg.grid,
-                        cfg.block, cfg.shared, words, COLS.slot)
+        main = Launched.of(COLS, "rowwise.cu", name, cfg, words)
     nblocks = main.grid[0]
     if want_value and nblocks > 1:
         scratch.add("partials", 2 * nblocks)
     wsum = None
     if mean_w and want_g:
-        wname = _source.rowwise_name("class_weight_sum", info.ctype)
-        wcfg = _launch.flat_launch(rows, 1, limits)
-        wwords = WSUM.template({"rows": rows, "cols": cols, "inner": geo.inner, "tn": geo.t[0],
-                                "td": geo.t[2], "flags": flags & FLAG_INDEX64,
-                                "ignore_index": _args.i64_word(ignore_index)})
-        wsum = Launched(WSUM.bind(_source.function("rowwise.cu", wname).kernel.ptr), wcfg.grid,
-                        wcfg.block, wcfg.shared, wwords, WSUM.slot)
-        scratch.add("denom", 1)
-        if wcfg.grid[0] > 1:
-            scratch.add("wsum_partials", wcfg.grid[0])
+        wsum = _engine.small_reduction(
+            WSUM, "rowwise.cu", _source.rowwise_name("class_weight_sum", info.ctype), rows,
+            WSUM.template({"rows": rows, "cols": cols, "inner": geo.inner, "tn": geo.t[0],
+                           "td": geo.t[2], "flags": flags & FLAG_INDEX64,
+                           "ignore_index": _args.i64_word(ignore_index)}),
+            limits, scratch, "wsum_partials")
     ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
     # Operands: (x, target, weight, grad_into); results: (value or loss, gx, gt, lse).
     slot = main.slot
@@ -298,7 +292,7 @@ def _build(key: Key) -> RowPlan:
     if wsum is not None:
         before = (_engine.before_main(wsum, ((wsum.slot["tgt"], 1), (wsum.slot["weight"], 2)),
                                       scratch, "denom", "wsum_partials"),)
-    return RowPlan(
+    return Plan(
         main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2)), outputs, acc, scratch,
         scratch.size, ticket,
         main_regions=tuple((slot[r], r) for r in ("exchange", "denom") if r in scratch),
@@ -426,7 +420,7 @@ def _copies(frame, stream, key, state):
     return key, ((x, t, w, into), go, go_value), x_copy
 
 
-FAMILY = _engine.Family(_PLANS, _build, _copies, _engine.row_run)
+FAMILY = _engine.Family(_PLANS, _build, _copies)
 
 
 def slice_grad(x, target, lse, out, c0, classes, weight, wsum, grad_output, *, ignore_index,
