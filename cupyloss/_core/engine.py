@@ -137,10 +137,22 @@ class Plan:
 
     def __post_init__(self):
         # What run does per call, precomputed: the outputs made (result index, word, shape,
-        # dtype, how), whether any scratch, counters or other launches are there at all, and
-        # the offsets of the float64 partials (each on a 16-byte boundary).
-        self.made = tuple((i, *out) for i, out in enumerate(self.outputs) if out is not None)
+        # dtype, how as a code: _EMPTY, _LIKE or _ZEROS with no operand, _OWN with its operand),
+        # grad_output's words, whether any scratch, counters or other launches are there at
+        # all, and the offsets of the float64 partials (each on a 16-byte boundary).
+        made = []
+        for i, out in enumerate(self.outputs):
+            if out is not None:
+                word, shape, dtype, how = out
+                code, k = ((_OWN, how) if how.__class__ is int else (_LIKE, how[1])
+                           if how.__class__ is tuple else (_CODES[how], 0))
+                made.append((i, word, shape, dtype, code, k))
+        self.made = tuple(made)
+        self.results = tuple(i for i, *_ in made)
+        self.loose = any(word < 0 for _, word, *_ in made)
         self.nresults = len(self.outputs)
+        self.go_words = ((self.main.slot["go"], self.main.slot["go_value"])
+                         if self.main is not None else None)
         self.extra = bool(self.scratch_size or self.ticket or self.main_regions or self.counters
                           or self.before or self.wide)
         offsets, size = [], 0
@@ -148,6 +160,10 @@ class Plan:
             offsets.append((word, size))
             size += n + (n & 1)
         self.wide_offsets, self.wide_size = tuple(offsets), size
+
+
+_EMPTY, _LIKE, _ZEROS, _OWN = range(4)
+_CODES = {"empty": _EMPTY, "zeros": _ZEROS}
 
 
 class Regions(dict):
@@ -186,24 +202,29 @@ def run(plan: Plan, frame, stream: int, state):
         op = ops[k]
         if op is not None:
             words[word] = op.ptr
-    for word, k in plan.numbers:
-        if ops[k] is not None:
-            words[word] = _args.f64_word(ops[k])
-    grad_output_words(words, main.slot, state[1], state[2])
+    if plan.numbers:
+        for word, k in plan.numbers:
+            if ops[k] is not None:
+                words[word] = _args.f64_word(ops[k])
+    go = state[1]
+    if go is not None:
+        words[plan.go_words[0]] = go.ptr
+    elif state[2] != 1.0:
+        words[plan.go_words[1]] = _args.f64_word(state[2])
     first = ops[0]
     like = first.array
     results = [None] * plan.nresults
-    loose = {}
-    for i, word, shape, dtype, how in plan.made:
-        if how == "empty":
+    loose = {} if plan.loose else None
+    for i, word, shape, dtype, how, k in plan.made:
+        if how == _EMPTY:
             results[i], ptr = frame.empty(shape, dtype, like)
-        elif how.__class__ is int:
-            op = ops[how]
+        elif how == _LIKE:
+            results[i], ptr = frame.empty_like(ops[k].array)
+        elif how == _OWN:
+            op = ops[k]
             results[i], ptr = op.array, op.ptr
-        elif how == "zeros":
-            results[i], ptr = frame.zeros(shape, dtype, like)
         else:
-            results[i], ptr = frame.empty_like(ops[how[1]].array)
+            results[i], ptr = frame.zeros(shape, dtype, like)
         if word >= 0:
             words[word] = ptr
         else:
@@ -251,7 +272,7 @@ def run(plan: Plan, frame, stream: int, state):
                      post)
     del held, counters, wide
     result = frame.result
-    for i, *_ in plan.made:
+    for i in plan.results:
         results[i] = result(results[i])
     if plan.rest is not None:
         for i, value in enumerate(run(plan.rest, frame, stream, state)):
@@ -295,15 +316,6 @@ def scratch(frame, plan, like, device: int, stream: int, words, slot) -> tuple[o
         words[slot[partials]] = base + plan.acc.itemsize * plan.scratch["partials"][0]
         words[slot[ticket_slot]] = mine
     return held, base, mine
-
-
-def grad_output_words(words, slot, go, go_value) -> None:
-    """grad_output into a row launch's words: the pointer of a device array, else a number other
-    than 1 (a plan's words hold 1.0 in go_value and no pointer)."""
-    if go is not None:
-        words[slot["go"]] = go.ptr
-    elif go_value != 1.0:
-        words[slot["go_value"]] = _args.f64_word(go_value)
 
 
 def current_device() -> int:
