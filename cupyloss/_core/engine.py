@@ -1,7 +1,7 @@
-"""The one engine every family runs on: `execute` (the hot path of every call) and `run_slow`
-(calls off it), written once, and what the families share below them (the current device, plans
-built on it, the copies made off the hot path, the last-block tickets, class-index targets, row
-launches' kernels, scratch and grad_output words).
+"""The one engine every family runs on: `execute` (the hot path of every call), `run` (a plan's
+allocations and launches) and `run_slow` (calls off the hot path), written once, and what the
+families share below them (the current device, plans built on it, the copies made off the hot
+path, the last-block tickets, class-index targets, launches and scratch).
 
 A family (pointwise, rowwise, rowclass, rowpair; the fused head runs rowwise's) declares only
 what differs.  Its `evaluate` takes a call's arguments, checks them (everything raised before any
