@@ -9,8 +9,8 @@ has a gradient.  Everything that depends only on metadata (shapes, strides, dtyp
 device, reduction, the functor's options, which outputs) is computed once and cached as a Plan
 (an `_engine.Plan`: the kernel, its launch configuration, its packed parameter words with the
 functor's Params struct among them, and the tables `_engine.run` fills).  A call with a cached
-plan validates, allocates its outputs and launches once: the 0-d loss is finished inside the same kernel (grid_sum_out in
-kernels/common.cuh).
+plan validates, allocates its outputs and launches once: the 0-d loss is finished inside the
+same kernel (grid_sum_out in kernels/common.cuh).
 
 The gradient of an operand broadcast along some of the dims (a per-channel or per-row
 parameter) is summed in the same pass, in registers (pointwise_rows for one row broadcast down
@@ -226,7 +226,8 @@ def _build(key: Key) -> Plan:
         return Plan(
             _engine.Launched(function, cfg.grid, cfg.block, cfg.shared, words, slot),
             tuple((slot["in"] + k, k) for k in range(k_ops) if shapes[k] is not None),
-            tuple(outputs), info.acc, scratch, scratch.size, bool(scratch.size), after=tuple(after),
+            tuple(outputs), info.acc, scratch, scratch.size, bool(scratch.size),
+            after=tuple(after),
             numbers=tuple((slot["fill"] + k, k) for k in range(k_ops) if shapes[k] is None),
             wide=tuple(wide), col_tickets=slot["col_tickets"] if "fused" in grads else -1,
             ticket_slots=("o.partials", "o.ticket"), rest=rest, out_shape=out_shape,
