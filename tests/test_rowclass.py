@@ -9,6 +9,8 @@ import pytest
 from cupyloss.rowclass import _family as _rowclass
 from cupyloss._core.registry import all_losses
 
+_MM, _MLM = _rowclass.SPECS["multi_margin_loss"], _rowclass.SPECS["multilabel_margin_loss"]
+
 try:
     import torch
     import torch.nn.functional as F
@@ -52,7 +54,7 @@ def test_multi_margin_errors_have_torchs_wording(x_shape, t_shape, p, w_shape):
         pytest.skip(f"torch {torch.__version__} words the target-size check as older releases "
                     f"did; cupyloss follows the current wording")
     with pytest.raises(ValueError) as info:
-        _rowclass._check_multi_margin(_op(x_shape), _op(t_shape, I64), True, p,
+        _rowclass._check_multi_margin(_MM, _op(x_shape), _op(t_shape, I64), True, p,
                                       None if w is None else _op(w_shape))
     assert str(info.value) == want
 
@@ -60,22 +62,22 @@ def test_multi_margin_errors_have_torchs_wording(x_shape, t_shape, p, w_shape):
 def test_multi_margin_accepts_torchs_shapes():
     for x_shape, t_shape in [((3, 4), (3,)), ((4,), ()), ((4,), (1,)), ((1, 4), ()), ((), ()),
                              ((), (1,)), ((0, 4), (0,))]:
-        _rowclass._check_multi_margin(_op(x_shape), _op(t_shape, I64), True, 2, None)
+        _rowclass._check_multi_margin(_MM, _op(x_shape), _op(t_shape, I64), True, 2, None)
     with pytest.raises(TypeError, match="needs class indices \\(int32 or int64\\)"):
-        _rowclass._check_multi_margin(_op((3, 4)), _op((3,)), False, 1, None)
+        _rowclass._check_multi_margin(_MM, _op((3, 4)), _op((3,)), False, 1, None)
 
 
 def test_paired_checks():
     spec = _rowclass.SPECS["jsd"]
-    _rowclass._check_paired(spec, _op((2, 3, 5)), _op((2, 3, 5)), False)
+    _rowclass._check_paired(spec, _op((2, 3, 5)), _op((2, 3, 5)), False, 1, None)
     with pytest.raises(ValueError, match="0-d input"):
-        _rowclass._check_paired(spec, _op(()), _op(()), False)
+        _rowclass._check_paired(spec, _op(()), _op(()), False, 1, None)
     with pytest.raises(TypeError, match="floating target"):
-        _rowclass._check_paired(spec, _op((2, 5)), _op((2,), I64), True)
+        _rowclass._check_paired(spec, _op((2, 5)), _op((2,), I64), True, 1, None)
     with pytest.raises(TypeError, match="input has dtype float32 but target has dtype float64"):
-        _rowclass._check_paired(spec, _op((2, 5)), _op((2, 5), np.float64), False)
+        _rowclass._check_paired(spec, _op((2, 5)), _op((2, 5), np.float64), False, 1, None)
     with pytest.raises(ValueError, match="target of the input's shape \\(2, 5\\), got \\(5,\\)"):
-        _rowclass._check_paired(spec, _op((2, 5)), _op((5,)), False)
+        _rowclass._check_paired(spec, _op((2, 5)), _op((5,)), False, 1, None)
 
 
 def test_registry_entries():
@@ -147,12 +149,14 @@ def test_multilabel_margin_errors_have_torchs_wording(x_shape, t_shape):
     x, t = torch.zeros(x_shape), torch.zeros(t_shape, dtype=torch.long)
     want = _torch_message(lambda: torch.nn.functional.multilabel_margin_loss(x, t))
     with pytest.raises(ValueError) as got:
-        _rowclass._check_multilabel_margin(_op(x_shape), _op(t_shape, I64), True)
+        _rowclass._check_multilabel_margin(_MLM, _op(x_shape), _op(t_shape, I64), True, 1, None)
     assert str(got.value) == want
 
 
 def test_multilabel_margin_accepts_torchs_shapes():
-    for x_shape, t_shape in (((), ()), ((), (1,)), ((5,), (5,)), ((0, 5), (0, 5)), ((3, 5), (3, 5))):
-        _rowclass._check_multilabel_margin(_op(x_shape), _op(t_shape, I64), True)
+    for x_shape, t_shape in (((), ()), ((), (1,)), ((5,), (5,)), ((0, 5), (0, 5)),
+                             ((3, 5), (3, 5))):
+        _rowclass._check_multilabel_margin(_MLM, _op(x_shape), _op(t_shape, I64), True, 1,
+                                           None)
     with pytest.raises(TypeError, match="class indices"):
-        _rowclass._check_multilabel_margin(_op((3, 4)), _op((3, 4)), False)
+        _rowclass._check_multilabel_margin(_MLM, _op((3, 4)), _op((3, 4)), False, 1, None)

@@ -41,15 +41,25 @@ class ClassSpec:
 
     loss: its kernel (LOSS_*); arrays: the array arguments in torch's order (a gradient may be
     asked for the floating ones); options: the keyword options of the public function, in its
-    order; module_name: the nn.Module name the torch adapter gives it when torch has none.
+    order; module_name: the nn.Module name the torch adapter gives it when torch has none.  The
+    rest is what the family does differently for it, in place of branches on the loss.
     """
 
     name: str
     loss: int
+    check: object                 # check(spec, x, t, is_index, p, w): torch's checks
     arrays: tuple = ("input", "target")
     reductions: tuple = ("none", "mean", "sum")
     options: tuple = ()
     module_name: str | None = None
+    option: str | None = None     # the keyword the kernel's option word holds: "margin", "beta"
+    index_rows: bool = False      # target: rows of class indices shaped like the input
+    shaped_weight: bool = False   # weight broadcast to the input's shape, not one per class
+    target_loss_shape: bool = False   # reduction='none' gives the target's shape
+    zero_empty: bool = False      # 'mean' over no rows is 0 (torch's), not NaN
+    grad_in_place: bool = False   # inplace=True writes the input's gradient into the input
+    index_low: int = 0            # check_targets: indices below this are out of range
+    range_message: str = "target out of range"   # check_targets: torch's IndexError text
 
     def loss_shape(self, input_shape: tuple, reduction: str) -> tuple:
         """The loss's shape: () when reduced, else the input's without its last (class) axis
@@ -60,18 +70,6 @@ class ClassSpec:
         return tuple(input_shape[:-1])
 
 
-SPECS = {
-    "multi_margin_loss": ClassSpec("multi_margin_loss", LOSS_MULTI_MARGIN,
-                                   options=("p", "margin", "weight", "check_targets")),
-    "multilabel_soft_margin_loss": ClassSpec("multilabel_soft_margin_loss", LOSS_MULTILABEL,
-                                             options=("weight",)),
-    "jsd": ClassSpec("jsd", LOSS_JSD, options=("beta", "shift_labels", "ignore_index"),
-                     module_name="JSDLoss"),
-    "multilabel_margin_loss": ClassSpec("multilabel_margin_loss", LOSS_MULTILABEL_MARGIN,
-                                        options=("check_targets",)),
-}
-# The losses whose target is a row of class indices shaped like the input.
-_INDEX_ROWS = (LOSS_MULTILABEL_MARGIN,)
 
 # The kernels' parameter lists, one word each, named as kernels/rowclass.cu names them.
 ROWS = _args.Layout(_source.kernel_words("rowclass.cu", "rowclass_rows"))
@@ -130,7 +128,7 @@ def _index_stride(shape: tuple, strides: tuple):
 
 def _target_stride(spec, t, is_index):
     """The target's row stride (a class index a row: its element stride), or None."""
-    if is_index and spec.loss not in _INDEX_ROWS:
+    if is_index and not spec.index_rows:
         return _index_stride(t.shape, t.strides)
     return _row_strides(t.shape, t.strides)
 
@@ -149,7 +147,7 @@ def _check_scores_and_indices(name, x, t, is_index):
                         f"{t.dtype}")
 
 
-def _check_multi_margin(x, t, is_index, p, w):
+def _check_multi_margin(spec, x, t, is_index, p, w):
     _check_scores_and_indices("multi_margin_loss", x, t, is_index)
     nd = len(x.shape)
     nframe = 1 if nd <= 1 else x.shape[0]
@@ -169,7 +167,7 @@ def _check_multi_margin(x, t, is_index, p, w):
                              f"{list(w.shape)}")
 
 
-def _check_multilabel_margin(x, t, is_index):
+def _check_multilabel_margin(spec, x, t, is_index, p, w):
     _check_scores_and_indices("multilabel_margin_loss", x, t, is_index)
     nd = len(x.shape)
     same = tuple(t.shape) == tuple(x.shape) if nd == 2 else \
@@ -179,7 +177,7 @@ def _check_multilabel_margin(x, t, is_index):
                          f"{list(x.shape)}")
 
 
-def _check_paired(spec, x, t, is_index):
+def _check_paired(spec, x, t, is_index, p, w):
     if len(x.shape) == 0:
         raise ValueError(f"{spec.name} needs an input with a class axis (its last dim), got a "
                          f"0-d input")
@@ -188,6 +186,24 @@ def _check_paired(spec, x, t, is_index):
                         f"indices of dtype {t.dtype}")
     _validate.check_like_input(x, t, f"{spec.name} needs a target of the input's shape "
                                      f"{tuple(x.shape)}, got {tuple(t.shape)}")
+
+
+SPECS = {
+    "multi_margin_loss": ClassSpec(
+        "multi_margin_loss", LOSS_MULTI_MARGIN, _check_multi_margin,
+        options=("p", "margin", "weight", "check_targets"), option="margin",
+        target_loss_shape=True),
+    "multilabel_soft_margin_loss": ClassSpec(
+        "multilabel_soft_margin_loss", LOSS_MULTILABEL, _check_paired, options=("weight",),
+        shaped_weight=True),
+    "jsd": ClassSpec("jsd", LOSS_JSD, _check_paired,
+                     options=("beta", "shift_labels", "ignore_index"), module_name="JSDLoss",
+                     option="beta", zero_empty=True, grad_in_place=True),
+    "multilabel_margin_loss": ClassSpec(
+        "multilabel_margin_loss", LOSS_MULTILABEL_MARGIN, _check_multilabel_margin,
+        options=("check_targets",), index_rows=True, zero_empty=True, index_low=-1,
+        range_message="argument #2 'target' is out of range"),
+}
 
 
 def check_targets(frame, t, cols, stream, low=0, message="target out of range"):
@@ -210,7 +226,7 @@ def _build(key: Key) -> Plan:
     spec = SPECS[name]
     if (x_rs is None or t_rs is None or go_rs is None or (l_dtype is not None and l_rs is None)
             or w_strides is None
-            or (w_strides and spec.loss != LOSS_MULTILABEL and w_strides[1] not in (0, 1))):
+            or (w_strides and not spec.shaped_weight and w_strides[1] not in (0, 1))):
         return None     # an operand needs a copy first (_copies)
     info = _dtypes.DTYPES[dtype]
     acc = info.acc
@@ -219,14 +235,13 @@ def _build(key: Key) -> Plan:
     rows = math.prod(x_shape[:-1]) if x_shape else 1
     want_g = want_gx or want_gt
     labels = l_rs is not None
-    jsd = spec.loss == LOSS_JSD
-    count_rows = jsd and labels and reduction == "mean"
+    count_rows = labels and reduction == "mean"   # jsd's shift labels: the rows counted
     divisor = float(rows) if reduction == "mean" else 1.0
     grad_scale = 1.0
     if reduction == "mean" and not count_rows:
         grad_scale = 1.0 / divisor if divisor else math.nan
     flags = 0
-    if spec.loss in (LOSS_MULTI_MARGIN, LOSS_MULTILABEL_MARGIN) and t_dtype == _INT64:
+    if t_dtype == _INT64:   # class indices
         flags |= FLAG_INDEX64
     if labels:
         flags |= FLAG_LABELS | (FLAG_LABELS64 if l_dtype == _INT64 else 0)
@@ -236,12 +251,12 @@ def _build(key: Key) -> Plan:
         flags |= FLAG_GO_ROWS
     if count_rows and want_value:
         flags |= FLAG_COUNT
-    if jsd or spec.loss == LOSS_MULTILABEL_MARGIN:
+    if spec.zero_empty:
         flags |= FLAG_ZERO_EMPTY
     if p2:
         flags |= FLAG_P2
     name = _source.rowclass_name("rowclass_rows", info.ctype, spec.loss)
-    if spec.loss == LOSS_MULTILABEL_MARGIN:
+    if spec.index_rows:   # the row's target set in shared memory
         shared = _rowclass_launch.set_row_shared(cols, acc.itemsize, limits)
         cfg = _rowclass_launch.set_row_launch(rows, cols, shared, limits,
                                               _source.resident("rowclass.cu", name, shared))
@@ -316,12 +331,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     t, is_index = _engine.target_operand(frame, target)
     dtype, device = x.dtype, x.device
     w = None if weight is None else _operand(frame, weight, "weight", x)
-    if spec.loss == LOSS_MULTI_MARGIN:
-        _check_multi_margin(x, t, is_index, p, w)
-    elif spec.loss == LOSS_MULTILABEL_MARGIN:
-        _check_multilabel_margin(x, t, is_index)
-    else:
-        _check_paired(spec, x, t, is_index)
+    spec.check(spec, x, t, is_index, p, w)
     if t.device != device:
         _validate.check_same_device(x, t, "input", "target")
     if w is not None:
@@ -329,14 +339,14 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
             _validate.check_same_dtype(x, w, "input", "weight")
         if w.device != device:
             _validate.check_same_device(x, w, "input", "weight")
-        if spec.loss == LOSS_MULTILABEL:
+        if spec.shaped_weight:
             shape = _validate.broadcast_shape(x.shape, w.shape, "input", "weight")
             if tuple(shape) != tuple(x.shape):
                 raise ValueError(f"weight shape {tuple(w.shape)} must broadcast to the input's "
                                  f"shape {tuple(x.shape)}")
     labels = None
     if shift_labels is not None:
-        if spec.loss != LOSS_JSD:
+        if "shift_labels" not in spec.options:
             raise ValueError(f"{spec.name} takes no shift_labels")
         if _dispatch.frame_of(shift_labels, "shift_labels") is not frame:
             _dispatch.check_same_frame(frame, _dispatch.frame_of(shift_labels, "shift_labels"),
@@ -352,10 +362,10 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
             _validate.check_same_device(x, labels, "input", "shift_labels")
     if reduction not in spec.reductions:
         _reduction.check_reduction(reduction, spec.reductions)
-    option, p2 = 0.0, False
-    if spec.loss == LOSS_MULTI_MARGIN:
-        option, p2 = float(margin), p == 2
-    elif spec.loss == LOSS_JSD:
+    option, p2 = 0.0, spec.option == "margin" and p == 2
+    if spec.option == "margin":
+        option = float(margin)
+    elif spec.option == "beta":
         option = float(beta)
         if not 0.0 <= option <= 1.0:
             raise ValueError(f"beta must be in [0, 1], got {beta}")
@@ -364,33 +374,27 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     if inplace:
         contiguous = x.shape[-1:] == () or all(
             st == math.prod(x.shape[i + 1:]) for i, st in enumerate(x.strides) if x.shape[i] > 1)
-        if spec.loss != LOSS_JSD or not want_gx or not contiguous or frame.name == "jax":
+        if not spec.grad_in_place or not want_gx or not contiguous or frame.name == "jax":
             raise ValueError(f"inplace writes jsd's input gradient into a C-contiguous input "
                              f"(CuPy or torch), got {spec.name} with wrt={tuple(wrt)} and "
                              f"strides {tuple(x.strides)} for shape {tuple(x.shape)}")
     if want_gt and is_index:
         raise ValueError(f"target holds class indices ({t.dtype}): it has no gradient; ask for "
                          f"wrt='input'")
-    if spec.loss == LOSS_MULTI_MARGIN:
-        loss_shape = tuple(t.shape)
-    else:
-        loss_shape = tuple(x.shape[:-1])
+    loss_shape = tuple(t.shape) if spec.target_loss_shape else tuple(x.shape[:-1])
     go_kind, go_value, go = "host", 1.0, None
     if wrt:
         go_kind, go_value, go = _dispatch.classify_grad_output(frame, grad_output, dtype, device,
                                                                loss_shape, reduction)
     stream = frame.stream(device)
     if check and is_index:
-        if spec.loss == LOSS_MULTILABEL_MARGIN:
-            check_targets(frame, t, x.shape[-1] if x.shape else 1, stream, -1,
-                          "argument #2 'target' is out of range")
-        else:
-            check_targets(frame, t, x.shape[-1] if x.shape else 1, stream)
+        check_targets(frame, t, x.shape[-1] if x.shape else 1, stream, spec.index_low,
+                      spec.range_message)
     x_rs = _row_strides(x.shape, x.strides)
     t_rs = _target_stride(spec, t, is_index)
     w_strides = False
     if w is not None:
-        if spec.loss == LOSS_MULTILABEL:
+        if spec.shaped_weight:
             b = _launch.broadcast_strides(w.shape, w.strides, x.shape)
             w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
             w_strides = None if w_rs is None else (w_rs, b[-1])
@@ -426,7 +430,7 @@ def _copies(frame, stream, key, state):
         go = _engine.contiguous(frame, go, "grad_output")
     w_strides = False
     if w is not None:
-        if spec.loss == LOSS_MULTILABEL:
+        if spec.shaped_weight:
             b = _launch.broadcast_strides(w.shape, w.strides, x.shape)
             w_rs = _launch.merged_stride(x.shape[:-1], b[:-1])
             if w_rs is None:
