@@ -370,15 +370,13 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
     import cupy
 
     frame = _dispatch.frame_of(hidden, "hidden")
-    ops = {}
-    for name, x in (("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias),
-                    ("class_weight", class_weight)):
-        if x is None:
-            continue
-        if _dispatch.frame_of(x, name) is not frame:
-            _dispatch.check_same_frame(frame, _dispatch.frame_of(x, name), hidden, x, "hidden",
-                                       name)
-        ops[name] = frame.operand(x, name) if name != "target" else _target_operand(frame, x)
+    given = [(name, x) for name, x in (("hidden", hidden), ("weight", weight), ("target", target),
+                                        ("bias", bias), ("class_weight", class_weight))
+             if x is not None]
+    for name, x in given[1:]:   # frameworks compared before any is read
+        _dispatch.check_same_frame(frame, hidden, x, "hidden", name)
+    ops = {name: frame.operand(x, name) if name != "target" else _target_operand(frame, x)
+           for name, x in given}
     n, h, v = _check(ops["hidden"], ops["weight"], ops["target"], ops.get("bias"),
                      ops.get("class_weight"), reduction, label_smoothing, lse_square_scale,
                      softcap, names, shard, compute)

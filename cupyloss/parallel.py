@@ -79,9 +79,8 @@ def _claim_words(xp, field):
 def _frame_operands(input, target, weight):
     frame = _dispatch.frame_of(input, "input")
     for x, name in ((target, "target"), (weight, "weight")):
-        if x is not None and _dispatch.frame_of(x, name) is not frame:
-            _dispatch.check_same_frame(frame, _dispatch.frame_of(x, name), input, x, "input",
-                                       name)
+        if x is not None:
+            _dispatch.check_same_frame(frame, input, x, "input", name)
     x = frame.operand(input, "input")
     t = _target_operand(frame, target)
     w = frame.operand(weight, "weight") if weight is not None else None
@@ -369,9 +368,7 @@ def vocab_parallel_backward(grad_rows, input, target, lse, class_offset: int, cl
     ops = {}
     for name, a, shapes in (("lse", lse, ((x.shape[0],),)),
                             ("grad_rows", grad_rows, ((), (x.shape[0],)))):
-        if _dispatch.frame_of(a, name) is not frame:
-            _dispatch.check_same_frame(frame, _dispatch.frame_of(a, name), input, a, "input",
-                                       name)
+        _dispatch.check_same_frame(frame, input, a, "input", name)
         op = frame.operand(a, name)
         if tuple(op.shape) not in shapes or op.dtype != acc or op.device != x.device:
             raise ValueError(f"{name} must be {' or '.join(map(str, shapes))} {acc} on the "

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cupyloss
+from cupyloss.parallel import vocab_parallel_stats
 
 try:
     import torch
@@ -114,6 +115,23 @@ def test_cpu_tensor_target_is_named():
     with pytest.raises(TypeError, match=r"input is a .*_FakeDlpack but target is a "
                                         r"torch\.Tensor; pass arrays of one framework"):
         cupyloss.mse_loss(_FakeDlpack(2), torch.ones(3))
+
+
+@needs_torch
+@pytest.mark.parametrize("call", [
+    lambda a, b: cupyloss.cross_entropy(a, b),
+    lambda a, b: cupyloss.multi_margin_loss(a, b),
+    lambda a, b: cupyloss.jsd(a, b),
+    lambda a, b: cupyloss.triplet_margin_loss(a, b, b),
+    lambda a, b: cupyloss.linear_cross_entropy(a, b, b),
+    lambda a, b: vocab_parallel_stats(a, b, 0, 3),
+], ids=["rowwise", "rowclass", "rowclass-jsd", "rowpair", "linear", "parallel"])
+def test_every_family_names_a_second_framework_before_reading(call):
+    """Each family compares the arguments' frameworks before it reads any of them."""
+    pytest.importorskip("cupy")
+    with pytest.raises(TypeError, match=r" is a .*_FakeDlpack but \w+ is a torch\.Tensor; pass "
+                                        r"arrays of one framework"):
+        call(_FakeDlpack(2), torch.ones(3, dtype=torch.int64))
 
 
 @needs_torch

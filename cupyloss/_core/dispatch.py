@@ -531,9 +531,9 @@ def frame_of(x, name):
     return frame
 
 
-def check_same_frame(frame, other, x, y, name_x, name_y):
-    """Raise TypeError when two arguments come from different frameworks."""
-    if other is not frame:
+def check_same_frame(frame, x, y, name_x, name_y):
+    """Raise TypeError unless argument y comes from `frame`, argument x's framework."""
+    if frame_of(y, name_y) is not frame:
         raise TypeError(f"{name_x} is a {_kind(x)} but {name_y} is a {_kind(y)}; pass arrays of "
                         f"one framework (convert with DLPack: cupy.from_dlpack, "
                         f"torch.from_dlpack, jax.dlpack.from_dlpack)")

@@ -383,9 +383,7 @@ def _operands(spec, frame, arrays):
     for k in range(1, len(arrays)):
         a = arrays[k]
         if a is not None and a.__class__ is not float and a.__class__ is not first.__class__:
-            other = _dispatch.frame_of(a, names[k])
-            if other is not frame:
-                _dispatch.check_same_frame(frame, other, first, a, names[0], names[k])
+            _dispatch.check_same_frame(frame, first, a, names[0], names[k])
     x = frame.operand(first, names[0])
     ops = [x]
     layouts = [(x.shape, x.strides)]
@@ -423,9 +421,7 @@ def evaluate(spec: LossSpec, arrays, *, reduction: str, params: tuple, want_valu
     if spec.fixed and len(arrays) == 2:  # most losses: input and target, straight through
         t = arrays[1]
         if t.__class__ is not first.__class__:   # frameworks compared before any is read
-            other = _dispatch.frame_of(t, names[1])
-            if other is not frame:
-                _dispatch.check_same_frame(frame, other, first, t, names[0], names[1])
+            _dispatch.check_same_frame(frame, first, t, names[0], names[1])
         x = frame.operand(first, names[0])
         op = frame.operand(t, names[1])
         dtype, device = x.dtype, x.device

@@ -306,14 +306,6 @@ def _build(key: Key) -> Plan:
                 before=before)
 
 
-def _operand(frame, a, name, x):
-    """An array argument of the input's framework and device, as an Operand."""
-    other = _dispatch.frame_of(a, name)
-    if other is not frame:
-        _dispatch.check_same_frame(frame, other, x.array, a, "input", name)
-    return frame.operand(a, name)
-
-
 def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
              reduction="mean", p=1, margin=1.0, beta=0.5, ignore_index=-100, check=False,
              want_value=True, wrt=(), grad_output=1.0, inplace=False):
@@ -324,13 +316,14 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     written into the input, which must be C-contiguous, and returned as the input itself.
     """
     frame = _dispatch.frame_of(input, "input")
+    _dispatch.check_same_frame(frame, input, target, "input", "target")
     x = frame.operand(input, "input")
-    other = _dispatch.frame_of(target, "target")
-    if other is not frame:
-        _dispatch.check_same_frame(frame, other, input, target, "input", "target")
     t, is_index = _engine.target_operand(frame, target)
     dtype, device = x.dtype, x.device
-    w = None if weight is None else _operand(frame, weight, "weight", x)
+    w = None
+    if weight is not None:
+        _dispatch.check_same_frame(frame, input, weight, "input", "weight")
+        w = frame.operand(weight, "weight")
     spec.check(spec, x, t, is_index, p, w)
     if t.device != device:
         _validate.check_same_device(x, t, "input", "target")
@@ -348,9 +341,7 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     if shift_labels is not None:
         if "shift_labels" not in spec.options:
             raise ValueError(f"{spec.name} takes no shift_labels")
-        if _dispatch.frame_of(shift_labels, "shift_labels") is not frame:
-            _dispatch.check_same_frame(frame, _dispatch.frame_of(shift_labels, "shift_labels"),
-                                       input, shift_labels, "input", "shift_labels")
+        _dispatch.check_same_frame(frame, input, shift_labels, "input", "shift_labels")
         labels, label_index = _engine.target_operand(frame, shift_labels)
         if not label_index:
             raise TypeError(f"shift_labels must hold class indices (int32 or int64), got dtype "

@@ -246,9 +246,7 @@ def evaluate(spec: PairSpec, arrays, options, *, reduction="mean", want_value=Tr
     names = spec.arrays
     frame = _dispatch.frame_of(arrays[0], names[0])
     for a, n in zip(arrays[1:], names[1:]):
-        other = _dispatch.frame_of(a, n)
-        if other is not frame:
-            _dispatch.check_same_frame(frame, other, arrays[0], a, names[0], n)
+        _dispatch.check_same_frame(frame, arrays[0], a, names[0], n)
     xs, t, is_index = [], None, False
     for a, n in zip(arrays, names):
         if n == spec.target:

@@ -313,9 +313,7 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     (float32 for 16-bit logits: torch's autocast semantics without a float32 copy).
     """
     frame = _dispatch.frame_of(input, "input")
-    other = _dispatch.frame_of(target, "target")
-    if other is not frame:
-        _dispatch.check_same_frame(frame, other, input, target, "input", "target")
+    _dispatch.check_same_frame(frame, input, target, "input", "target")
     x = frame.operand(input, "input")
     t, is_index = _engine.target_operand(frame, target)
     _check_shapes(spec, x, t, is_index)
@@ -325,9 +323,7 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     cols = x.shape[1] if len(x.shape) > 1 else x.shape[0]
     w = None
     if weight is not None:
-        if _dispatch.frame_of(weight, "weight") is not frame:
-            _dispatch.check_same_frame(frame, _dispatch.frame_of(weight, "weight"), input,
-                                       weight, "input", "weight")
+        _dispatch.check_same_frame(frame, input, weight, "input", "weight")
         w = frame.operand(weight, "weight")
         _check_weight(w, x, cols)
     if reduction not in spec.reductions:

@@ -1168,25 +1168,17 @@ def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad
         return None, dict(zip(names, grads))
     from cupyloss.torch import _forms as _torch_forms
 
-    reduction = options["reduction"]
-    kwargs = {k: v for k, v in options.items()
-              if k not in ("reduction", "max_workspace_bytes", "compute_dtype")}
-    x = hidden.reshape(-1, hidden.shape[-1]).float()
-    logits = torch.nn.functional.linear(x, weight.float(), None if bias is None else bias.float())
-    t = target.reshape(-1)
-    loss = None
-    if want_value:
-        loss = _torch_forms.loss("cross_entropy", [logits, t, class_weight], reduction, kwargs)
-        if reduction == "none":
-            loss = loss.reshape(target.shape)
+    logits, loss, kwargs = _linear_cpu(hidden, weight, target, bias, class_weight, options,
+                                       want_value)
     grads = {}
     if names:
-        dz = _torch_forms.cross_entropy_logits_grad(logits, t, class_weight, reduction=reduction,
+        dz = _torch_forms.cross_entropy_logits_grad(logits, target.reshape(-1), class_weight,
+                                                    reduction=options["reduction"],
                                                     grad_output=grad_output, **kwargs)
         if "hidden" in names:
             grads["hidden"] = (dz @ weight.float()).reshape(hidden.shape).to(hidden.dtype)
         if "weight" in names:
-            grads["weight"] = (dz.T @ x).to(weight.dtype)
+            grads["weight"] = (dz.T @ hidden.reshape(-1, hidden.shape[-1]).float()).to(weight.dtype)
         if "bias" in names:
             grads["bias"] = dz.sum(dim=0).to(bias.dtype)
     return loss, grads
@@ -1218,29 +1210,21 @@ def _linear_names(bias, flags):
     return tuple(n for n, f in zip(_LINEAR_GRADS, flags) if f and (n != "bias" or bias is not None))
 
 
-def _linear_forward_impl(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                         label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                         class_offset, classes, group, compute_dtype, wrt_hidden, wrt_weight,
-                         wrt_bias):
-    options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                              max_workspace_bytes, class_offset, classes, group, compute_dtype)
-    names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
-    if reduction == "none":
-        names = ()    # backward forms the logits again with the elementwise upstream gradient
-    loss, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names, 1.0,
-                              True)
+def _linear_forward_impl(hidden, weight, target, bias, class_weight, *args):
+    # args: the op's arguments after class_weight (_LINEAR_ARGS), the three wrt flags last
+    names = () if args[1] == "none" else _linear_names(bias, args[-3:])
+    # with 'none', backward forms the logits again with the elementwise upstream gradient
+    loss, grads = _linear_run(hidden, weight, target, bias, class_weight,
+                              _linear_options(*args[:-3]), names, 1.0, True)
     if not names:
         return loss, _no_token(hidden)
     return loss, _hold([grads.get(n) for n in _LINEAR_GRADS], hidden)
 
 
-def _linear_forward_fake(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                         label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
-                         class_offset, classes, group, compute_dtype, wrt_hidden, wrt_weight,
-                         wrt_bias):
+def _linear_forward_fake(hidden, weight, target, bias, class_weight, *args):
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    loss = hidden.new_empty(tuple(target.shape) if reduction == "none" else (), dtype=dtype)
-    names = () if reduction == "none" else _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
+    loss = hidden.new_empty(tuple(target.shape) if args[1] == "none" else (), dtype=dtype)
+    names = () if args[1] == "none" else _linear_names(bias, args[-3:])
     return loss, hidden.new_empty((1 if names else 0,), dtype=torch.uint8)
 
 
@@ -1259,20 +1243,16 @@ def _linear_scale(grad_output, grads) -> None:
             scale_by_grad_output(grad_output.to(dtype).contiguous(), *same[k:k + 2])
 
 
-def _linear_backward_impl(grad_output, held, hidden, weight, target, bias, class_weight,
-                          ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                          max_workspace_bytes, class_offset, classes, group, compute_dtype,
-                          wrt_hidden, wrt_weight, wrt_bias):
-    options = _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                              max_workspace_bytes, class_offset, classes, group, compute_dtype)
-    names = _linear_names(bias, (wrt_hidden, wrt_weight, wrt_bias))
+def _linear_backward_impl(grad_output, held, hidden, weight, target, bias, class_weight, *args):
+    names = _linear_names(bias, args[-3:])
     kept = _take(held)
     if kept is not None and all(kept[_LINEAR_GRADS.index(n)] is not None for n in names):
         grads = {n: kept[_LINEAR_GRADS.index(n)] for n in names}
         _linear_scale(grad_output, list(grads.values()))
     else:
-        _, grads = _linear_run(hidden, weight, target, bias, class_weight, options, names,
-                               grad_output.contiguous(), False)
+        _, grads = _linear_run(hidden, weight, target, bias, class_weight,
+                               _linear_options(*args[:-3]), names, grad_output.contiguous(),
+                               False)
     return tuple(grads[n] if n in grads else hidden.new_empty((0,)) for n in _LINEAR_GRADS)
 
 
@@ -1396,23 +1376,25 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
                           -1 if max_workspace_bytes is None else int(max_workspace_bytes),
                           0, -1, "", compute or "", *flags)[0]
     if hidden.device.type == "cpu":
-        return _linear_cpu(hidden, weight, target, bias, class_weight, options)
+        return _linear_cpu(hidden, weight, target, bias, class_weight, options)[1]
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)
 
 
-def _linear_cpu(hidden, weight, target, bias, class_weight, options):
-    """The CPU path with torch's autograd: float32 logits, then cross_entropy."""
+def _linear_cpu(hidden, weight, target, bias, class_weight, options, want_value=True):
+    """The CPU path in torch's operations: (float32 logits (rows, V), the loss or None, the
+    cross_entropy options); torch's autograd differentiates it outside an op."""
     from cupyloss.torch import _forms as _torch_forms
 
     reduction = options["reduction"]
-    logits = torch.nn.functional.linear(hidden.float(), weight.float(),
-                                        None if bias is None else bias.float())
+    logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(),
+                                        weight.float(), None if bias is None else bias.float())
     kwargs = {k: v for k, v in options.items()
               if k not in ("reduction", "max_workspace_bytes", "compute_dtype")}
-    loss = _torch_forms.loss("cross_entropy", [logits.reshape(-1, weight.shape[0]),
-                                               target.reshape(-1), class_weight],
+    if not want_value:
+        return logits, None, kwargs
+    loss = _torch_forms.loss("cross_entropy", [logits, target.reshape(-1), class_weight],
                              reduction, kwargs)
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    return logits, loss.reshape(target.shape) if reduction == "none" else loss, kwargs
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
