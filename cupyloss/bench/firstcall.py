@@ -91,6 +91,7 @@ _ARGS = {
     "nll_loss": "randn(64, 1000), labels(64, 1000)",
     "multi_margin_loss": "randn(64, 100), labels(64, 100)",
     "multilabel_soft_margin_loss": "randn(64, 100), randn(64, 100)",
+    "multilabel_margin_loss": "randn(64, 100), labels((64, 100), 100)",
     "jsd": "randn(64, 1000), randn(64, 1000)",
     "triplet_margin_loss": "randn(64, 512), randn(64, 512), randn(64, 512)",
     "cosine_embedding_loss": "randn(64, 512), randn(64, 512), randn(64)",

@@ -63,6 +63,15 @@ def _host_us(rows: dict, calls: int = 2000, batches: int = 9) -> dict:
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 
+def _torch():
+    """torch, where it is installed with CUDA; else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
 def small_calls(n: int = 1024) -> list[dict]:
     """Host cost per call at n fp32 elements: cupyloss on CuPy and torch vs torch eager."""
     rng = cupy.random.default_rng(0)
@@ -75,14 +84,10 @@ def small_calls(n: int = 1024) -> list[dict]:
         "cupyloss.mse_loss_backward (CuPy)":
             (lambda: cupyloss.mse_loss_backward(1.0, x, y), sync),
     }
-    try:
-        import torch
+    torch = _torch()
+    if torch is not None:
         import torch.nn.functional as F
 
-        have_torch = torch.cuda.is_available()
-    except ImportError:
-        have_torch = False
-    if have_torch:
         tx = torch.randn(n, device="cuda", requires_grad=True)
         ty = torch.randn(n, device="cuda", requires_grad=True)
         tsync = torch.cuda.synchronize
@@ -304,12 +309,8 @@ def _sweep_operands(name: str, n: int):
 
 def sweep(reps: int, bw: float, device: str) -> list[dict]:
     """GB/s of compulsory traffic for every workload, size, implementation and pass."""
-    try:
-        import torch
-
-        have_torch = torch.cuda.is_available()
-    except ImportError:
-        have_torch = False
+    torch = _torch()
+    have_torch = torch is not None
     compiled = {}
     if have_torch:
         # One static graph per size: dynamic shapes give inductor reductions that are not split
@@ -440,11 +441,8 @@ def main(argv=None) -> list[dict]:
         _timing.save(args.json, {"small_calls": small})
         return small
 
-    try:
-        import torch  # noqa: F401
-        have_torch = torch.cuda.is_available()
-    except ImportError:
-        have_torch = False
+    torch = _torch()
+    have_torch = torch is not None
     stream_ctx = None
     if have_torch:
         from cupyloss import interop
@@ -477,7 +475,6 @@ def main(argv=None) -> list[dict]:
         del a, b, entries
         cupy.get_default_memory_pool().free_all_blocks()
         if have_torch:
-            import torch
             torch.cuda.empty_cache()
 
     swept = sweep(max(5, args.reps // 2), bw, device) if args.plot else []
