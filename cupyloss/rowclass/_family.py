@@ -316,13 +316,15 @@ def evaluate(spec: ClassSpec, input, target, weight=None, shift_labels=None, *,
     written into the input, which must be C-contiguous, and returned as the input itself.
     """
     frame = _dispatch.frame_of(input, "input")
-    _dispatch.check_same_frame(frame, input, target, "input", "target")
+    if target.__class__ is not input.__class__:   # one class, one framework
+        _dispatch.check_same_frame(frame, input, target, "input", "target")
     x = frame.operand(input, "input")
     t, is_index = _engine.target_operand(frame, target)
     dtype, device = x.dtype, x.device
     w = None
     if weight is not None:
-        _dispatch.check_same_frame(frame, input, weight, "input", "weight")
+        if weight.__class__ is not input.__class__:
+            _dispatch.check_same_frame(frame, input, weight, "input", "weight")
         w = frame.operand(weight, "weight")
     spec.check(spec, x, t, is_index, p, w)
     if t.device != device:

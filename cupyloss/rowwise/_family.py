@@ -313,7 +313,8 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     (float32 for 16-bit logits: torch's autocast semantics without a float32 copy).
     """
     frame = _dispatch.frame_of(input, "input")
-    _dispatch.check_same_frame(frame, input, target, "input", "target")
+    if target.__class__ is not input.__class__:   # one class, one framework
+        _dispatch.check_same_frame(frame, input, target, "input", "target")
     x = frame.operand(input, "input")
     t, is_index = _engine.target_operand(frame, target)
     _check_shapes(spec, x, t, is_index)
@@ -323,7 +324,8 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     cols = x.shape[1] if len(x.shape) > 1 else x.shape[0]
     w = None
     if weight is not None:
-        _dispatch.check_same_frame(frame, input, weight, "input", "weight")
+        if weight.__class__ is not input.__class__:
+            _dispatch.check_same_frame(frame, input, weight, "input", "weight")
         w = frame.operand(weight, "weight")
         _check_weight(w, x, cols)
     if reduction not in spec.reductions:
