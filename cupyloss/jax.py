@@ -57,7 +57,7 @@ import numpy
 
 import cupyloss
 from cupyloss._core import (
-    dispatch as _dispatch, dtypes as _dtypes, reduction as _reduction, validate as _validate)
+    dispatch as _dispatch, dtypes as _dtypes, validate as _validate)
 from cupyloss._core import engine as _core_engine
 from cupyloss._core.registry import all_losses
 
@@ -504,25 +504,11 @@ def _struct(shape, dtype):
 
 
 def _loss_shape(name, arrays, reduction):
-    """The loss's shape from metadata, with the core's errors, before anything is traced: the
-    registry entry's ``loss_shape(input_shape, reduction)`` where it has one, else the
-    arguments' broadcast shape.  Floating arguments must share a dtype."""
-    spec = SPECS[name]
-    if reduction not in spec.reductions:
-        _reduction.check_reduction(reduction, spec.reductions)
-    first = arrays[0]
-    if _dtypes.lookup(first.dtype) is None:
-        raise _validate.unsupported_dtype(spec.arrays[0], first.dtype)
-    shape = tuple(first.shape)
-    for array_name, other in zip(spec.arrays[1:], arrays[1:]):
-        if other.dtype != first.dtype and jnp.issubdtype(other.dtype, jnp.floating):
-            _validate.check_same_dtype(first, other, spec.arrays[0], array_name)
-        if not hasattr(spec, "loss_shape"):
-            shape = _validate.broadcast_shape(shape, tuple(other.shape), spec.arrays[0],
-                                              array_name)
-    if hasattr(spec, "loss_shape"):   # a registry entry that knows its loss's shape
-        return tuple(spec.loss_shape(shape, reduction))
-    return () if reduction != "none" else shape
+    """The loss's shape from metadata, with the core's errors, before anything is traced."""
+    if _dtypes.lookup(arrays[0].dtype) is None:
+        raise _validate.unsupported_dtype(SPECS[name].arrays[0], arrays[0].dtype)
+    return _validate.loss_shape(SPECS[name], arrays, reduction,
+                                lambda a: jnp.issubdtype(a.dtype, jnp.floating))
 
 
 @functools.lru_cache(maxsize=None)

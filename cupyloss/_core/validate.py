@@ -7,7 +7,7 @@ Arrays arrive here as _dispatch.Operands (dtype, device index, shape).
 from __future__ import annotations
 
 
-from cupyloss._core import dtypes as _dtypes
+from cupyloss._core import dtypes as _dtypes, reduction as _reduction
 
 
 # The largest finite float32 and float64.
@@ -140,3 +140,22 @@ def check_like_input(x, t, shape_message: str) -> None:
         check_same_dtype(x, t, "input", "target")
     if tuple(t.shape) != tuple(x.shape):
         raise ValueError(shape_message)
+
+
+def loss_shape(spec, arrays, reduction: str, floating) -> tuple:
+    """The shape of a loss from its arrays' metadata alone, with the core's errors (what the
+    adapters' fake and abstract evaluations return): ``spec.loss_shape(input_shape, reduction)``
+    where the registry entry has one, else the arrays' broadcast shape (0-d when reduced).
+    floating(a): whether array a is floating; such an array must have the first's dtype."""
+    if reduction not in spec.reductions:
+        _reduction.check_reduction(reduction, spec.reductions)
+    first, names = arrays[0], spec.arrays
+    shape = tuple(first.shape)
+    for name, other in zip(names[1:], arrays[1:]):
+        if other.dtype != first.dtype and floating(other):
+            check_same_dtype(first, other, names[0], name)
+        if not hasattr(spec, "loss_shape"):
+            shape = broadcast_shape(shape, tuple(other.shape), names[0], name)
+    if hasattr(spec, "loss_shape"):
+        return tuple(spec.loss_shape(shape, reduction))
+    return () if reduction != "none" else shape

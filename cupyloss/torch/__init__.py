@@ -549,22 +549,9 @@ def _backward_impl(loss: _Loss):
 
 
 def _loss_shape(loss: _Loss, arrays, reduction):
-    """Shape of the loss from metadata alone, with the core's errors (used by the fakes).
-
-    A registry entry with a ``loss_shape(input_shape, reduction)`` method says it; otherwise
-    the loss has the arguments' broadcast shape.  Floating arguments must share a dtype.
-    """
-    if reduction not in loss.reductions:
-        _reduction.check_reduction(reduction, loss.reductions)
-    shape = tuple(arrays[0].shape)
-    for name, other in zip(loss.arrays[1:], arrays[1:]):
-        if other.dtype != arrays[0].dtype and other.is_floating_point():
-            _validate.check_same_dtype(arrays[0], other, loss.arrays[0], name)
-        if not hasattr(SPECS[loss.name], "loss_shape"):
-            shape = _validate.broadcast_shape(shape, tuple(other.shape), loss.arrays[0], name)
-    if hasattr(SPECS[loss.name], "loss_shape"):
-        return tuple(SPECS[loss.name].loss_shape(shape, reduction))
-    return () if reduction != "none" else shape
+    """Shape of the loss from metadata alone, with the core's errors (used by the fakes)."""
+    return _validate.loss_shape(SPECS[loss.name], arrays, reduction,
+                                lambda a: a.is_floating_point())
 
 
 def _forward_fake(loss: _Loss):
