@@ -59,7 +59,7 @@ import cupyloss
 from cupyloss._core import (
     dispatch as _dispatch, dtypes as _dtypes, validate as _validate)
 from cupyloss._core import engine as _core_engine
-from cupyloss._core.registry import all_losses
+from cupyloss._core.registry import all_losses, unwrappable
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -629,17 +629,6 @@ def _make(name):
     return loss
 
 
-def _why_not(name, spec):
-    """Why loss `name` cannot be wrapped, or None."""
-    for field in ("arrays", "reductions"):
-        if not hasattr(spec, field):
-            return f"its registry entry ({type(spec).__name__}) has no {field!r}"
-    for suffix in ("", "_backward", "_value_and_grad"):
-        if not callable(getattr(cupyloss, name + suffix, None)):
-            return f"cupyloss has no function {name + suffix}"
-    return None
-
-
 LOSSES: dict = {}        # name -> the generated function
 SKIPPED: dict = {}       # name -> why a registered loss got no function
 
@@ -647,7 +636,7 @@ SKIPPED: dict = {}       # name -> why a registered loss got no function
 def _generate(specs: dict) -> None:
     """Generate every wrappable loss of `specs`; record the others in SKIPPED, with a warning."""
     for name, spec in specs.items():
-        reason = _why_not(name, spec)
+        reason = unwrappable(name, spec, cupyloss)
         if reason is not None:
             SKIPPED[name] = reason
             warnings.warn(f"cupyloss.jax leaves out {name}: {reason}", RuntimeWarning,

@@ -208,3 +208,15 @@ def all_losses() -> dict:
                                  f"family")
             losses[name] = spec
     return losses
+
+
+def unwrappable(name: str, spec, functions) -> str | None:
+    """Why an adapter cannot wrap registered loss `name` (its entry lacks arrays or reductions,
+    or `functions`, the cupyloss package, lacks one of its three public forms), or None."""
+    for field in ("arrays", "reductions"):
+        if not hasattr(spec, field):
+            return f"its registry entry ({type(spec).__name__}) has no {field!r}"
+    for suffix in ("", "_backward", "_value_and_grad"):
+        if not callable(getattr(functions, name + suffix, None)):
+            return f"cupyloss has no function {name + suffix}"
+    return None

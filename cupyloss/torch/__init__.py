@@ -117,7 +117,7 @@ from cupyloss._core import (
     args as _args, dtypes as _dtypes, launch as _launch, plans as _plans,
     reduction as _reduction, source as _source, validate as _validate)
 from cupyloss.torch import _amp as _torch_autocast
-from cupyloss._core.registry import all_losses
+from cupyloss._core.registry import all_losses, unwrappable
 
 # Compute the gradients of a reduced loss in the forward pass (see the module docstring).
 gradients_in_forward = True
@@ -1069,12 +1069,9 @@ def _make_module(loss: _Loss, function):
 def _describe(name: str, spec) -> _Loss:
     """The _Loss of a registry entry, or TypeError saying why it cannot be wrapped; registers
     nothing, so a refused loss leaves no op behind."""
-    for field in ("arrays", "reductions"):
-        if not hasattr(spec, field):
-            raise TypeError(f"its registry entry ({type(spec).__name__}) has no {field!r}")
-    for suffix in ("", "_backward", "_value_and_grad"):
-        if not callable(getattr(cupyloss, name + suffix, None)):
-            raise TypeError(f"cupyloss has no function {name + suffix}")
+    reason = unwrappable(name, spec, cupyloss)
+    if reason is not None:
+        raise TypeError(reason)
     arrays, options, reduction = _core_parameters(name)
     params, fixed, legacy = _public_parameters(name, arrays, options, reduction)
     inplace = "inplace" in inspect.signature(
