@@ -131,3 +131,20 @@ def torch_gpu(prog: str):
     import torch
 
     return torch, torch.cuda.get_device_name()
+
+
+def torch_forms(torch, f, arrays, wrt, compile_: bool = True, compiled=None) -> dict:
+    """The loss f(*arrays) as torch runs it: {"torch eager": (forward, forward + backward),
+    "torch.compile": the same}, the backward asking the gradients of the arrays at the indices
+    `wrt` (of views that require grad).  torch.compile with static shapes where compile_ (or
+    `compiled`, given)."""
+    leaves = [a.detach().requires_grad_() if k in wrt else a for k, a in enumerate(arrays)]
+    picked = [leaves[k] for k in wrt]
+
+    def forms(fn):
+        return (lambda: fn(*arrays)), (lambda: torch.autograd.grad(fn(*leaves), picked))
+
+    out = {"torch eager": forms(f)}
+    if compile_ or compiled is not None:
+        out["torch.compile"] = forms(compiled or torch.compile(f, dynamic=False))
+    return out

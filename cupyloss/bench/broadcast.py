@@ -59,21 +59,13 @@ def run_pattern(torch, x_shape, t_shape, reps: int, compile_: bool) -> dict:
     def f(a, b):
         return torch.mean((a - b) ** 2)
 
-    xl, tl = x.clone().requires_grad_(), t.clone().requires_grad_()
-
-    def fwd_bwd(fn):
-        def run():
-            return torch.autograd.grad(fn(xl, tl), (xl, tl))
-        return run
-
+    forms = _timing.torch_forms(torch, f, (x, t), (0, 1), compile_)
     out = {"cupyloss": bench_rowwise._timer(
         torch, lambda: cupyloss.mse_loss_value_and_grad(x, t), reps)}
     _, (gx, _) = cupyloss.mse_loss_value_and_grad(x, t)
-    tgx, _ = fwd_bwd(f)()
-    out["torch eager"] = bench_rowwise._timer(torch, fwd_bwd(f), reps)
-    if compile_:
-        compiled = torch.compile(f, dynamic=False)
-        out["torch.compile"] = bench_rowwise._timer(torch, fwd_bwd(compiled), reps)
+    tgx, _ = forms["torch eager"][1]()
+    for who, (_, fwd_bwd) in forms.items():
+        out[who] = bench_rowwise._timer(torch, fwd_bwd, reps)
     # float64 reference of x's gradient: 2 (x - t) / n summed over x's broadcast dims.
     n = t.numel()
     full = (2.0 / n) * (x.double() - t.double())
@@ -81,7 +73,7 @@ def run_pattern(torch, x_shape, t_shape, reps: int, compile_: bool) -> dict:
     out["err cupyloss"] = _relative_error(gx.reshape(ref.shape), ref)
     out["err torch"] = _relative_error(tgx.reshape(ref.shape), ref)
     out["bytes"] = 2 * (x.numel() + t.numel()) * x.element_size()
-    del x, t, xl, tl, gx, tgx, full, ref
+    del x, t, forms, gx, tgx, full, ref
     if compile_:
         torch._dynamo.reset()
     _free(torch)

@@ -209,24 +209,12 @@ def _torch_loss(name):
 
 
 def _torch_fns(name, a, b, compiled=None):
-    """(eager fwd, compiled fwd, eager fwd+bwd, compiled fwd+bwd) on torch views of a, b."""
+    """_timing.torch_forms of workload `name` on torch views of a, b (both gradients)."""
     import torch
 
     f = _torch_loss(name)
-    ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
-    ga, gb = ta.detach().requires_grad_(), tb.detach().requires_grad_()
-    compiled = compiled or torch.compile(f)
-
-    def fwd_bwd(fn):
-        def run():
-            loss = fn(ga, gb)
-            return torch.autograd.grad(loss, (ga, gb))
-        return run
-
-    return {
-        "torch eager": (lambda: f(ta, tb), fwd_bwd(f)),
-        "torch.compile": (lambda: compiled(ta, tb), fwd_bwd(compiled)),
-    }
+    return _timing.torch_forms(torch, f, (torch.from_dlpack(a), torch.from_dlpack(b)), (0, 1),
+                               compiled=compiled or torch.compile(f))
 
 
 def _family_calls(x, y, u):

@@ -82,22 +82,9 @@ def _triplet_impls(torch, arrays, compile_: bool):
     def f(a, p, n):
         return F.triplet_margin_loss(a, p, n, margin=1.0)
 
-    leaves = tuple(a.detach().clone().requires_grad_() for a in arrays)
-
-    def fwd_bwd(fn):
-        def run():
-            return torch.autograd.grad(fn(*leaves), leaves)
-        return run
-
-    impls = {
-        "cupyloss": (lambda: cupyloss.triplet_margin_loss(*arrays),
-                     lambda: cupyloss.triplet_margin_loss_value_and_grad(*arrays)),
-        "torch eager": (lambda: f(*arrays), fwd_bwd(f)),
-    }
-    if compile_:
-        compiled = torch.compile(f, dynamic=False)
-        impls["torch.compile"] = (lambda: compiled(*arrays), fwd_bwd(compiled))
-    return impls
+    return {"cupyloss": (lambda: cupyloss.triplet_margin_loss(*arrays),
+                         lambda: cupyloss.triplet_margin_loss_value_and_grad(*arrays)),
+            **_timing.torch_forms(torch, f, arrays, (0, 1, 2), compile_)}
 
 
 def _jsd_impls(torch, x, t, compile_: bool):
@@ -111,21 +98,8 @@ def _jsd_impls(torch, x, t, compile_: bool):
             1 - beta) * F.kl_div(log_m, a, reduction="none", log_target=True)
         return (terms.sum() / a.shape[0]).to(x.dtype)
 
-    leaf = x.detach().clone().requires_grad_()
-
-    def fwd_bwd(fn):
-        def run():
-            return torch.autograd.grad(fn(leaf, t), (leaf,))
-        return run
-
-    impls = {
-        "cupyloss": (lambda: cupyloss.jsd(x, t), lambda: cupyloss.jsd_value_and_grad(x, t)),
-        "torch eager": (lambda: f(x, t), fwd_bwd(f)),
-    }
-    if compile_:
-        compiled = torch.compile(f, dynamic=False)
-        impls["torch.compile"] = (lambda: compiled(x, t), fwd_bwd(compiled))
-    return impls
+    return {"cupyloss": (lambda: cupyloss.jsd(x, t), lambda: cupyloss.jsd_value_and_grad(x, t)),
+            **_timing.torch_forms(torch, f, (x, t), (0,), compile_)}
 
 
 def _impls(torch, x, t, compile_: bool):
@@ -135,13 +109,6 @@ def _impls(torch, x, t, compile_: bool):
     def f(a, b):
         return F.cross_entropy(a, b)
 
-    leaf = x.detach().clone().requires_grad_()
-
-    def fwd_bwd(fn):
-        def run():
-            return torch.autograd.grad(fn(leaf, t), (leaf,))
-        return run
-
     # In place: each run overwrites the logits with their gradient, and the next run takes those
     # (finite) values as logits; the work does not depend on the values.
     scratch = x.clone()
@@ -149,16 +116,10 @@ def _impls(torch, x, t, compile_: bool):
     def inplace():
         return cupyloss.cross_entropy_value_and_grad(scratch, t, inplace=True)
 
-    impls = {
-        "cupyloss": (lambda: cupyloss.cross_entropy(x, t),
-                     lambda: cupyloss.cross_entropy_value_and_grad(x, t)),
-        "cupyloss inplace": (None, inplace),
-        "torch eager": (lambda: f(x, t), fwd_bwd(f)),
-    }
-    if compile_:
-        compiled = torch.compile(f, dynamic=False)
-        impls["torch.compile"] = (lambda: compiled(x, t), fwd_bwd(compiled))
-    return impls
+    return {"cupyloss": (lambda: cupyloss.cross_entropy(x, t),
+                         lambda: cupyloss.cross_entropy_value_and_grad(x, t)),
+            "cupyloss inplace": (None, inplace),
+            **_timing.torch_forms(torch, f, (x, t), (0,), compile_)}
 
 
 # cross_entropy's options as the options workload times them: name -> (cupyloss keywords,
