@@ -30,6 +30,7 @@ from cupyloss.rowpair import (
     cosine_embedding_loss, cosine_embedding_loss_backward,
     cosine_embedding_loss_value_and_grad, triplet_margin_loss, triplet_margin_loss_backward,
     triplet_margin_loss_value_and_grad,)
+from cupyloss.ctc import ctc_loss, ctc_loss_backward, ctc_loss_value_and_grad
 from cupyloss.linear import (
     linear_cross_entropy, linear_cross_entropy_backward, linear_cross_entropy_value_and_grad,)
 from cupyloss.rowwise import (
@@ -51,6 +52,9 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_backward",
     "cross_entropy_value_and_grad",
+    "ctc_loss",
+    "ctc_loss_backward",
+    "ctc_loss_value_and_grad",
     "gaussian_nll_loss",
     "gaussian_nll_loss_backward",
     "gaussian_nll_loss_value_and_grad",

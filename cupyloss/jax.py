@@ -648,4 +648,40 @@ def _generate(specs: dict) -> None:
 
 _generate(SPECS)
 
-__all__ = sorted([*LOSSES, "LOSSES", "SKIPPED"])
+
+def optax_ctc_loss(logits, logit_paddings, labels, label_paddings, blank_id=0):
+    """CTC loss with optax.ctc_loss's arguments: cupyloss.jax.ctc_loss behind optax's convention.
+
+    ``log_softmax(logits)`` over K, then per sequence b, with T_b = T - sum(logit_paddings[b])
+    frames and N_b = N - sum(label_paddings[b]) labels:
+
+      ``loss_b = -log sum_{pi in B^-1(labels[b, :N_b])} prod_{t < T_b} softmax(logits[b, t])[pi_t]``
+
+    Paddings are suffixes (a 1.0 marks a padded frame or label, as optax's), so each sequence is
+    its first T_b frames and N_b labels.  The gradient with respect to the logits is
+    ``softmax - posterior`` frame by frame, as optax's autodiff gives; a target the frames
+    cannot hold has loss inf (optax's is about -log_epsilon times its frames: finite, not a
+    probability).
+
+    Args:
+      logits: (B, T, K) float16, bfloat16, float32 or float64 (log-probabilities work too).
+      logit_paddings: (B, T), 1.0 on padded frames.
+      labels: (B, N) int32 or int64 class indices, never blank_id where not padded.
+      label_paddings: (B, N), 1.0 on padded labels.
+      blank_id: the blank's class, in [0, K).
+
+    Returns:
+      (B,) the loss per sequence, the logits' dtype.
+
+    Example:
+      >>> loss = cupyloss.jax.optax_ctc_loss(logits, logit_pad, labels, label_pad).mean()
+    """
+    logits = jnp.asarray(logits)
+    frames = (logits.shape[1] - jnp.sum(jnp.asarray(logit_paddings), axis=1)).astype(jnp.int32)
+    targets = (labels.shape[1] - jnp.sum(jnp.asarray(label_paddings), axis=1)).astype(jnp.int32)
+    log_probs = jnp.swapaxes(jax.nn.log_softmax(logits, axis=-1), 0, 1)
+    return LOSSES["ctc_loss"](log_probs, jnp.asarray(labels), frames, targets, blank=blank_id,
+                              reduction="none")
+
+
+__all__ = sorted([*LOSSES, "LOSSES", "SKIPPED", "optax_ctc_loss"])

@@ -184,7 +184,7 @@ def reduce_masks(instance: str) -> tuple:
 # adapter's nn.Module name for a loss torch lacks), in the order the adapters list their losses.  The core never imports an adapter
 # or a framework; the adapters read every family from here.
 FAMILIES = ("cupyloss.pointwise._family", "cupyloss.rowwise._family", "cupyloss.rowclass._family",
-            "cupyloss.rowpair._family")
+            "cupyloss.rowpair._family", "cupyloss.ctc._family")
 
 
 def all_losses() -> dict:

@@ -339,6 +339,14 @@ def rowpair_finish_name(ctype: str) -> str:
     return f"cupyloss::rowpair_finish<{ctype}>"
 
 
+CTC_KERNELS = ("ctc_alpha", "ctc_finish", "ctc_dense", "ctc_beta")
+
+
+def ctc_name(kernel: str, ctype: str) -> str:
+    """Name expression of a ctc.cu kernel (ctc_alpha, ctc_finish, ctc_dense, ctc_beta)."""
+    return f"cupyloss::{kernel}<{ctype}>"
+
+
 def units() -> list[tuple[str, list[str]]]:
     """Every instantiation a call can run, by source file: (file, its name expressions)."""
     infos = list(_dtypes.DTYPES.values())
@@ -353,9 +361,10 @@ def units() -> list[tuple[str, list[str]]]:
     rowclass = [name for info in infos for loss in ROWCLASS_LOSSES
                 for name in rowclass_names(info, loss)]
     rowpair = [name for op in ROWPAIR_OPS for info in infos for name in rowpair_names(info, op)]
+    ctc = [ctc_name(kernel, info.ctype) for info in infos for kernel in CTC_KERNELS]
     return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
             ("rowwise.cu", rowwise), ("rowclass.cu", list(dict.fromkeys(rowclass))),
-            ("rowpair.cu", list(dict.fromkeys(rowpair))), ("bench.cu", ["cupyloss::hold_stream",
+            ("rowpair.cu", list(dict.fromkeys(rowpair))), ("ctc.cu", ctc), ("bench.cu", ["cupyloss::hold_stream",
                                           *(bench_streams_name(r, w) for r, w in BENCH_STREAMS)])]
 
 
@@ -429,6 +438,8 @@ def reachable(loss: str, dtype) -> list[tuple[str, str]]:
         out.append(("reduce.cu", reduce_name("sum_chunks", info.ctype)))
         out += [("pointwise.cu", name) for functor in spec.instances()
                 for name in pointwise_names(functor, info)]
+    elif getattr(spec, "source", None) == "ctc.cu":     # ctc_loss (cupyloss.ctc._family)
+        out += [("ctc.cu", ctc_name(kernel, info.ctype)) for kernel in CTC_KERNELS]
     elif hasattr(spec, "op"):           # row-pair losses (cupyloss.rowpair._family)
         out += [("rowpair.cu", name) for op in filter(None, (spec.op, spec.p2_op))
                 for name in rowpair_names(info, op)]

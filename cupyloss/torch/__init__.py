@@ -385,6 +385,8 @@ class _Loss:
     forward: object = None   # torch.ops.cupyloss.<name>.default
     backward: object = None  # torch.ops.cupyloss.<name>_backward.default
     inplace_op: object = None  # torch.ops.cupyloss.<name>_inplace.default (inplace losses)
+    sequences: tuple = ()    # arrays a caller may give as Python ints or sequences of them
+                             # (ctc_loss's lengths): taken as CPU int64 tensors
 
 
 def _core_parameters(name):
@@ -857,6 +859,10 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed, inplace=False)
         reduction = torch.nn._reduction.legacy_get_string(legacy[0], legacy[1])
     if reduction not in loss.reductions:
         _reduction.check_reduction(reduction, loss.reductions)
+    if loss.sequences:
+        arrays = tuple(torch.as_tensor(a, dtype=torch.int64)
+                       if n in loss.sequences and not isinstance(a, _Tensor) else a
+                       for n, a in zip(loss.arrays, arrays))
     for (name, default), value in zip(loss.fixed, fixed):
         if value is not default and (default is None or value != default):
             raise ValueError(f"cupyloss.torch.{loss.name} does not support {name}={value!r}; "
@@ -1082,7 +1088,8 @@ def _describe(name: str, spec) -> _Loss:
     differentiable = getattr(spec, "differentiable", arrays)
     return _Loss(name, arrays, options, reduction, spec.reductions, params, fixed, legacy,
                  tuple(o for o, _ in options), (False,) * len(arrays),
-                 tuple(a in differentiable for a in arrays), inplace=inplace)
+                 tuple(a in differentiable for a in arrays), inplace=inplace,
+                 sequences=getattr(spec, "sequences", ()))
 
 
 def _build(loss: _Loss) -> tuple:

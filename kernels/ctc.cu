@@ -1,0 +1,407 @@
+// CTC loss (torch.nn.functional.ctc_loss): the forward-backward recursion over time and the
+// extended labels, in log space, one block a sequence; torch's gradient; the batch's reduction.
+//
+// With lp[t][c] a sequence's log-probabilities, tl its target length, L = 2 tl + 1 and the
+// extended labels l'(s) = blank for even s, the target's label (s - 1) / 2 for odd s:
+//   alpha[0][0] = lp[0][blank], alpha[0][1] = lp[0][l'(1)], alpha[0][s > 1] = -inf
+//   alpha[t][s] = lp[t][l'(s)] + lse(alpha[t-1][s], alpha[t-1][s-1],
+//                                    alpha[t-1][s-2] where s > 1 and l'(s-2) != l'(s))
+//   nll = -lse(alpha[il-1][L-1], alpha[il-1][L-2])         (il: the input length)
+//   beta[il-1][L-1] = lp[il-1][l'(L-1)], beta[il-1][L-2] = lp[il-1][l'(L-2)], others -inf
+//   beta[t][s] = lp[t][l'(s)] + lse(beta[t+1][s], beta[t+1][s+1],
+//                                   beta[t+1][s+2] where s + 2 < L and l'(s+2) != l'(s))
+// and the gradient torch returns for log_probs (the derivative with respect to the logits of
+// a log_softmax that made them: torch's CTC backward), for t < il:
+//   grad[t][c] = g (exp(lp[t][c]) - exp(lse_{s: l'(s) = c}(alpha[t][s] + beta[t][s]) + nll - lp[t][c]))
+// 0 for t >= il; g = grad_output, over N max(tl, 1) for 'mean'.  An infinite nll (the input too
+// short for the target) gives NaN for t < il, as torch's, or 0 everywhere with zero_infinity.
+// lse(a, b, c) = m + log(e^(a-m) + e^(b-m) + e^(c-m)), m = max(a, b, c) (-inf if m is), as
+// torch forms it.
+//
+// Four kernels share one parameter list (CTC_PARAMS), so a plan's later launches take the first
+// one's words as they are:
+//   ctc_alpha   a block a sequence: alpha, kept in `alpha` for the gradient when asked, nll, and
+//               for 'none' the loss;
+//   ctc_finish  one block: the batch's 'mean' or 'sum', in double, in a fixed order;
+//   ctc_dense   a warp a (t, n) row: grad = g exp(lp) (or 0, or NaN, as above);
+//   ctc_beta    a block a sequence: beta, and the label terms of the gradient, written over
+//               ctc_dense's where c occurs in l' (each (t, c) once: no atomics).
+// A sequence's lengths or labels out of range (read on the device: no host sync) make its loss
+// and gradient NaN.
+#include "common.cuh"
+#include "rows.cuh"
+
+namespace cupyloss {
+
+enum : long long {
+    CTC_CONCAT = 1,          // targets concatenated [sum(tl)], else padded [N, S]
+    CTC_TG_INT32 = 2,        // targets int32 (else int64)
+    CTC_IL_INT32 = 4,        // input_lengths int32
+    CTC_TL_INT32 = 8,        // target_lengths int32
+    CTC_ZERO_INFINITY = 16,  // an infinite loss (and its gradient) is 0
+    CTC_GO_DEVICE = 32,      // grad_output a 0-d array on the device
+    CTC_GO_ROWS = 64,        // grad_output [N] ('none')
+    CTC_KEEP_ALPHA = 128,    // ctc_alpha keeps alpha for ctc_beta
+    CTC_MEAN = 256,          // reduction 'mean' (else 'sum' or 'none')
+};
+constexpr int CTC_KMAX = 8;          // extended-label positions a thread holds
+constexpr int CTC_BLOCK = 1024;      // most threads of a sequence's block
+constexpr int CTC_DENSE_BLOCK = 256;
+constexpr int CTC_FINISH_BLOCK = 1024;
+
+#define CTC_PARAMS(T)                                                                              \
+    const T* __restrict__ lp,                 /* [steps, batch, classes], any strides */            \
+    const void* __restrict__ targets,         /* [batch, tg_len] or [tg_len], int32/int64 */        \
+    const void* __restrict__ input_lengths,   /* [batch] */                                         \
+    const void* __restrict__ target_lengths,  /* [batch] */                                         \
+    const long long steps, const long long batch, const long long classes,                         \
+    const long long lp_st, const long long lp_sn, const long long lp_sc,                           \
+    const long long tg_sn, const long long tg_ss, const long long tg_len,                          \
+    const long long il_s, const long long tl_s, const long long blank,                             \
+    const long long lcap,                     /* positions of shared memory: L <= lcap */           \
+    const long long row,                      /* alpha's row ([batch, steps, row], padded) */       \
+    const long long flags,                                                                         \
+    acc_t<T>* __restrict__ nll,               /* [batch] */                                         \
+    acc_t<T>* __restrict__ alpha,             /* kept alpha, or null */                             \
+    T* __restrict__ loss,                     /* [batch] ('none'), or null */                       \
+    T* __restrict__ grad,                     /* [steps, batch, classes] contiguous, or null */     \
+    T* __restrict__ value,                    /* [1] ('mean', 'sum'), or null */                    \
+    const T* __restrict__ go,                 /* grad_output on the device, or null */              \
+    const long long go_s,                     /* its element stride ([batch]) */                    \
+    const double go_value
+
+__device__ __forceinline__ long long ctc_index(const void* p, long long i, bool is32) {
+    return is32 ? (long long)static_cast<const int*>(p)[i] : static_cast<const long long*>(p)[i];
+}
+
+template <typename A>
+__device__ __forceinline__ A ctc_lse3(A a, A b, A c) {
+    A m = amax(a, amax(b, c));
+    if (m == neg_inf(A(0))) return m;
+    return m + lg(exp(a - m) + exp(b - m) + exp(c - m));
+}
+
+// A sequence as its block sees it: lengths, where its alpha lives, whether it is in range.
+struct CtcSeq {
+    long long n, il, tl, L, base, rowlen;
+    bool ok;
+};
+
+// Reads sequence blockIdx.x's lengths and extended labels (into lab[0, L)); every thread of
+// the block calls it.  Concatenated targets start after the labels of the sequences before:
+// a block sum of their lengths (integers: exact in any order).
+template <typename T>
+__device__ CtcSeq ctc_sequence(CTC_PARAMS(T), int* lab, long long* red) {
+    CtcSeq q;
+    q.n = blockIdx.x;
+    q.il = ctc_index(input_lengths, q.n * il_s, flags & CTC_IL_INT32);
+    q.tl = ctc_index(target_lengths, q.n * tl_s, flags & CTC_TL_INT32);
+    long long off = 0;
+    bool ok = q.il >= 0 && q.il <= steps && q.tl >= 0 && 2 * q.tl + 1 <= lcap;
+    if (flags & CTC_CONCAT) {
+        long long part = 0;
+        bool bad = false;
+        for (long long k = threadIdx.x; k < q.n; k += blockDim.x) {
+            const long long v = ctc_index(target_lengths, k * tl_s, flags & CTC_TL_INT32);
+            bad |= v < 0;
+            part += v;
+        }
+        part = block_sum(part, red);
+        bad = __syncthreads_or(bad);
+        if (threadIdx.x == 0) red[32] = part;
+        __syncthreads();
+        off = red[32];
+        ok = ok && !bad && off + q.tl <= tg_len;
+        q.base = steps * (2 * off + q.n);
+        q.rowlen = 2 * q.tl + 1;
+    } else {
+        ok = ok && q.tl <= tg_len;
+        q.base = q.n * steps * row;
+        q.rowlen = row;
+    }
+    q.L = ok ? 2 * q.tl + 1 : 0;
+    bool bad = false;
+    for (long long s = threadIdx.x; s < q.L; s += blockDim.x) {
+        long long c = blank;
+        if (s & 1) {
+            const long long j = (s - 1) >> 1;
+            c = ctc_index(targets, (flags & CTC_CONCAT) ? (off + j) * tg_ss : q.n * tg_sn + j * tg_ss,
+                          flags & CTC_TG_INT32);
+            bad |= c < 0 || c >= classes;
+        }
+        lab[s] = (int)c;
+    }
+    q.ok = ok && !__syncthreads_or(bad);
+    return q;
+}
+
+// The upstream gradient of sequence n: grad_output (a number, a 0-d array or one per
+// sequence), over batch max(tl, 1) for 'mean'.
+template <typename T>
+__device__ __forceinline__ acc_t<T> ctc_upstream(const T* go, long long go_s, double go_value,
+                                                 long long flags, long long n, long long tl,
+                                                 long long batch) {
+    using A = acc_t<T>;
+    A g = (flags & CTC_GO_ROWS) ? to_acc(go[n * go_s]) : (flags & CTC_GO_DEVICE) ? to_acc(go[0])
+                                                                          : A(go_value);
+    if (flags & CTC_MEAN) g = g / A(batch) / A(tl > 1 ? tl : 1);
+    return g;
+}
+
+// alpha over a sequence's input, one step a barrier; lp of each thread's positions loaded two
+// steps ahead (a gather the step's arithmetic hides).
+template <typename T>
+__global__ void __launch_bounds__(CTC_BLOCK) ctc_alpha(CTC_PARAMS(T)) {
+    using A = acc_t<T>;
+    if (blockIdx.x >= batch) return;     // an empty batch's one block
+    extern __shared__ __align__(16) unsigned char ctc_smem[];
+    A* buf = reinterpret_cast<A*>(ctc_smem);                  // [2][lcap]: alpha at t-1, t
+    int* lab = reinterpret_cast<int*>(buf + 2 * lcap);        // [lcap]
+    __shared__ long long red[33];
+    const CtcSeq q = ctc_sequence<T>(lp, targets, input_lengths, target_lengths, steps, batch,
+                                     classes, lp_st, lp_sn, lp_sc, tg_sn, tg_ss, tg_len, il_s,
+                                     tl_s, blank, lcap, row, flags, nll, alpha, loss, grad, value,
+                                     go, go_s, go_value, lab, red);
+    const A ninf = neg_inf(A(0));
+    A result;
+    if (!q.ok) {
+        result = quiet_nan(A(0));
+    } else if (q.il == 0) {
+        result = q.tl == 0 ? -A(0) : -ninf;
+    } else {
+        const long long L = q.L;
+        const T* seq = lp + q.n * lp_sn;
+        A* kept = (flags & CTC_KEEP_ALPHA) ? alpha + q.base : nullptr;
+        A c0[CTC_KMAX], c1[CTC_KMAX], cur[CTC_KMAX];
+        auto load = [&](long long t, A (&dst)[CTC_KMAX]) {
+            #pragma unroll
+            for (int k = 0; k < CTC_KMAX; ++k) {
+                const long long s = threadIdx.x + (long long)k * blockDim.x;
+                if (s < L && t < q.il) dst[k] = to_acc(seq[t * lp_st + lab[s] * lp_sc]);
+            }
+        };
+        load(0, c0);
+        load(1, c1);
+        for (long long t = 0; t < q.il; ++t) {
+            #pragma unroll
+            for (int k = 0; k < CTC_KMAX; ++k) { cur[k] = c0[k]; c0[k] = c1[k]; }
+            load(t + 2, c1);
+            const A* prev = buf + ((t + 1) & 1) * lcap;
+            A* next = buf + (t & 1) * lcap;
+            #pragma unroll
+            for (int k = 0; k < CTC_KMAX; ++k) {
+                const long long s = threadIdx.x + (long long)k * blockDim.x;
+                if (s >= L) break;
+                A a;
+                if (t == 0) {
+                    a = s < 2 ? cur[k] : ninf;
+                } else {
+                    const A a2 = (s > 1 && lab[s - 2] != lab[s]) ? prev[s - 2] : ninf;
+                    a = ctc_lse3(prev[s], s > 0 ? prev[s - 1] : ninf, a2) + cur[k];
+                }
+                next[s] = a;
+                if (kept != nullptr) kept[t * q.rowlen + s] = a;
+            }
+            __syncthreads();
+        }
+        const A* last = buf + ((q.il - 1) & 1) * lcap;
+        const A a1 = last[L - 1], a2 = L > 1 ? last[L - 2] : ninf;
+        const A m = amax(a1, a2);
+        result = m == ninf ? -ninf : -(m + lg(exp(a1 - m) + exp(a2 - m)));
+    }
+    if (threadIdx.x == 0) {
+        nll[q.n] = result;
+        if (loss != nullptr)
+            loss[q.n] = from_acc<T>((flags & CTC_ZERO_INFINITY) && result == -ninf ? A(0) : result);
+    }
+}
+
+// value[0] = the batch's sum of nll (each over max(tl, 1) and the sum over batch for 'mean'),
+// an infinite one as 0 with zero_infinity; in double, in a fixed order.
+template <typename T>
+__global__ void __launch_bounds__(CTC_FINISH_BLOCK) ctc_finish(CTC_PARAMS(T)) {
+    using A = acc_t<T>;
+    double acc = 0.0;
+    for (long long n = threadIdx.x; n < batch; n += blockDim.x) {
+        A v = nll[n];
+        if ((flags & CTC_ZERO_INFINITY) && v == -neg_inf(A(0))) v = A(0);
+        if (flags & CTC_MEAN) {
+            const long long tl = ctc_index(target_lengths, n * tl_s, flags & CTC_TL_INT32);
+            v = v / A(tl > 1 ? tl : 1);
+        }
+        acc += double(v);
+    }
+    const double total = block_sum(acc, wide_scratch());
+    if (threadIdx.x == 0)
+        value[0] = from_acc<T>(A((flags & CTC_MEAN) ? total / double(batch) : total));
+}
+
+// grad[t][n][c] = g exp(lp[t][n][c]) for t < il and 0 after: every term of the gradient but the
+// labels' (ctc_beta's); a sequence whose loss is NaN, or infinite without zero_infinity, NaN for
+// t < il (all t when its lengths are out of range); an infinite one with zero_infinity 0.
+template <typename T>
+__global__ void __launch_bounds__(CTC_DENSE_BLOCK) ctc_dense(CTC_PARAMS(T)) {
+    using A = acc_t<T>;
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long rows = steps * batch;
+    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
+         r += warps) {
+        const long long t = r / batch, n = r - t * batch;
+        const long long il = ctc_index(input_lengths, n * il_s, flags & CTC_IL_INT32);
+        const long long tl = ctc_index(target_lengths, n * tl_s, flags & CTC_TL_INT32);
+        const A v = nll[n];
+        const bool inf = v == -neg_inf(A(0));
+        // 0: g exp(lp); 1: zero; 2: NaN
+        int mode = t < il ? 0 : 1;
+        if (inf && (flags & CTC_ZERO_INFINITY)) mode = 1;
+        else if ((inf && t < il) || v != v) mode = 2;
+        const A g = ctc_upstream<T>(go, go_s, go_value, flags, n, tl, batch);
+        const T* in = lp + t * lp_st + n * lp_sn;
+        T* out = grad + r * classes;
+        for (long long c = lane; c < classes; c += 32) {
+            A o = mode == 0 ? g * exp(to_acc(in[c * lp_sc])) : mode == 1 ? A(0) : quiet_nan(A(0));
+            out[c] = from_acc<T>(o);
+        }
+    }
+}
+
+// lse over a warp's values: the max by a butterfly, then the sum of e^(v - max) by another
+// (fixed orders: the same bits every run).
+template <typename A>
+__device__ __forceinline__ A ctc_warp_lse(A v) {
+    A m = v;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = amax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (m == neg_inf(A(0))) return m;
+    A e = exp(v - m);
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) e += __shfl_xor_sync(0xffffffffu, e, o);
+    return m + lg(e);
+}
+
+// beta backward over a sequence's input with alpha + beta at each step, then the gradient of
+// each label l'(s) != blank at t: the first position of that label walks the later ones (a
+// chain in shared memory, in position order); the blank's (every position whose label is
+// blank) by warp partials that warp 0 adds after the next step's barrier.
+template <typename T>
+__global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
+    using A = acc_t<T>;
+    if (blockIdx.x >= batch) return;
+    extern __shared__ __align__(16) unsigned char ctc_smem[];
+    A* buf = reinterpret_cast<A*>(ctc_smem);                  // [2][lcap]: beta at t+1, t
+    A* ab = buf + 2 * lcap;                                   // [2][lcap]: alpha + beta
+    int* lab = reinterpret_cast<int*>(ab + 2 * lcap);         // [lcap]
+    int* link = lab + lcap;                                   // [lcap]: next position, same label
+    unsigned char* head = reinterpret_cast<unsigned char*>(link + lcap);   // [lcap]
+    __shared__ long long red[33];
+    __shared__ A part[2][32];
+    const CtcSeq q = ctc_sequence<T>(lp, targets, input_lengths, target_lengths, steps, batch,
+                                     classes, lp_st, lp_sn, lp_sc, tg_sn, tg_ss, tg_len, il_s,
+                                     tl_s, blank, lcap, row, flags, nll, alpha, loss, grad, value,
+                                     go, go_s, go_value, lab, red);
+    const A ninf = neg_inf(A(0));
+    const A nl = nll[q.n];
+    if (!q.ok || q.il == 0 || !(nl < -ninf)) return;     // ctc_dense wrote the whole gradient
+    const long long L = q.L;
+    for (long long s = threadIdx.x; s < L; s += blockDim.x) {
+        int next = -1;
+        bool first = true;
+        if ((s & 1) && lab[s] != blank) {
+            for (long long u = 1; u < L; u += 2) {
+                if (lab[u] != lab[s] || u == s) continue;
+                if (u < s) first = false;
+                else if (next < 0) next = (int)u;
+            }
+        } else {
+            first = false;
+        }
+        link[s] = next;
+        head[s] = first;
+    }
+    const A g = ctc_upstream<T>(go, go_s, go_value, flags, q.n, q.tl, batch);
+    const T* seq = lp + q.n * lp_sn;
+    const A* kept = alpha + q.base;
+    T* out = grad + q.n * classes;
+    const long long gstep = batch * classes;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    A c0[CTC_KMAX], c1[CTC_KMAX], cur[CTC_KMAX], k0[CTC_KMAX], k1[CTC_KMAX], kcur[CTC_KMAX];
+    auto load = [&](long long t, A (&dst)[CTC_KMAX], A (&ka)[CTC_KMAX]) {
+        #pragma unroll
+        for (int k = 0; k < CTC_KMAX; ++k) {
+            const long long s = threadIdx.x + (long long)k * blockDim.x;
+            if (s < L && t >= 0) {
+                dst[k] = to_acc(seq[t * lp_st + lab[s] * lp_sc]);
+                ka[k] = kept[t * q.rowlen + s];
+            }
+        }
+    };
+    __syncthreads();    // the chains
+    load(q.il - 1, c0, k0);
+    load(q.il - 2, c1, k1);
+    A lpb = A(0), lpb_prev = A(0);    // thread 0: lp[t][blank] (position 0's label)
+    for (long long t = q.il - 1; t >= 0; --t) {
+        #pragma unroll
+        for (int k = 0; k < CTC_KMAX; ++k) {
+            cur[k] = c0[k]; c0[k] = c1[k];
+            kcur[k] = k0[k]; k0[k] = k1[k];
+        }
+        load(t - 2, c1, k1);
+        const A* prev = buf + ((t + 1) & 1) * lcap;
+        A* next = buf + (t & 1) * lcap;
+        A* abt = ab + (t & 1) * lcap;
+        A blank_part = ninf;
+        #pragma unroll
+        for (int k = 0; k < CTC_KMAX; ++k) {
+            const long long s = threadIdx.x + (long long)k * blockDim.x;
+            if (s >= L) break;
+            A b;
+            if (t == q.il - 1) {
+                b = s >= L - 2 ? cur[k] : ninf;
+            } else {
+                const A b2 = (s + 2 < L && lab[s + 2] != lab[s]) ? prev[s + 2] : ninf;
+                b = ctc_lse3(prev[s], s + 1 < L ? prev[s + 1] : ninf, b2) + cur[k];
+            }
+            next[s] = b;
+            const A x = kcur[k] + b;
+            abt[s] = x;
+            if (lab[s] == blank) {     // the blank's terms: a running lse of this thread's
+                const A m = amax(blank_part, x);
+                blank_part = m == ninf ? m : m + lg(exp(blank_part - m) + exp(x - m));
+            }
+        }
+        if (threadIdx.x == 0) { lpb_prev = lpb; lpb = cur[0]; }
+        __syncthreads();
+        // Step t + 1's blank: its warp partials are complete (written before this barrier).
+        if (warp == 0 && t + 1 < q.il) {
+            const A v = ctc_warp_lse(lane < nwarps ? part[(t + 1) & 1][lane] : ninf);
+            if (lane == 0)
+                out[(t + 1) * gstep + blank] =
+                    from_acc<T>(g * (exp(lpb_prev) - exp(v + nl - lpb_prev)));
+        }
+        const A w = ctc_warp_lse(blank_part);
+        if (lane == 0) part[t & 1][warp] = w;
+        // Each label's gradient at t, by the thread holding its first position.
+        #pragma unroll
+        for (int k = 0; k < CTC_KMAX; ++k) {
+            const long long s = threadIdx.x + (long long)k * blockDim.x;
+            if (s >= L) break;
+            if (!head[s]) continue;
+            A m = ninf, e = A(0);
+            for (int u = (int)s; u >= 0; u = link[u]) {
+                const A x = abt[u];
+                if (x > m) { e = e * exp(m - x) + A(1); m = x; }
+                else if (x != ninf) e += exp(x - m);
+            }
+            const A v = m == ninf ? m : m + lg(e);
+            out[t * gstep + lab[s]] = from_acc<T>(g * (exp(cur[k]) - exp(v + nl - cur[k])));
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const A v = ctc_warp_lse(lane < nwarps ? part[0][lane] : ninf);
+        if (lane == 0) out[blank] = from_acc<T>(g * (exp(lpb) - exp(v + nl - lpb)));
+    }
+}
+
+}  // namespace cupyloss
