@@ -13,6 +13,7 @@ targets are int64.
 import numpy as np
 
 import reference
+import reference_ctc
 import reference_rowwise
 from cupyloss._core.registry import all_losses
 
@@ -20,10 +21,15 @@ SPECS = all_losses()
 
 # Arrays that only pick a branch of their loss: finite differences of them see a jump, not a
 # slope (hinge_embedding_loss compares its +-1 target with 1 and -1), or that are integers.
-SELECTORS = {"hinge_embedding_loss": ("target",), "cross_entropy": ("target",),
+SELECTORS = {"ctc_loss": ("targets", "input_lengths", "target_lengths"),
+             "hinge_embedding_loss": ("target",), "cross_entropy": ("target",),
              "nll_loss": ("target",), "multi_margin_loss": ("target",),
              "multilabel_margin_loss": ("target",),
              "cosine_embedding_loss": ("target",)}
+# Losses whose gradient is torch's with respect to the logits of the log_softmax that made their
+# input (ctc_loss's, as torch's CTC returns it): finite differences check them through a
+# log_softmax of the input (the identity on log-probabilities, so the values are the same).
+THROUGH_LOG_SOFTMAX = ("ctc_loss",)
 ROWWISE = {"cross_entropy": (reference_rowwise.cross_entropy,
                              reference_rowwise.cross_entropy_grads),
            "nll_loss": (reference_rowwise.nll_loss, reference_rowwise.nll_loss_grads)}
@@ -42,7 +48,8 @@ ROWPAIR = {"triplet_margin_loss": (reference_rowwise.triplet_margin_loss,
                                    reference_rowwise.triplet_margin_loss_grads),
            "cosine_embedding_loss": (reference_rowwise.cosine_embedding_loss,
                                      reference_rowwise.cosine_embedding_loss_grads)}
-REFERENCED = {**ROWWISE, **{n: r[:2] for n, r in ROWCLASS.items()}, **ROWPAIR}
+REFERENCED = {**ROWWISE, **{n: r[:2] for n, r in ROWCLASS.items()}, **ROWPAIR,
+              "ctc_loss": (reference_ctc.ctc_loss, reference_ctc.ctc_loss_grads)}
 MARGIN = 1.0      # the default margin of hinge_loss, squared_hinge_loss, hinge_embedding_loss
 
 
@@ -141,6 +148,14 @@ def operands(name, shape=(4, 5), target_shape=None, with_optional=False, seed=0)
         a = [2.0 * normal(shape), rng.random(shape)]
     elif name in ROWPAIR:
         a = _rowpair_operands(name, rng, shape)
+    elif name == "ctc_loss":
+        # (T, N, C) = (shape[0] + 4, 2, shape[-1]) log-probabilities; feasible targets of 3 and
+        # 2 labels (the second repeating its first: a blank between) in 8 and 6 frames.
+        x = normal((shape[0] + 4, 2, shape[-1]))
+        labels = rng.integers(1, shape[-1], (2, 3))
+        labels[1, 1] = labels[1, 0]
+        a = [x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True)), labels,
+             np.array([shape[0] + 4, shape[0] + 2]), np.array([3, 2])]
     elif name == "jsd":
         rows = int(np.prod(shape[:-1]))
         a = [np.log(rng.dirichlet(np.ones(shape[-1]), rows)).reshape(shape),

@@ -56,8 +56,8 @@ def sequence(lp, target, blank):
     return nll, grad
 
 
-def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
-             zero_infinity=False, grad_output=1.0):
+def value_and_grad(log_probs, targets, input_lengths, target_lengths, blank=0,
+                   reduction="mean", zero_infinity=False, grad_output=1.0):
     """(loss, grad) of torch.nn.functional.ctc_loss in float64: log_probs (T, N, C) or (T, C);
     targets padded (N, S) or concatenated; grad_output a number or, for 'none', (N,)."""
     lp = np.asarray(log_probs, np.float64)
@@ -90,3 +90,17 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
     else:
         loss = (nll / np.maximum(tl, 1)).mean()
     return np.asarray(loss), grad if batched else grad[:, 0]
+
+
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+             zero_infinity=False):
+    """The float64 loss (value_and_grad's first result)."""
+    return value_and_grad(log_probs, targets, input_lengths, target_lengths, blank, reduction,
+                          zero_infinity)[0]
+
+
+def ctc_loss_grads(log_probs, targets, input_lengths, target_lengths, blank=0,
+                   reduction="mean", zero_infinity=False, grad_output=1.0):
+    """(log_probs' gradient,) for upstream grad_output (value_and_grad's second result)."""
+    return (value_and_grad(log_probs, targets, input_lengths, target_lengths, blank, reduction,
+                           zero_infinity, grad_output)[1],)

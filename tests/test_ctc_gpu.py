@@ -66,7 +66,7 @@ def test_matches_the_float64_recursion(steps, n, classes, smax, reduction, conca
     lp, tg, il, tl = _case(rng, steps, n, classes, smax, blank, concat)
     x = cp.asarray(lp.astype(dtype))
     go = rng.uniform(0.5, 1.5, n) if reduction == "none" else 0.75
-    want, want_g = ref.ctc_loss(lp.astype(dtype), tg, il, tl, blank, reduction, zero_infinity, go)
+    want, want_g = ref.value_and_grad(lp.astype(dtype), tg, il, tl, blank, reduction, zero_infinity, go)
     args = (x, _device(tg, kind), _device(il, kind), _device(tl, kind), blank, reduction,
             zero_infinity)
     got = cupyloss.ctc_loss(*args)
@@ -88,7 +88,7 @@ def test_16_bit_inputs_accumulate_in_float32(dtype):
     rng = np.random.default_rng(3)
     lp, tg, il, tl = _case(rng, 40, 3, 7, 10, 0, False)
     rounded = lp.astype(dtype).astype(np.float64)
-    want, want_g = ref.ctc_loss(rounded, tg, il, tl, reduction="none")
+    want, want_g = ref.value_and_grad(rounded, tg, il, tl, reduction="none")
     got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(lp.astype(dtype)), cp.asarray(tg),
                                               cp.asarray(il), cp.asarray(tl), reduction="none")
     assert got.dtype == dtype and g.dtype == dtype
@@ -96,17 +96,19 @@ def test_16_bit_inputs_accumulate_in_float32(dtype):
     assert_close(to_host(g), want_g, dtype, scale=1.0, what="gradient")
 
 
-def _torch_truth(lp, tg, il, tl, blank=0, reduction="mean", zero_infinity=False, go=None):
-    """torch's CUDA CTC in float64: (loss, gradient) for upstream go (1 or the (N,) array)."""
+def _torch_truth(lp, tg, il, tl, blank=0, reduction="mean", zero_infinity=False, go=None,
+                 dtype="float64"):
+    """torch's CUDA CTC in float64 (or `dtype`): (loss, gradient) for upstream go (1 or the
+    (N,) array), as float64 NumPy arrays."""
     import torch
 
-    x = torch.tensor(lp, dtype=torch.float64, device="cuda", requires_grad=True)
+    x = torch.tensor(lp, dtype=getattr(torch, dtype), device="cuda", requires_grad=True)
     loss = torch.nn.functional.ctc_loss(x, torch.as_tensor(tg, device="cuda"),
                                         torch.as_tensor(il), torch.as_tensor(tl), blank,
                                         reduction, zero_infinity)
     up = torch.ones_like(loss) if go is None else torch.as_tensor(go, device="cuda")
     (g,) = torch.autograd.grad(loss, x, up)
-    return loss.detach().cpu().numpy(), g.cpu().numpy()
+    return loss.detach().double().cpu().numpy(), g.double().cpu().numpy()
 
 
 # (T, N, C, S): one warp of positions, past it, past a block (2 S + 1 > 1,024: several a thread),
@@ -118,6 +120,9 @@ LARGE = [(64, 5, 29, 15), (300, 3, 40, 100), (1400, 2, 12, 600), (200, 4, 1000, 
 @pytest.mark.parametrize("shape", LARGE, ids=str)
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_long_targets_match_torch(shape, dtype):
+    """float64 within its own rounding of torch's float64; float32 no further from torch's
+    float64 than torch's own float32 kernel is (log-space sums over thousands of frames carry
+    an absolute error of a few ulps of |alpha|, in both), or than float32's rounding of it."""
     import cupyloss
 
     cp = _cp()
@@ -125,13 +130,23 @@ def test_long_targets_match_torch(shape, dtype):
     rng = np.random.default_rng(steps)
     lp, tg, il, tl = _case(rng, steps, n, classes, smax, 0, False)
     tl[0] = min(smax, steps // 2)
-    want, want_g = _torch_truth(lp.astype(dtype), tg, il, tl, reduction="sum")
-    got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(lp.astype(dtype)), cp.asarray(tg),
-                                              il.tolist(), tl.tolist(), reduction="sum")
-    loose = np.dtype(dtype) == np.float32
-    # a sum over N losses of thousands of terms each: float32 rounding relative to their size
-    assert_close(to_host(got), want, dtype, scale=steps * (100 if loose else 1), what="loss")
-    assert_close(to_host(g), want_g, dtype, scale=30 if loose else 1, what="gradient")
+    x = lp.astype(dtype)
+    want, want_g = _torch_truth(x, tg, il, tl, reduction="sum")
+    got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(x), cp.asarray(tg), il.tolist(),
+                                              tl.tolist(), reduction="sum")
+    got, g = to_host(got), to_host(g)
+    if np.dtype(dtype) == np.float64:
+        assert_close(got, want, dtype, what="loss")
+        assert_close(g, want_g, dtype, scale=1.0, what="gradient")
+        return
+    theirs, theirs_g = _torch_truth(x, tg, il, tl, reduction="sum", dtype="float32")
+    for a, b, truth, what in ((got, theirs, want, "loss"), (g, theirs_g, want_g, "gradient")):
+        assert np.array_equal(np.isnan(a), np.isnan(truth)), what
+        ok = ~np.isnan(truth)
+        bound = np.maximum(2 * np.abs(b - truth), 1e-5 * np.maximum(np.abs(truth), 1.0))
+        assert np.all(np.abs(a - truth)[ok] <= bound[ok]), (
+            f"{what}: {np.max(np.abs(a - truth)[ok])} from float64, torch float32 "
+            f"{np.max(np.abs(b - truth)[ok])}")
 
 
 def test_strided_log_probs_and_targets_are_read_in_place():
@@ -140,7 +155,7 @@ def test_strided_log_probs_and_targets_are_read_in_place():
     cp = _cp()
     rng = np.random.default_rng(5)
     lp, tg, il, tl = _case(rng, 20, 4, 9, 6, 2, False)
-    want, want_g = ref.ctc_loss(lp, tg, il, tl, 2, "none")
+    want, want_g = ref.value_and_grad(lp, tg, il, tl, 2, "none")
     batch_first = cp.asarray(np.ascontiguousarray(lp.transpose(1, 0, 2))).transpose(1, 0, 2)
     wide = cp.zeros((20, 4, 18))
     wide[:, :, ::2] = cp.asarray(lp)
@@ -159,7 +174,7 @@ def test_unbatched_input():
     rng = np.random.default_rng(6)
     lp, tg, il, tl = _case(rng, 12, 1, 5, 4, 0, False)
     tl[0] = 4                 # unbatched targets are concatenated: all of them
-    want, want_g = ref.ctc_loss(lp[:, 0], tg[0], il[0], tl[0], reduction="mean")
+    want, want_g = ref.value_and_grad(lp[:, 0], tg[0], il[0], tl[0], reduction="mean")
     got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(lp[:, 0]), cp.asarray(tg[0]),
                                               int(il[0]), int(tl[0]))
     assert got.shape == () and g.shape == (12, 5)
@@ -178,7 +193,7 @@ def test_infeasible_and_empty_targets():
     tg = np.array([[1, 2, 3], [2, 2, 1], [1, 1, 1], [1, 1, 1]])
     il, tl = np.array([3, 3, 5, 0]), np.array([3, 3, 0, 0])
     for zero_infinity in (False, True):
-        want, want_g = ref.ctc_loss(lp, tg, il, tl, reduction="none",
+        want, want_g = ref.value_and_grad(lp, tg, il, tl, reduction="none",
                                     zero_infinity=zero_infinity)
         got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(lp), cp.asarray(tg), il.tolist(),
                                                   tl.tolist(), reduction="none",

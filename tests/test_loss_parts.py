@@ -24,6 +24,7 @@ import pytest
 
 import cupyloss
 import reference
+import reference_ctc
 import reference_rowwise
 from cupyloss._core import registry as _registry, source as _source
 
@@ -46,11 +47,14 @@ def _kernel_part(name, spec) -> bool:
         return spec.loss in _source.ROWCLASS_LOSSES
     if family == "cupyloss.rowpair._family":
         return spec.op in _source.ROWPAIR_OPS
+    if family == "cupyloss.ctc._family":
+        text = (ROOT / "kernels" / spec.source).read_text()
+        return all(re.search(rf"\b{k}\(CTC_PARAMS", text) for k in _source.CTC_KERNELS)
     return False
 
 
 def _reference(name):
-    for module in (reference_rowwise, reference):
+    for module in (reference_rowwise, reference, reference_ctc):
         for stem in (name, name.removesuffix("_loss")):
             value, grads = getattr(module, stem, None), getattr(module, f"{stem}_grads", None)
             if callable(value) and callable(grads):

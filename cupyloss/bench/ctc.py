@@ -70,11 +70,10 @@ def _torch_rows(torch, shape, reps):
 
     timed("torch native", native)
     concat = torch.cat([tg[b, :tl[b]] for b in range(n)]).to(torch.int32).cpu()
-    il32, tl32 = il.to(torch.int32), tl.to(torch.int32)
     if torch._use_cudnn_ctc_loss(leaf, concat, il_t, tl_t, 0):
         def cudnn():
             leaf.grad = None
-            F.ctc_loss(leaf, concat, il32, tl32).backward()
+            F.ctc_loss(leaf, concat, il_t, tl_t).backward()
 
         timed("torch cudnn", cudnn)
     il_d, tl_d = il.cuda(), tl.cuda()

@@ -17,7 +17,6 @@ gradient is wanted) and launches.  Nothing is read back to the host.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import numpy

@@ -10,6 +10,7 @@ from torch import Tensor
 __all__ = [
     'BCELoss',
     'BCEWithLogitsLoss',
+    'CTCLoss',
     'CosineEmbeddingLoss',
     'CrossEntropyLoss',
     'GaussianNLLLoss',
@@ -41,6 +42,7 @@ __all__ = [
     'binary_cross_entropy_with_logits',
     'cosine_embedding_loss',
     'cross_entropy',
+    'ctc_loss',
     'gaussian_nll_loss',
     'gradients_in_forward',
     'hinge_embedding_loss',
@@ -81,6 +83,14 @@ class BCEWithLogitsLoss(torch.nn.Module):
         reduce: bool | None = None, reduction: str = 'mean', pos_weight: Tensor | None = None,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
+
+class CTCLoss(torch.nn.Module):
+    def __init__(
+        self, blank: int = 0, reduction: str = 'mean', zero_infinity: bool = False,
+    ) -> None: ...
+    def forward(
+        self, log_probs: Tensor, targets: Tensor, input_lengths: Tensor, target_lengths: Tensor,
+    ) -> Tensor: ...
 
 class CosineEmbeddingLoss(torch.nn.Module):
     def __init__(
@@ -273,6 +283,11 @@ def cross_entropy(
     ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean',
     label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float = 0.0,
     check_targets: bool = False, inplace_backward: bool = False,
+) -> Tensor: ...
+
+def ctc_loss(
+    log_probs: Tensor, targets: Tensor, input_lengths: Tensor, target_lengths: Tensor,
+    blank: int = 0, reduction: str = 'mean', zero_infinity: bool = False,
 ) -> Tensor: ...
 
 def gaussian_nll_loss(
