@@ -45,7 +45,7 @@ enum : long long {
     CTC_MEAN = 256,          // reduction 'mean' (else 'sum' or 'none')
 };
 constexpr int CTC_KMAX = 8;          // extended-label positions a thread holds
-constexpr int CTC_BLOCK = 1024;      // most threads of a sequence's block
+constexpr int CTC_BLOCK = 512;       // most threads of a sequence's block (128 registers a thread)
 constexpr int CTC_DENSE_BLOCK = 256;
 constexpr int CTC_FINISH_BLOCK = 1024;
 
