@@ -129,7 +129,8 @@ def test_long_targets_match_torch(shape, dtype):
     steps, n, classes, smax = shape
     rng = np.random.default_rng(steps)
     lp, tg, il, tl = _case(rng, steps, n, classes, smax, 0, False)
-    tl[0] = min(smax, steps // 2)
+    il[:] = steps            # feasible everywhere: torch's CUDA gradient of an infinite loss
+    tl[0] = min(smax, steps // 2)   # is not its CPU one (NaN), which cupyloss follows
     x = lp.astype(dtype)
     want, want_g = _torch_truth(x, tg, il, tl, reduction="sum")
     got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(x), cp.asarray(tg), il.tolist(),
@@ -140,13 +141,22 @@ def test_long_targets_match_torch(shape, dtype):
         assert_close(g, want_g, dtype, scale=1.0, what="gradient")
         return
     theirs, theirs_g = _torch_truth(x, tg, il, tl, reduction="sum", dtype="float32")
-    for a, b, truth, what in ((got, theirs, want, "loss"), (g, theirs_g, want_g, "gradient")):
-        assert np.array_equal(np.isnan(a), np.isnan(truth)), what
-        ok = ~np.isnan(truth)
-        bound = np.maximum(2 * np.abs(b - truth), 1e-5 * np.maximum(np.abs(truth), 1.0))
-        assert np.all(np.abs(a - truth)[ok] <= bound[ok]), (
-            f"{what}: {np.max(np.abs(a - truth)[ok])} from float64, torch float32 "
-            f"{np.max(np.abs(b - truth)[ok])}")
+    _no_further_in_norm(got, theirs, want, "loss")
+    _no_further_in_norm(g, theirs_g, want_g, "gradient")
+
+
+def _no_further_in_norm(got, theirs, truth, what):
+    """The largest error of got from the float64 truth is at most twice torch's float32 one
+    (or float32's rounding of the truth).  Elementwise the two float32 results cannot be
+    ordered: a float32 log-space recursion over thousands of frames carries an absolute error
+    of a few ulps of |alpha| into each gradient element, in a pattern set by its order of
+    operations, the same size in both."""
+    assert np.array_equal(np.isnan(got), np.isnan(truth)), f"{what}: NaN differ"
+    ok = np.isfinite(truth)
+    mine = np.max(np.abs(got - truth)[ok], initial=0.0)
+    torchs = np.max(np.abs(theirs - truth)[ok], initial=0.0)
+    assert mine <= max(2 * torchs, 2.0**-24 * np.max(np.abs(truth[ok]), initial=1.0)), (
+        f"{what}: {mine} from float64, torch's float32 {torchs}")
 
 
 def test_strided_log_probs_and_targets_are_read_in_place():
@@ -286,12 +296,16 @@ def test_cupyloss_torch_matches_torch_eager_compiled_and_in_a_graph():
 
     rng = np.random.default_rng(11)
     lp, tg, il, tl = _case(rng, 50, 4, 20, 12, 0, False)
+    il[:] = 50               # feasible (torch's CUDA gradient of an infinite loss is not NaN)
     x = torch.tensor(lp.astype(np.float32), device="cuda")
     tgt = torch.as_tensor(tg, device="cuda")
     il_d, tl_d = torch.as_tensor(il, device="cuda"), torch.as_tensor(tl, device="cuda")
     for reduction in ("mean", "sum", "none"):
+        go = np.linspace(0.5, 1.5, 4) if reduction == "none" else None
         want, want_g = _torch_truth(lp.astype(np.float32), tg, il, tl, reduction=reduction,
-                                    go=np.linspace(0.5, 1.5, 4) if reduction == "none" else None)
+                                    go=go)
+        theirs, theirs_g = _torch_truth(lp.astype(np.float32), tg, il, tl,
+                                        reduction=reduction, go=go, dtype="float32")
         up = (torch.linspace(0.5, 1.5, 4, device="cuda") if reduction == "none"
               else torch.ones((), device="cuda"))
         for way in ("eager", "module", "compiled"):
@@ -306,8 +320,8 @@ def test_cupyloss_torch_matches_torch_eager_compiled_and_in_a_graph():
                 loss = f(leaf)
             loss.backward(up)
             what = f"{way} {reduction}"
-            assert_close(loss.detach().cpu().numpy(), want, np.float32, scale=10, what=what)
-            assert_close(leaf.grad.cpu().numpy(), want_g, np.float32, scale=1, what=what)
+            _no_further_in_norm(loss.detach().double().cpu().numpy(), theirs, want, what)
+            _no_further_in_norm(leaf.grad.double().cpu().numpy(), theirs_g, want_g, what)
     # a CUDA graph: lengths on the device (host ones are copied in, which capture refuses)
     leaf = x.clone().requires_grad_()
     stream = torch.cuda.Stream()
@@ -325,8 +339,9 @@ def test_cupyloss_torch_matches_torch_eager_compiled_and_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     want, want_g = _torch_truth(lp.astype(np.float32), tg, il, tl)
-    assert_close(loss.detach().cpu().numpy(), want, np.float32, scale=10, what="graph")
-    assert_close(leaf.grad.cpu().numpy(), want_g, np.float32, scale=1, what="graph")
+    theirs, theirs_g = _torch_truth(lp.astype(np.float32), tg, il, tl, dtype="float32")
+    _no_further_in_norm(loss.detach().double().cpu().numpy(), theirs, want, "graph")
+    _no_further_in_norm(leaf.grad.double().cpu().numpy(), theirs_g, want_g, "graph")
 
 
 def test_jax_forms_match_torch_and_optax():
@@ -338,6 +353,7 @@ def test_jax_forms_match_torch_and_optax():
 
     rng = np.random.default_rng(12)
     lp, tg, il, tl = _case(rng, 30, 3, 8, 6, 0, False)
+    il[:] = 30
     want, want_g = _torch_truth(lp.astype(np.float32), tg, il, tl)
     f = jax.jit(jax.value_and_grad(lambda a: JL.ctc_loss(a, jnp.asarray(tg, jnp.int32),
                                                          jnp.asarray(il, jnp.int32),

@@ -80,7 +80,8 @@ def test_torchs_samples(name):
                     continue
                 truth = runs[2][0] if k == 0 else runs[2][1][k - 1]
                 if not (wide and _close(a, b)):
-                    _no_further(a, b, truth, label)
+                    (_no_further_in_norm if name in _IN_NORM else _no_further)(a, b, truth,
+                                                                                label)
             checked += 1
     assert checked, f"no sample of {name} ran"
 
@@ -109,6 +110,32 @@ def _close(a, b):
     except AssertionError:
         return False
     return True
+
+
+# Dynamic programs in log space (ctc_loss): each element of a float32 result carries an absolute
+# error of a few ulps of the recursion's magnitude (|alpha|, growing with the frames), in a
+# pattern set by the order of operations, the same size in torch's kernel and cupyloss's; the
+# two cannot be ordered element by element, so their largest errors are compared.
+_IN_NORM = frozenset(("ctc_loss",))
+
+
+def _no_further_in_norm(got, want, truth, what):
+    """max |got - truth| <= max(max |want - truth|, a rounding of truth in got's dtype), NaN
+    where truth is (and nowhere else)."""
+    import torch
+
+    eps = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24,
+           torch.float64: 2.0**-53}[got.dtype]
+    g, w, t = got.double(), want.double(), truth.double()
+    nan = torch.isnan(t)
+    assert torch.equal(torch.isnan(g), nan), f"{what}: NaN where float64 has none, or none"
+    finite = ~nan & torch.isfinite(t)
+    if not bool(finite.any()):
+        return
+    mine = (g - t)[finite].abs().max()
+    allowed = max(float((w - t)[finite].abs().max()), eps * float(t[finite].abs().max()))
+    assert float(mine) <= allowed * 1.001, (
+        f"{what}: {float(mine)} from float64 at most, torch's {allowed}")
 
 
 def _no_further(got, want, truth, what):
