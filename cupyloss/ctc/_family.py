@@ -221,6 +221,9 @@ def _to_device(frame, hosts: dict, like, device: int) -> dict:
     import cupy
 
     names = list(hosts)
+    if cupy.cuda.runtime.streamIsCapturing(frame.stream(device)):
+        raise RuntimeError(f"ctc_loss: {', '.join(names)} given on the host cannot be copied to "
+                           f"the GPU inside a CUDA graph capture; pass them as CUDA arrays")
     flat = numpy.concatenate([hosts[k].reshape(-1) for k in names] or [numpy.zeros(0, "i8")])
     words, ptr = frame.empty((max(1, flat.size),), _WORD, like)
     if flat.size:
