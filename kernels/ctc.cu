@@ -23,9 +23,12 @@
 //   ctc_alpha   a block a sequence: alpha, kept in `alpha` for the gradient when asked, nll, and
 //               for 'none' the loss;
 //   ctc_finish  one block: the batch's 'mean' or 'sum', in double, in a fixed order;
-//   ctc_dense   a warp a (t, n) row: grad = g exp(lp) (or 0, or NaN, as above);
-//   ctc_beta    a block a sequence: beta, and the label terms of the gradient, written over
-//               ctc_dense's where c occurs in l' (each (t, c) once: no atomics).
+//   ctc_beta    a block a sequence: beta, alpha + beta written over the kept alpha, and the
+//               sequence's label groups;
+//   ctc_grad    a warp a (t, n) row: g exp(lp), then each label's term over it (each (t, c)
+//               written by one lane: no atomics).
+// Only ctc_alpha and ctc_beta step through time (one barrier a frame); everything the gradient
+// adds up over positions runs in ctc_grad, parallel over frames.
 // A sequence's lengths or labels out of range (read on the device: no host sync) make its loss
 // and gradient NaN.
 #include "common.cuh"
@@ -46,7 +49,7 @@ enum : long long {
 };
 constexpr int CTC_KMAX = 8;          // extended-label positions a thread holds
 constexpr int CTC_BLOCK = 512;       // most threads of a sequence's block (128 registers a thread)
-constexpr int CTC_DENSE_BLOCK = 256;
+constexpr int CTC_GRAD_BLOCK = 256;
 constexpr int CTC_FINISH_BLOCK = 1024;
 
 #define CTC_PARAMS(T)                                                                              \
@@ -62,7 +65,8 @@ constexpr int CTC_FINISH_BLOCK = 1024;
     const long long row,                      /* alpha's row ([batch, steps, row], padded) */       \
     const long long flags,                                                                         \
     acc_t<T>* __restrict__ nll,               /* [batch] */                                         \
-    acc_t<T>* __restrict__ alpha,             /* kept alpha, or null */                             \
+    acc_t<T>* __restrict__ alpha,             /* kept alpha (then alpha + beta), or null */         \
+    int* __restrict__ groups,                 /* label groups (ctc_beta -> ctc_grad), or null */    \
     T* __restrict__ loss,                     /* [batch] ('none'), or null */                       \
     T* __restrict__ grad,                     /* [steps, batch, classes] contiguous, or null */     \
     T* __restrict__ value,                    /* [1] ('mean', 'sum'), or null */                    \
@@ -160,7 +164,7 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_alpha(CTC_PARAMS(T)) {
     __shared__ long long red[33];
     const CtcSeq q = ctc_sequence<T>(lp, targets, input_lengths, target_lengths, steps, batch,
                                      classes, lp_st, lp_sn, lp_sc, tg_sn, tg_ss, tg_len, il_s,
-                                     tl_s, blank, lcap, row, flags, nll, alpha, loss, grad, value,
+                                     tl_s, blank, lcap, row, flags, nll, alpha, groups, loss, grad, value,
                                      go, go_s, go_value, lab, red);
     const A ninf = neg_inf(A(0));
     A result;
@@ -236,36 +240,6 @@ __global__ void __launch_bounds__(CTC_FINISH_BLOCK) ctc_finish(CTC_PARAMS(T)) {
         value[0] = from_acc<T>(A((flags & CTC_MEAN) ? total / double(batch) : total));
 }
 
-// grad[t][n][c] = g exp(lp[t][n][c]) for t < il and 0 after: every term of the gradient but the
-// labels' (ctc_beta's); a sequence whose loss is NaN, or infinite without zero_infinity, NaN for
-// t < il (all t when its lengths are out of range); an infinite one with zero_infinity 0.
-template <typename T>
-__global__ void __launch_bounds__(CTC_DENSE_BLOCK) ctc_dense(CTC_PARAMS(T)) {
-    using A = acc_t<T>;
-    const int lane = threadIdx.x & 31;
-    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-    const long long rows = steps * batch;
-    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
-         r += warps) {
-        const long long t = r / batch, n = r - t * batch;
-        const long long il = ctc_index(input_lengths, n * il_s, flags & CTC_IL_INT32);
-        const long long tl = ctc_index(target_lengths, n * tl_s, flags & CTC_TL_INT32);
-        const A v = nll[n];
-        const bool inf = v == -neg_inf(A(0));
-        // 0: g exp(lp); 1: zero; 2: NaN
-        int mode = t < il ? 0 : 1;
-        if (inf && (flags & CTC_ZERO_INFINITY)) mode = 1;
-        else if ((inf && t < il) || v != v) mode = 2;
-        const A g = ctc_upstream<T>(go, go_s, go_value, flags, n, tl, batch);
-        const T* in = lp + t * lp_st + n * lp_sn;
-        T* out = grad + r * classes;
-        for (long long c = lane; c < classes; c += 32) {
-            A o = mode == 0 ? g * exp(to_acc(in[c * lp_sc])) : mode == 1 ? A(0) : quiet_nan(A(0));
-            out[c] = from_acc<T>(o);
-        }
-    }
-}
-
 // lse over a warp's values: the max by a butterfly, then the sum of e^(v - max) by another
 // (fixed orders: the same bits every run).
 template <typename A>
@@ -280,51 +254,69 @@ __device__ __forceinline__ A ctc_warp_lse(A v) {
     return m + lg(e);
 }
 
-// beta backward over a sequence's input with alpha + beta at each step, then the gradient of
-// each label l'(s) != blank at t: the first position of that label walks the later ones (a
-// chain in shared memory, in position order); the blank's (every position whose label is
-// blank) by warp partials that warp 0 adds after the next step's barrier.
+// A sequence's label groups, written by ctc_beta for ctc_grad: [CTC_GROUP_HEAD ints: alpha's
+// base, lo and hi][lab: the extended labels][link: the next position with the same label, -1
+// after the last][heads: the first position of each distinct label other than the blank, in
+// position order, -1 after the last], each lcap ints.
+constexpr int CTC_GROUP_HEAD = 2;
+
+// beta backward over a sequence's input; at each step alpha + beta written over the kept alpha
+// (ctc_grad forms the gradient from it, in parallel over steps).  One barrier a step, as
+// ctc_alpha.  First the label groups: each position finds the next with its label (a scan of
+// the odd positions: O(L^2 / threads) once), warp 0 lists the first positions in order.
 template <typename T>
 __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
     using A = acc_t<T>;
     if (blockIdx.x >= batch) return;
     extern __shared__ __align__(16) unsigned char ctc_smem[];
     A* buf = reinterpret_cast<A*>(ctc_smem);                  // [2][lcap]: beta at t+1, t
-    A* ab = buf + 2 * lcap;                                   // [2][lcap]: alpha + beta
-    int* lab = reinterpret_cast<int*>(ab + 2 * lcap);         // [lcap]
-    int* link = lab + lcap;                                   // [lcap]: next position, same label
-    unsigned char* head = reinterpret_cast<unsigned char*>(link + lcap);   // [lcap]
+    int* lab = reinterpret_cast<int*>(buf + 2 * lcap);        // [lcap]
     __shared__ long long red[33];
-    __shared__ A part[2][32];
     const CtcSeq q = ctc_sequence<T>(lp, targets, input_lengths, target_lengths, steps, batch,
                                      classes, lp_st, lp_sn, lp_sc, tg_sn, tg_ss, tg_len, il_s,
-                                     tl_s, blank, lcap, row, flags, nll, alpha, loss, grad, value,
-                                     go, go_s, go_value, lab, red);
+                                     tl_s, blank, lcap, row, flags, nll, alpha, groups, loss, grad,
+                                     value, go, go_s, go_value, lab, red);
     const A ninf = neg_inf(A(0));
     const A nl = nll[q.n];
-    if (!q.ok || q.il == 0 || !(nl < -ninf)) return;     // ctc_dense wrote the whole gradient
+    if (!q.ok || q.il == 0 || !(nl < -ninf)) return;     // ctc_grad writes the whole gradient
     const long long L = q.L;
+    int* group = groups + q.n * (3 * lcap + CTC_GROUP_HEAD);
+    int* glab = group + CTC_GROUP_HEAD;
+    int* glink = glab + lcap;
+    int* gheads = glink + lcap;
+    if (threadIdx.x == 0) {
+        group[0] = (int)(q.base & 0xffffffffll);
+        group[1] = (int)(q.base >> 32);
+    }
+    unsigned char* linked = reinterpret_cast<unsigned char*>(buf);   // [lcap], before the loop
+    for (long long s = threadIdx.x; s < L; s += blockDim.x) linked[s] = 0;
+    __syncthreads();
     for (long long s = threadIdx.x; s < L; s += blockDim.x) {
         int next = -1;
-        bool first = true;
         if ((s & 1) && lab[s] != blank) {
-            for (long long u = 1; u < L; u += 2) {
-                if (lab[u] != lab[s] || u == s) continue;
-                if (u < s) first = false;
-                else if (next < 0) next = (int)u;
+            for (long long u = s + 2; u < L; u += 2) {
+                if (lab[u] == lab[s]) { next = (int)u; break; }
             }
-        } else {
-            first = false;
         }
-        link[s] = next;
-        head[s] = first;
+        glab[s] = lab[s];
+        glink[s] = next;
+        if (next >= 0) linked[next] = 1;     // a later position of a label: not its first
     }
-    const A g = ctc_upstream<T>(go, go_s, go_value, flags, q.n, q.tl, batch);
+    __syncthreads();
+    if (threadIdx.x < 32) {      // warp 0: the first position of each label, in order
+        int count = 0;
+        for (long long base = 0; base < L; base += 32) {
+            const long long s = base + threadIdx.x;
+            const bool first = s < L && (s & 1) && lab[s] != blank && !linked[s];
+            const unsigned ballot = __ballot_sync(0xffffffffu, first);
+            if (first) gheads[count + __popc(ballot & ((1u << threadIdx.x) - 1u))] = (int)s;
+            count += __popc(ballot);
+        }
+        if (threadIdx.x == 0 && count < lcap) gheads[count] = -1;
+    }
+    __syncthreads();             // buf is the recursion's from here
     const T* seq = lp + q.n * lp_sn;
-    const A* kept = alpha + q.base;
-    T* out = grad + q.n * classes;
-    const long long gstep = batch * classes;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    A* kept = alpha + q.base;
     A c0[CTC_KMAX], c1[CTC_KMAX], cur[CTC_KMAX], k0[CTC_KMAX], k1[CTC_KMAX], kcur[CTC_KMAX];
     auto load = [&](long long t, A (&dst)[CTC_KMAX], A (&ka)[CTC_KMAX]) {
         #pragma unroll
@@ -336,10 +328,8 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
             }
         }
     };
-    __syncthreads();    // the chains
     load(q.il - 1, c0, k0);
     load(q.il - 2, c1, k1);
-    A lpb = A(0), lpb_prev = A(0);    // thread 0: lp[t][blank] (position 0's label)
     for (long long t = q.il - 1; t >= 0; --t) {
         #pragma unroll
         for (int k = 0; k < CTC_KMAX; ++k) {
@@ -349,8 +339,6 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
         load(t - 2, c1, k1);
         const A* prev = buf + ((t + 1) & 1) * lcap;
         A* next = buf + (t & 1) * lcap;
-        A* abt = ab + (t & 1) * lcap;
-        A blank_part = ninf;
         #pragma unroll
         for (int k = 0; k < CTC_KMAX; ++k) {
             const long long s = threadIdx.x + (long long)k * blockDim.x;
@@ -363,44 +351,80 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
                 b = ctc_lse3(prev[s], s + 1 < L ? prev[s + 1] : ninf, b2) + cur[k];
             }
             next[s] = b;
-            const A x = kcur[k] + b;
-            abt[s] = x;
-            if (lab[s] == blank) {     // the blank's terms: a running lse of this thread's
-                const A m = amax(blank_part, x);
-                blank_part = m == ninf ? m : m + lg(exp(blank_part - m) + exp(x - m));
-            }
+            kept[t * q.rowlen + s] = kcur[k] + b;
         }
-        if (threadIdx.x == 0) { lpb_prev = lpb; lpb = cur[0]; }
         __syncthreads();
-        // Step t + 1's blank: its warp partials are complete (written before this barrier).
-        if (warp == 0 && t + 1 < q.il) {
-            const A v = ctc_warp_lse(lane < nwarps ? part[(t + 1) & 1][lane] : ninf);
-            if (lane == 0)
-                out[(t + 1) * gstep + blank] =
-                    from_acc<T>(g * (exp(lpb_prev) - exp(v + nl - lpb_prev)));
+    }
+}
+
+// The gradient, a warp a (t, n) row: grad = g exp(lp) for t < il, 0 after (a sequence whose
+// loss is NaN, or infinite without zero_infinity: NaN for t < il, every t when its lengths are
+// out of range; an infinite one with zero_infinity: 0); then, after the warp's barrier, each
+// label l'(s) of the row overwritten with its whole term: the blank's lse over its positions
+// by the warp (a butterfly), each other label's by one lane walking its positions in order.
+template <typename T>
+__global__ void __launch_bounds__(CTC_GRAD_BLOCK) ctc_grad(CTC_PARAMS(T)) {
+    using A = acc_t<T>;
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long rows = steps * batch;
+    const A ninf = neg_inf(A(0));
+    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
+         r += warps) {
+        const long long t = r / batch, n = r - t * batch;
+        const long long il = ctc_index(input_lengths, n * il_s, flags & CTC_IL_INT32);
+        const long long tl = ctc_index(target_lengths, n * tl_s, flags & CTC_TL_INT32);
+        const A v = nll[n];
+        const bool inf = v == -ninf;
+        // 0: g exp(lp) and the label terms; 1: zero; 2: NaN
+        int mode = t < il ? 0 : 1;
+        if (inf && (flags & CTC_ZERO_INFINITY)) mode = 1;
+        else if ((inf && t < il) || v != v) mode = 2;
+        const A g = ctc_upstream<T>(go, go_s, go_value, flags, n, tl, batch);
+        const T* in = lp + t * lp_st + n * lp_sn;
+        T* out = grad + r * classes;
+        for (long long c = lane; c < classes; c += 32) {
+            A o = mode == 0 ? g * exp(to_acc(in[c * lp_sc])) : mode == 1 ? A(0) : quiet_nan(A(0));
+            out[c] = from_acc<T>(o);
         }
-        const A w = ctc_warp_lse(blank_part);
-        if (lane == 0) part[t & 1][warp] = w;
-        // Each label's gradient at t, by the thread holding its first position.
-        #pragma unroll
-        for (int k = 0; k < CTC_KMAX; ++k) {
-            const long long s = threadIdx.x + (long long)k * blockDim.x;
-            if (s >= L) break;
-            if (!head[s]) continue;
-            A m = ninf, e = A(0);
-            for (int u = (int)s; u >= 0; u = link[u]) {
-                const A x = abt[u];
+        if (mode != 0) continue;
+        __syncwarp();
+        const int* group = groups + n * (3 * lcap + CTC_GROUP_HEAD);
+        const int* glab = group + CTC_GROUP_HEAD;
+        const int* glink = glab + lcap;
+        const int* gheads = glink + lcap;
+        const long long base = (long long)(unsigned)group[0] | ((long long)group[1] << 32);
+        const long long rowlen = (flags & CTC_CONCAT) ? 2 * tl + 1 : row;
+        const A* ab = alpha + base + t * rowlen;
+        const long long L = 2 * tl + 1;
+        A m = ninf, e = A(0);     // the blank: an online lse of this lane's positions
+        for (long long s = lane; s < L; s += 32) {
+            if (glab[s] != blank) continue;
+            const A x = ab[s];
+            if (x > m) { e = e * exp(m - x) + A(1); m = x; }
+            else if (x != ninf) e += exp(x - m);
+        }
+        A part = m == ninf ? m : m + lg(e);
+        part = ctc_warp_lse(part);
+        if (lane == 0) {
+            const A lpb = to_acc(in[blank * lp_sc]);
+            out[blank] = from_acc<T>(g * (exp(lpb) - exp(part + v - lpb)));
+        }
+        for (long long j = lane; j < lcap; j += 32) {
+            const int head = gheads[j];
+            if (head < 0) break;
+            m = ninf;
+            e = A(0);
+            for (int u = head; u >= 0; u = glink[u]) {
+                const A x = ab[u];
                 if (x > m) { e = e * exp(m - x) + A(1); m = x; }
                 else if (x != ninf) e += exp(x - m);
             }
-            const A v = m == ninf ? m : m + lg(e);
-            out[t * gstep + lab[s]] = from_acc<T>(g * (exp(cur[k]) - exp(v + nl - cur[k])));
+            const A w = m == ninf ? m : m + lg(e);
+            const int c = glab[head];
+            const A lpc = to_acc(in[c * lp_sc]);
+            out[c] = from_acc<T>(g * (exp(lpc) - exp(w + v - lpc)));
         }
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const A v = ctc_warp_lse(lane < nwarps ? part[0][lane] : ninf);
-        if (lane == 0) out[blank] = from_acc<T>(g * (exp(lpb) - exp(v + nl - lpb)));
     }
 }
 

@@ -81,15 +81,14 @@ def test_positions_fit_the_block_and_shared_memory(limits, itemsize):
         cfg = ctc_launch.ctc_launch(lcap, acc, limits)
         assert cfg.block % 32 == 0 and cfg.block <= ctc_launch.BLOCK
         assert -(-lcap // cfg.block) <= ctc_launch.KMAX      # positions a thread
-        assert cfg.beta_shared + 2048 <= limits.max_shared_optin
-        assert cfg.alpha_shared <= cfg.beta_shared
+        assert cfg.shared + 2048 <= limits.max_shared_optin
 
 
 def test_positions_round_to_a_warp():
     assert [ctc_launch.round_positions(p) for p in (1, 32, 33, 801)] == [32, 32, 64, 832]
-    assert ctc_launch.dense_grid(0, H100) == 1
-    assert ctc_launch.dense_grid(64 * 4000, H100) == 132 * 16
-    assert ctc_launch.dense_grid(80, H100) == 10
+    assert ctc_launch.grad_grid(0, H100) == 1
+    assert ctc_launch.grad_grid(64 * 4000, H100) == 132 * 16
+    assert ctc_launch.grad_grid(80, H100) == 10
 
 
 @needs_torch

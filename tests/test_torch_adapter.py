@@ -624,7 +624,8 @@ def _tiny_model():
 
 # What puts a model's output into a loss's domain: log-probabilities, probabilities.
 HEADS = {"kl_div": lambda y: y.log_softmax(-1), "nll_loss": lambda y: y.log_softmax(1),
-         "binary_cross_entropy": torch.sigmoid, "jsd": lambda y: y.log_softmax(-1)}
+         "binary_cross_entropy": torch.sigmoid, "jsd": lambda y: y.log_softmax(-1),
+         "ctc_loss": lambda y: y.log_softmax(-1)}
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -339,11 +339,11 @@ def rowpair_finish_name(ctype: str) -> str:
     return f"cupyloss::rowpair_finish<{ctype}>"
 
 
-CTC_KERNELS = ("ctc_alpha", "ctc_finish", "ctc_dense", "ctc_beta")
+CTC_KERNELS = ("ctc_alpha", "ctc_finish", "ctc_beta", "ctc_grad")
 
 
 def ctc_name(kernel: str, ctype: str) -> str:
-    """Name expression of a ctc.cu kernel (ctc_alpha, ctc_finish, ctc_dense, ctc_beta)."""
+    """Name expression of a ctc.cu kernel (ctc_alpha, ctc_finish, ctc_beta, ctc_grad)."""
     return f"cupyloss::{kernel}<{ctype}>"
 
 

@@ -9,9 +9,10 @@ checked there: a sequence whose lengths or labels are out of range gets a NaN lo
 gradient (reading them back would synchronise).
 
 A plan is up to four launches of one parameter list (ctc_alpha; ctc_finish for 'mean'/'sum';
-ctc_dense and ctc_beta for the gradient) whose later launches take ctc_alpha's words: a call
-allocates its results and the scratch (nll per sequence; alpha per step and position when a
-gradient is wanted) and launches.  Nothing is read back to the host.
+ctc_beta and ctc_grad for the gradient) whose later launches take ctc_alpha's words: a call
+allocates its results and the scratch (nll per sequence; with a gradient alpha per step and
+position, which ctc_beta turns into alpha + beta, and each sequence's label groups) and
+launches.  Nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -272,9 +273,8 @@ def _build(key) -> Plan:
                                .kernel.ptr)
         return Launched(function, grid, block, shared, words, LAYOUT.slot)
 
-    alpha_shared = cfg.alpha_shared
-    _source.resident("ctc.cu", _source.ctc_name("ctc_alpha", ctype), alpha_shared, cfg.block)
-    main = launched("ctc_alpha", (max(1, n),), (cfg.block,), alpha_shared)
+    _source.resident("ctc.cu", _source.ctc_name("ctc_alpha", ctype), cfg.shared, cfg.block)
+    main = launched("ctc_alpha", (max(1, n),), (cfg.block,), cfg.shared)
     slot = LAYOUT.slot
     scratch = _engine.Regions()
     scratch.add("nll", max(1, n))
@@ -283,19 +283,19 @@ def _build(key) -> Plan:
         kept = (steps * (2 * tg_len + n) if key.concat else n * steps * key.lcap)
         scratch.add("alpha", max(1, kept))
         regions.append((slot["alpha"], "alpha"))
+        ints = _ctc_launch.group_ints(n, key.lcap)
+        scratch.add("groups", -(-ints * 4 // acc.itemsize))    # ints, in accumulator slots
+        regions.append((slot["groups"], "groups"))
     wires = tuple((w, w) for w in _WIRED)
     after = []
     reduced = key.reduction != "none"
     if key.want_value and reduced:
         after.append((launched("ctc_finish", (1,), (_ctc_launch.FINISH_BLOCK,), 0), wires, ()))
     if grad:
-        dense_grid = _ctc_launch.dense_grid(steps * n, limits)
-        after.append((launched("ctc_dense", (dense_grid,), (_ctc_launch.DENSE_BLOCK,), 0), wires,
-                      ()))
-        _source.resident("ctc.cu", _source.ctc_name("ctc_beta", ctype), cfg.beta_shared,
-                         cfg.block)
-        after.append((launched("ctc_beta", (max(1, n),), (cfg.block,), cfg.beta_shared), wires,
-                      ()))
+        _source.resident("ctc.cu", _source.ctc_name("ctc_beta", ctype), cfg.shared, cfg.block)
+        after.append((launched("ctc_beta", (max(1, n),), (cfg.block,), cfg.shared), wires, ()))
+        grid = _ctc_launch.grad_grid(steps * n, limits)
+        after.append((launched("ctc_grad", (grid,), (_ctc_launch.GRAD_BLOCK,), 0), wires, ()))
     out = None
     if key.want_value:
         out = ((slot["value"], (), key.dtype, "empty") if reduced
