@@ -255,10 +255,10 @@ __device__ __forceinline__ A ctc_warp_lse(A v) {
 }
 
 // A sequence's label groups, written by ctc_beta for ctc_grad: [CTC_GROUP_HEAD ints: alpha's
-// base, lo and hi][lab: the extended labels][link: the next position with the same label, -1
-// after the last][heads: the first position of each distinct label other than the blank, in
-// position order, -1 after the last], each lcap ints.
-constexpr int CTC_GROUP_HEAD = 2;
+// base (lo, hi), the number of distinct labels other than the blank][lab: the extended
+// labels][link: the next position with the same label, -1 after the last][heads: the first
+// position of each distinct label other than the blank, in position order], each lcap ints.
+constexpr int CTC_GROUP_HEAD = 3;
 
 // beta backward over a sequence's input; at each step alpha + beta written over the kept alpha
 // (ctc_grad forms the gradient from it, in parallel over steps).  One barrier a step, as
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
             if (first) gheads[count + __popc(ballot & ((1u << threadIdx.x) - 1u))] = (int)s;
             count += __popc(ballot);
         }
-        if (threadIdx.x == 0 && count < lcap) gheads[count] = -1;
+        if (threadIdx.x == 0) group[2] = count;
     }
     __syncthreads();             // buf is the recursion's from here
     const T* seq = lp + q.n * lp_sn;
@@ -410,9 +410,9 @@ __global__ void __launch_bounds__(CTC_GRAD_BLOCK) ctc_grad(CTC_PARAMS(T)) {
             const A lpb = to_acc(in[blank * lp_sc]);
             out[blank] = from_acc<T>(g * (exp(lpb) - exp(part + v - lpb)));
         }
-        for (long long j = lane; j < lcap; j += 32) {
+        const int heads = group[2];
+        for (int j = lane; j < heads; j += 32) {
             const int head = gheads[j];
-            if (head < 0) break;
             m = ninf;
             e = A(0);
             for (int u = head; u >= 0; u = glink[u]) {
