@@ -197,7 +197,17 @@ def test_torch_compile_fullgraph_with_inductor(name):
         got = torch.autograd.grad(loss, list(model.parameters()))
         torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
         for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=_grad_atol(name, w))
+
+
+def _grad_atol(name, w):
+    """The absolute tolerance of a parameter gradient, compiled against eager: 1e-6, and for a
+    log-space recursion over frames (ctc_loss) 1e-4 of the tensor's largest element: inductor's
+    model rounds the loss's inputs differently, and a float32 recursion moves every gradient
+    element by about the same absolute amount, its size set by the largest terms."""
+    if name in ("ctc_loss",):
+        return max(1e-6, 1e-4 * float(w.abs().max()))
+    return 1e-6
 
 
 @pytest.mark.parametrize("name", list(SPECS))
