@@ -74,6 +74,12 @@ constexpr int CTC_FINISH_BLOCK = 1024;
     const long long go_s,                     /* its element stride ([batch]) */                    \
     const double go_value
 
+// CTC_PARAMS' names, in order: the whole parameter list passed on (ctc_sequence).
+#define CTC_ARGS                                                                                   \
+    lp, targets, input_lengths, target_lengths, steps, batch, classes, lp_st, lp_sn, lp_sc,       \
+    tg_sn, tg_ss, tg_len, il_s, tl_s, blank, lcap, row, flags, nll, alpha, groups, loss, grad,    \
+    value, go, go_s, go_value
+
 __device__ __forceinline__ long long ctc_index(const void* p, long long i, bool is32) {
     return is32 ? (long long)static_cast<const int*>(p)[i] : static_cast<const long long*>(p)[i];
 }
@@ -165,10 +171,7 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_alpha(CTC_PARAMS(T)) {
     A* buf = reinterpret_cast<A*>(ctc_smem);                  // [2][lcap]: alpha at t-1, t
     int* lab = reinterpret_cast<int*>(buf + 2 * lcap);        // [lcap]
     __shared__ long long red[33];
-    const CtcSeq q = ctc_sequence<T>(lp, targets, input_lengths, target_lengths, steps, batch,
-                                     classes, lp_st, lp_sn, lp_sc, tg_sn, tg_ss, tg_len, il_s,
-                                     tl_s, blank, lcap, row, flags, nll, alpha, groups, loss, grad, value,
-                                     go, go_s, go_value, lab, red);
+    const CtcSeq q = ctc_sequence<T>(CTC_ARGS, lab, red);
     const A ninf = neg_inf(A(0));
     A result;
     if (!q.ok) {
@@ -275,10 +278,7 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
     A* buf = reinterpret_cast<A*>(ctc_smem);                  // [2][lcap]: beta at t+1, t
     int* lab = reinterpret_cast<int*>(buf + 2 * lcap);        // [lcap]
     __shared__ long long red[33];
-    const CtcSeq q = ctc_sequence<T>(lp, targets, input_lengths, target_lengths, steps, batch,
-                                     classes, lp_st, lp_sn, lp_sc, tg_sn, tg_ss, tg_len, il_s,
-                                     tl_s, blank, lcap, row, flags, nll, alpha, groups, loss, grad,
-                                     value, go, go_s, go_value, lab, red);
+    const CtcSeq q = ctc_sequence<T>(CTC_ARGS, lab, red);
     const A ninf = neg_inf(A(0));
     const A nl = nll[q.n];
     if (!q.ok || q.il == 0 || !(nl < -ninf)) return;     // ctc_grad writes the whole gradient
