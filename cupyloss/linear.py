@@ -46,7 +46,8 @@ from cupyloss._core import (
 from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
-           "linear_cross_entropy_value_and_grad", "plan", "Plan", "DEFAULT_WORKSPACE_BYTES"]
+           "linear_cross_entropy_value_and_grad", "linear_log_probs", "linear_log_probs_backward",
+           "linear_log_probs_value_and_grad", "plan", "Plan", "DEFAULT_WORKSPACE_BYTES"]
 
 # The workspace a call may use by default: enough to keep every row's bfloat16 dZ at 16384 x
 # 128256 (3.9 GiB) beside 1024-row chunks, the fastest plan there (docs/performance.md).
@@ -363,10 +364,13 @@ def _carve(buffer, offset, shape, dtype):
 
 def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing,
          lse_square_scale, softcap, max_workspace_bytes, want_value, names, grad_output,
-         return_lse, shard=None, check=False, compute_dtype=None):
+         return_lse, shard=None, check=False, compute_dtype=None, num_items=None, head=None):
     """The chunked passes (module docstring); returns (loss, {name: grad}, lse) in the caller's
     framework (loss None unless want_value, lse None unless return_lse)."""
     compute = _compute(compute_dtype)
+    count = None
+    if num_items is not None:
+        count = _validate.check_num_items(num_items, reduction, hidden.__class__)
     import cupy
 
     frame = _dispatch.frame_of(hidden, "hidden")
@@ -377,6 +381,10 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         _dispatch.check_same_frame(frame, hidden, x, "hidden", name)
     ops = {name: frame.operand(x, name) if name != "target" else _target_operand(frame, x)
            for name, x in given}
+    if num_items is not None and count is None:
+        _dispatch.check_same_frame(frame, hidden, num_items, "hidden", "num_items")
+        ops["num_items"] = _target_operand(frame, num_items)
+        _validate.check_items_operand(ops["num_items"], ops["hidden"].device)
     n, h, v = _check(ops["hidden"], ops["weight"], ops["target"], ops.get("bias"),
                      ops.get("class_weight"), reduction, label_smoothing, lse_square_scale,
                      softcap, names, shard, compute)
@@ -389,8 +397,10 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
 
         _rowwise.check_targets(frame, ops["target"], v if shard is None else shard.classes,
                                int(ignore_index), stream)
+    if head is not None:
+        head.bind(frame, ops["hidden"].device, tuple(ops["target"].shape))
     grad_go = None
-    if not isinstance(grad_output, (int, float)):
+    if head is None and not isinstance(grad_output, (int, float)):
         grad_go = frame.cupy_view(frame.operand(grad_output, "grad_output"))
     with cupy.cuda.Device(device), \
             cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
@@ -398,12 +408,17 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         views = {name: frame.cupy_view(op) for name, op in ops.items()}
         run = _Call(views, n, h, v, ignore_index, reduction, label_smoothing, lse_square_scale,
                     softcap, want_value, names, grad_go, grad_output, return_lse, stream, device,
-                    shard, compute)
+                    shard, compute, views.get("num_items", count), head)
         pl = run.plan(max_workspace_bytes)
         run.first_pass(pl)
         if pl.kind == "slices" and run.want["weight"]:
             run.second_pass(pl)
         loss, grads, lse = run.results(tuple(ops["hidden"].shape))
+        if head is not None:                # (log p, entropy or None) in place of the loss
+            loss = head.results(tuple(ops["hidden"].shape[:-1]))
+            back = _back(frame)
+            return (tuple(None if a is None else back(a) for a in loss),
+                    {k: back(a) for k, a in grads.items()}, None)
         # handed back on the call's stream: no event on another one (which a CUDA graph's
         # capture would refuse)
         back = _back(frame)
@@ -417,7 +432,7 @@ class _Call:
 
     def __init__(self, views, n, h, v, ignore_index, reduction, label_smoothing,
                  lse_square_scale, softcap, want_value, names, grad_go, grad_output, return_lse,
-                 stream, device, shard=None, compute=None):
+                 stream, device, shard=None, compute=None, items=None, head=None):
         import cupy
 
         self.n, self.h, self.v = n, h, v
@@ -443,6 +458,8 @@ class _Call:
         self.options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                             lse_square_scale=lse_square_scale, softcap=softcap)
         self.reduction, self.want_value, self.names = reduction, want_value, names
+        # num_items: the divisor of 'mean' and 'sum' alike (a float, or a 0-d device array)
+        self.items = items
         self.want = {name: name in names for name in _GRAD_NAMES}
         self.narrow = dtype.itemsize < self.logit.itemsize
         # 16-bit logits (torch.autocast's F.linear), overwritten by their gradient: under
@@ -450,14 +467,19 @@ class _Call:
         # cuBLAS's beta = 1 over 16-bit logits measured less exact than torch's bias epilogue
         # in float16) and NARROW_LOGITS
         self.narrow_logits = (compute is not None and NARROW_LOGITS and shard is None
-                              and cw is None and b is None)
+                              and cw is None and b is None and head is None)
+        # the per-token log-probabilities' head (_LogProbs) in place of cross entropy's rows
+        self.head = head
+        if head is not None:
+            head.start(self)
         self.blas = _Blas(dtype, stream)
         # A float16 dZ formed at grad_output 1 (the gradients of a reduced loss formed in the
         # forward pass) would be (p - y) / count, subnormal for large counts: it is formed
         # 2^k times larger and the products take alpha = 2^-k (exact), k = log2 of the rows
         # rounded down, at most 14 (dZ stays below float16's largest, 65504).
         self.unscale = None
-        if (dtype == numpy.float16 and reduction == "mean" and grad_go is None
+        if (dtype == numpy.float16 and (reduction == "mean" or items is not None)
+                and grad_go is None
                 and grad_output == 1 and n > 1):
             self.boost = float(2 ** min(14, n.bit_length() - 1))
             self.unscale = numpy.array([1.0 / self.boost], numpy.float32)
@@ -514,7 +536,10 @@ class _Call:
             return self._scale
         (grad_go, grad_output), t, logit = self._upstream, self.t, self.logit
         cw, n, ignore_index = self.cw, self.n, self.options["ignore_index"]
-        if self.reduction == "mean":
+        if self.items is not None:
+            self.divisor = cupy.asarray(self.items, logit) if isinstance(self.items, float) \
+                else self.items.astype(logit)
+        elif self.reduction == "mean":
             valid = t != ignore_index
             if cw is None:
                 self.divisor = valid.sum(dtype=logit)
@@ -607,9 +632,10 @@ class _Call:
                 self.loss_rows = cupy.empty((n,), logit)
             else:
                 self.losses = []       # each chunk's sum (0-d)
-        if self.return_lse or pl.kind == "slices":
+        if (self.return_lse or pl.kind == "slices") and self.head is None:
             self.lse = cupy.empty((n,), logit)
         spec = _rowwise.SPECS["cross_entropy"]
+        head = self.head
         for i in range(nchunks):
             r0, r1 = i * rows, min(n, (i + 1) * rows)
             m = r1 - r0
@@ -625,7 +651,10 @@ class _Call:
                 dz = z
             else:
                 dz = dz_all[r0:r1] if keep else dz_all[:m]
-            if self.shard is not None:
+            if head is not None:
+                head.chunk(self, z, dz if names else None, r0, r1)
+                out = None
+            elif self.shard is not None:
                 out = self._shard_chunk(z, dz, r0, r1)
             else:
                 out = _rowwise.evaluate(
@@ -635,7 +664,7 @@ class _Call:
                     grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
                     want_lse=self.lse is not None,
                     grad_into=dz if names and dz is not z else None, acc_io=narrow_logits)
-            if self.want_value:
+            if self.want_value and out is not None:
                 if reduction == "none":
                     self.loss_rows[r0:r1] = out[0]
                 else:
@@ -695,9 +724,13 @@ class _Call:
                     z[...] = self.b[c0:c1]
                 self.blas.gemm(_OP_T, _OP_N, k, m, h, w[c0:c1], h, x[r0:r1], h, z, k,
                                accumulate=self.b is not None)
-                _rowwise.slice_grad(z, self.t[r0:r1], self.lse[r0:r1], dz, self.c0 + c0,
-                                    self.classes, self.cw, wsum, self._scale_rows(r0, r1),
-                                    **self.options, stream=self.stream, device=self.device)
+                if self.head is not None:
+                    self.head.grad(self, z, dz, r0, r1, c0)
+                else:
+                    _rowwise.slice_grad(z, self.t[r0:r1], self.lse[r0:r1], dz, self.c0 + c0,
+                                        self.classes, self.cw, wsum, self._scale_rows(r0, r1),
+                                        **self.options, stream=self.stream,
+                                        device=self.device)
                 if acc is None:
                     # dW[c0:c1]^T (H x k) = X (H x n col-major) dZ_s (k x n col-major)^T
                     self.blas.gemm(_OP_N, _OP_T, h, k, m, x[r0:r1], h, dz, k, self.gw[c0:c1], h,
@@ -726,6 +759,8 @@ class _Call:
             if name in grads and grads[name].dtype != self.result[name]:
                 grads[name] = grads[name].astype(self.result[name])
         loss = None
+        if self.head is not None:
+            return loss, grads, None
         self._upstream_scale()    # the divisor, where no chunk asked for it (no rows)
         if self.want_value:
             if self.reduction == "none":
@@ -747,6 +782,121 @@ class _Call:
                 loss = total.astype(self.logit, copy=False)
         lse = self.lse.reshape(hidden_shape[:-1]) if self.return_lse else None
         return loss, grads, lse
+
+
+STATS = _args.Layout(_source.kernel_words("logprob.cu", "logprob_stats"))
+GRAD = _args.Layout(_source.kernel_words("logprob.cu", "logprob_grad"))
+(LP_INDEX64,) = _source.constants("logprob.cu", "LP_INDEX64")
+# Blocks a launch of the log-probability kernels at most per SM (a block a row, rows in a
+# grid-stride loop beyond them).
+LP_BLOCKS_PER_SM = 8
+
+
+class _LogProbs:
+    """The per-token head of linear_log_probs in a _Call's passes: each chunk's (or slice's)
+    logits give every row's log p(target), entropy and lse (logprob.cu's logprob_stats), and
+    with gradients dZ from them and the upstream gradients (logprob_grad)."""
+
+    def __init__(self, temperature, want_entropy, g_lp, g_ent):
+        self.temperature, self.want_entropy = temperature, want_entropy
+        self.g_lp, self.g_ent = g_lp, g_ent     # None, or a Python number or a (rows,) array
+
+    def bind(self, frame, device, shape) -> None:
+        """The upstream gradients as numbers or CuPy views of (rows,) arrays: each a Python
+        number, or an array of the target's `shape` in `frame`'s framework on `device`."""
+        got = []
+        for name, g in (("grad_output", self.g_lp), ("grad_entropy", self.g_ent)):
+            if g is None or isinstance(g, (int, float)) and not isinstance(g, bool):
+                got.append(None if g is None else float(g))
+                continue
+            _dispatch.check_same_frame(frame, g, g, name, name)
+            op = frame.operand(g, name)
+            if tuple(op.shape) != shape:
+                raise ValueError(f"{name} must have the target's shape {shape} (one value a "
+                                 f"token), got {tuple(op.shape)}")
+            if op.device != device:
+                raise ValueError(f"{name} is on CUDA device {op.device} but hidden is on "
+                                 f"CUDA device {device}")
+            got.append(frame.cupy_view(op))
+        self.g_lp, self.g_ent = got
+
+    def start(self, call) -> None:
+        """Results and upstream gradients as (rows,) arrays of the logits' dtype."""
+        import cupy
+
+        n, logit = call.n, call.logit
+        self.call = call
+        self.logp = cupy.empty((n,), logit)
+        self.lse = cupy.empty((n,), logit)
+        need_h = self.want_entropy or self.g_ent is not None
+        self.ent = cupy.empty((n,), logit) if need_h else None
+        self.g = [None if g is None else cupy.full((n,), g, logit) if isinstance(g, float)
+                  else cupy.ascontiguousarray(g.reshape(n), dtype=logit)
+                  for g in (self.g_lp, self.g_ent)]
+        info = _dtypes.DTYPES[logit]
+        self.flags = LP_INDEX64 if call.t.dtype == numpy.int64 else 0
+        self.stats_fn = STATS.bind(
+            _source.function("logprob.cu", f"cupyloss::logprob_stats<{info.ctype}>").kernel.ptr)
+        gtype = _dtypes.DTYPES[call.dtype].ctype
+        self.grad_fns = {}
+        self.grad_name = lambda g: f"cupyloss::logprob_grad<{info.ctype}, {g}>"
+        self.gtype = gtype
+        from cupyloss._core import launch as _launch
+
+        self.most = _launch.device_limits(call.device).sm_count * LP_BLOCKS_PER_SM
+
+    def _grad_fn(self, dtype):
+        ctype = _dtypes.DTYPES[dtype].ctype
+        fn = self.grad_fns.get(ctype)
+        if fn is None:
+            fn = self.grad_fns[ctype] = GRAD.bind(
+                _source.function("logprob.cu", self.grad_name(ctype)).kernel.ptr)
+        return fn
+
+    def chunk(self, call, z, dz, r0, r1) -> None:
+        """A chunk of all the classes: its rows' statistics, then dZ where dz is given."""
+        m, v = z.shape
+        if m == 0:
+            return
+        grid = (min(m, self.most), 1, 1)
+        words = STATS.template({
+            "z": z.data.ptr, "tgt": call.t[r0:r1].data.ptr, "rows": m, "cols": v,
+            "z_rs": z.strides[0] // z.itemsize, "flags": self.flags,
+            "ignore_index": _args.i64_word(int(call.options["ignore_index"])),
+            "temperature": _args.f64_word(self.temperature),
+            "logp": self.logp[r0:r1].data.ptr,
+            "ent": 0 if self.ent is None else self.ent[r0:r1].data.ptr,
+            "lse": self.lse[r0:r1].data.ptr})
+        _args.launch(self.stats_fn, grid, (_LP_BLOCK, 1, 1), 0, call.stream, words)
+        if dz is not None:
+            self.grad(call, z, dz, r0, r1, 0)
+
+    def grad(self, call, z, dz, r0, r1, c0) -> None:
+        """dZ of rows r0 .. r1 - 1 of classes c0 .. c0 + z.shape[1] - 1."""
+        m, k = z.shape
+        if m == 0 or k == 0:
+            return
+        g_lp, g_ent = self.g
+        words = GRAD.template({
+            "z": z.data.ptr, "tgt": call.t[r0:r1].data.ptr, "rows": m, "cols": k,
+            "z_rs": z.strides[0] // z.itemsize, "c0": c0, "classes": call.v,
+            "flags": self.flags,
+            "ignore_index": _args.i64_word(int(call.options["ignore_index"])),
+            "temperature": _args.f64_word(self.temperature),
+            "lse": self.lse[r0:r1].data.ptr,
+            "ent": 0 if self.ent is None else self.ent[r0:r1].data.ptr,
+            "g_lp": 0 if g_lp is None else g_lp[r0:r1].data.ptr,
+            "g_ent": 0 if g_ent is None else g_ent[r0:r1].data.ptr,
+            "dz": dz.data.ptr, "g_rs": dz.strides[0] // dz.itemsize})
+        _args.launch(self._grad_fn(dz.dtype), (min(m, self.most), 1, 1), (_LP_BLOCK, 1, 1), 0,
+                     call.stream, words)
+
+    def results(self, shape):
+        logp = self.logp.reshape(shape)
+        return logp, (self.ent.reshape(shape) if self.want_entropy else None)
+
+
+(_LP_BLOCK,) = _source.constants("logprob.cu", "LP_BLOCK")
 
 
 _INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))
@@ -781,7 +931,8 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
                          reduction: str = "mean", label_smoothing: float = 0.0, *,
                          lse_square_scale: float = 0.0, softcap: float = 0.0,
                          max_workspace_bytes: int | None = None,
-                         check_targets: bool = False, compute_dtype: Any = None) -> Any:
+                         check_targets: bool = False, compute_dtype: Any = None,
+                         num_items: Array | int | None = None) -> Any:
     """cross_entropy(hidden @ weight.T + bias, target) without the logits in memory.
 
     ``Z = X W^T + b`` is formed chunk by chunk in float32 (float64 for float64 inputs) and never
@@ -809,6 +960,10 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
         rounded to it inside the call, and each gradient comes back in its argument's dtype,
         written by cuBLAS in float32 from the 16-bit operands (a float32 master weight's
         gradient is never rounded to 16 bits).
+      num_items: None, or the divisor of the summed loss for 'mean' and 'sum' alike: the
+        counted rows of every micro-batch of a gradient-accumulation step (an int, or a 0-d
+        int32/int64 array on hidden's device, never read back), so that the micro-batches'
+        gradients add up to the whole batch's (cupyloss.cross_entropy's num_items).
 
     Returns:
       The loss: 0-d for 'mean'/'sum', else hidden's shape without its last dim; float32
@@ -819,7 +974,8 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, bias: Arra
     """
     return _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                 label_smoothing, lse_square_scale, softcap, max_workspace_bytes, True, (), 1.0,
-                False, check=check_targets, compute_dtype=compute_dtype)[0]
+                False, check=check_targets, compute_dtype=compute_dtype,
+                num_items=num_items)[0]
 
 
 def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, weight: Array,
@@ -830,7 +986,8 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
                                   max_workspace_bytes: int | None = None,
                                   wrt: str | Sequence[str] | None = None,
                                   check_targets: bool = False,
-                                  compute_dtype: Any = None) -> Any:
+                                  compute_dtype: Any = None,
+                                  num_items: Array | int | None = None) -> Any:
     """Gradients of linear_cross_entropy (the logits formed again, chunk by chunk).
 
     With dZ the gradient of cross_entropy at the logits (cupyloss.cross_entropy_backward's, g the
@@ -843,7 +1000,7 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
 
     Args:
       grad_output: Python number, 0-d array, or for 'none' an array of the loss's shape.
-      hidden, ..., max_workspace_bytes, check_targets, compute_dtype: as for
+      hidden, ..., max_workspace_bytes, check_targets, compute_dtype, num_items: as for
         linear_cross_entropy.
       wrt: 'hidden', 'weight', 'bias' or a tuple of them (default: hidden and weight).
 
@@ -858,7 +1015,7 @@ def linear_cross_entropy_backward(grad_output: Array | float, hidden: Array, wei
     _, grads, _ = _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                        label_smoothing, lse_square_scale, softcap, max_workspace_bytes, False,
                        names, grad_output, False, check=check_targets,
-                       compute_dtype=compute_dtype)
+                       compute_dtype=compute_dtype, num_items=num_items)
     out = tuple(grads[name] for name in names)
     return out[0] if single else out
 
@@ -874,11 +1031,13 @@ def linear_cross_entropy_value_and_grad(hidden: Array, weight: Array, target: Ar
                                         wrt: str | Sequence[str] | None = None,
                                         return_lse: bool = False,
                                         check_targets: bool = False,
-                                        compute_dtype: Any = None) -> tuple[Any, ...]:
+                                        compute_dtype: Any = None,
+                                        num_items: Array | int | None = None
+                                        ) -> tuple[Any, ...]:
     """linear_cross_entropy and its gradients in one pass: three matrix products in all.
 
     Args:
-      hidden, ..., max_workspace_bytes, check_targets, compute_dtype: as for
+      hidden, ..., max_workspace_bytes, check_targets, compute_dtype, num_items: as for
         linear_cross_entropy.
       grad_output, wrt: as for linear_cross_entropy_backward.
       return_lse: also return each row's logsumexp of the (capped) logits, float32.
@@ -894,7 +1053,136 @@ def linear_cross_entropy_value_and_grad(hidden: Array, weight: Array, target: Ar
     loss, grads, lse = _run(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                             label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
                             True, names, grad_output, return_lse, check=check_targets,
-                            compute_dtype=compute_dtype)
+                            compute_dtype=compute_dtype, num_items=num_items)
     out = tuple(grads[name] for name in names)
     out = out[0] if single else out
     return (loss, out, lse) if return_lse else (loss, out)
+
+
+def _temperature(temperature) -> float:
+    t = float(temperature)
+    if not (0.0 < t < math.inf):
+        raise ValueError(f"temperature must be a positive finite number (the logits are divided "
+                         f"by it), got {temperature}")
+    return t
+
+
+def _log_probs(hidden, weight, target, bias, temperature, return_entropy, ignore_index,
+               max_workspace_bytes, compute_dtype, names, g_lp, g_ent, want_value):
+    head = _LogProbs(_temperature(temperature), bool(return_entropy), g_lp, g_ent)
+    out, grads, _ = _run(hidden, weight, target, bias, None, ignore_index, "none", 0.0, 0.0, 0.0,
+                         max_workspace_bytes, False, names, 1.0, False,
+                         compute_dtype=compute_dtype, head=head)
+    value = (out if return_entropy else out[0]) if want_value else None
+    return value, tuple(grads[name] for name in names)
+
+
+def linear_log_probs(hidden: Array, weight: Array, target: Array, bias: Array | None = None, *,
+                     temperature: float = 1.0, return_entropy: bool = False,
+                     ignore_index: int = -100, max_workspace_bytes: int | None = None,
+                     compute_dtype: Any = None) -> Any:
+    """Per-token log-probabilities (and entropy) of a language model's head, logits never whole.
+
+    With ``Z = (X W^T + b) / T`` (T the temperature), formed chunk by chunk in float32 (float64
+    for float64 inputs) and never rounded to 16 bits, ``lse_i = log sum_c exp(Z_ic)``:
+
+      ``logp_i = Z_{i, y_i} - lse_i``   (0 where y_i == ignore_index)
+      ``H_i = -sum_c p_ic log p_ic = lse_i - sum_c p_ic Z_ic``,   ``p_ic = exp(Z_ic - lse_i)``
+
+    as ``torch.log_softmax(logits.float() / T, -1).gather(-1, y)`` and the entropy of the same
+    distribution (the temperature-scaled one, as RL frameworks' policy entropy).  The entropy
+    is computed for every row, ignored ones included.  A target outside [0, V) gives that row
+    NaN.  Differentiate any objective on them with linear_log_probs_backward.
+
+    Args:
+      hidden: (..., H), float16, bfloat16, float32 or float64.
+      weight: (V, H) of hidden's dtype, as torch.nn.Linear stores it.
+      target: int32/int64 class indices, hidden's shape without its last dim.
+      bias: None or (V,) of hidden's dtype.
+      temperature: > 0, finite; the logits are divided by it.
+      return_entropy: also return the entropy.
+      ignore_index: target value whose log-probability is 0.
+      max_workspace_bytes, compute_dtype: as for linear_cross_entropy.
+
+    Returns:
+      logp, or ``(logp, entropy)``: target's shape, float32 (float64 for float64 inputs).
+
+    Example:
+      >>> logp, ent = cupyloss.linear_log_probs(h, lm_head_weight, tokens, temperature=0.7,
+      ...                                       return_entropy=True)
+    """
+    return _log_probs(hidden, weight, target, bias, temperature, return_entropy, ignore_index,
+                      max_workspace_bytes, compute_dtype, (), None, None, True)[0]
+
+
+def linear_log_probs_backward(grad_output: Array | float | None, hidden: Array, weight: Array,
+                              target: Array, bias: Array | None = None, *,
+                              grad_entropy: Array | float | None = None,
+                              temperature: float = 1.0, ignore_index: int = -100,
+                              max_workspace_bytes: int | None = None,
+                              wrt: str | Sequence[str] | None = None,
+                              compute_dtype: Any = None) -> Any:
+    """Gradients of ``sum_i g_i logp_i + e_i H_i`` (linear_log_probs' outputs) with respect to
+    hidden, weight and bias, the logits formed again chunk by chunk.
+
+    With g the upstream gradient of the log-probabilities (grad_output) and e that of the
+    entropy (grad_entropy), per element of Z = logits / T:
+
+      ``dZ_ic = g_i ([c == y_i] - p_ic) - e_i p_ic (log p_ic + H_i)``   (g_i = 0 on ignored rows)
+
+    then ``dlogits = dZ / T`` (rounded to hidden's dtype, as torch's autograd rounds it),
+    ``d/dhidden = dlogits W``, ``d/dweight = dlogits^T X``, ``d/dbias = sum_rows dlogits``, each
+    product accumulated in float32 (the plans of linear_cross_entropy).
+
+    Args:
+      grad_output: the log-probabilities' upstream gradient: None (0), a Python number, or an
+        array of target's shape (any floating dtype, cast to float32).
+      grad_entropy: the entropy's, the same kinds (None: the entropy is not differentiated).
+      hidden, weight, target, bias, temperature, ignore_index, max_workspace_bytes,
+        compute_dtype: as for linear_log_probs.
+      wrt: 'hidden', 'weight', 'bias' or a tuple of them (default: hidden and weight).
+
+    Returns:
+      The gradients named by wrt (a tuple, or one array for a single name), each of its
+      argument's shape and dtype.
+
+    Example:
+      >>> g_h, g_w = cupyloss.linear_log_probs_backward(-advantages / n, h, w, tokens,
+      ...                                               grad_entropy=-0.01 / n)
+    """
+    names, single = _names(wrt)
+    _, grads = _log_probs(hidden, weight, target, bias, temperature, False, ignore_index,
+                          max_workspace_bytes, compute_dtype, names, grad_output, grad_entropy,
+                          False)
+    return grads[0] if single else grads
+
+
+def linear_log_probs_value_and_grad(hidden: Array, weight: Array, target: Array,
+                                    bias: Array | None = None, *,
+                                    grad_output: Array | float | None = 1.0,
+                                    grad_entropy: Array | float | None = None,
+                                    temperature: float = 1.0, return_entropy: bool = False,
+                                    ignore_index: int = -100,
+                                    max_workspace_bytes: int | None = None,
+                                    wrt: str | Sequence[str] | None = None,
+                                    compute_dtype: Any = None) -> tuple[Any, Any]:
+    """linear_log_probs and the gradients of linear_log_probs_backward in one pass (three
+    matrix products in all), for upstream gradients known before the call (a policy gradient's
+    advantages, an entropy bonus).
+
+    Args:
+      hidden, ..., return_entropy, compute_dtype: as for linear_log_probs.
+      grad_output, grad_entropy, wrt: as for linear_log_probs_backward.
+
+    Returns:
+      ``(logp, grads)`` or ``((logp, entropy), grads)`` with return_entropy.
+
+    Example:
+      >>> logp, (g_h, g_w) = cupyloss.linear_log_probs_value_and_grad(
+      ...     h, w, tokens, grad_output=-advantages / n)
+    """
+    names, single = _names(wrt)
+    value, grads = _log_probs(hidden, weight, target, bias, temperature, return_entropy,
+                              ignore_index, max_workspace_bytes, compute_dtype, names,
+                              grad_output, grad_entropy, True)
+    return value, grads[0] if single else grads

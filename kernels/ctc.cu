@@ -94,6 +94,31 @@ __device__ __forceinline__ A ctc_lse3(A a, A b, A c) {
     return m + lg(exp(a - m) + exp(b - m) + exp(c - m));
 }
 
+// One position's step of a recursion through time, D = +1 for alpha (forward: predecessors s,
+// s - 1, s - 2), -1 for beta (backward: s, s + 1, s + 2); `first` is the recursion's first step
+// (alpha's t = 0: positions 0 and 1; beta's t = il - 1: the last two), lpv the step's
+// log-probability of l'(s).  The skip from s -+ 2 needs another label there.
+template <int D, typename A>
+__device__ __forceinline__ A ctc_step(const A* prev, const int* lab, long long L, long long s,
+                                      bool first, A lpv) {
+    const A ninf = neg_inf(A(0));
+    if (first) return (D > 0 ? s < 2 : s >= L - 2) ? lpv : ninf;
+    const long long s1 = s - D, s2 = s - 2 * D;
+    const bool in1 = D > 0 ? s1 >= 0 : s1 < L;
+    const bool in2 = D > 0 ? s2 >= 0 : s2 < L;
+    const A x2 = (in2 && lab[s2] != lab[s]) ? prev[s2] : ninf;
+    return ctc_lse3(prev[s], in1 ? prev[s1] : ninf, x2) + lpv;
+}
+
+// The prefetch ring of a recursion: cur takes the step's values, c0 the next step's, and c1 is
+// free for the load two steps ahead.
+template <typename A>
+__device__ __forceinline__ void ctc_advance(A (&cur)[CTC_KMAX], A (&c0)[CTC_KMAX],
+                                            const A (&c1)[CTC_KMAX]) {
+    #pragma unroll
+    for (int k = 0; k < CTC_KMAX; ++k) { cur[k] = c0[k]; c0[k] = c1[k]; }
+}
+
 // A sequence as its block sees it: lengths, where its alpha lives, whether it is in range.
 struct CtcSeq {
     long long n, il, tl, L, base, rowlen;
@@ -193,8 +218,7 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_alpha(CTC_PARAMS(T)) {
         load(0, c0);
         load(1, c1);
         for (long long t = 0; t < q.il; ++t) {
-            #pragma unroll
-            for (int k = 0; k < CTC_KMAX; ++k) { cur[k] = c0[k]; c0[k] = c1[k]; }
+            ctc_advance(cur, c0, c1);
             load(t + 2, c1);
             const A* prev = buf + ((t + 1) & 1) * lcap;
             A* next = buf + (t & 1) * lcap;
@@ -202,13 +226,7 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_alpha(CTC_PARAMS(T)) {
             for (int k = 0; k < CTC_KMAX; ++k) {
                 const long long s = threadIdx.x + (long long)k * blockDim.x;
                 if (s >= L) break;
-                A a;
-                if (t == 0) {
-                    a = s < 2 ? cur[k] : ninf;
-                } else {
-                    const A a2 = (s > 1 && lab[s - 2] != lab[s]) ? prev[s - 2] : ninf;
-                    a = ctc_lse3(prev[s], s > 0 ? prev[s - 1] : ninf, a2) + cur[k];
-                }
+                const A a = ctc_step<1>(prev, lab, L, s, t == 0, cur[k]);
                 next[s] = a;
                 if (kept != nullptr) kept[t * q.rowlen + s] = a;
             }
@@ -334,11 +352,8 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
     load(q.il - 1, c0, k0);
     load(q.il - 2, c1, k1);
     for (long long t = q.il - 1; t >= 0; --t) {
-        #pragma unroll
-        for (int k = 0; k < CTC_KMAX; ++k) {
-            cur[k] = c0[k]; c0[k] = c1[k];
-            kcur[k] = k0[k]; k0[k] = k1[k];
-        }
+        ctc_advance(cur, c0, c1);
+        ctc_advance(kcur, k0, k1);
         load(t - 2, c1, k1);
         const A* prev = buf + ((t + 1) & 1) * lcap;
         A* next = buf + (t & 1) * lcap;
@@ -346,13 +361,7 @@ __global__ void __launch_bounds__(CTC_BLOCK) ctc_beta(CTC_PARAMS(T)) {
         for (int k = 0; k < CTC_KMAX; ++k) {
             const long long s = threadIdx.x + (long long)k * blockDim.x;
             if (s >= L) break;
-            A b;
-            if (t == q.il - 1) {
-                b = s >= L - 2 ? cur[k] : ninf;
-            } else {
-                const A b2 = (s + 2 < L && lab[s + 2] != lab[s]) ? prev[s + 2] : ninf;
-                b = ctc_lse3(prev[s], s + 1 < L ? prev[s + 1] : ninf, b2) + cur[k];
-            }
+            const A b = ctc_step<-1>(prev, lab, L, s, t == q.il - 1, cur[k]);
             next[s] = b;
             kept[t * q.rowlen + s] = kcur[k] + b;
         }

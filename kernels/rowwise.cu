@@ -71,6 +71,7 @@ enum : long long {
     ROW_MEAN_W = 32,      // the 0-d loss is divided by the summed weights of the counted rows
     ROW_ACC_IO = 64,      // loss, value and grad_output are of the accumulator type, not T
                           // (16-bit logits under torch's autocast: a float32 loss)
+    ROW_ITEMS32 = 128,    // class_weight_sum's num_items is int32 (else int64)
 };
 
 constexpr int ROW_VECS = 8;        // 16-byte vectors of a row a thread holds (_launch.ROW_VECS)
@@ -1258,7 +1259,9 @@ __global__ void __launch_bounds__(256) cross_entropy_cols(
 }
 
 // out[0] = sum over rows (n, d) of the counted rows' weights: 0 for ignore_index, w_y (1 without
-// a weight) in range, NaN out of range.  The divisor of a 'mean' over class-index targets.
+// a weight) in range, NaN out of range.  The divisor of a 'mean' over class-index targets.  With
+// `items` (num_items on the device, a gradient-accumulation step's count over all its
+// micro-batches), out[0] = items[0] instead, read as int32 (ROW_ITEMS32) or int64; rows is 0.
 template <typename T>
 __global__ void __launch_bounds__(256) class_weight_sum(
         const void* tgt,                     // index (n, d) at n * tn + d * td
@@ -1266,12 +1269,16 @@ __global__ void __launch_bounds__(256) class_weight_sum(
         const long long rows, const long long cols, const long long inner,
         const long long tn, const long long td,
         const long long flags, const long long ignore_index,
+        const void* __restrict__ items,      // [1] num_items, or null
         acc_t<T>* __restrict__ out,          // [1]
         acc_t<T>* __restrict__ partials,     // [gridDim.x] when gridDim.x > 1
         unsigned int* __restrict__ ticket) {
     using A = acc_t<T>;
     const RowArgs<A> ra = row_args<A>(flags, ignore_index, 0.0, 0.0, 0.0, cols);
     A acc = A(0);
+    if (items != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+        acc = (flags & ROW_ITEMS32) ? A(static_cast<const int*>(items)[0])
+                                    : A(static_cast<const long long*>(items)[0]);
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += stride) {
         const long long n = r / inner;

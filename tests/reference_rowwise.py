@@ -126,8 +126,15 @@ def _terms(input, target, weight, ignore_index, label_smoothing, lse_square_scal
     return loss, g_logp, logp, lse, z, counted, divisor, prob, x
 
 
+def _items(reduction, divisor, num_items):
+    """(reduction, divisor) with num_items, which divides the sum for 'mean' and 'sum' alike."""
+    if num_items is None:
+        return reduction, divisor
+    return "mean", float(_f64(num_items))
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
-                  label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0):
+                  label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0, num_items=None):
     """torch.nn.functional.cross_entropy in float64, with lse_square_scale and softcap.
 
     Per row: ``-sum_c g_c log_softmax(z)_c + lse_square_scale * lse**2`` with
@@ -138,14 +145,14 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     loss, _, _, _, _, _, divisor, _, _ = _terms(input, target, weight, ignore_index,
                                                 label_smoothing, lse_square_scale, softcap,
                                                 nll=False)
-    return _reduce(loss, np.shape(input), reduction, divisor)
+    return _reduce(loss, np.shape(input), *_items(reduction, divisor, num_items))
 
 
-def nll_loss(input, target, weight=None, ignore_index=-100, reduction="mean"):
+def nll_loss(input, target, weight=None, ignore_index=-100, reduction="mean", num_items=None):
     """torch.nn.functional.nll_loss in float64: ``-w_y input[y]`` per row, 0 on ignored rows."""
     loss, _, _, _, _, _, divisor, _, _ = _terms(input, target, weight, ignore_index, 0.0, 0.0,
                                                 0.0, nll=True)
-    return _reduce(loss, np.shape(input), reduction, divisor)
+    return _reduce(loss, np.shape(input), *_items(reduction, divisor, num_items))
 
 
 def lse(input, softcap=0.0):
@@ -165,7 +172,7 @@ def _upstream(grad_output, shape, reduction, divisor, n_rows):
 
 def cross_entropy_grads(input, target, weight=None, ignore_index=-100, reduction="mean",
                         label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0,
-                        grad_output=1.0):
+                        grad_output=1.0, num_items=None):
     """(d/dinput, d/dtarget or None) of :func:`cross_entropy` times grad_output, float64.
 
     Through log_softmax: ``dz = gl - p sum(gl)`` with gl the gradient of the loss with respect to
@@ -177,7 +184,7 @@ def cross_entropy_grads(input, target, weight=None, ignore_index=-100, reduction
         input, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
         nll=False)
     shape = np.shape(input)
-    g = _upstream(grad_output, shape, reduction, divisor, len(x))[:, None]
+    g = _upstream(grad_output, shape, *_items(reduction, divisor, num_items), len(x))[:, None]
     with np.errstate(all="ignore"):
         p = np.exp(logp)
         dz = g_logp - p * np.sum(g_logp, axis=1, keepdims=True)
@@ -195,13 +202,13 @@ def cross_entropy_grads(input, target, weight=None, ignore_index=-100, reduction
 
 
 def nll_loss_grads(input, target, weight=None, ignore_index=-100, reduction="mean",
-                   grad_output=1.0):
+                   grad_output=1.0, num_items=None):
     """d/dinput of :func:`nll_loss` times grad_output: ``-w_y g`` at y, 0 elsewhere, 0 on ignored
     rows, NaN on an out-of-range row."""
     x = to_rows(_f64(input))
     wy, counted, y = _row_weights(target, x.shape[1], weight, ignore_index)
     divisor = np.sum(wy[counted])
-    g = _upstream(grad_output, np.shape(input), reduction, divisor, len(x))
+    g = _upstream(grad_output, np.shape(input), *_items(reduction, divisor, num_items), len(x))
     dx = np.zeros_like(x)
     rows = np.arange(len(x))
     with np.errstate(all="ignore"):

@@ -42,6 +42,11 @@ def _calls(x, t):
            (1.0, *arrays), "hidden")
     yield ("linear_cross_entropy_value_and_grad", cupyloss.linear_cross_entropy_value_and_grad,
            arrays, "hidden")
+    yield "linear_log_probs", cupyloss.linear_log_probs, arrays, "hidden"
+    yield ("linear_log_probs_backward", cupyloss.linear_log_probs_backward, (1.0, *arrays),
+           "hidden")
+    yield ("linear_log_probs_value_and_grad", cupyloss.linear_log_probs_value_and_grad, arrays,
+           "hidden")
 
 
 def test_every_public_function_is_covered():

@@ -175,8 +175,9 @@ def test_op_passes_opcheck(reduction, bias):
     import cupyloss.torch  # noqa: F401  (registers the ops)
 
     h, w, b, t = _cpu_case(torch, reduction, bias)
-    args = (h, w, t, b, None, -100, reduction, 0.1, 1e-3, 0.0, -1, 0, -1, "", "", True, True,
-            bias)
+    items = None if reduction == "none" else torch.tensor(40)     # num_items, an op argument
+    args = (h, w, t, b, None, -100, reduction, 0.1, 1e-3, 0.0, -1, 0, -1, "", "", items, True,
+            True, bias)
     torch.library.opcheck(torch.ops.cupyloss.linear_cross_entropy.default, args)
     go = torch.randn(t.shape) if reduction == "none" else torch.tensor(0.5)
     plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]

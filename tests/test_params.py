@@ -34,7 +34,8 @@ LAYOUTS = [
                  "COUNT": ("rowclass.cu", "rowclass_count")}),
     (_rowpair, {"LAYOUT": ("rowpair.cu", "rowpair_rows"),
                 "FINISH_LAYOUT": ("rowpair.cu", "rowpair_finish")}),
-    (linear, {"NARROW": ("scale.cu", "narrow")}),
+    (linear, {"NARROW": ("scale.cu", "narrow"), "STATS": ("logprob.cu", "logprob_stats"),
+              "GRAD": ("logprob.cu", "logprob_grad")}),
     (_pointwise, {"SUM_CHUNKS": ("reduce.cu", "sum_chunks")}),
 ]
 try:    # the torch adapter's own launch: scale_by_grad_output

@@ -123,6 +123,63 @@ def test_cross_entropy_rows_words(device):
     assert wsum["ignore_index"] == _args.i64_word(-7) and wsum["rows"] == 6
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_num_items_from_the_host_is_the_divisor_and_its_reciprocal(device, reduction):
+    """num_items as an int: no count launch, the divisor and the gradient's scale filled per
+    call (two counts share one plan), and the 'mean' over this call's rows not asked for."""
+    x = _host(np.zeros((6, 300), np.float32))
+    t = _host(np.arange(6, dtype=np.int64))
+    for count in (24, 7):
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t, reduction=reduction,
+                          wrt=("input",), num_items=count)
+    assert [name for name, _ in device.launches] == [device.launches[0][0]] * 2
+    first, second = (_named(name, words) for name, words in device.launches)
+    assert "cross_entropy_rows" in device.launches[0][0]
+    assert first["divisor"] == _args.f64_word(24.0)
+    assert first["grad_scale"] == _args.f64_word(1 / 24)
+    assert second["divisor"] == _args.f64_word(7.0)
+    assert second["grad_scale"] == _args.f64_word(1 / 7)
+    assert first["denom"] == 0 and not first["flags"] & _rowwise.FLAG_MEAN_W
+    assert len(_rowwise.FAMILY.plans) == 1
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_num_items_on_the_device_is_read_into_the_divisor(device, dtype):
+    """num_items as a 0-d device array: class_weight_sum reads it (as its dtype says) into the
+    region the main launch divides the value and the gradient by; no targets are summed."""
+    x = _host(np.zeros((6, 300), np.float32))
+    t = _host(np.arange(6, dtype=np.int64))
+    items = np.array(40, dtype).view(HostArray)
+    _rowwise.evaluate(_rowwise.SPECS["nll_loss"], x, t, reduction="mean", wrt=("input",),
+                      num_items=items)
+    (wname, wsum), (name, main) = [(e, _named(e, words)) for e, words in device.launches]
+    assert "class_weight_sum" in wname
+    assert wsum["items"] == _ptr(items) and wsum["rows"] == 0
+    assert bool(wsum["flags"] & _rowwise.FLAG_ITEMS32) == (dtype == np.int32)
+    assert main["denom"] == wsum["out"] != 0
+    assert main["divisor"] == main["grad_scale"] == _args.f64_word(1.0)
+
+
+@pytest.mark.parametrize("items, error, match", [
+    (3.0, TypeError, "must be an int"), (True, TypeError, "must be an int"),
+    (-1, ValueError, "0 or more"), ("4", TypeError, "must be an int")])
+def test_num_items_of_the_wrong_kind_is_refused_before_any_launch(device, items, error, match):
+    x = _host(np.zeros((6, 30), np.float32))
+    t = _host(np.arange(6, dtype=np.int64))
+    with pytest.raises(error, match=match):
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t, num_items=items)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t, reduction="none",
+                          num_items=4)
+    bad = _host(np.array([4, 4], np.int64))
+    with pytest.raises(ValueError, match="0-d"):
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t, num_items=bad)
+    with pytest.raises(TypeError, match="int32/int64"):
+        _rowwise.evaluate(_rowwise.SPECS["cross_entropy"], x, t,
+                          num_items=np.array(4.0, np.float32).view(HostArray))
+    assert device.launches == []
+
+
 def test_cross_entropy_cols_words(device):
     """Classes not contiguous (N, C, d): the thread-per-row kernel and its strides."""
     x = _host(np.zeros((4, 5, 3), np.float32))

@@ -362,7 +362,8 @@ def units() -> list[tuple[str, list[str]]]:
                 for name in rowclass_names(info, loss)]
     rowpair = [name for op in ROWPAIR_OPS for info in infos for name in rowpair_names(info, op)]
     ctc = [ctc_name(kernel, info.ctype) for info in infos for kernel in CTC_KERNELS]
-    return [("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
+    logprob = list(dict.fromkeys(name for info in infos for name in logprob_names(info)))
+    return [("logprob.cu", logprob), ("pointwise.cu", pointwise), ("reduce.cu", reduce), ("scale.cu", scale),
             ("rowwise.cu", rowwise), ("rowclass.cu", list(dict.fromkeys(rowclass))),
             ("rowpair.cu", list(dict.fromkeys(rowpair))), ("ctc.cu", ctc), ("bench.cu", ["cupyloss::hold_stream",
                                           *(bench_streams_name(r, w) for r, w in BENCH_STREAMS)])]
@@ -398,6 +399,16 @@ def linear_names(info) -> list[str]:
     return names + [rowwise_name("cross_entropy_slice_grad", logits.ctype, gtype=info.ctype)]
 
 
+def logprob_names(info) -> list[str]:
+    """The logprob.cu kernels linear_log_probs runs on inputs of `info`'s dtype: the statistics
+    of its logits' dtype (float32; float64 for float64) and the gradient stored in the logits'
+    dtype and, for 16-bit inputs, in theirs."""
+    logits = "double" if info.dtype.itemsize == 8 else "float"
+    grads = dict.fromkeys((logits, info.ctype if info.dtype.itemsize == 2 else logits))
+    return [f"cupyloss::logprob_stats<{logits}>",
+            *(f"cupyloss::logprob_grad<{logits}, {g}>" for g in grads)]
+
+
 def rowclass_names(info, loss: int) -> list[str]:
     """The rowclass.cu kernels of one loss (LOSS_*) and dtype."""
     return [rowclass_name("rowclass_rows", info.ctype, loss),
@@ -415,7 +426,7 @@ def rowpair_names(info, op: str) -> list[str]:
 
 # Losses outside the registry's families, built from their kernels: the fused linear cross
 # entropy (cupyloss.linear).
-FUSED_LOSSES = ("linear_cross_entropy",)
+FUSED_LOSSES = ("linear_cross_entropy", "linear_log_probs")
 
 
 def reachable(loss: str, dtype) -> list[tuple[str, str]]:
@@ -425,7 +436,9 @@ def reachable(loss: str, dtype) -> list[tuple[str, str]]:
     if info is None:
         raise TypeError(f"cupyloss has no kernels for dtype {dtype}")
     if loss in FUSED_LOSSES:            # cupyloss.linear: rowwise.cu on float32 logits
-        out = [("rowwise.cu", name) for name in linear_names(info)]
+        out = ([("rowwise.cu", name) for name in linear_names(info)]
+               if loss == "linear_cross_entropy"
+               else [("logprob.cu", name) for name in logprob_names(info)])
         if info.dtype.itemsize == 2:
             out.append(("scale.cu", narrow_name(info.ctype)))
         return out

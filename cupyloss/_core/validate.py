@@ -159,3 +159,52 @@ def loss_shape(spec, arrays, reduction: str, floating) -> tuple:
     if hasattr(spec, "loss_shape"):
         return tuple(spec.loss_shape(shape, reduction))
     return () if reduction != "none" else shape
+
+
+_ITEM_DTYPES = ("int32", "int64")
+
+
+def check_num_items(num_items, reduction: str, array_class=None) -> float | None:
+    """A loss's num_items (gradient accumulation's global count of counted rows, the divisor
+    of the reduced loss instead of this call's own): a host count (an int, a NumPy integer, a
+    CPU tensor) as a float, or None for a device array, whose Operand check_items_operand
+    checks (an instance of `array_class`, the input's, is one unless it is a CPU tensor).
+    TypeError for any other kind (a float, a bool), ValueError for a negative count or
+    reduction='none'."""
+    if reduction == "none":
+        raise ValueError("num_items divides a reduced loss ('mean' or 'sum'); "
+                         "reduction='none' returns each row's loss")
+    wrong = TypeError(f"num_items must be an int or a 0-d int32/int64 array on the loss's "
+                      f"device (the count of counted rows over all micro-batches), got "
+                      f"{type(num_items).__name__}")
+    if isinstance(num_items, (bool, float)):
+        raise wrong
+    if not isinstance(num_items, int):
+        device = getattr(num_items, "__dlpack_device__", None)
+        if ((num_items.__class__ is array_class and getattr(num_items, "is_cuda", True))
+                or hasattr(num_items, "__cuda_array_interface__")
+                or getattr(num_items, "is_cuda", False)
+                or (device is not None and device()[0] == _KDLCUDA)):
+            return None
+        try:
+            num_items = num_items.__index__()
+        except (AttributeError, TypeError, RuntimeError):
+            raise wrong from None
+    if num_items < 0:
+        raise ValueError(f"num_items must be a count, 0 or more, got {num_items}")
+    return float(num_items)
+
+
+_KDLCUDA = 2
+
+
+def check_items_operand(items, device: int) -> None:
+    """num_items given as an array (an Operand): 0-d, int32 or int64, on `device`."""
+    if str(items.dtype) not in _ITEM_DTYPES:
+        raise TypeError(f"num_items must be an int or a 0-d int32/int64 array, got an array of "
+                        f"dtype {items.dtype}")
+    if tuple(items.shape) != ():
+        raise ValueError(f"num_items must be 0-d (one count), got shape {tuple(items.shape)}")
+    if items.device != device:
+        raise ValueError(f"num_items is on CUDA device {items.device} but the input is on CUDA "
+                         f"device {device}; move it to one device")

@@ -52,7 +52,7 @@ def _grads(names, single, gx, gt):
 def cross_entropy(input: Array, target: Array, weight: Array | None = None,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                   *, lse_square_scale: float = 0.0, softcap: float = 0.0,
-                  check_targets: bool = False) -> Array:
+                  check_targets: bool = False, num_items: Array | int | None = None) -> Array:
     """Cross entropy of softmax(input) along the class axis, as torch.nn.functional.cross_entropy.
 
     With Liger-Kernel's z-loss and softcap beyond torch.
@@ -82,6 +82,11 @@ def cross_entropy(input: Array, target: Array, weight: Array | None = None,
         must be finite with a finite reciprocal in the accumulator (2.9e-39 to 3.4e38 for all
         but float64 inputs); anything else raises ValueError.
       check_targets: raise IndexError for an out-of-range class index (synchronises).
+      num_items: None, or the divisor of the summed loss for 'mean' and 'sum' alike: the number
+        of counted rows (targets not ignore_index) over every micro-batch of a
+        gradient-accumulation step (Hugging Face's ``num_items_in_batch``), so that the
+        micro-batches' gradients add up to the whole batch's 'mean' gradient.  An int, or a
+        0-d int32/int64 array on the input's device (read there: no synchronisation).
 
     Returns:
       The loss: 0-d for 'mean'/'sum', else the input's shape without the class axis; input's dtype.
@@ -94,15 +99,15 @@ def cross_entropy(input: Array, target: Array, weight: Array | None = None,
     """
     return evaluate(_CE, input, target, weight, reduction=reduction, ignore_index=ignore_index,
                     label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-                    softcap=softcap, check=check_targets)[0]
+                    softcap=softcap, check=check_targets, num_items=num_items)[0]
 
 
 def cross_entropy_backward(grad_output: Array | float, input: Array, target: Array,
                            weight: Array | None = None, ignore_index: int = -100,
                            reduction: str = "mean", label_smoothing: float = 0.0, *,
                            lse_square_scale: float = 0.0, softcap: float = 0.0,
-                           check_targets: bool = False, wrt: str | Sequence[str] | None = "input"
-                           ) -> Any:
+                           check_targets: bool = False, wrt: str | Sequence[str] | None = "input",
+                           num_items: Array | int | None = None) -> Any:
     """Gradients of cross_entropy, equal to torch autograd's.
 
     With p = softmax(z) along the class axis and g the upstream gradient of the row (grad_output,
@@ -119,7 +124,7 @@ def cross_entropy_backward(grad_output: Array | float, input: Array, target: Arr
     Args:
       grad_output: Python number, 0-d array, or for 'none' an array of the loss's shape.
       input, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-        check_targets: as for cross_entropy.
+        check_targets, num_items: as for cross_entropy.
       wrt: 'input' (default: returns that gradient alone), 'target' (probability targets) or a
         tuple of names (returns a tuple).
 
@@ -134,7 +139,7 @@ def cross_entropy_backward(grad_output: Array | float, input: Array, target: Arr
                             ignore_index=ignore_index, label_smoothing=label_smoothing,
                             lse_square_scale=lse_square_scale, softcap=softcap,
                             check=check_targets, want_value=False, wrt=names,
-                            grad_output=grad_output)
+                            grad_output=grad_output, num_items=num_items)
     return _grads(names, single, gx, gt)
 
 
@@ -144,7 +149,8 @@ def cross_entropy_value_and_grad(input: Array, target: Array, weight: Array | No
                                  softcap: float = 0.0, check_targets: bool = False,
                                  grad_output: Array | float = 1.0,
                                  wrt: str | Sequence[str] | None = "input", inplace: bool = False,
-                                 return_lse: bool = False) -> tuple[Any, ...]:
+                                 return_lse: bool = False,
+                                 num_items: Array | int | None = None) -> tuple[Any, ...]:
     """cross_entropy and its gradient from one read of the logits.
 
     Each row is held on chip while its softmax is reduced, so the logits are read once and the
@@ -158,7 +164,7 @@ def cross_entropy_value_and_grad(input: Array, target: Array, weight: Array | No
 
     Args:
       input, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-        check_targets: as for cross_entropy.
+        check_targets, num_items: as for cross_entropy.
       grad_output, wrt: as for cross_entropy_backward (wrt=() computes no gradient).
       inplace: write the input gradient into input (see above).
       return_lse: also return the per-row logsumexp of z (shaped like a 'none' loss; float32,
@@ -179,7 +185,7 @@ def cross_entropy_value_and_grad(input: Array, target: Array, weight: Array | No
                                   lse_square_scale=lse_square_scale, softcap=softcap,
                                   check=check_targets, want_value=True, wrt=names,
                                   grad_output=grad_output, inplace=inplace,
-                                  want_lse=return_lse)
+                                  want_lse=return_lse, num_items=num_items)
     grads = _grads(names, single, gx, gt)
     return (value, grads, lse) if return_lse else (value, grads)
 
@@ -187,7 +193,8 @@ def cross_entropy_value_and_grad(input: Array, target: Array, weight: Array | No
 # --- nll_loss ---------------------------------------------------------------------------------
 
 def nll_loss(input: Array, target: Array, weight: Array | None = None, ignore_index: int = -100,
-             reduction: str = "mean", *, check_targets: bool = False) -> Array:
+             reduction: str = "mean", *, check_targets: bool = False,
+             num_items: Array | int | None = None) -> Array:
     """Negative log likelihood, as torch.nn.functional.nll_loss.
 
     ``l = -w_y input[y]`` per row (input holds log-probabilities), 0 where y == ignore_index;
@@ -197,7 +204,7 @@ def nll_loss(input: Array, target: Array, weight: Array | None = None, ignore_in
       input: log-probabilities, (C,), (N, C) or (N, C, d1, ..., dk); float16, bfloat16, float32,
         float64.
       target: class indices (int32/int64), the input's shape without the class axis.
-      weight, ignore_index, reduction, check_targets: as for cross_entropy.
+      weight, ignore_index, reduction, check_targets, num_items: as for cross_entropy.
 
     Returns:
       The loss: 0-d for 'mean'/'sum', else the target's shape; input's dtype.
@@ -208,16 +215,18 @@ def nll_loss(input: Array, target: Array, weight: Array | None = None, ignore_in
       array(1.0986123, dtype=float32)
     """
     return evaluate(_NLL, input, target, weight, reduction=reduction, ignore_index=ignore_index,
-                    check=check_targets)[0]
+                    check=check_targets, num_items=num_items)[0]
 
 
 def nll_loss_backward(grad_output: Array | float, input: Array, target: Array,
                       weight: Array | None = None, ignore_index: int = -100,
                       reduction: str = "mean", *, check_targets: bool = False,
-                      wrt: str | Sequence[str] | None = "input") -> Any:
+                      wrt: str | Sequence[str] | None = "input",
+                      num_items: Array | int | None = None) -> Any:
     """Gradient of nll_loss: ``dl/dinput[c] = -w_y g [c == y]``, 0 on ignored rows.
 
-    g is grad_output over the 'mean' divisor.  The gradient is written whole (zeros included).
+    g is grad_output over the 'mean' divisor (num_items where given).  The gradient is written
+    whole (zeros included).
 
     Returns:
       The input's gradient (or a one-element tuple for a tuple wrt), its shape and dtype.
@@ -228,15 +237,15 @@ def nll_loss_backward(grad_output: Array | float, input: Array, target: Array,
     names, single = _names(wrt)
     _, gx, gt, _ = evaluate(_NLL, input, target, weight, reduction=reduction,
                             ignore_index=ignore_index, check=check_targets, want_value=False,
-                            wrt=names, grad_output=grad_output)
+                            wrt=names, grad_output=grad_output, num_items=num_items)
     return _grads(names, single, gx, gt)
 
 
 def nll_loss_value_and_grad(input: Array, target: Array, weight: Array | None = None,
                             ignore_index: int = -100, reduction: str = "mean", *,
                             check_targets: bool = False, grad_output: Array | float = 1.0,
-                            wrt: str | Sequence[str] | None = "input", inplace: bool = False
-                            ) -> tuple[Array, Any]:
+                            wrt: str | Sequence[str] | None = "input", inplace: bool = False,
+                            num_items: Array | int | None = None) -> tuple[Array, Any]:
     """nll_loss and its gradient in one launch.
 
     **inplace=True OVERWRITES THE INPUT with its gradient** (returned as the input array itself);
@@ -252,7 +261,8 @@ def nll_loss_value_and_grad(input: Array, target: Array, weight: Array | None = 
     names, single = _names(wrt)
     value, gx, gt, _ = evaluate(_NLL, input, target, weight, reduction=reduction,
                                 ignore_index=ignore_index, check=check_targets, want_value=True,
-                                wrt=names, grad_output=grad_output, inplace=inplace)
+                                wrt=names, grad_output=grad_output, inplace=inplace,
+                                num_items=num_items)
     return value, _grads(names, single, gx, gt)
 
 

@@ -29,9 +29,9 @@ from cupyloss._core.engine import Launched, Plan
 
 # Flag bits, and a row state's accumulators in the group exchange: kernels/rowwise.cu's.
 (FLAG_INDEX64, FLAG_PROB, FLAG_NLL, FLAG_GO_DEVICE, FLAG_GO_ROWS, FLAG_MEAN_W, FLAG_ACC_IO,
- _FIELDS, SLICE_FIELDS) = _source.constants(
+ FLAG_ITEMS32, _FIELDS, SLICE_FIELDS) = _source.constants(
     "rowwise.cu", "ROW_INDEX64", "ROW_PROB", "ROW_NLL", "ROW_GO_DEVICE", "ROW_GO_ROWS",
-    "ROW_MEAN_W", "ROW_ACC_IO", "ROW_FIELDS", "SLICE_FIELDS")
+    "ROW_MEAN_W", "ROW_ACC_IO", "ROW_ITEMS32", "ROW_FIELDS", "SLICE_FIELDS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +62,10 @@ class RowSpec:
 SPECS = {
     "cross_entropy": RowSpec("cross_entropy", "cross_entropy",
                              options=("weight", "ignore_index", "label_smoothing",
-                                      "lse_square_scale", "softcap", "check_targets")),
-    "nll_loss": RowSpec("nll_loss", "nll", options=("weight", "ignore_index", "check_targets")),
+                                      "lse_square_scale", "softcap", "check_targets",
+                                      "num_items")),
+    "nll_loss": RowSpec("nll_loss", "nll", options=("weight", "ignore_index", "check_targets",
+                                                    "num_items")),
 }
 
 # cross_entropy_rows<T, MODE>'s variants: kernels/rowwise.cu's.
@@ -107,6 +109,8 @@ class Key(NamedTuple):
     device: int
     into: tuple | None       # (dtype, strides) of grad_into, the fused head's gradient
     acc_io: bool             # the loss and grad_output in the accumulator type (autocast)
+    items: object = None     # num_items: None, "host" (a number, the words "divisor" and
+                             # "grad_scale" filled per call) or its array's dtype (int32/int64)
 
 
 _PLANS = _plans.Plans()
@@ -191,7 +195,7 @@ def _build(key: Key) -> Plan:
     FLAG_ACC_IO)."""
     (name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse, inplace,
      go_kind, go_strides, x_shape, x_strides, t_shape, t_strides, t_dtype, w_strides, dtype,
-     device, into, acc_io) = Key._make(key)
+     device, into, acc_io, items) = Key._make(key)
     spec = SPECS[name]
     ignore_index, smoothing, zscale, softcap = options
     info = _dtypes.DTYPES[dtype]
@@ -205,8 +209,10 @@ def _build(key: Key) -> Plan:
     want_g = want_gx or want_gt
     # The divisor of the 0-d loss: summed weights of counted rows (class indices, 'mean'), the
     # row count (probabilities, 'mean'), else 1.
-    mean_w = reduction == "mean" and is_index
-    divisor = float(rows) if reduction == "mean" and not is_index else 1.0
+    # num_items replaces it: a number (words filled per call), or an array read on the device
+    # into region "denom" by class_weight_sum, which every launch then divides by.
+    mean_w = reduction == "mean" and is_index and items is None
+    divisor = float(rows) if reduction == "mean" and not is_index and items is None else 1.0
     grad_scale = 1.0 / divisor if divisor else math.nan
     flags = _flags(spec, is_index, t_dtype, go_kind, mean_w and want_value, acc_io)
     common = {"rows": rows, "cols": cols, "flags": flags,
@@ -266,11 +272,15 @@ def _build(key: Key) -> Plan:
     if want_value and nblocks > 1:
         scratch.add("partials", 2 * nblocks)
     wsum = None
-    if mean_w and want_g:
+    device_items = items is not None and items != "host"
+    if (mean_w and want_g) or device_items:
         wsum = _engine.small_reduction(
-            WSUM, "rowwise.cu", _source.rowwise_name("class_weight_sum", info.ctype), rows,
-            WSUM.template({"rows": rows, "cols": cols, "inner": geo.inner, "tn": geo.t[0],
-                           "td": geo.t[2], "flags": flags & FLAG_INDEX64,
+            WSUM, "rowwise.cu", _source.rowwise_name("class_weight_sum", info.ctype),
+            1 if device_items else rows,
+            WSUM.template({"rows": 0 if device_items else rows, "cols": cols, "inner": geo.inner,
+                           "tn": geo.t[0], "td": geo.t[2],
+                           "flags": FLAG_ITEMS32 if items == numpy.dtype(numpy.int32)
+                           else flags & FLAG_INDEX64,
                            "ignore_index": _args.i64_word(ignore_index)}),
             limits, scratch, "wsum_partials")
     ticket = (want_value and nblocks > 1) or (wsum is not None and wsum.grid[0] > 1)
@@ -290,19 +300,22 @@ def _build(key: Key) -> Plan:
                (slot["lse"], geo.batch_shape, acc, "empty") if want_lse else None)
     before = ()
     if wsum is not None:
-        before = (_engine.before_main(wsum, ((wsum.slot["tgt"], 1), (wsum.slot["weight"], 2)),
-                                      scratch, "denom", "wsum_partials"),)
+        wired = ((wsum.slot["items"], 4),) if device_items else (
+            (wsum.slot["tgt"], 1), (wsum.slot["weight"], 2))
+        before = (_engine.before_main(wsum, wired, scratch, "denom", "wsum_partials"),)
+    numbers = ((slot["divisor"], 5), (slot["grad_scale"], 6)) if items == "host" else ()
     return Plan(
         main, ((slot["x"], 0), (slot["tgt"], 1), (slot["weight"], 2)), outputs, acc, scratch,
         scratch.size, ticket,
         main_regions=tuple((slot[r], r) for r in ("exchange", "denom") if r in scratch),
-        counters=((slot["sync"], counters),) if counters else (), before=before)
+        counters=((slot["sync"], counters),) if counters else (), before=before,
+        numbers=numbers)
 
 
 def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ignore_index=-100,
              label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0, check=False,
              want_value=True, wrt=(), grad_output=1.0, inplace=False, want_lse=False,
-             grad_into=None, acc_io=False):
+             grad_into=None, acc_io=False, num_items=None):
     """[loss or None, input gradient or None, target gradient or None, lse or None] of one call.
 
     wrt: the names ("input", "target") whose gradients are written.  Arrays come from and go
@@ -311,6 +324,8 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
     to, of the input's dtype or, for float32 logits of class indices, a 16-bit one (rounded in
     the same pass).  acc_io: the loss returned, and grad_output taken, in the accumulator type
     (float32 for 16-bit logits: torch's autocast semantics without a float32 copy).
+    num_items: None, or the divisor of a 'mean' or 'sum' (an int, or a 0-d int32/int64 array
+    of the input's framework and device, read there).
     """
     frame = _dispatch.frame_of(input, "input")
     if target.__class__ is not input.__class__:   # one class, one framework
@@ -371,6 +386,15 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
             spec.loss_shape(x.shape, "none"), reduction)
         if go_kind == "array":
             go_strides = _go_strides(go)
+    items = items_op = count = None
+    if num_items is not None:
+        count = _validate.check_num_items(num_items, reduction, input.__class__)
+        if count is None:
+            items_op, _ = _engine.target_operand(frame, num_items)
+            _validate.check_items_operand(items_op, device)
+            items = items_op.dtype
+        else:
+            items = "host"
     stream = frame.stream(device)
     if check and is_index:
         check_targets(frame, t, cols, int(ignore_index), stream)
@@ -378,8 +402,11 @@ def evaluate(spec: RowSpec, input, target, weight=None, *, reduction="mean", ign
                zscale if spec.kind != "nll" else 0.0, softcap if spec.kind != "nll" else 0.0)
     key = (spec.name, reduction, is_index, options, want_value, want_gx, want_gt, want_lse,
            inplace, go_kind, go_strides, x.shape, x.strides, t.shape, t.strides, t.dtype,
-           w is not None and w.strides, dtype, device, into_key, acc_io)   # Key's fields
-    return _engine.execute(FAMILY, key, device, frame, stream, ((x, t, w, into), go, go_value))
+           w is not None and w.strides, dtype, device, into_key, acc_io, items)   # Key's fields
+    operands = (x, t, w, into) if items is None else (
+        x, t, w, into, items_op, count, None if count is None else 1.0 / count if count
+        else math.inf)
+    return _engine.execute(FAMILY, key, device, frame, stream, (operands, go, go_value))
 
 
 def _go_strides(go):
@@ -392,7 +419,7 @@ def _go_strides(go):
 
 def _copies(frame, stream, key, state):
     """Contiguous copies of the operands whose layout the kernels do not walk, and their key."""
-    (x, t, w, into), go, go_value = state
+    (x, t, w, into, *items), go, go_value = state
     key = Key._make(key)
     is_index = key.is_index
     x_copy = None
@@ -415,7 +442,7 @@ def _copies(frame, stream, key, state):
     key = key._replace(go_strides=go_strides, x_shape=x.shape, x_strides=x.strides,
                        t_shape=t.shape, t_strides=t.strides,
                        w_strides=w is not None and w.strides)
-    return key, ((x, t, w, into), go, go_value), x_copy
+    return key, ((x, t, w, into, *items), go, go_value), x_copy
 
 
 FAMILY = _engine.Family(_PLANS, _build, _copies)

@@ -23,6 +23,7 @@ _OPTIONAL_TENSORS = frozenset({"weight", "pos_weight", "bias", "class_weight", "
 _OPTIONAL_BOOLS = frozenset({"size_average", "reduce"})
 _OPTIONAL_INTS = frozenset({"class_offset", "classes", "max_workspace_bytes"})
 _GROUPS = frozenset({"group", "mean_group"})      # a process group, its name, or None
+_COUNTS = frozenset({"num_items"})                # an int or a 0-d integer tensor, or None
 # Integer defaults of options torch takes as floats.
 _FLOATS = frozenset({"margin", "p"})
 # Values of __all__ that are not functions or classes, with their types.
@@ -47,6 +48,8 @@ def _annotation(p: inspect.Parameter) -> str:
             return "int | None"
         if p.name in _GROUPS:
             return "Any"
+        if p.name in _COUNTS:
+            return "Tensor | int | None"
         raise TypeError(f"no stub type for parameter {p.name!r} (default None): name it in "
                         f"cupyloss.tools.stubs")
     if isinstance(default, bool):

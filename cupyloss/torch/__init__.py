@@ -868,6 +868,11 @@ def _call(loss: _Loss, arrays, reduction, options, legacy, fixed, inplace=False)
             raise ValueError(f"cupyloss.torch.{loss.name} does not support {name}={value!r}; "
                              f"only the default {default!r}")
     traced = _traced(loss, arrays)
+    if traced and "num_items" in loss.option_names:
+        # an int count travels through the op's schema ("Tensor? num_items") as a CPU tensor
+        k = loss.option_names.index("num_items")
+        if isinstance(options[k], int) and not isinstance(options[k], bool):
+            options = (*options[:k], torch.tensor(options[k]), *options[k + 1:])
     wide = False
     if _autocast_on("cuda") and arrays[0].device.type == "cuda":
         arrays, options, wide = _autocast(loss, arrays, options)
@@ -1176,10 +1181,11 @@ def _linear_run(hidden, weight, target, bias, class_weight, options, names, grad
 
 
 def _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                    max_workspace_bytes, class_offset=0, classes=-1, group="", compute_dtype=""):
+                    max_workspace_bytes, class_offset=0, classes=-1, group="", compute_dtype="",
+                    num_items=None):
     """The options of one call; group: the name of the process group whose ranks split the
     weight's rows ("" for none), resolved to the group here; compute_dtype: the products'
-    dtype under autocast ("" for none)."""
+    dtype under autocast ("" for none); num_items: None or a 0-d tensor (an int made one)."""
     shard = None
     if group:
         from torch.distributed import distributed_c10d
@@ -1188,13 +1194,14 @@ def _linear_options(ignore_index, reduction, label_smoothing, lse_square_scale, 
     return dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                 lse_square_scale=lse_square_scale, softcap=softcap,
                 max_workspace_bytes=None if max_workspace_bytes < 0 else max_workspace_bytes,
-                shard=shard, compute_dtype=compute_dtype or None)
+                shard=shard, compute_dtype=compute_dtype or None, num_items=num_items)
 
 
 _LINEAR_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
                 "int ignore_index, str reduction, float label_smoothing, float lse_square_scale, "
                 "float softcap, int max_workspace_bytes, int class_offset, int classes, "
-                "str group, str compute_dtype, bool wrt_hidden, bool wrt_weight, bool wrt_bias")
+                "str group, str compute_dtype, Tensor? num_items, bool wrt_hidden, bool wrt_weight, "
+                "bool wrt_bias")
 
 
 def _linear_names(bias, flags):
@@ -1317,7 +1324,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
                          ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                          lse_square_scale=0.0, softcap=0.0, max_workspace_bytes=None,
-                         check_targets=False):
+                         check_targets=False, num_items=None):
     """``F.cross_entropy(hidden @ weight.T + bias, target)`` with autograd, the logits never whole.
 
     cupyloss.linear_cross_entropy (its docstring has the formula) on CUDA tensors: the logits are
@@ -1341,6 +1348,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
       max_workspace_bytes: bytes a call may hold besides its results (cupyloss.linear.plan).
       check_targets: raise IndexError for a class index outside [0, V) (synchronises; eager
         only); without it such a row is NaN and counted (cupyloss.rejected_targets).
+      num_items: None, or the divisor of the summed loss ('mean' and 'sum' alike): the counted
+        rows of every micro-batch of a gradient-accumulation step, an int or a 0-d integer
+        tensor (Hugging Face's ``num_items_in_batch``; a CUDA one is read on the device).
 
     Returns:
       The loss, 0-d for 'mean'/'sum', else target's shape.
@@ -1353,7 +1363,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                    softcap=softcap, max_workspace_bytes=max_workspace_bytes,
-                   compute_dtype=compute)
+                   compute_dtype=compute, num_items=num_items)
     tensors = (hidden, weight, target, bias, class_weight)
     traced = _compiling() or _dispatch_modes() or any(
         t is not None and (type(t) is not _Tensor or _is_functional(t)) for t in tensors)
@@ -1365,10 +1375,20 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
         return _linear_op(hidden, weight, target, bias, class_weight, ignore_index, reduction,
                           float(label_smoothing), float(lse_square_scale), float(softcap),
                           -1 if max_workspace_bytes is None else int(max_workspace_bytes),
-                          0, -1, "", compute or "", *flags)[0]
+                          0, -1, "", compute or "", _items_tensor(num_items, reduction),
+                          *flags)[0]
     if hidden.device.type == "cpu":
         return _linear_cpu(hidden, weight, target, bias, class_weight, options)[1]
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)
+
+
+def _items_tensor(num_items, reduction):
+    """num_items as an op takes it (``Tensor? num_items``): None, a tensor, or an int made a CPU
+    tensor, after the checks every path makes."""
+    if num_items is None:
+        return None
+    _validate.check_num_items(num_items, reduction, torch.Tensor)
+    return num_items if isinstance(num_items, torch.Tensor) else torch.tensor(int(num_items))
 
 
 def _linear_cpu(hidden, weight, target, bias, class_weight, options, want_value=True):
@@ -1406,11 +1426,207 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.label_smoothing, self.lse_square_scale = label_smoothing, lse_square_scale
         self.softcap, self.max_workspace_bytes = softcap, max_workspace_bytes
 
-    def forward(self, hidden, weight, target, bias=None):
+    def forward(self, hidden, weight, target, bias=None, num_items=None):
         return linear_cross_entropy(hidden, weight, target, bias, self.class_weight,
                                     self.ignore_index, self.reduction, self.label_smoothing,
                                     lse_square_scale=self.lse_square_scale, softcap=self.softcap,
-                                    max_workspace_bytes=self.max_workspace_bytes)
+                                    max_workspace_bytes=self.max_workspace_bytes,
+                                    num_items=num_items)
+
+
+# --- per-token log-probabilities and entropy (cupyloss.linear.linear_log_probs) -------------------
+
+_LOGPROB_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, float temperature, "
+                 "int ignore_index, int max_workspace_bytes, str compute_dtype")
+
+
+def _logprob_kwargs(temperature, ignore_index, max_workspace_bytes, compute_dtype):
+    return dict(temperature=temperature, ignore_index=ignore_index,
+                max_workspace_bytes=None if max_workspace_bytes < 0 else max_workspace_bytes,
+                compute_dtype=compute_dtype or None)
+
+
+def _logprob_cpu(hidden, weight, target, bias, temperature, ignore_index):
+    """(logp, entropy, p, log p) in torch's operations on float32 logits / T (CPU tensors)."""
+    logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(),
+                                        weight.float(), None if bias is None else bias.float())
+    logp_all = (logits / temperature).log_softmax(-1)
+    t = target.reshape(-1)
+    counted = t != ignore_index
+    logp = logp_all.gather(-1, torch.where(counted, t, 0)[:, None])[:, 0]
+    logp = torch.where(counted, logp, torch.zeros((), dtype=logp.dtype))
+    p = logp_all.exp()
+    ent = -(p * logp_all).sum(-1)
+    return logp.reshape(target.shape), ent.reshape(target.shape), p, logp_all
+
+
+def _logprob_forward_impl(hidden, weight, target, bias, *args):
+    if hidden.device.type == "cpu":
+        return tuple(a.clone() for a in _logprob_cpu(hidden, weight, target, bias, args[0],
+                                                     args[1])[:2])
+    from cupyloss import linear
+
+    logp, ent = linear.linear_log_probs(hidden, weight, target, bias, return_entropy=True,
+                                        **_logprob_kwargs(*args))
+    return logp, ent
+
+
+def _logprob_forward_fake(hidden, weight, target, *rest):
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return (hidden.new_empty(tuple(target.shape), dtype=dtype),
+            hidden.new_empty(tuple(target.shape), dtype=dtype))
+
+
+def _logprob_backward_impl(grad_logp, grad_ent, hidden, weight, target, bias, *args):
+    names = tuple(n for n, f in zip(_LINEAR_GRADS, args[-3:])
+                  if f and (n != "bias" or bias is not None))
+    args = args[:-3]
+    if hidden.device.type == "cpu":
+        temperature, ignore_index = args[0], args[1]
+        _, ent, p, logp_all = _logprob_cpu(hidden, weight, target, bias, temperature,
+                                           ignore_index)
+        t = target.reshape(-1)
+        counted = t != ignore_index
+        dz = torch.zeros_like(p)
+        if grad_logp is not None:
+            g = torch.where(counted, grad_logp.reshape(-1).to(p.dtype), torch.zeros(()))
+            dz -= g[:, None] * p
+            dz.scatter_add_(1, torch.where(counted, t, 0)[:, None], g[:, None])
+        if grad_ent is not None:
+            e = grad_ent.reshape(-1).to(p.dtype)
+            dz -= e[:, None] * p * (logp_all + ent.reshape(-1)[:, None])
+        dz = dz / temperature
+        x = hidden.reshape(-1, hidden.shape[-1]).float()
+        out = {"hidden": (dz @ weight.float()).reshape(hidden.shape).to(hidden.dtype),
+               "weight": (dz.T @ x).to(weight.dtype),
+               "bias": None if bias is None else dz.sum(0).to(bias.dtype)}
+    else:
+        from cupyloss import linear
+
+        got = linear.linear_log_probs_backward(
+            None if grad_logp is None else grad_logp.contiguous(), hidden, weight, target, bias,
+            grad_entropy=None if grad_ent is None else grad_ent.contiguous(), wrt=names or None,
+            **_logprob_kwargs(*args)) if names else ()
+        got = (got,) if names and len(names) == 1 else got
+        out = dict(zip(names, got))
+    return tuple(out[n] if n in names else hidden.new_empty((0,)) for n in _LINEAR_GRADS)
+
+
+def _logprob_backward_fake(grad_logp, grad_ent, hidden, weight, target, bias, *rest):
+    names = tuple(n for n, f in zip(_LINEAR_GRADS, rest[-3:]) if f)
+    like = {"hidden": hidden, "weight": weight, "bias": bias}
+    return tuple(torch.empty_like(like[n]) if n in names and like[n] is not None
+                 else hidden.new_empty((0,)) for n in _LINEAR_GRADS)
+
+
+def _logprob_setup_context(ctx, inputs, output):
+    hidden, weight, target, bias = inputs[:4]
+    ctx.save_for_backward(hidden, weight, target, bias)
+    ctx.args = inputs[4:]
+
+
+def _logprob_formula(ctx, grad_logp, grad_ent):
+    hidden, weight, target, bias = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    flags = (need[0], need[1], need[3] and bias is not None)
+    got = torch.ops.cupyloss.linear_log_probs_backward(grad_logp, grad_ent, hidden, weight,
+                                                       target, bias, *ctx.args, *flags)
+    out = [g if f else None for g, f in zip(got, flags)]
+    return out[0], out[1], None, out[2], *(None,) * len(ctx.args)
+
+
+_logprob_op = torch.library.custom_op(
+    f"{_NAMESPACE}::linear_log_probs", _logprob_forward_impl, mutates_args=(),
+    schema=f"({_LOGPROB_ARGS}) -> (Tensor, Tensor)")
+_logprob_op.register_fake(_logprob_forward_fake)
+_logprob_op.register_autograd(_logprob_formula, setup_context=_logprob_setup_context)
+_logprob_backward_op = torch.library.custom_op(
+    f"{_NAMESPACE}::linear_log_probs_backward", _logprob_backward_impl, mutates_args=(),
+    schema=f"(Tensor? grad_logp, Tensor? grad_ent, {_LOGPROB_ARGS}, bool wrt_hidden, "
+           f"bool wrt_weight, bool wrt_bias) -> (Tensor, Tensor, Tensor)")
+_logprob_backward_op.register_fake(_logprob_backward_fake)
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """Eager calls on CUDA tensors: the forward pass forms log-probabilities and entropy (one
+    product a chunk); backward forms the logits again with the upstream gradients of both."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, kwargs):
+        from cupyloss import linear
+
+        ctx.kwargs = kwargs
+        ctx.save_for_backward(hidden, weight, bias, target)
+        return linear.linear_log_probs(hidden, weight, target, bias, return_entropy=True,
+                                       **kwargs)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        from cupyloss import linear
+
+        hidden, weight, bias, target = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        names = tuple(n for n, f in zip(_LINEAR_GRADS, (need[0], need[1], need[2])) if f)
+        if not names:
+            return None, None, None, None, None
+        got = linear.linear_log_probs_backward(
+            None if grad_logp is None else grad_logp.contiguous(), hidden, weight, target, bias,
+            grad_entropy=None if grad_ent is None else grad_ent.contiguous(), wrt=names,
+            **ctx.kwargs)
+        got = dict(zip(names, (got,) if len(names) == 1 else got))
+        return got.get("hidden"), got.get("weight"), got.get("bias"), None, None
+
+
+def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0,
+                     return_entropy=False, ignore_index=-100, max_workspace_bytes=None):
+    """Per-token ``log_softmax((hidden @ weight.T + bias).float() / temperature).gather(target)``
+    (and the entropy of that distribution) with autograd, the logits never whole.
+
+    cupyloss.linear_log_probs (its docstring has the formulas) on CUDA tensors: forward forms
+    the float32 logits a chunk at a time (one matrix product a chunk) and keeps nothing of them;
+    backward forms them again with the upstream gradients of the log-probabilities and of the
+    entropy (three products a chunk), so any objective written on them in torch (a policy
+    gradient, PPO's clipped ratio, DPO's margins, an entropy bonus) is differentiated at the
+    fused head's memory.  Inside ``torch.autocast("cuda")`` the products run in the autocast
+    dtype, as for linear_cross_entropy.  On CPU tensors: torch's own operations.  Under
+    torch.compile the call is the op ``torch.ops.cupyloss.linear_log_probs``.
+
+    Args:
+      hidden: (..., H); weight: (V, H); target: class indices shaped like hidden without its
+        last dim; bias: None or (V,).
+      temperature: > 0; the logits are divided by it (a sampler's temperature).
+      return_entropy: also return the entropy of softmax(logits / temperature).
+      ignore_index: a target whose log-probability is 0 (and has no gradient).
+      max_workspace_bytes: bytes a call may hold besides its results (cupyloss.linear.plan).
+
+    Returns:
+      logp, or ``(logp, entropy)``: target's shape, float32 (float64 for float64 inputs).
+
+    Example:
+      >>> logp, ent = cupyloss.torch.linear_log_probs(h, model.lm_head.weight, tokens,
+      ...                                             temperature=0.9, return_entropy=True)
+      >>> loss = -(advantages * logp).mean() - 0.01 * ent.mean()
+    """
+    from cupyloss import linear
+
+    temperature = linear._temperature(temperature)
+    compute = _torch_autocast.linear_compute(hidden, weight, bias)
+    tensors = (hidden, weight, target, bias)
+    traced = _compiling() or _dispatch_modes() or any(
+        t is not None and (type(t) is not _Tensor or _is_functional(t)) for t in tensors)
+    if traced or hidden.device.type == "cpu":
+        if hidden.device.type == "cpu" and not traced:
+            logp, ent = _logprob_cpu(hidden, weight, target, bias, temperature,
+                                     int(ignore_index))[:2]
+        else:
+            logp, ent = _logprob_op(hidden, weight, target, bias, temperature, int(ignore_index),
+                                    -1 if max_workspace_bytes is None
+                                    else int(max_workspace_bytes), compute or "")
+    else:
+        kwargs = dict(temperature=temperature, ignore_index=int(ignore_index),
+                      max_workspace_bytes=max_workspace_bytes, compute_dtype=compute)
+        logp, ent = _LinearLogProbs.apply(hidden, weight, bias, target, kwargs)
+    return (logp, ent) if return_entropy else logp
 
 
 from cupyloss.torch import (
@@ -1422,6 +1638,6 @@ VocabParallelCrossEntropyLoss = _torch_parallel.VocabParallelCrossEntropyLoss
 
 __all__ = sorted([*LOSSES, *(cls.__name__ for cls in MODULES.values()), "LOSSES", "MODULES",
                   "SKIPPED", "gradients_in_forward", "scale_by_grad_output",
-                  "linear_cross_entropy", "LinearCrossEntropyLoss",
+                  "linear_cross_entropy", "LinearCrossEntropyLoss", "linear_log_probs",
                   "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
                   "VocabParallelCrossEntropyLoss"])

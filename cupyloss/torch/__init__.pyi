@@ -52,6 +52,7 @@ __all__ = [
     'kl_div',
     'l1_loss',
     'linear_cross_entropy',
+    'linear_log_probs',
     'log_cosh_loss',
     'margin_ranking_loss',
     'mse_loss',
@@ -104,7 +105,8 @@ class CrossEntropyLoss(torch.nn.Module):
         self, weight: Tensor | None = None, size_average: bool | None = None,
         ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean',
         label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float = 0.0,
-        check_targets: bool = False, inplace_backward: bool = False,
+        check_targets: bool = False, num_items: Tensor | int | None = None,
+        inplace_backward: bool = False,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
@@ -163,6 +165,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     ) -> None: ...
     def forward(
         self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+        num_items: Tensor | int | None = None,
     ) -> Tensor: ...
 
 class LogCoshLoss(torch.nn.Module):
@@ -211,7 +214,8 @@ class NLLLoss(torch.nn.Module):
     def __init__(
         self, weight: Tensor | None = None, size_average: bool | None = None,
         ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean',
-        check_targets: bool = False, inplace_backward: bool = False,
+        check_targets: bool = False, num_items: Tensor | int | None = None,
+        inplace_backward: bool = False,
     ) -> None: ...
     def forward(self, input: Tensor, target: Tensor) -> Tensor: ...
 
@@ -282,7 +286,8 @@ def cross_entropy(
     input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
     ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean',
     label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float = 0.0,
-    check_targets: bool = False, inplace_backward: bool = False,
+    check_targets: bool = False, num_items: Tensor | int | None = None,
+    inplace_backward: bool = False,
 ) -> Tensor: ...
 
 def ctc_loss(
@@ -331,6 +336,13 @@ def linear_cross_entropy(
     class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = 'mean',
     label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float = 0.0,
     max_workspace_bytes: int | None = None, check_targets: bool = False,
+    num_items: Tensor | int | None = None,
+) -> Tensor: ...
+
+def linear_log_probs(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+    temperature: float = 1.0, return_entropy: bool = False, ignore_index: int = -100,
+    max_workspace_bytes: int | None = None,
 ) -> Tensor: ...
 
 def log_cosh_loss(input: Tensor, target: Tensor, reduction: str = 'mean') -> Tensor: ...
@@ -364,7 +376,8 @@ def multilabel_soft_margin_loss(
 def nll_loss(
     input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
     ignore_index: int = -100, reduce: bool | None = None, reduction: str = 'mean', *,
-    check_targets: bool = False, inplace_backward: bool = False,
+    check_targets: bool = False, num_items: Tensor | int | None = None,
+    inplace_backward: bool = False,
 ) -> Tensor: ...
 
 def poisson_nll_loss(
@@ -404,6 +417,7 @@ def vocab_parallel_cross_entropy(
     classes: int | None = None, weight: Tensor | None = None, ignore_index: int = -100,
     reduction: str = 'mean', label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
     softcap: float = 0.0, mean_group: Any = None, check_targets: bool = False,
+    num_items: Tensor | int | None = None,
 ) -> Tensor: ...
 
 def vocab_parallel_linear_cross_entropy(
@@ -412,5 +426,5 @@ def vocab_parallel_linear_cross_entropy(
     classes: int | None = None, ignore_index: int = -100, reduction: str = 'mean',
     label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float = 0.0,
     max_workspace_bytes: int | None = None, check_targets: bool = False,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, num_items: Tensor | int | None = None,
 ) -> Tensor: ...

@@ -112,14 +112,14 @@ def _cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mea
 
 def cross_entropy_logits_grad(input, target, weight=None, ignore_index=-100, reduction="mean",
                               label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0,
-                              grad_output=1.0):
+                              grad_output=1.0, num_items=None):
     """d/dinput of _cross_entropy for class indices, input (N, C), times grad_output, in torch's
     operations without autograd (for code that runs below it, as a custom op's CPU kernel):
 
       ``dz = -c + p sum(c) + 2 lse_square_scale lse p``, ``c = (1 - eps) w_y onehot(y) +
       (eps / C) w`` on counted rows (0 on ignored ones), times ``1 - (z / softcap)^2`` with a
-      softcap, times the row's upstream gradient (over the summed w_y of counted rows for
-      'mean')."""
+      softcap, times the row's upstream gradient (over num_items where given, else over the
+      summed w_y of counted rows for 'mean')."""
     classes = input.shape[1]
     z = softcap * torch.tanh(input / softcap) if softcap else input
     lse = torch.logsumexp(z, dim=1, keepdim=True)
@@ -139,7 +139,9 @@ def cross_entropy_logits_grad(input, target, weight=None, ignore_index=-100, red
     g = torch.as_tensor(grad_output, dtype=z.dtype)
     if reduction == "none":
         return dz * g.reshape(-1, 1)
-    if reduction == "mean":
+    if num_items is not None:
+        g = g / torch.as_tensor(num_items, dtype=z.dtype)
+    elif reduction == "mean":
         g = g / torch.where(counted, wy, torch.zeros((), dtype=z.dtype)).sum()
     return dz * g
 
@@ -152,7 +154,14 @@ _HOST_CHECKS = ("check_targets", "check_var")   # torch checks these itself on a
 
 def loss(name: str, arrays, reduction: str, options: dict):
     """Loss `name` of `arrays` (its required arrays, in order) with keyword `options`, in torch's
-    operations (differentiable by torch.autograd)."""
+    operations (differentiable by torch.autograd).  options["num_items"], where given, divides
+    the 'sum' ('mean' and 'sum' alike)."""
+    if options.get("num_items") is not None:
+        items = options["num_items"]
+        _validate.check_num_items(items, reduction, torch.Tensor)
+        total = loss(name, arrays, "sum", {**options, "num_items": None})
+        return total / torch.as_tensor(items, dtype=total.dtype, device=total.device)
+    options = {k: v for k, v in options.items() if k != "num_items"}
     form = _FORMS.get(name)
     if form is not None:
         return form(*arrays, reduction=reduction, **options)

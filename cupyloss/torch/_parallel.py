@@ -199,7 +199,7 @@ class _Eager(torch.autograd.Function):
     host time."""
 
     @staticmethod
-    def forward(ctx, x, t, weight, options, group, reduce=None, dtype=None):
+    def forward(ctx, x, t, weight, options, group, reduce=None, dtype=None, items=None):
         c0, classes, ignore_index, eps, zs, cap = options
         stats = _stats_impl(x, t, weight, c0, classes, ignore_index, eps, cap)
         loss, lse, w_y = _combine_impl(_gathered(stats, group, False), t, weight, classes,
@@ -210,6 +210,8 @@ class _Eager(torch.autograd.Function):
             ctx.mark_non_differentiable(w_y)
             return loss, w_y
         divisor = w_y.sum() if reduce == "mean" else None
+        if items is not None:
+            divisor = _divisor(items, w_y)
         ctx.save_for_backward(x, t, lse, weight, divisor)
         total = loss.sum()
         return (total if divisor is None else total / divisor).to(dtype), None
@@ -224,7 +226,7 @@ class _Eager(torch.autograd.Function):
         elif grad_rows.dim() == 1 and grad_rows.stride(0) == 0 and grad_rows.numel():
             grad_rows = grad_rows[0]                     # a sum's expanded upstream gradient
         grad = _grad_impl(grad_rows.contiguous(), x, t, lse, weight, *ctx.options)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _global(total, divisor, mean_group):
@@ -237,6 +239,22 @@ def _global(total, divisor, mean_group):
     if divisor is None:
         return pair[0] + (total - total.detach())
     return pair[0] / pair[1] + (total - total.detach()) / pair[1]
+
+
+def _items(num_items, reduction):
+    """num_items as a 0-d tensor (None without one), after the checks every path makes."""
+    if num_items is None:
+        return None
+    _validate.check_num_items(num_items, reduction, torch.Tensor)
+    return num_items if isinstance(num_items, torch.Tensor) else torch.tensor(int(num_items))
+
+
+def _divisor(items, like):
+    """num_items (_items') as what a loss like `like` is divided by: a CUDA tensor of its
+    dtype, or a CPU count as a 0-d tensor made on its device without a copy from the host."""
+    if items.device.type == "cpu":
+        return torch.full((), float(items), dtype=like.dtype, device=like.device)
+    return items.to(dtype=like.dtype)
 
 
 def _check_options(label_smoothing, softcap, dtype):
@@ -312,7 +330,7 @@ def _traced(*tensors):
 def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None, classes=None,
                                  weight=None, ignore_index=-100, reduction="mean",
                                  label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0,
-                                 mean_group=None, check_targets=False):
+                                 mean_group=None, check_targets=False, num_items=None):
     """cross_entropy of logits whose classes are split over the ranks of `group`, with autograd.
 
     Formula: ``cross_entropy(cat([x_0, ..., x_{k-1}], -1), target, ...)`` (cupyloss.cross_entropy
@@ -341,6 +359,9 @@ def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None
       check_targets: raise IndexError for a class index outside [0, classes) (synchronises;
         eager only); without it such a row, or one whose ranks disagree on its class, is NaN
         and counted (cupyloss.rejected_targets).
+      num_items: None, or the divisor of the summed loss ('mean' and 'sum' alike): the counted
+        rows of every micro-batch of a gradient-accumulation step (cupyloss.cross_entropy's),
+        an int or a 0-d integer tensor; not with mean_group.
 
     Returns:
       The loss in the input's dtype: 0-d for 'mean'/'sum', target's shape for 'none'.
@@ -355,6 +376,10 @@ def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None
     _check_options(label_smoothing, softcap, input.dtype)
     if mean_group is not None and reduction == "none":
         raise ValueError("mean_group needs reduction 'mean' or 'sum'")
+    items = _items(num_items, reduction)
+    if items is not None and mean_group is not None:
+        raise ValueError("num_items is already the count over every rank and micro-batch: give "
+                         "it or mean_group, not both")
     cols = input.shape[-1] if input.dim() else 0
     if input.dim() < 1 or target.shape != input.shape[:-1]:
         raise ValueError(f"target must have the input's shape without its last (class) dim "
@@ -383,13 +408,15 @@ def vocab_parallel_cross_entropy(input, target, group=None, *, class_offset=None
                                      options[2], options[3], options[4])
         loss = _rows_op(loss, x, t, lse, weight, *options)
     elif reduction != "none" and mean_group is None:
-        return _Eager.apply(x, t, weight, options, group, reduction, input.dtype)[0]
+        return _Eager.apply(x, t, weight, options, group, reduction, input.dtype, items)[0]
     else:
         loss, w_y = _Eager.apply(x, t, weight, options, group)
     if reduction == "none":
         return loss.reshape(target.shape).to(input.dtype)
     total = loss.sum()
     divisor = w_y.sum() if reduction == "mean" else None
+    if items is not None:
+        divisor = _divisor(items, total)
     if mean_group is not None:
         return _global(total, divisor, mean_group).to(input.dtype)
     return (total if divisor is None else total / divisor).to(input.dtype)
@@ -507,7 +534,8 @@ def _linear_shard_run(hidden, weight, target, bias, class_weight, options, names
                                  options["label_smoothing"], options["lse_square_scale"],
                                  options["softcap"], options["max_workspace_bytes"], want_value,
                                  names, grad_output, False, shard,
-                                 compute_dtype=options.get("compute_dtype"))
+                                 compute_dtype=options.get("compute_dtype"),
+                                 num_items=options.get("num_items"))
     for work in sums:                       # the stream waits; the host does not
         work.wait()
     if "hidden" in grads:
@@ -568,7 +596,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
                                         label_smoothing=0.0, lse_square_scale=0.0,
                                         softcap=0.0, max_workspace_bytes=None,
                                         check_targets=False,
-                                        sequence_parallel=False):
+                                        sequence_parallel=False, num_items=None):
     """``F.cross_entropy(hidden @ W.T + b, target)`` with W's rows (the classes) split over the
     ranks of `group`, the logits never whole, with autograd.
 
@@ -600,6 +628,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
         as for linear_cross_entropy.
       sequence_parallel: `hidden` holds this rank's block of the rows (above).
       check_targets: as for vocab_parallel_cross_entropy.
+      num_items: as for linear_cross_entropy (the count over every micro-batch, the same on
+        every rank of `group`).
 
     Returns:
       The loss, float32 (float64 for float64 inputs): 0-d for 'mean'/'sum', else target's shape.
@@ -618,6 +648,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
     _check_options(label_smoothing, softcap, hidden.dtype)
+    items = _items(num_items, reduction)
     if weight.dim() != 2 or weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"weight must be (classes of this rank, {hidden.shape[-1]}), got "
                          f"{tuple(weight.shape)}")
@@ -647,7 +678,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
             class_offset=class_offset, classes=classes, ignore_index=ignore_index,
             reduction=reduction, label_smoothing=label_smoothing,
             lse_square_scale=lse_square_scale, softcap=softcap,
-            max_workspace_bytes=max_workspace_bytes)
+            max_workspace_bytes=max_workspace_bytes, num_items=num_items)
         return loss.reshape(shape) if reduction == "none" else loss
     if traced:
         # linear_cross_entropy's op with this rank's slice: the statistics are exchanged and
@@ -659,11 +690,13 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
             hidden, weight, target, bias, class_weight, int(ignore_index), reduction,
             float(label_smoothing), float(lse_square_scale), float(softcap),
             -1 if max_workspace_bytes is None else int(max_workspace_bytes), int(class_offset),
-            int(classes), "" if group is None else group.group_name, compute or "", *flags)[0]
+            int(classes), "" if group is None else group.group_name, compute or "", items,
+            *flags)[0]
     options = dict(ignore_index=int(ignore_index), reduction=reduction,
                    label_smoothing=float(label_smoothing),
                    lse_square_scale=float(lse_square_scale), softcap=float(softcap),
-                   max_workspace_bytes=max_workspace_bytes, compute_dtype=compute)
+                   max_workspace_bytes=max_workspace_bytes, compute_dtype=compute,
+                   num_items=num_items)
     if hidden.device.type != "cpu":
         return _LinearShard.apply(hidden, weight, bias, target, class_weight, options, group,
                                   class_offset, classes, split)
@@ -676,7 +709,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, *, b
         logits, target, group, class_offset=class_offset, classes=classes,
         weight=None if class_weight is None else class_weight.to(acc),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale, softcap=softcap)
+        lse_square_scale=lse_square_scale, softcap=softcap, num_items=num_items)
     return loss
 
 
@@ -697,6 +730,8 @@ def _linear_shard_cpu(hidden, weight, target, bias, class_weight, options, names
         None if class_weight is None else class_weight.to(acc), ignore_index=ii,
         label_smoothing=eps, lse_square_scale=zs)
     divisor = w_y.sum() if reduction == "mean" else None
+    if options.get("num_items") is not None:
+        divisor = torch.as_tensor(options["num_items"], dtype=acc)
     loss = None
     if want_value:
         loss = (rows.reshape(target.shape) if reduction == "none"

@@ -1,0 +1,209 @@
+// Per-token log-probabilities and entropy of softmax(z / T) over rows of logits z (the fused
+// head's chunks of float32 logits, cupyloss.linear.linear_log_probs), and their gradient.
+//
+//   logprob_stats   per row: lse = log sum_c exp(z_c / T), log p(y) = z_y / T - lse (0 on a row
+//                   whose target is ignore_index), entropy H = -sum_c p_c log p_c.
+//   logprob_grad    per element of a slice of the classes (all of them, or those of the
+//                   low-memory plan's slice): the gradient of g_lp log p(y) + g_H H at z,
+//                     dz_c = (g_lp ([c == y] - p_c) - g_H p_c (u_c + H)) / T,
+//                     u_c = z_c / T - lse, p_c = exp(u_c),
+//                   since dH/du_c = -p_c (u_c + H); stored in G (a 16-bit input's dtype: rounded
+//                   once, as torch's autograd rounds the logits' gradient of a 16-bit product).
+//
+// A block takes a row at a time (rows in a grid-stride loop).  The entropy is formed as
+// log s - a / s from s = sum exp(z - m) and a = sum exp(z - m) (z - m), both sums of terms of
+// one sign (z - m <= 0), merged across threads with the running maximum m: no cancellation.
+// A class whose logit is -inf adds nothing (its p log p is 0); a NaN logit makes its row NaN.
+// The sums run in a fixed order: the same inputs give bitwise the same results.
+#include "common.cuh"
+
+namespace cupyloss {
+
+enum : long long {
+    LP_INDEX64 = 1,      // targets are int64 (else int32)
+};
+
+__device__ __forceinline__ float lp_ninf(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double lp_ninf(double) {
+    return __longlong_as_double(0xfff0000000000000LL);
+}
+__device__ __forceinline__ float lp_nan(float) { return __int_as_float(0x7fffffff); }
+__device__ __forceinline__ double lp_nan(double) {
+    return __longlong_as_double(0x7ff8000000000000LL);
+}
+
+constexpr int LP_BLOCK = 256;   // threads a block (_launch.BLOCK)
+constexpr int LP_BATCH = 8;     // logits a thread loads before it folds them into its sums
+
+// m: the running maximum; s = sum exp(z - m); a = sum exp(z - m) (z - m) <= 0.
+template <typename A>
+struct SoftStat {
+    A m, s, a;
+};
+
+template <typename A>
+__device__ __forceinline__ SoftStat<A> soft_empty() {
+    return {lp_ninf(A(0)), A(0), A(0)};
+}
+
+// x's sums taken relative to m >= x.m: s' = f s, a' = f (a + (x.m - m) s), f = exp(x.m - m).
+template <typename A>
+__device__ __forceinline__ void soft_shift(SoftStat<A>& x, A m) {
+    if (x.s == A(0) || x.m == m) {
+        if (x.s == A(0)) x.a = A(0);
+        x.m = m;
+        return;
+    }
+    const A d = x.m - m;
+    const A f = exp(d);
+    x.a = f * (x.a + d * x.s);
+    x.s = f * x.s;
+    x.m = m;
+}
+
+template <typename A>
+__device__ __forceinline__ SoftStat<A> soft_merge(SoftStat<A> x, SoftStat<A> y) {
+    if (y.s == A(0) && y.m == lp_ninf(A(0))) return x;
+    if (x.s == A(0) && x.m == lp_ninf(A(0))) return y;
+    const A m = x.m > y.m ? x.m : y.m;
+    if (m != m) return {m, m, m};                     // NaN
+    soft_shift(x, m);
+    soft_shift(y, m);
+    return {m, x.s + y.s, x.a + y.a};
+}
+
+// The block's merged SoftStat, in every thread (warp butterflies, then the warps in order).
+template <typename A>
+__device__ __forceinline__ SoftStat<A> soft_block(SoftStat<A> st) {
+    __shared__ A part[3][LP_BLOCK / 32];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        SoftStat<A> y;
+        y.m = __shfl_xor_sync(0xffffffffu, st.m, o);
+        y.s = __shfl_xor_sync(0xffffffffu, st.s, o);
+        y.a = __shfl_xor_sync(0xffffffffu, st.a, o);
+        st = (threadIdx.x & o) ? soft_merge(y, st) : soft_merge(st, y);
+    }
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+        part[0][warp] = st.m;
+        part[1][warp] = st.s;
+        part[2][warp] = st.a;
+    }
+    __syncthreads();
+    SoftStat<A> all = {part[0][0], part[1][0], part[2][0]};
+    for (int w = 1; w < warps; ++w) all = soft_merge(all, SoftStat<A>{part[0][w], part[1][w],
+                                                                       part[2][w]});
+    __syncthreads();                                   // part is reused by the next row
+    return all;
+}
+
+template <typename A>
+__device__ __forceinline__ long long lp_target(const void* tgt, long long r, long long flags) {
+    return (flags & LP_INDEX64) ? static_cast<const long long*>(tgt)[r]
+                                : (long long)static_cast<const int*>(tgt)[r];
+}
+
+template <typename A>
+__device__ __forceinline__ A lp_scaled(A z, A temperature) {
+    return temperature == A(1) ? z : z / temperature;
+}
+
+// The parameters, one 64-bit word each, in this order:
+//   z              [rows, cols] logits, row r at r * z_rs
+//   tgt            int32/int64 [rows] class indices
+//   rows, cols, z_rs, flags (LP_*), ignore_index, temperature (double)
+//   logp           [rows] log p(target): 0 where the target is ignore_index, NaN outside
+//                  [0, cols)
+//   ent            [rows] entropy, or null
+//   lse            [rows] logsumexp of z / T, or null
+template <typename A>
+__global__ void __launch_bounds__(LP_BLOCK) logprob_stats(
+        const A* __restrict__ z, const void* __restrict__ tgt, const long long rows,
+        const long long cols, const long long z_rs, const long long flags,
+        const long long ignore_index, const double temperature, A* __restrict__ logp,
+        A* __restrict__ ent, A* __restrict__ lse) {
+    const A temp = A(temperature);
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const A* row = z + r * z_rs;
+        SoftStat<A> st = soft_empty<A>();
+        for (long long c0 = threadIdx.x; c0 < cols; c0 += (long long)LP_BATCH * blockDim.x) {
+            A v[LP_BATCH];
+            A m = st.m;
+            #pragma unroll
+            for (int k = 0; k < LP_BATCH; ++k) {
+                const long long c = c0 + (long long)k * blockDim.x;
+                v[k] = c < cols ? lp_scaled(__ldcs(row + c), temp) : lp_ninf(A(0));
+                m = v[k] > m ? v[k] : m;
+            }
+            soft_shift(st, m);
+            #pragma unroll
+            for (int k = 0; k < LP_BATCH; ++k) {
+                const A d = v[k] - m;
+                const A e = exp(d);
+                if (e != A(0) || d != d) {             // -inf adds nothing; NaN poisons the row
+                    st.s += e;
+                    st.a += e * d;
+                }
+            }
+        }
+        st = soft_block(st);
+        if (threadIdx.x == 0) {
+            const A log_s = log(st.s);
+            const A l = st.m + log_s;
+            if (lse != nullptr) lse[r] = l;
+            if (ent != nullptr) ent[r] = log_s - st.a / st.s;
+            const long long y = lp_target<A>(tgt, r, flags);
+            A out = A(0);
+            if (y != ignore_index) {
+                out = (y >= 0 && y < cols) ? lp_scaled(row[y], temp) - l
+                                           : lp_nan(A(0));
+            }
+            logp[r] = out;
+        }
+    }
+}
+
+// The parameters, one 64-bit word each, in this order:
+//   z              [rows, cols] logits of classes c0 .. c0 + cols - 1, row r at r * z_rs
+//   tgt            int32/int64 [rows] class indices (into all the classes)
+//   rows, cols, z_rs, c0, classes (all of them), flags (LP_*), ignore_index,
+//   temperature (double)
+//   lse, ent       [rows] logprob_stats' (ent may be null when g_ent is)
+//   g_lp, g_ent    [rows] upstream gradients of log p(target) and of the entropy, or null (0)
+//   dz             [rows, cols] the gradient, row r at r * g_rs (may be z itself when G is A)
+template <typename A, typename G>
+__global__ void __launch_bounds__(LP_BLOCK) logprob_grad(
+        const A* z, const void* __restrict__ tgt, const long long rows, const long long cols,
+        const long long z_rs, const long long c0, const long long classes,
+        const long long flags, const long long ignore_index, const double temperature,
+        const A* __restrict__ lse,
+        const A* __restrict__ ent, const A* __restrict__ g_lp, const A* __restrict__ g_ent,
+        G* dz, const long long g_rs) {
+    const A temp = A(temperature);
+    const A inv = temp == A(1) ? A(1) : A(1) / temp;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const long long y = lp_target<A>(tgt, r, flags);
+        const bool counted = y != ignore_index;
+        const A gl = (counted && g_lp != nullptr) ? g_lp[r] : A(0);
+        const A gh = g_ent != nullptr ? g_ent[r] : A(0);
+        const A l = lse[r];
+        const A h = gh != A(0) ? ent[r] : A(0);
+        // An out-of-range target: the row is NaN (as its log-probability).
+        const A poison = (counted && (y < 0 || y >= classes)) ? lp_nan(A(0)) : A(0);
+        const A* row = z + r * z_rs;
+        G* out = dz + r * g_rs;
+        const long long yc = y - c0;
+        #pragma unroll 4
+        for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+            const A u = lp_scaled(row[c], temp) - l;
+            const A p = exp(u);
+            A v = -p * (gl + gh * (u + h));
+            if (c == yc && counted) v += gl;
+            v = v * inv + poison;
+            out[c] = from_acc<G>(v);
+        }
+    }
+}
+
+}  // namespace cupyloss
