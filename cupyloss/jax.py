@@ -412,14 +412,45 @@ _engine = _Kernels()
 
 def _split(name, options, extra, views):
     """(the required arrays' views, the options with the array options' views added)."""
-    n = len(SPECS[name].arrays)
+    n = len(_HEAD_ARRAYS[name] if name in _HEAD_ARRAYS else SPECS[name].arrays)
     return views[:n], {**dict(options), **dict(zip(extra, views[n:]))}
+
+
+# The fused heads (cupyloss.linear): their required arrays; bias and class_weight are array
+# options (`extra`).
+_HEAD_ARRAYS = {"linear_cross_entropy": ("hidden", "weight", "target"),
+                "linear_log_probs": ("hidden", "weight", "target")}
 
 
 def _body(kind, name, reduction, options, extra, wrt):
     """run(views) -> the results in declared order, for one kind of call: "value" (the loss),
     "value_and_grad" (the loss, then the gradients of `wrt`) or "backward" (grad_output first
-    among the views; the gradients of `wrt`)."""
+    among the views; the gradients of `wrt`).  linear_log_probs: "value" gives log-probabilities
+    and entropy, "backward" takes both of their cotangents first."""
+    if name in ("vocab_parallel_stats", "vocab_parallel_backward"):
+        from cupyloss import parallel
+
+        def run(views):
+            kw = dict(options)
+            classes = kw.pop("classes")
+            if name == "vocab_parallel_stats":
+                x, t, *w = views
+                return [parallel.vocab_parallel_stats(x, t, 0, classes, *w, **kw)]
+            g, x, t, lse, *w = views
+            return [parallel.vocab_parallel_backward(g, x, t, lse, 0, classes, *w, **kw)]
+        return run
+    if name == "linear_log_probs":
+        def run(views):
+            if kind == "value":
+                arrays, kw = _split(name, options, extra, views)
+                return list(cupyloss.linear_log_probs(*arrays, return_entropy=True, **kw))
+            g_lp, g_ent = views[:2]
+            arrays, kw = _split(name, options, extra, views[2:])
+            got = cupyloss.linear_log_probs_backward(g_lp, *arrays, grad_entropy=g_ent, wrt=wrt,
+                                                     **kw)
+            return list(got)
+        return run
+
     def run(views):
         go = None
         if kind == "backward":
@@ -649,6 +680,291 @@ def _generate(specs: dict) -> None:
 _generate(SPECS)
 
 
+# --- the fused heads (cupyloss.linear) -----------------------------------------------------------
+
+_HEAD_GRADS = ("hidden", "weight", "bias")
+
+
+def _acc_dtype(x):
+    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _head_function(name, reduction, options, extra, symbolic=True):
+    """custom_vjp of (hidden, weight, target, *extra) for a fused head: linear_cross_entropy
+    (reduced: its gradients formed in the forward pass and scaled by the cotangent; 'none': formed
+    again in backward) or linear_log_probs ((logp, entropy); backward forms the logits again with
+    both cotangents).  Gradients of hidden, weight and bias (when given, first of `extra`)."""
+    grads_of = ("hidden", "weight") + (("bias",) if "bias" in extra else ())
+    order = ("hidden", "weight", "target") + extra
+    logprobs = name == "linear_log_probs"
+
+    def outs(arrays):
+        shape = tuple(arrays[2].shape)
+        acc = _acc_dtype(arrays[0])
+        if logprobs:
+            return (_struct(shape, acc), _struct(shape, acc))
+        return (_struct(shape if reduction == "none" else (), acc),)
+
+    def value(*arrays):
+        got = _call("value", name, reduction, options, extra, (), arrays, outs(arrays))
+        return tuple(got) if logprobs else got[0]
+
+    def wanted(primals):
+        if not symbolic:
+            return grads_of
+        return tuple(a for a, p in zip(order, primals) if a in grads_of and p.perturbed)
+
+    def forward(*primals):
+        arrays = tuple(p.value for p in primals) if symbolic else primals
+        wrt = wanted(primals)
+        if logprobs or reduction == "none" or not wrt:
+            return value(*arrays), (None, arrays, wrt)
+        structs = outs(arrays) + tuple(_struct(arrays[order.index(w)].shape,
+                                               arrays[order.index(w)].dtype) for w in wrt)
+        loss, *grads = _call("value_and_grad", name, reduction, options, extra, wrt, arrays,
+                             structs)
+        return loss, (dict(zip(wrt, grads)), None, wrt)
+
+    def backward(residuals, g):
+        saved, arrays, wrt = residuals
+        none = (None,) * len(order)
+        if not wrt:
+            return none
+        if saved is None:
+            if logprobs:
+                zero = jax.custom_derivatives.SymbolicZero
+                if all(isinstance(c, zero) for c in g):
+                    return none
+                g = tuple(jnp.zeros(arrays[2].shape, _acc_dtype(arrays[0]))
+                          if isinstance(c, zero) else c for c in g)
+            elif symbolic and isinstance(g, jax.custom_derivatives.SymbolicZero):
+                return none
+            cot = tuple(g) if logprobs else (g,)
+            structs = tuple(_struct(arrays[order.index(w)].shape, arrays[order.index(w)].dtype)
+                            for w in wrt)
+            saved = dict(zip(wrt, _call("backward", name, reduction, options, extra, wrt,
+                                        (*cot, *arrays), structs)))
+        elif symbolic and isinstance(g, jax.custom_derivatives.SymbolicZero):
+            return none
+        else:
+            saved = {k: (g * v.astype(g.dtype)).astype(v.dtype) for k, v in saved.items()}
+        return tuple(saved.get(a) for a in order)
+
+    function = jax.custom_vjp(value)
+    function.defvjp(forward, backward, symbolic_zeros=symbolic)
+    return function
+
+
+def _head(name, hidden, weight, target, reduction, options, arrays):
+    """Run fused head `name` with static `options` ((name, value) pairs) and the optional arrays
+    `arrays` ((name, array or None) pairs)."""
+    extra = tuple(k for k, v in arrays if v is not None)
+    extras = [jnp.asarray(v) for _, v in arrays if v is not None]
+    args = (jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(target), *extras)
+    key = (name, reduction, tuple(options), extra)
+    try:
+        return _head_function(*key)(*args)
+    except NotImplementedError as exc:
+        if "shard_map" not in str(exc):
+            raise
+        return _head_function(*key, symbolic=False)(*args)
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
+                         ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                         lse_square_scale=0.0, softcap=0.0, max_workspace_bytes=None):
+    """cross_entropy(hidden @ weight.T + bias, target) without the logits in memory, for JAX.
+
+    JAX form of cupyloss.linear_cross_entropy (its docstring has the formula and the plans):
+    float32 logits a chunk at a time, cuBLAS products on XLA's stream inside a
+    buffer_callback, the results and the workspace in XLA's buffers.  Differentiable with
+    jax.grad with respect to hidden, weight and bias (a reduced loss's gradients are formed in
+    the forward pass and scaled by the cotangent), usable under jax.jit and inside shard_map.
+    Options are static Python values; bias and class_weight are arrays (class_weight without a
+    gradient).
+
+    Returns:
+      The loss, float32 (float64 for float64 inputs): 0-d for 'mean'/'sum', else target's shape.
+
+    Example:
+      >>> loss, (gh, gw) = jax.jit(jax.value_and_grad(cupyloss.jax.linear_cross_entropy,
+      ...                                             argnums=(0, 1)))(h, w, labels)
+    """
+    options = (("ignore_index", int(ignore_index)), ("label_smoothing", float(label_smoothing)),
+               ("lse_square_scale", float(lse_square_scale)), ("softcap", float(softcap)),
+               ("max_workspace_bytes", max_workspace_bytes))
+    return _head("linear_cross_entropy", hidden, weight, target, reduction, options,
+                 (("bias", bias), ("class_weight", class_weight)))
+
+
+def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0,
+                     return_entropy=False, ignore_index=-100, max_workspace_bytes=None):
+    """Per-token log p(target) (and the entropy) of softmax((hidden @ weight.T + bias) / T), the
+    logits never whole, for JAX.
+
+    JAX form of cupyloss.linear_log_probs (its docstring has the formulas): differentiable with
+    jax.grad with respect to hidden, weight and bias through both outputs (backward forms the
+    logits again with their cotangents), usable under jax.jit.
+
+    Returns:
+      logp, or ``(logp, entropy)``: target's shape, float32 (float64 for float64 inputs).
+
+    Example:
+      >>> def objective(h, w):
+      ...     logp, ent = cupyloss.jax.linear_log_probs(h, w, tokens, return_entropy=True)
+      ...     return -(advantages * logp).mean() - 0.01 * ent.mean()
+      >>> grads = jax.jit(jax.grad(objective, argnums=(0, 1)))(h, w)
+    """
+    from cupyloss import linear
+
+    options = (("temperature", linear._temperature(temperature)),
+               ("ignore_index", int(ignore_index)),
+               ("max_workspace_bytes", max_workspace_bytes))
+    logp, ent = _head("linear_log_probs", hidden, weight, target, "none", options,
+                      (("bias", bias),))
+    return (logp, ent) if return_entropy else logp
+
+
+# --- vocab-parallel cross entropy inside shard_map ---------------------------------------------------
+
+def _vp_combine(every, target, classes, weight, ignore_index, eps, zs):
+    """cupyloss.parallel's combine in jnp over (k, N, 6) states in rank order: (loss, lse, w_y)
+    per row, 0 for an ignored row, NaN for a class outside [0, classes)."""
+    m, s, a, b, t = (every[..., f] for f in range(5))
+    big = jnp.max(m, 0)
+    live = s != 0
+    s_all = jnp.where(live, s * jnp.exp(jnp.where(live, m - big, 0.0)), 0.0).sum(0)
+    moved = (b != 0) & (m != -jnp.inf)
+    a_all = (a + b * (big - jnp.where(moved, m, big))).sum(0)
+    log_s = jnp.log(s_all)
+    lse = big + log_s
+    ignored = target == ignore_index
+    outside = ~ignored & ((target < 0) | (target >= classes))
+    w_y = jnp.ones_like(lse) if weight is None else \
+        weight.astype(lse.dtype)[jnp.where(ignored | outside, 0, target)]
+    w_y = jnp.where(ignored, 0.0, jnp.where(outside, jnp.nan, w_y))
+    loss = (1.0 - eps) * w_y * (log_s + (big - t.sum(0)))
+    if eps:
+        loss = loss + (eps / classes) * (b.sum(0) * log_s + a_all)
+    if zs:
+        loss = loss + zs * lse * lse
+    return jnp.where(ignored, 0.0, loss), lse, w_y
+
+
+def vocab_parallel_cross_entropy(input, target, axis_name, *, weight=None, ignore_index=-100,
+                                 reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+                                 softcap=0.0, num_items=None):
+    """cross_entropy of logits whose classes are split over the mesh axis `axis_name`, inside
+    jax.shard_map: each device passes its slice (N, C / k) of the classes, in axis order, and
+    gets the loss of all C of them; the gradient of its slice comes back with no communication.
+
+    Formula: cupyloss.parallel's steps.  Each device forms its slice's softmax state per row
+    (vocab_parallel_stats, a kernel on XLA's stream), the states are exchanged with
+    ``jax.lax.all_gather`` over `axis_name` (24 bytes a row a device in float32, never the
+    logits), merged in axis order in jnp (the same on every device, bit for bit) into each row's
+    loss and lse, and backward forms the slice's gradient from that lse
+    (vocab_parallel_backward).  'mean' divides by the summed w_y of the counted rows, or by
+    num_items (an int or a 0-d array) for 'mean' and 'sum' alike.  A row whose target differs
+    between devices, or lies outside [0, C) and is not ignore_index, is NaN.
+
+    Args:
+      input: (N, C / k) this device's slice of the logits (equal slices in axis order).
+      target: (N,) int32 class indices into all C = k * C / k classes, the same on every device.
+      axis_name: the shard_map mesh axis the classes are split over.
+      weight: None or (C,) class weights of all classes.
+      ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as cross_entropy.
+      num_items: None, or the divisor of the summed loss (cross_entropy's).
+
+    Returns:
+      The loss, float32 (float64 for float64 input): 0-d for 'mean'/'sum', else (N,); the same
+      on every device of the axis.
+
+    Example:
+      >>> f = jax.shard_map(lambda x, y: cupyloss.jax.vocab_parallel_cross_entropy(x, y, "tp"),
+      ...                   mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P())
+    """
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if num_items is not None and reduction == "none":
+        raise ValueError("num_items divides a reduced loss ('mean' or 'sum'); "
+                         "reduction='none' returns each row's loss")
+    x, t = jnp.asarray(input), jnp.asarray(target)
+    if x.ndim != 2 or t.shape != x.shape[:1]:
+        raise ValueError(f"input must be (N, C / k) and target (N,), got {x.shape} and {t.shape}")
+    k = jax.lax.axis_size(axis_name)
+    cols = x.shape[1]
+    classes = k * cols
+    opts = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
+                softcap=float(softcap))
+    zs = float(lse_square_scale)
+    w = None if weight is None else jnp.asarray(weight)
+    return _vp_function(reduction, classes, tuple(opts.items()), zs, w is not None,
+                        axis_name, num_items is not None)(
+        x, t, w, None if num_items is None else jnp.asarray(num_items))
+
+
+@functools.lru_cache(maxsize=None)
+def _vp_function(reduction, classes, opts, zs, weighted, axis_name, items):
+    options = dict(opts)
+    ignore_index, eps = options["ignore_index"], options["label_smoothing"]
+    stats_opts = (("classes", classes), *opts)
+    grad_opts = (("classes", classes), ("ignore_index", ignore_index),
+                 ("label_smoothing", eps), ("lse_square_scale", zs),
+                 ("softcap", options["softcap"]))
+
+    def local(x, t, w):
+        """This slice's target (its class index in the slice, others outside it, the ignored
+        ones kept) and class weights, as the kernels take them with class offset 0."""
+        offset = jax.lax.axis_index(axis_name) * x.shape[1]
+        ignored = t == ignore_index
+        tl = jnp.where(ignored, t, jnp.mod(t - offset, classes)).astype(t.dtype)
+        wl = None if w is None else jnp.roll(w, -offset)
+        return tl, wl
+
+    def run(x, t, w, n):
+        acc = _acc_dtype(x)
+        tl, wl = local(x, t, w)
+        extra = (wl,) if w is not None else ()
+        stats = _call("value", "vocab_parallel_stats", "none", stats_opts,
+                      ("weight",) if w is not None else (), (), (x, tl, *extra),
+                      (_struct((x.shape[0], 6), acc),))[0]
+        every = jax.lax.all_gather(stats, axis_name)
+        loss, lse, w_y = _vp_combine(every, t, classes, w, ignore_index, eps, zs)
+        differ = jax.lax.pmax(t, axis_name) != jax.lax.pmin(t, axis_name)
+        loss, lse = jnp.where(differ, jnp.nan, loss), jnp.where(differ, jnp.nan, lse)
+        if reduction == "none":
+            return loss, (lse, None)
+        divisor = (n.astype(acc) if n is not None
+                   else jnp.sum(w_y) if reduction == "mean" else None)
+        total = jnp.sum(loss)
+        return (total if divisor is None else total / divisor), (lse, divisor)
+
+    def value(x, t, w, n):
+        return run(x, t, w, n)[0]
+
+    def forward(x, t, w, n):
+        out, (lse, divisor) = run(x, t, w, n)
+        return out, (x, t, w, n, lse, divisor)
+
+    def backward(res, g):
+        x, t, w, n, lse, divisor = res
+        acc = _acc_dtype(x)
+        tl, wl = local(x, t, w)
+        g = jnp.asarray(g, acc)
+        rows = g if reduction == "none" else jnp.broadcast_to(
+            g if divisor is None else g / divisor, t.shape)
+        extra = (wl,) if w is not None else ()
+        gx = _call("value", "vocab_parallel_backward", "none", grad_opts,
+                   ("weight",) if w is not None else (), (),
+                   (rows.astype(acc), x, tl, lse, *extra), (_struct(x.shape, x.dtype),))[0]
+        return gx, None, None, None
+
+    function = jax.custom_vjp(value)
+    function.defvjp(forward, backward)
+    return function
+
+
 def optax_ctc_loss(logits, logit_paddings, labels, label_paddings, blank_id=0):
     """CTC loss with optax.ctc_loss's arguments: cupyloss.jax.ctc_loss behind optax's convention.
 
@@ -684,4 +1000,5 @@ def optax_ctc_loss(logits, logit_paddings, labels, label_paddings, blank_id=0):
                               reduction="none")
 
 
-__all__ = sorted([*LOSSES, "LOSSES", "SKIPPED", "optax_ctc_loss"])
+__all__ = sorted([*LOSSES, "LOSSES", "SKIPPED", "optax_ctc_loss", "linear_cross_entropy",
+                  "linear_log_probs", "vocab_parallel_cross_entropy"])

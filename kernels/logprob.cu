@@ -104,9 +104,10 @@ __device__ __forceinline__ long long lp_target(const void* tgt, long long r, lon
                                 : (long long)static_cast<const int*>(tgt)[r];
 }
 
+// z / T as z times 1 / T (formed in double, rounded once): within a rounding of the quotient.
 template <typename A>
-__device__ __forceinline__ A lp_scaled(A z, A temperature) {
-    return temperature == A(1) ? z : z / temperature;
+__device__ __forceinline__ A lp_scaled(A z, A inv_temp) {
+    return z * inv_temp;
 }
 
 // The parameters, one 64-bit word each, in this order:
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(LP_BLOCK) logprob_stats(
         const long long cols, const long long z_rs, const long long flags,
         const long long ignore_index, const double temperature, A* __restrict__ logp,
         A* __restrict__ ent, A* __restrict__ lse) {
-    const A temp = A(temperature);
+    const A temp = A(1.0 / temperature);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const A* row = z + r * z_rs;
         SoftStat<A> st = soft_empty<A>();
@@ -180,8 +181,8 @@ __global__ void __launch_bounds__(LP_BLOCK) logprob_grad(
         const A* __restrict__ lse,
         const A* __restrict__ ent, const A* __restrict__ g_lp, const A* __restrict__ g_ent,
         G* dz, const long long g_rs) {
-    const A temp = A(temperature);
-    const A inv = temp == A(1) ? A(1) : A(1) / temp;
+    const A inv = A(1.0 / temperature);
+    const A temp = inv;
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const long long y = lp_target<A>(tgt, r, flags);
         const bool counted = y != ignore_index;

@@ -100,8 +100,9 @@ def test_float64_is_exact_to_rounding_and_numbers_broadcast():
 
 
 def test_against_torch_autograd_of_the_unfused_formula():
-    """torch: log_softmax((h W^T).float() / T).gather, the entropy of the same distribution;
-    the same objective's gradients through autograd."""
+    """torch: log_softmax(F.linear(h.float(), W.float()) / T).gather (float32 logits of the
+    16-bit operands, as the fused head forms them), the entropy of the same distribution; the
+    same objective's gradients through autograd."""
     torch = pytest.importorskip("torch")
     import cupyloss.torch as T
 
@@ -116,7 +117,7 @@ def test_against_torch_autograd_of_the_unfused_formula():
     def objective(logp, ent):
         return -(adv * logp).mean() - 0.01 * ent.mean()
 
-    logits = (h @ w.T).float() / temp
+    logits = (h.float() @ w.float().T) / temp
     logp_all = logits.log_softmax(-1)
     want_lp = logp_all.gather(-1, t[:, None])[:, 0]
     want_h = -(logp_all.exp() * logp_all).sum(-1)

@@ -18,8 +18,10 @@ master weight), the step inside torch.autocast("cuda", torch.bfloat16), cupyloss
 
 Each row: median milliseconds of --reps runs (CUDA events on torch's stream), the peak memory
 above the inputs (torch.cuda.max_memory_allocated during a run less what was allocated before
-it), the achieved TFLOP/s of the three matrix products (6 BT H V flops in all), the loss's
-relative error against float64 logits from the same bfloat16 operands, and the host's median
+it), and beyond the gradients themselves (hidden's and weight's, in their dtype), the achieved
+TFLOP/s of the three matrix products (6 BT H V flops in all), the loss's relative error and the
+hidden gradient's (largest |error| over largest |value|) against float64 logits from the same
+bfloat16 operands, and the host's median
 milliseconds queueing a forward + backward (where they near the device's, the call is bound by
 its Python, as at bench.train's small widths).  --plot draws
 cupyloss's time against its peak memory, with the others as points.  Never used as a test.
@@ -45,16 +47,25 @@ def _inputs(torch, rows: int, hidden: int = H, classes: int = V, dtype=None):
     return h, w, t
 
 
-def _reference_loss(torch, h, w, t) -> float:
-    """Mean cross entropy of float64 logits h W^T (of bfloat16 operands), in row chunks."""
+def _reference_loss(torch, h, w, t):
+    """(mean cross entropy, its hidden gradient) of float64 logits h W^T (of bfloat16
+    operands), in row chunks."""
     total, count = 0.0, int((t != -100).sum())
     wd = w.bfloat16().double()
+    gx = torch.empty(h.shape, dtype=torch.float64, device=h.device)
     for r in range(0, h.shape[0], 1024):
         z = h[r:r + 1024].bfloat16().double() @ wd.T
-        total += float(torch.nn.functional.cross_entropy(z, t[r:r + 1024], reduction="sum"))
+        tc = t[r:r + 1024]
+        total += float(torch.nn.functional.cross_entropy(z, tc, reduction="sum"))
+        p = z.softmax(-1)
         del z
+        keep = tc != -100
+        p[keep, tc[keep]] -= 1
+        p[~keep] = 0
+        gx[r:r + 1024] = (p @ wd) / count
+        del p
     del wd
-    return total / count
+    return total / count, gx
 
 
 def _measure(torch, fn, h, w, t, reps: int, autocast: bool = False):
@@ -70,6 +81,7 @@ def _measure(torch, fn, h, w, t, reps: int, autocast: bool = False):
         return loss
 
     loss = float(step().detach())
+    gx = hl.grad.detach().clone()
     step()
     torch.cuda.synchronize()
     hl.grad = wl.grad = None
@@ -88,7 +100,7 @@ def _measure(torch, fn, h, w, t, reps: int, autocast: bool = False):
         times.append(begin.elapsed_time(end))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     hl.grad = wl.grad = None
-    return statistics.median(times), peak, loss, statistics.median(hosts)
+    return statistics.median(times), peak, loss, statistics.median(hosts), gx
 
 
 def _candidates(torch, budgets, chunk_rows=()):
@@ -157,30 +169,37 @@ def main(argv=None) -> list[dict]:
     for bt, (hs, vs) in ((int(r), tuple(map(int, s.split("x"))))
                          for s in args.shapes.split(",") for r in args.rows.split(",")):
         h, w, t = _inputs(torch, bt, hs, vs, torch.float32 if args.autocast else None)
-        ref = _reference_loss(torch, h, w, t)
+        ref, ref_gx = _reference_loss(torch, h, w, t)
+        scale = float(ref_gx.abs().max())
+        grads = (h.numel() * h.element_size() + w.numel() * w.element_size()) / 2**30
         torch.cuda.empty_cache()
         flops = 6.0 * bt * hs * vs
         print(f"{device}: hidden ({bt}, {hs}), weight ({vs}, {hs}), {kind}, float64 loss "
-              f"{ref:.6f}")
-        print(f"{'implementation':24} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'loss rel err':>13}"
-              f" {'host ms':>8}")
+              f"{ref:.6f}, gradients {grads:.3f} GiB")
+        print(f"{'implementation':24} {'ms':>9} {'peak GiB':>9} {'beyond':>7} {'TFLOP/s':>8} "
+              f"{'loss rel err':>13} {'dX rel err':>11} {'host ms':>8}")
         for name, fn in _candidates(torch, budgets, chunk_rows).items():
             if args.only and not any(name.startswith(o) for o in args.only.split(",")):
                 continue
             try:
-                ms, peak, loss, host = _measure(torch, fn, h, w, t, args.reps, args.autocast)
+                ms, peak, loss, host, gx = _measure(torch, fn, h, w, t, args.reps,
+                                                    args.autocast)
             except Exception as exc:  # a candidate out of memory or failing: say so, go on
                 print(f"{name:24} failed: {type(exc).__name__}: {str(exc)[:120]}")
                 torch.cuda.empty_cache()
                 continue
             err = abs(loss - ref) / abs(ref)
+            gerr = float((gx.double() - ref_gx).abs().max()) / scale
+            del gx
+            beyond = peak - grads
             rows_out.append(dict(device=device, rows=bt, hidden=hs, classes=vs, kind=kind,
-                                 name=name, ms=ms, peak_gib=peak,
-                                 tflops=flops / ms / 1e9, loss_rel_err=err, host_ms=host))
-            print(f"{name:24} {ms:9.2f} {peak:9.3f} {flops / ms / 1e9:8.0f} {err:13.2e} "
-                  f"{host:8.2f}", flush=True)
+                                 name=name, ms=ms, peak_gib=peak, beyond_gib=beyond,
+                                 tflops=flops / ms / 1e9, loss_rel_err=err,
+                                 grad_rel_err=gerr, host_ms=host))
+            print(f"{name:24} {ms:9.2f} {peak:9.3f} {beyond:7.3f} {flops / ms / 1e9:8.0f} "
+                  f"{err:13.2e} {gerr:11.2e} {host:8.2f}", flush=True)
             torch.cuda.empty_cache()
-        del h, w, t
+        del h, w, t, ref_gx
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     if args.plot and rows_out:

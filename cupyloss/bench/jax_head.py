@@ -1,0 +1,102 @@
+"""Benchmark the fused heads from JAX against XLA's unfused formulas, under jit(value_and_grad).
+
+    python -m cupyloss.bench.jax_head [--rows 8192] [--reps 10] [--json out.json]
+
+Hidden (BT, 4096) bfloat16, weight (128256, 4096) bfloat16, int32 targets (10% ignored for the
+cross entropy); the gradients of hidden and weight:
+
+  XLA cross entropy   optax.softmax_cross_entropy_with_integer_labels on (h @ W.T) in float32,
+                      the counted rows' mean
+  cupyloss            cupyloss.jax.linear_cross_entropy
+  XLA log-probs       log_softmax((h @ W.T) / T) gathered, and its entropy, in float32; the
+                      objective -(A logp).mean() - 0.01 H.mean()
+  cupyloss log-probs  cupyloss.jax.linear_log_probs with the same objective
+
+Each row: median ms of the jitted step (block_until_ready), and XLA's own account of the step's
+temporary memory (compiled memory_analysis: temp bytes, which hold cupyloss's workspace too).
+Never used as a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def main(argv=None) -> list[dict]:
+    from cupyloss.bench import _timing
+
+    ap = _timing.arguments("python -m cupyloss.bench.jax_head", __doc__, 10)
+    ap.add_argument("--rows", default="8192", help="BT values, comma-separated")
+    ap.add_argument("--temperature", type=float, default=0.9)
+    args = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    import cupyloss.jax as JL
+
+    device = jax.devices()[0].device_kind
+    H, V = 4096, 128256
+    temp = args.temperature
+    rows_out = []
+    for bt in (int(r) for r in args.rows.split(",")):
+        k = jax.random.split(jax.random.PRNGKey(0), 4)
+        h = (jax.random.normal(k[0], (bt, H)) * 0.5).astype(jnp.bfloat16)
+        w = (jax.random.normal(k[1], (V, H)) * 0.02).astype(jnp.bfloat16)
+        t = jax.random.randint(k[2], (bt,), 0, V)
+        t = jnp.where(jax.random.uniform(k[3], (bt,)) < 0.1, -100, t)
+        tp = jnp.maximum(t, 0)
+        adv = jax.random.normal(k[3], (bt,))
+
+        def xla_ce(h, w):
+            import optax
+
+            z = jnp.dot(h, w.T, preferred_element_type=jnp.float32)
+            keep = t != -100
+            per = optax.softmax_cross_entropy_with_integer_labels(z, jnp.where(keep, t, 0))
+            return jnp.sum(jnp.where(keep, per, 0.0)) / jnp.sum(keep)
+
+        def ours_ce(h, w):
+            return JL.linear_cross_entropy(h, w, t)
+
+        def xla_lp(h, w):
+            z = jnp.dot(h, w.T, preferred_element_type=jnp.float32) / temp
+            lp_all = jax.nn.log_softmax(z, -1)
+            lp = jnp.take_along_axis(lp_all, tp[:, None], -1)[:, 0]
+            ent = -jnp.sum(jnp.exp(lp_all) * lp_all, -1)
+            return -(adv * lp).mean() - 0.01 * ent.mean()
+
+        def ours_lp(h, w):
+            lp, ent = JL.linear_log_probs(h, w, tp, temperature=temp, return_entropy=True)
+            return -(adv * lp).mean() - 0.01 * ent.mean()
+
+        print(f"{device}: hidden ({bt}, {H}), weight ({V}, {H}) bf16, jit(value_and_grad)")
+        print(f"{'implementation':22} {'ms':>8} {'temp GiB':>9} {'value':>12}")
+        for name, fn in (("XLA cross entropy", xla_ce), ("cupyloss", ours_ce),
+                         ("XLA log-probs", xla_lp), ("cupyloss log-probs", ours_lp)):
+            step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+            try:
+                compiled = step.lower(h, w).compile()
+                mem = compiled.memory_analysis()
+                temp_gib = getattr(mem, "temp_size_in_bytes", float("nan")) / 2**30
+                out = step(h, w)
+                jax.block_until_ready(out)
+                times = []
+                for _ in range(args.reps):
+                    begin = time.perf_counter()
+                    jax.block_until_ready(step(h, w))
+                    times.append((time.perf_counter() - begin) * 1e3)
+            except Exception as exc:   # out of memory or failing: say so, go on
+                print(f"{name:22} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            ms = statistics.median(times)
+            value = float(out[0])
+            rows_out.append(dict(device=device, rows=bt, name=name, ms=ms, temp_gib=temp_gib,
+                                 value=value))
+            print(f"{name:22} {ms:8.2f} {temp_gib:9.3f} {value:12.6f}", flush=True)
+            del out
+    return _timing.save(args.json, rows_out)
+
+
+if __name__ == "__main__":
+    main()
