@@ -715,19 +715,24 @@ def _head_function(name, reduction, options, extra, symbolic=True):
             return grads_of
         return tuple(a for a, p in zip(order, primals) if a in grads_of and p.perturbed)
 
+    def markers(wrt):
+        """wrt as residuals (names are not JAX values): an empty array per name, else None."""
+        return tuple(jnp.zeros((0,), jnp.bool_) if a in wrt else None for a in order)
+
     def forward(*primals):
         arrays = tuple(p.value for p in primals) if symbolic else primals
         wrt = wanted(primals)
         if logprobs or reduction == "none" or not wrt:
-            return value(*arrays), (None, arrays, wrt)
+            return value(*arrays), (None, arrays, markers(wrt))
         structs = outs(arrays) + tuple(_struct(arrays[order.index(w)].shape,
                                                arrays[order.index(w)].dtype) for w in wrt)
         loss, *grads = _call("value_and_grad", name, reduction, options, extra, wrt, arrays,
                              structs)
-        return loss, (dict(zip(wrt, grads)), None, wrt)
+        return loss, (dict(zip(wrt, grads)), None, markers(wrt))
 
     def backward(residuals, g):
-        saved, arrays, wrt = residuals
+        saved, arrays, marked = residuals
+        wrt = tuple(a for a, m in zip(order, marked) if m is not None)
         none = (None,) * len(order)
         if not wrt:
             return none
@@ -827,6 +832,18 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0,
 
 
 # --- vocab-parallel cross entropy inside shard_map ---------------------------------------------------
+
+def _all_gather_invariant(x, axis_name):
+    """all_gather over `axis_name` whose result is invariant over it (the same on every device,
+    as shard_map's type system sees it): jax.lax.all_gather_invariant where JAX has it."""
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        try:
+            from jax._src.lax.parallel import all_gather_invariant as gather
+        except ImportError:
+            gather = jax.lax.all_gather
+    return gather(x, axis_name)
+
 
 def _vp_combine(every, target, classes, weight, ignore_index, eps, zs):
     """cupyloss.parallel's combine in jnp over (k, N, 6) states in rank order: (loss, lse, w_y)
@@ -929,7 +946,9 @@ def _vp_function(reduction, classes, opts, zs, weighted, axis_name, items):
         stats = _call("value", "vocab_parallel_stats", "none", stats_opts,
                       ("weight",) if w is not None else (), (), (x, tl, *extra),
                       (_struct((x.shape[0], 6), acc),))[0]
-        every = jax.lax.all_gather(stats, axis_name)
+        # the same states on every device: invariant over the axis (shard_map's out_specs
+        # P() then holds for the loss)
+        every = _all_gather_invariant(stats, axis_name)
         loss, lse, w_y = _vp_combine(every, t, classes, w, ignore_index, eps, zs)
         differ = jax.lax.pmax(t, axis_name) != jax.lax.pmin(t, axis_name)
         loss, lse = jnp.where(differ, jnp.nan, loss), jnp.where(differ, jnp.nan, lse)

@@ -350,6 +350,16 @@ def _narrow(src, out, stream, device) -> None:
                  NARROW.template({"src": src.data.ptr, "out": out.data.ptr, "n": n}))
 
 
+def _plain(a):
+    """`a` as a cupy.ndarray itself (a framework's view class, such as JAX's buffers' views,
+    would differ from the workspace's class that the row kernels compare it with)."""
+    import cupy
+
+    if type(a) is cupy.ndarray:
+        return a
+    return cupy.ndarray(a.shape, a.dtype, a.data, strides=a.strides)
+
+
 def _contiguous(cp, a):
     return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
 
@@ -401,11 +411,11 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         head.bind(frame, ops["hidden"].device, tuple(ops["target"].shape))
     grad_go = None
     if head is None and not isinstance(grad_output, (int, float)):
-        grad_go = frame.cupy_view(frame.operand(grad_output, "grad_output"))
+        grad_go = _plain(frame.cupy_view(frame.operand(grad_output, "grad_output")))
     with cupy.cuda.Device(device), \
             cupy.cuda.Stream.from_external(_dispatch.RawStream(stream)), \
             frame.scratch_allocator():
-        views = {name: frame.cupy_view(op) for name, op in ops.items()}
+        views = {name: _plain(frame.cupy_view(op)) for name, op in ops.items()}
         run = _Call(views, n, h, v, ignore_index, reduction, label_smoothing, lse_square_scale,
                     softcap, want_value, names, grad_go, grad_output, return_lse, stream, device,
                     shard, compute, views.get("num_items", count), head)
@@ -817,7 +827,7 @@ class _LogProbs:
             if op.device != device:
                 raise ValueError(f"{name} is on CUDA device {op.device} but hidden is on "
                                  f"CUDA device {device}")
-            got.append(frame.cupy_view(op))
+            got.append(_plain(frame.cupy_view(op)))
         self.g_lp, self.g_ent = got
 
     def start(self, call) -> None:

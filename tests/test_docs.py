@@ -76,7 +76,8 @@ def test_readme_code_runs(index, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("example", ["quickstart.py", "torch_training.py", "jax_roundtrip.py",
                                      "lm_head_training.py", "vocab_parallel_training.py",
-                                     "gpt_autocast_training.py", "ctc_training.py"])
+                                     "gpt_autocast_training.py", "ctc_training.py",
+                                     "policy_gradient.py"])
 def test_example_runs(example):
     """examples/ run to a zero exit status on a GPU (each checks its own results)."""
     path = ROOT / "examples" / example
@@ -85,7 +86,8 @@ def test_example_runs(example):
     pytest.importorskip({"quickstart.py": "cupy", "torch_training.py": "torch",
                          "jax_roundtrip.py": "jax", "lm_head_training.py": "torch",
                          "vocab_parallel_training.py": "torch",
-                         "gpt_autocast_training.py": "torch", "ctc_training.py": "torch"}[example])
+                         "gpt_autocast_training.py": "torch", "ctc_training.py": "torch",
+                         "policy_gradient.py": "torch"}[example])
     # The tensor-parallel example's ranks run on the CPU over gloo on a one-GPU machine: 20 of
     # its 100 steps (155 s for 100 on an H200's host) check the same agreement.
     extra = {"vocab_parallel_training.py": ["--steps", "20"]}.get(example, [])

@@ -135,7 +135,7 @@ def test_vocab_parallel_cross_entropy_in_shard_map_equals_one_device(reduction, 
             lambda xs, ts: JL.vocab_parallel_cross_entropy(xs, ts, "tp", reduction=reduction,
                                                            label_smoothing=smoothing),
             mesh=mesh, in_specs=(P(None, "tp"), P()),
-            out_specs=P(), check_vma=False)(x, t)
+            out_specs=P())(x, t)
         return out
 
     def whole(x):
