@@ -10,7 +10,7 @@ REINFORCE with the batch's mean reward as baseline and an entropy bonus,
     loss = -mean((r - mean r) * log p(a)) - 0.01 * mean(H)
 
 with log p and H of softmax(logits / 0.8).  Two copies of the same policy train side by side on
-the same samples with SGD: one computes log p and H with cupyloss.torch.linear_log_probs (the
+the same samples with Adam: one computes log p and H with cupyloss.torch.linear_log_probs (the
 logits never held), the other with torch's unfused formula on float32 logits.  Prints both
 losses every 25 steps; exits non-zero unless the two loss curves agree to 1e-3 at every step
 and the mean reward rose well above chance (1/16).
@@ -75,7 +75,7 @@ def main():
     torch.manual_seed(0)
     ours = make_policy(torch)
     ref = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(p.parameters(), lr=0.5, momentum=0.9) for p in (ours, ref)]
+    opts = [torch.optim.Adam(p.parameters(), lr=2e-3) for p in (ours, ref)]
     gen = torch.Generator(device="cuda").manual_seed(1)
     worst, rewards = 0.0, []
     for step in range(args.steps):
@@ -93,7 +93,7 @@ def main():
             loss = objective()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         gap = abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-2)
         worst = max(worst, gap)
         rewards.append(float(r.mean()))
@@ -103,7 +103,7 @@ def main():
     start, end = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"mean reward {start:.3f} -> {end:.3f} (chance 0.0625); largest relative gap between "
           f"the loss curves {worst:.1e}")
-    ok = worst < 1e-3 and end > 0.3
+    ok = worst < 1e-3 and end > 0.25
     print("ok" if ok else "FAILED")
     sys.exit(0 if ok else 1)
 
