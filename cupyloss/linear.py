@@ -835,7 +835,6 @@ class _LogProbs:
         import cupy
 
         n, logit = call.n, call.logit
-        self.call = call
         self.logp = cupy.empty((n,), logit)
         self.lse = cupy.empty((n,), logit)
         need_h = self.want_entropy or self.g_ent is not None
