@@ -507,3 +507,36 @@ def jsd_grads(input, target, beta=0.5, shift_labels=None, ignore_index=-100, red
         mask = counted[:, None]
         return (np.where(mask, gx * scale, 0.0).reshape(shape),
                 np.where(mask, gy * scale, 0.0).reshape(shape))
+
+
+# --- per-token log-probabilities and entropy of the fused head -----------------------------------
+
+def log_probs(z, target, temperature=1.0, ignore_index=-100):
+    """(logp, entropy, log_softmax) of softmax(z / T) per row of logits z (N, V), float64:
+    logp 0 where the target is ignore_index, the entropy of every row."""
+    z = _f64(z) / temperature
+    m = z.max(axis=1, keepdims=True)
+    logp_all = z - (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))
+    t = np.asarray(target)
+    counted = t != ignore_index
+    rows = np.arange(len(t))
+    logp = np.where(counted, logp_all[rows, np.where(counted, t, 0)], 0.0)
+    ent = -(np.exp(logp_all) * logp_all).sum(axis=1)
+    return logp, ent, logp_all
+
+
+def log_probs_logits_grad(z, target, temperature=1.0, g=None, e=None, ignore_index=-100):
+    """d/dz of sum_i g_i logp_i + e_i H_i (log_probs'), float64: (g (onehot - p) - e p (log p +
+    H)) / T, g taken as 0 on ignored rows; g, e None for 0, a number, or (N,)."""
+    _, ent, logp_all = log_probs(z, target, temperature, ignore_index)
+    t = np.asarray(target)
+    n = len(t)
+    g = np.zeros(n) if g is None else np.broadcast_to(_f64(g), (n,))
+    e = np.zeros(n) if e is None else np.broadcast_to(_f64(e), (n,))
+    counted = t != ignore_index
+    p = np.exp(logp_all)
+    onehot = np.zeros_like(p)
+    onehot[np.arange(n), np.where(counted, t, 0)] = 1.0
+    dz = np.where(counted, g, 0.0)[:, None] * (onehot - p) \
+        - e[:, None] * p * (logp_all + ent[:, None])
+    return dz / temperature

@@ -7,6 +7,7 @@ sum_i g_i logp_i + e_i H_i; and against torch's autograd of the unfused formula.
 import numpy as np
 import pytest
 
+import reference_rowwise as ref
 from gpu_util import BFLOAT16
 from test_linear_gpu import BUDGETS, DTYPES, TOL_GRAD, H, N, V, _err, _inputs
 
@@ -17,27 +18,13 @@ TOL_STAT = 2e-6
 
 
 def reference(host, t, temperature, g=None, e=None, ignore_index=-100):
-    """(logp, entropy, {name: gradient}) in float64."""
+    """(logp, entropy, {name: gradient}) in float64 (reference_rowwise's)."""
     x, w, b, _ = host
-    z = (x @ w.T + (0 if b is None else b)) / temperature
-    m = z.max(axis=1, keepdims=True)
-    lse = m + np.log(np.exp(z - m).sum(axis=1, keepdims=True))
-    logp_all = z - lse
-    p = np.exp(logp_all)
-    counted = t != ignore_index
-    y = np.where(counted, t, 0)
-    rows = np.arange(len(t))
-    logp = np.where(counted, logp_all[rows, y], 0.0)
-    ent = -(p * logp_all).sum(axis=1)
+    z = x @ w.T + (0 if b is None else b)
+    logp, ent, _ = ref.log_probs(z, t, temperature, ignore_index)
     grads = None
     if g is not None or e is not None:
-        g = np.zeros(len(t)) if g is None else np.broadcast_to(g, len(t))
-        e = np.zeros(len(t)) if e is None else np.broadcast_to(e, len(t))
-        onehot = np.zeros_like(z)
-        onehot[rows, y] = 1.0
-        dz = np.where(counted, g, 0.0)[:, None] * (onehot - p) \
-            - e[:, None] * p * (logp_all + ent[:, None])
-        dz = dz / temperature
+        dz = ref.log_probs_logits_grad(z, t, temperature, g, e, ignore_index)
         grads = {"hidden": dz @ w, "weight": dz.T @ x, "bias": dz.sum(axis=0)}
     return logp, ent, grads
 
