@@ -65,6 +65,30 @@ def release(torch=None) -> None:
     time.sleep(SETTLE_S)
 
 
+def torch_steps(torch, step, reps: int, forget) -> tuple[float, float, float]:
+    """(median device ms, peak GiB above what was allocated before, median host ms) of `reps`
+    calls of step(), a training step on torch's current stream, once forget() has dropped what
+    the caller's warm-up steps left (their gradients) and torch's cache is given back; CUDA
+    events around each step, the host's time queueing it alongside."""
+    torch.cuda.synchronize()
+    forget()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times, hosts = [], []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        t0 = time.perf_counter()
+        step()
+        hosts.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return statistics.median(times), peak, statistics.median(hosts)
+
+
 def need(prog: str, torch: bool = False, jax: bool = False) -> None:
     """Exit with one line saying what is missing when a benchmark cannot run here: a CUDA GPU
     (through CuPy), torch with CUDA when `torch`, JAX with a GPU backend when `jax`."""

@@ -29,9 +29,6 @@ cupyloss's time against its peak memory, with the others as points.  Never used 
 
 from __future__ import annotations
 
-import statistics
-import time
-
 from cupyloss.bench import _timing
 
 H, V = 4096, 128256
@@ -83,24 +80,13 @@ def _measure(torch, fn, h, w, t, reps: int, autocast: bool = False):
     loss = float(step().detach())
     gx = hl.grad.detach().clone()
     step()
-    torch.cuda.synchronize()
-    hl.grad = wl.grad = None
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times, hosts = [], []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        t0 = time.perf_counter()
-        step()
-        hosts.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    hl.grad = wl.grad = None
-    return statistics.median(times), peak, loss, statistics.median(hosts), gx
+
+    def forget():
+        hl.grad = wl.grad = None
+
+    ms, peak, host = _timing.torch_steps(torch, step, reps, forget)
+    forget()
+    return ms, peak, loss, host, gx
 
 
 def _candidates(torch, budgets, chunk_rows=()):

@@ -25,8 +25,6 @@ bfloat16 operands.  Never used as a test.
 
 from __future__ import annotations
 
-import statistics
-
 from cupyloss.bench import _timing
 from cupyloss.bench.linear import H, V, _inputs
 
@@ -99,22 +97,13 @@ def _measure(torch, fn, h, w, t, adv, reps):
 
     got = step()
     step()
-    torch.cuda.synchronize()
-    hl.grad = wl.grad = None
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    hl.grad = wl.grad = None
-    return statistics.median(times), peak, got
+
+    def forget():
+        hl.grad = wl.grad = None
+
+    ms, peak, _ = _timing.torch_steps(torch, step, reps, forget)
+    forget()
+    return ms, peak, got
 
 
 def main(argv=None) -> list[dict]:

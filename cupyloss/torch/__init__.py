@@ -1279,15 +1279,25 @@ def _linear_formula(ctx, grad_loss, *unused):
     return out[0], out[1], None, out[2], *(None,) * (1 + len(ctx.args))
 
 
-_linear_op = torch.library.custom_op(
-    f"{_NAMESPACE}::linear_cross_entropy", _linear_forward_impl, mutates_args=(),
-    schema=f"({_LINEAR_ARGS}) -> (Tensor, Tensor)")
-_linear_op.register_fake(_linear_forward_fake)
-_linear_op.register_autograd(_linear_formula, setup_context=_linear_setup_context)
-_linear_backward_op = torch.library.custom_op(
-    f"{_NAMESPACE}::linear_cross_entropy_backward", _linear_backward_impl, mutates_args=(),
-    schema=f"(Tensor grad_output, Tensor held, {_LINEAR_ARGS}) -> (Tensor, Tensor, Tensor)")
-_linear_backward_op.register_fake(_linear_backward_fake)
+def _op_pair(name, forward, backward, schemas, setup_context, formula):
+    """Register the fused head's ops <name> and <name>_backward: forward and backward are
+    (implementation, fake) pairs, schemas their schemas; <name>'s autograd formula calls the
+    backward op.  Returns the forward op."""
+    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", forward[0], mutates_args=(),
+                                 schema=schemas[0])
+    op.register_fake(forward[1])
+    op.register_autograd(formula, setup_context=setup_context)
+    torch.library.custom_op(f"{_NAMESPACE}::{name}_backward", backward[0], mutates_args=(),
+                            schema=schemas[1]).register_fake(backward[1])
+    return op
+
+
+_linear_op = _op_pair(
+    "linear_cross_entropy", (_linear_forward_impl, _linear_forward_fake),
+    (_linear_backward_impl, _linear_backward_fake),
+    (f"({_LINEAR_ARGS}) -> (Tensor, Tensor)",
+     f"(Tensor grad_output, Tensor held, {_LINEAR_ARGS}) -> (Tensor, Tensor, Tensor)"),
+    _linear_setup_context, _linear_formula)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -1535,16 +1545,13 @@ def _logprob_formula(ctx, grad_logp, grad_ent):
     return out[0], out[1], None, out[2], *(None,) * len(ctx.args)
 
 
-_logprob_op = torch.library.custom_op(
-    f"{_NAMESPACE}::linear_log_probs", _logprob_forward_impl, mutates_args=(),
-    schema=f"({_LOGPROB_ARGS}) -> (Tensor, Tensor)")
-_logprob_op.register_fake(_logprob_forward_fake)
-_logprob_op.register_autograd(_logprob_formula, setup_context=_logprob_setup_context)
-_logprob_backward_op = torch.library.custom_op(
-    f"{_NAMESPACE}::linear_log_probs_backward", _logprob_backward_impl, mutates_args=(),
-    schema=f"(Tensor? grad_logp, Tensor? grad_ent, {_LOGPROB_ARGS}, bool wrt_hidden, "
-           f"bool wrt_weight, bool wrt_bias) -> (Tensor, Tensor, Tensor)")
-_logprob_backward_op.register_fake(_logprob_backward_fake)
+_logprob_op = _op_pair(
+    "linear_log_probs", (_logprob_forward_impl, _logprob_forward_fake),
+    (_logprob_backward_impl, _logprob_backward_fake),
+    (f"({_LOGPROB_ARGS}) -> (Tensor, Tensor)",
+     f"(Tensor? grad_logp, Tensor? grad_ent, {_LOGPROB_ARGS}, bool wrt_hidden, "
+     f"bool wrt_weight, bool wrt_bias) -> (Tensor, Tensor, Tensor)"),
+    _logprob_setup_context, _logprob_formula)
 
 
 class _LinearLogProbs(torch.autograd.Function):
