@@ -427,12 +427,21 @@ def _body(kind, name, reduction, options, extra, wrt):
     "value_and_grad" (the loss, then the gradients of `wrt`) or "backward" (grad_output first
     among the views; the gradients of `wrt`).  linear_log_probs: "value" gives log-probabilities
     and entropy, "backward" takes both of their cotangents first."""
-    if name in ("vocab_parallel_stats", "vocab_parallel_backward"):
+    if name in ("vocab_parallel_stats", "vocab_parallel_backward", "linear_vp_stats",
+                "linear_vp_backward"):
         from cupyloss import parallel
 
         def run(views):
             kw = dict(options)
             classes = kw.pop("classes")
+            if name == "linear_vp_stats":
+                h, w, t, *b = views
+                return [parallel.linear_vocab_parallel_stats(h, w, t, 0, classes, *b, **kw)]
+            if name == "linear_vp_backward":
+                g, h, w, t, lse, *b = views
+                got = parallel.linear_vocab_parallel_backward(g, h, w, t, lse, 0, classes, *b,
+                                                              wrt=wrt, **kw)
+                return list(got) if isinstance(got, tuple) else [got]
             if name == "vocab_parallel_stats":
                 x, t, *w = views
                 return [parallel.vocab_parallel_stats(x, t, 0, classes, *w, **kw)]
@@ -984,6 +993,117 @@ def _vp_function(reduction, classes, opts, zs, weighted, axis_name, items):
     return function
 
 
+def vocab_parallel_linear_cross_entropy(hidden, weight, target, axis_name, *, bias=None,
+                                        ignore_index=-100, reduction="mean",
+                                        label_smoothing=0.0, lse_square_scale=0.0, softcap=0.0,
+                                        max_workspace_bytes=None, num_items=None):
+    """cross_entropy(hidden @ W.T + b, target) with W's rows (the classes) split over the mesh
+    axis `axis_name`, inside jax.shard_map, the logits never whole.
+
+    Each device holds its block of rows of W (and of b), in axis order, and the same hidden and
+    target.  The forward pass forms each row's softmax state over the device's classes a chunk
+    of logits at a time (cupyloss.parallel.linear_vocab_parallel_stats), exchanges the states
+    with an all_gather over `axis_name` (24 bytes a row a device), and merges them in jnp into
+    each row's loss and lse, the same on every device.  Backward forms the logits again with
+    that lse (linear_vocab_parallel_backward): dW and db stay on their device, and the hidden
+    gradient's float32 partial sums are added with a psum over the axis.  Four products a row
+    chunk in all (the torch form exchanges the states a chunk at a time inside one pass, three).
+    'mean' divides by the count of counted rows, or by num_items for 'mean' and 'sum' alike.  A
+    row whose target differs between devices or lies outside [0, C) is NaN.
+
+    Args:
+      hidden: (N, H), the same on every device; weight: (C / k, H) this device's rows of the
+        head; target: (N,) int32 class indices into all C classes; bias: None or (C / k,).
+      axis_name: the shard_map mesh axis the classes are split over.
+      ignore_index, reduction, label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
+        num_items: as for cupyloss.linear_cross_entropy.
+
+    Returns:
+      The loss, float32 (float64 for float64 inputs), the same on every device: 0-d for
+      'mean'/'sum', else (N,).
+
+    Example:
+      >>> f = jax.shard_map(lambda h, w, y: cupyloss.jax.vocab_parallel_linear_cross_entropy(
+      ...     h, w, y, "tp"), mesh=mesh, in_specs=(P(), P("tp", None), P()), out_specs=P())
+    """
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if num_items is not None and reduction == "none":
+        raise ValueError("num_items divides a reduced loss ('mean' or 'sum'); "
+                         "reduction='none' returns each row's loss")
+    h, w, t = jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(target)
+    if h.ndim != 2 or w.ndim != 2 or w.shape[1] != h.shape[1] or t.shape != h.shape[:1]:
+        raise ValueError(f"hidden must be (N, H), weight (C / k, H) and target (N,), got "
+                         f"{h.shape}, {w.shape} and {t.shape}")
+    classes = jax.lax.axis_size(axis_name) * w.shape[0]
+    opts = (("ignore_index", int(ignore_index)), ("label_smoothing", float(label_smoothing)),
+            ("lse_square_scale", float(lse_square_scale)), ("softcap", float(softcap)),
+            ("max_workspace_bytes", max_workspace_bytes))
+    return _vpl_function(reduction, classes, opts, axis_name)(
+        h, w, None if bias is None else jnp.asarray(bias), t,
+        None if num_items is None else jnp.asarray(num_items))
+
+
+@functools.lru_cache(maxsize=None)
+def _vpl_function(reduction, classes, opts, axis_name):
+    options = dict(opts)
+    ignore_index, eps = options["ignore_index"], options["label_smoothing"]
+    zs = options["lse_square_scale"]
+    stats_opts = (("classes", classes), *((k, v) for k, v in opts if k != "lse_square_scale"))
+    grad_opts = (("classes", classes), *opts)
+
+    def local(w, t):
+        """The target as the kernels take it with class offset 0 (module of _vp_function)."""
+        offset = jax.lax.axis_index(axis_name) * w.shape[0]
+        return jnp.where(t == ignore_index, t, jnp.mod(t - offset, classes)).astype(t.dtype)
+
+    def run(h, w, b, t, n):
+        acc = _acc_dtype(h)
+        tl = local(w, t)
+        extra = ("bias",) if b is not None else ()
+        stats = _call("value", "linear_vp_stats", "none", stats_opts, extra, (),
+                      (h, w, tl, *((b,) if b is not None else ())),
+                      (_struct((h.shape[0], 6), acc),))[0]
+        every = _all_gather_invariant(stats, axis_name)
+        loss, lse, w_y = _vp_combine(every, t, classes, None, ignore_index, eps, zs)
+        differ = jax.lax.pmax(t, axis_name) != jax.lax.pmin(t, axis_name)
+        loss, lse = jnp.where(differ, jnp.nan, loss), jnp.where(differ, jnp.nan, lse)
+        if reduction == "none":
+            return loss, (lse, None)
+        divisor = (n.astype(acc) if n is not None
+                   else jnp.sum(w_y) if reduction == "mean" else None)
+        total = jnp.sum(loss)
+        return (total if divisor is None else total / divisor), (lse, divisor)
+
+    def value(h, w, b, t, n):
+        return run(h, w, b, t, n)[0]
+
+    def forward(h, w, b, t, n):
+        out, (lse, divisor) = run(h, w, b, t, n)
+        return out, (h, w, b, t, lse, divisor)
+
+    def backward(res, g):
+        h, w, b, t, lse, divisor = res
+        acc = _acc_dtype(h)
+        tl = local(w, t)
+        g = jnp.asarray(g, acc)
+        rows = g if reduction == "none" else jnp.broadcast_to(
+            g if divisor is None else g / divisor, t.shape)
+        wrt = ("hidden", "weight") + (("bias",) if b is not None else ())
+        structs = (_struct(h.shape, acc), _struct(w.shape, w.dtype)) + (
+            (_struct(b.shape, b.dtype),) if b is not None else ())
+        got = _call("value", "linear_vp_backward", "none", grad_opts,
+                    ("bias",) if b is not None else (), wrt,
+                    (rows.astype(acc), h, w, tl, lse, *((b,) if b is not None else ())),
+                    structs)
+        gx = jax.lax.psum(got[0], axis_name).astype(h.dtype)
+        return gx, got[1], (got[2] if b is not None else None), None, None
+
+    function = jax.custom_vjp(value)
+    function.defvjp(forward, backward)
+    return function
+
+
 def optax_ctc_loss(logits, logit_paddings, labels, label_paddings, blank_id=0):
     """CTC loss with optax.ctc_loss's arguments: cupyloss.jax.ctc_loss behind optax's convention.
 
@@ -1020,4 +1140,5 @@ def optax_ctc_loss(logits, logit_paddings, labels, label_paddings, blank_id=0):
 
 
 __all__ = sorted([*LOSSES, "LOSSES", "SKIPPED", "optax_ctc_loss", "linear_cross_entropy",
-                  "linear_log_probs", "vocab_parallel_cross_entropy"])
+                  "linear_log_probs", "vocab_parallel_cross_entropy",
+                  "vocab_parallel_linear_cross_entropy"])

@@ -397,7 +397,8 @@ def _run(hidden, weight, target, bias, class_weight, ignore_index, reduction, la
         _validate.check_items_operand(ops["num_items"], ops["hidden"].device)
     n, h, v = _check(ops["hidden"], ops["weight"], ops["target"], ops.get("bias"),
                      ops.get("class_weight"), reduction, label_smoothing, lse_square_scale,
-                     softcap, names, shard, compute)
+                     softcap, names, shard if shard is not None else
+                     (head if isinstance(head, _SliceHead) else None), compute)
     device = ops["hidden"].device
     if any(op.device != device for op in ops.values()):
         raise ValueError("hidden, weight, target and the optional arrays must be on one device")
@@ -498,7 +499,10 @@ class _Call:
         self.shard = shard
         self.c0, self.classes = (0, v) if shard is None else (shard.offset, shard.classes)
         # a shard's hidden gradient: its partial sum over its classes, in the logits' precision
-        gx_dtype = self._grad_dtype("hidden") if shard is None else self.logit
+        # a share of the classes (a shard, or a head of a slice's classes): the hidden
+        # gradient is this share's partial sum, in the logits' precision
+        self.partial = shard is not None or getattr(head, "partial", False)
+        gx_dtype = self._grad_dtype("hidden") if not self.partial else self.logit
         self.gx = cupy.empty((n, h), gx_dtype) if self.want["hidden"] else None
         self.gw = cupy.empty((v, h), self._grad_dtype("weight")) if self.want["weight"] else None
         self.gb = cupy.zeros((v,), self.logit) if self.want["bias"] else None
@@ -765,7 +769,7 @@ class _Call:
                 gb *= self.unscale[0]
             grads["bias"] = gb if gb.dtype == self.result["bias"] else gb.astype(
                 self.result["bias"])
-        for name in ("hidden", "weight") if self.shard is None else ("weight",):
+        for name in ("hidden", "weight") if not self.partial else ("weight",):
             if name in grads and grads[name].dtype != self.result[name]:
                 grads[name] = grads[name].astype(self.result[name])
         loss = None
@@ -906,6 +910,86 @@ class _LogProbs:
 
 
 (_LP_BLOCK,) = _source.constants("logprob.cu", "LP_BLOCK")
+
+
+class _SliceHead:
+    """The head of a weight holding classes c0 .. c0 + V - 1 of `classes` (vocab parallelism
+    whose collectives the caller makes between two calls): the "stats" pass writes every row's
+    softmax state over these classes (rowwise.cu's cross_entropy_slice_stats, what
+    cupyloss.parallel.vocab_parallel_stats gives for logits), the "grad" pass forms their dZ
+    from each row's lse over all the classes and its upstream gradient
+    (cross_entropy_slice_grad), the hidden gradient coming back as this share's float32 partial
+    sum."""
+
+    partial = True
+
+    def __init__(self, kind, c0, classes, options, lse=None, g=None):
+        self.kind, self.c0, self.classes, self.options = kind, c0, classes, options
+        self.offset = c0            # what _check reads of a share of the classes
+        self.lse, self.g = lse, g
+
+    def bind(self, frame, device, shape) -> None:
+        """lse and the upstream gradient (a number, or (rows,) of the target's shape) as CuPy
+        views; the checks before any launch."""
+        got = []
+        for name, a in (("lse", self.lse), ("grad_rows", self.g)):
+            if a is None or (isinstance(a, (int, float)) and not isinstance(a, bool)):
+                got.append(None if a is None else float(a))
+                continue
+            op = frame.operand(a, name)
+            if tuple(op.shape) not in (shape, (math.prod(shape),)) + (
+                    ((),) if name == "grad_rows" else ()):
+                raise ValueError(f"{name} must have the target's shape {shape}, got "
+                                 f"{tuple(op.shape)}")
+            if op.device != device:
+                raise ValueError(f"{name} is on CUDA device {op.device} but hidden is on CUDA "
+                                 f"device {device}")
+            got.append(_plain(frame.cupy_view(op)))
+        self.lse, self.g = got
+
+    def start(self, call) -> None:
+        import cupy
+
+        n, logit = call.n, call.logit
+        self.stats = None
+        if self.kind == "stats":
+            from cupyloss.rowwise import _family as _rowwise
+
+            self.stats = cupy.empty((n, _rowwise.SLICE_FIELDS), logit)
+            return
+        if self.lse is None:
+            raise ValueError("the gradient of a slice of the classes needs each row's lse")
+        self.lse = cupy.ascontiguousarray(self.lse.reshape(n), dtype=logit)
+        g = self.g
+        self.g = (1.0 if g is None else g if isinstance(g, float)
+                  else cupy.ascontiguousarray(g.reshape(-1) if g.ndim else g, dtype=logit))
+        self.wsum = (call.cw.sum() if call.cw is not None and self.options["label_smoothing"]
+                     else None)
+
+    def chunk(self, call, z, dz, r0, r1) -> None:
+        from cupyloss.rowwise import _family as _rowwise
+
+        opts = self.options
+        if self.kind == "stats":
+            _rowwise.slice_stats(z, call.t[r0:r1], self.stats[r0:r1], self.c0, self.classes,
+                                 call.cw, ignore_index=opts["ignore_index"],
+                                 label_smoothing=opts["label_smoothing"],
+                                 softcap=opts["softcap"], stream=call.stream,
+                                 device=call.device)
+        elif dz is not None:
+            self.grad(call, z, dz, r0, r1, 0)
+
+    def grad(self, call, z, dz, r0, r1, c0) -> None:
+        from cupyloss.rowwise import _family as _rowwise
+
+        g = self.g if isinstance(self.g, float) or self.g.ndim == 0 else self.g[r0:r1]
+        _rowwise.slice_grad(z, call.t[r0:r1], self.lse[r0:r1], dz, self.c0 + c0, self.classes,
+                            call.cw, self.wsum, g, **self.options, stream=call.stream,
+                            device=call.device)
+
+    def results(self, shape):
+        return (self.stats,)
+
 
 
 _INDEX_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64))

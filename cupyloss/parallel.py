@@ -395,3 +395,83 @@ def vocab_parallel_backward(grad_rows, input, target, lse, class_offset: int, cl
                             lse_square_scale=float(lse_square_scale), softcap=float(softcap),
                             stream=stream, device=device)
     return frame.result(out)
+
+
+# --- the fused head's share of the classes (collectives between two calls) -------------------------
+
+def linear_vocab_parallel_stats(hidden, weight, target, class_offset: int, classes: int,
+                                bias=None, class_weight=None, *, ignore_index: int = -100,
+                                label_smoothing: float = 0.0, softcap: float = 0.0,
+                                max_workspace_bytes: int | None = None, compute_dtype=None):
+    """vocab_parallel_stats of the logits ``hidden @ weight.T + bias`` of this rank's classes,
+    the logits never whole: the fused head's chunks (cupyloss.linear), each chunk's states
+    written as formed.  For a framework whose collectives run between calls (JAX's all_gather
+    inside shard_map): gather these states, combine_stats them into each row's loss and lse,
+    then linear_vocab_parallel_backward.
+
+    Args:
+      hidden: (..., H); weight: (V_i, H) this rank's rows of the head, classes class_offset ..
+        class_offset + V_i - 1 of `classes`; target: class indices into all classes, hidden's
+        shape without its last dim; bias: None or (V_i,); class_weight: None or (classes,).
+      ignore_index, label_smoothing, softcap, max_workspace_bytes, compute_dtype: as for
+        cupyloss.linear_cross_entropy.
+
+    Returns:
+      (N, 6) float32 (float64 for float64 inputs): vocab_parallel_stats' states, N the rows.
+
+    Example:
+      >>> st = cupyloss.parallel.linear_vocab_parallel_stats(h, w_shard, y, rank * 64128, 128256)
+    """
+    from cupyloss import linear
+
+    head = linear._SliceHead("stats", int(class_offset), int(classes),
+                             dict(ignore_index=int(ignore_index),
+                                  label_smoothing=float(label_smoothing), lse_square_scale=0.0,
+                                  softcap=float(softcap)))
+    out, _, _ = linear._run(hidden, weight, target, bias, class_weight, ignore_index, "none",
+                            label_smoothing, 0.0, softcap, max_workspace_bytes, False, (), 1.0,
+                            False, compute_dtype=compute_dtype, head=head)
+    return out[0]
+
+
+def linear_vocab_parallel_backward(grad_rows, hidden, weight, target, lse, class_offset: int,
+                                   classes: int, bias=None, class_weight=None, *,
+                                   ignore_index: int = -100, label_smoothing: float = 0.0,
+                                   lse_square_scale: float = 0.0, softcap: float = 0.0,
+                                   max_workspace_bytes: int | None = None, wrt=None,
+                                   compute_dtype=None):
+    """The gradients of this rank's share of the fused head from each row's lse over all the
+    classes (combine_stats'), the logits formed again chunk by chunk: dZ of this rank's classes
+    as vocab_parallel_backward forms it, then ``dX_i = dZ W_i`` (this rank's float32 partial
+    sum: add them over the ranks), ``dW_i = dZ^T X`` and ``db_i = sum_rows dZ``.
+
+    Args:
+      grad_rows: each row's upstream gradient, a number, 0-d or (N,) (for 'mean': grad_output
+        over the divisor).
+      lse: (N,) or target's shape, from combine_stats.
+      hidden, weight, target, class_offset, classes, bias, class_weight, ignore_index,
+        label_smoothing, lse_square_scale, softcap, max_workspace_bytes, compute_dtype: as for
+        linear_vocab_parallel_stats.
+      wrt: 'hidden', 'weight', 'bias' or a tuple of them (default: hidden and weight).
+
+    Returns:
+      The gradients named by wrt (a tuple, or one array for a single name): hidden's in float32
+      (float64 for float64 inputs), the others in their arguments' dtypes.
+
+    Example:
+      >>> gx_part, gw = cupyloss.parallel.linear_vocab_parallel_backward(
+      ...     1.0 / w_y.sum(), h, w_shard, y, lse, rank * 64128, 128256)
+    """
+    from cupyloss import linear
+
+    names, single = linear._names(wrt)
+    head = linear._SliceHead("grad", int(class_offset), int(classes),
+                             dict(ignore_index=int(ignore_index),
+                                  label_smoothing=float(label_smoothing),
+                                  lse_square_scale=float(lse_square_scale),
+                                  softcap=float(softcap)), lse, grad_rows)
+    _, grads, _ = linear._run(hidden, weight, target, bias, class_weight, ignore_index, "none",
+                              label_smoothing, lse_square_scale, softcap, max_workspace_bytes,
+                              False, names, 1.0, False, compute_dtype=compute_dtype, head=head)
+    out = tuple(grads[name] for name in names)
+    return out[0] if single else out

@@ -149,3 +149,73 @@ def test_vocab_parallel_cross_entropy_in_shard_map_equals_one_device(reduction, 
     g_want = jax.grad(pick(whole))(x)
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_want), rtol=1e-5,
                                atol=1e-6 * float(jnp.max(jnp.abs(g_want))))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_vocab_parallel_linear_cross_entropy_in_shard_map_equals_one_device(reduction):
+    """The head's rows split over every GPU JAX has: loss and the gradients of hidden, weight
+    and bias against the fused head on the whole weight."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import cupyloss.jax as JL
+
+    devices = jax.devices()[:2]
+    k = len(devices)
+    h, w, b, t = _data()
+    w, b = w[:500 * k], b[:500 * k]
+    t = jnp.where(t >= 500 * k, t % (500 * k), t)
+    mesh = Mesh(np.array(devices), ("tp",))
+    weights = jnp.arange(N, dtype=jnp.float32)
+
+    def pick(f):
+        return (lambda *a: jnp.sum(f(*a) * weights)) if reduction == "none" else f
+
+    def sharded(h, w, b):
+        return jax.shard_map(
+            lambda h, w, b, y: JL.vocab_parallel_linear_cross_entropy(
+                h, w, y, "tp", bias=b, reduction=reduction, max_workspace_bytes=40_000),
+            mesh=mesh, in_specs=(P(), P("tp", None), P("tp"), P()), out_specs=P())(h, w, b, t)
+
+    def whole(h, w, b):
+        return JL.linear_cross_entropy(h, w, t, b, reduction=reduction)
+
+    got, want = jax.jit(sharded)(h, w, b), whole(h, w, b)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
+    g = jax.jit(jax.grad(pick(sharded), argnums=(0, 1, 2)))(h, w, b)
+    g_want = jax.grad(pick(whole), argnums=(0, 1, 2))(h, w, b)
+    for a, r in zip(g, g_want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5,
+                                   atol=1e-6 * float(jnp.max(jnp.abs(r))))
+
+
+def test_linear_vocab_parallel_steps_match_the_logits_steps():
+    """cupyloss.parallel's fused-head steps on two shares of one weight give the states and
+    gradients of the logits' steps (vocab_parallel_stats / backward on h W_i^T)."""
+    import cupy
+
+    from cupyloss import parallel
+
+    rng = np.random.default_rng(4)
+    h = cupy.asarray(rng.standard_normal((N, H)) * 0.5, cupy.float32)
+    w = cupy.asarray(rng.standard_normal((V, H)) * 0.5, cupy.float32)
+    t = cupy.asarray(rng.integers(0, V, N))
+    half = V // 2
+    states = []
+    for c0 in (0, half):
+        got = parallel.linear_vocab_parallel_stats(h, w[c0:c0 + half], t, c0, V,
+                                                   max_workspace_bytes=30_000)
+        want = parallel.vocab_parallel_stats(h @ w[c0:c0 + half].T, t, c0, V)
+        np.testing.assert_allclose(cupy.asnumpy(got[:, :5]), cupy.asnumpy(want[:, :5]),
+                                   rtol=2e-6, atol=1e-6)
+        states.append(got)
+    loss, lse, w_y = parallel.combine_stats(cupy.stack(states), t, V)
+    for c0 in (0, half):
+        ws = w[c0:c0 + half]
+        gx, gw = parallel.linear_vocab_parallel_backward(1.0 / N, h, ws, t, lse, c0, V,
+                                                         max_workspace_bytes=30_000)
+        dz = parallel.vocab_parallel_backward(cupy.full((N,), 1.0 / N, cupy.float32),
+                                              h @ ws.T, t, lse, c0, V)
+        np.testing.assert_allclose(cupy.asnumpy(gx), cupy.asnumpy(dz @ ws), rtol=1e-4,
+                                   atol=1e-6)
+        np.testing.assert_allclose(cupy.asnumpy(gw), cupy.asnumpy(dz.T @ h), rtol=1e-4,
+                                   atol=1e-6)
