@@ -683,7 +683,7 @@ class _Call:
                     self.loss_rows[r0:r1] = out[0]
                 else:
                     self.losses.append(out[0])
-            if self.lse is not None:
+            if self.lse is not None and out is not None:
                 self.lse[r0:r1] = out[3]
             if not names:
                 continue
@@ -851,7 +851,7 @@ class _LogProbs:
         self.stats_fn = STATS.bind(
             _source.function("logprob.cu", f"cupyloss::logprob_stats<{info.ctype}>").kernel.ptr)
         gtype = _dtypes.DTYPES[call.dtype].ctype
-        self.grad_fns = {}
+        self.grad_fns: dict = {}
         self.grad_name = lambda g: f"cupyloss::logprob_grad<{info.ctype}, {g}>"
         self.gtype = gtype
         from cupyloss._core import launch as _launch
@@ -951,12 +951,12 @@ class _SliceHead:
         import cupy
 
         n, logit = call.n, call.logit
-        self.stats = None
         if self.kind == "stats":
             from cupyloss.rowwise import _family as _rowwise
 
-            self.stats = cupy.empty((n, _rowwise.SLICE_FIELDS), logit)
+            self.stats: Any = cupy.empty((n, _rowwise.SLICE_FIELDS), logit)
             return
+        self.stats = None
         if self.lse is None:
             raise ValueError("the gradient of a slice of the classes needs each row's lse")
         self.lse = cupy.ascontiguousarray(self.lse.reshape(n), dtype=logit)
