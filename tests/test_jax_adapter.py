@@ -334,3 +334,19 @@ def test_every_layout_knows_its_address_words():
     assert {rows.slot[n] for n in ("x", "tgt", "weight", "go", "gx", "ticket")} <= rows.pointers
     assert not {rows.slot[n] for n in ("softcap", "smoothing", "rows", "cols")} & rows.pointers
     assert linear.NARROW.pointers == {0, 1}
+
+
+def test_fused_heads_refuse_bad_arguments_before_tracing():
+    """The JAX heads' checks: a bad temperature, reduction or num_items, and shapes that are no
+    head's, refused before any callback is traced."""
+    h, w, t = jnp.ones((4, 3)), jnp.ones((5, 3)), jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match="temperature"):
+        JL.linear_log_probs(h, w, t, temperature=0.0)
+    for f in (JL.vocab_parallel_cross_entropy, JL.vocab_parallel_linear_cross_entropy):
+        args = (h @ w.T, t, "tp") if f is JL.vocab_parallel_cross_entropy else (h, w, t, "tp")
+        with pytest.raises(ValueError, match="not a valid value for reduction"):
+            f(*args, reduction="batchmean")
+        with pytest.raises(ValueError, match="reduction='none'"):
+            f(*args, reduction="none", num_items=3)
+    with pytest.raises(ValueError, match="must be"):
+        JL.vocab_parallel_linear_cross_entropy(h, jnp.ones((5, 2)), t, "tp")
