@@ -631,7 +631,7 @@ class _Call:
             dz_all = z_all if names else None
         elif self.narrow and names:
             dz_all, at = _carve(ws, at, (n, v) if keep else z_all.shape, dtype)
-        elif self.shard is not None and names:
+        elif (self.shard is not None or isinstance(self.head, _SliceHead)) and names:
             # the slice gradient is not formed in place: a float32 dZ beside the logits
             dz_all = cupy.empty(z_all.shape, logit)
         # The weight's gradient summed over chunks in float32 (the result itself where it is
