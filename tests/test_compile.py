@@ -168,11 +168,13 @@ def general(file: str, names: list[str]) -> list[str]:
 
 
 def _jobs(pool, lib, include, file, arch):
-    """Futures of both passes over `file` for `arch`."""
+    """Futures of both passes over `file` for `arch` (the row files' second pass compiles every
+    name with the runtime's options: their first pass would repeat it)."""
     source = _source.source(file)
     names = dict(UNITS)[file]
-    fast = [pool.submit(_compile, lib, include, file, source, names[i:i + NAMES_PER_PROGRAM],
-                        arch, FAST) for i in range(0, len(names), NAMES_PER_PROGRAM)]
+    fast = [] if file in ROW_FILES else [
+        pool.submit(_compile, lib, include, file, source, names[i:i + NAMES_PER_PROGRAM], arch,
+                    FAST) for i in range(0, len(names), NAMES_PER_PROGRAM)]
     full = [pool.submit(_compile, lib, include, file, source, [name], arch)
             for name in general(file, names)]
     return fast + full
@@ -255,7 +257,8 @@ def _host_words(name: str):
                "rowclass_rows": _rowclass.ROWS, "rowclass_count": _rowclass.COUNT,
                "cross_entropy_rows_cluster": _rowwise.ROWS,
                "rowpair_rows": _rowpair.LAYOUT, "rowpair_finish": _rowpair.FINISH_LAYOUT,
-               "narrow": linear.NARROW, "cross_entropy_slice_grad": _rowwise.SLICE}
+               "narrow": linear.NARROW, "cross_entropy_slice_grad": _rowwise.SLICE,
+               "logprob_stats": linear.STATS, "logprob_grad": linear.GRAD}
     if kernel in layouts:
         return layouts[kernel].size
     if kernel.startswith("pointwise_"):

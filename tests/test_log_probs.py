@@ -27,8 +27,8 @@ def _objective(logp, ent, adv):
     return (adv * logp).sum() + 0.3 * ent.sum()
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("temperature, compiled", [(1.0, False), (0.6, False), (0.6, True)],
+                         ids=["eager-T1", "eager-T0.6", "compiled-T0.6"])
 def test_cpu_path_matches_float64(temperature, compiled):
     h, w, b, t = _case()
     adv = torch.linspace(-1, 1, N)
