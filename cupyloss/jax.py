@@ -878,6 +878,24 @@ def _vp_combine(every, target, classes, weight, ignore_index, eps, zs):
     return jnp.where(ignored, 0.0, loss), lse, w_y
 
 
+def _vp_loss(stats, t, w, n, acc, classes, options, axis_name, reduction):
+    """(the loss, (lse, divisor)) from this device's states: all-gathered over the axis
+    (invariant: the same states on every device, so shard_map's out_specs P() holds for the
+    loss), merged, NaN where the devices' targets differ, reduced (divisor: num_items `n`,
+    the counted rows' weights for 'mean', else None)."""
+    ignore_index, eps, zs = options
+    every = _all_gather_invariant(stats, axis_name)
+    loss, lse, w_y = _vp_combine(every, t, classes, w, ignore_index, eps, zs)
+    differ = jax.lax.pmax(t, axis_name) != jax.lax.pmin(t, axis_name)
+    loss, lse = jnp.where(differ, jnp.nan, loss), jnp.where(differ, jnp.nan, lse)
+    if reduction == "none":
+        return loss, (lse, None)
+    divisor = (n.astype(acc) if n is not None
+               else jnp.sum(w_y) if reduction == "mean" else None)
+    total = jnp.sum(loss)
+    return (total if divisor is None else total / divisor), (lse, divisor)
+
+
 def vocab_parallel_cross_entropy(input, target, axis_name, *, weight=None, ignore_index=-100,
                                  reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
                                  softcap=0.0, num_items=None):
@@ -955,18 +973,8 @@ def _vp_function(reduction, classes, opts, zs, weighted, axis_name, items):
         stats = _call("value", "vocab_parallel_stats", "none", stats_opts,
                       ("weight",) if w is not None else (), (), (x, tl, *extra),
                       (_struct((x.shape[0], 6), acc),))[0]
-        # the same states on every device: invariant over the axis (shard_map's out_specs
-        # P() then holds for the loss)
-        every = _all_gather_invariant(stats, axis_name)
-        loss, lse, w_y = _vp_combine(every, t, classes, w, ignore_index, eps, zs)
-        differ = jax.lax.pmax(t, axis_name) != jax.lax.pmin(t, axis_name)
-        loss, lse = jnp.where(differ, jnp.nan, loss), jnp.where(differ, jnp.nan, lse)
-        if reduction == "none":
-            return loss, (lse, None)
-        divisor = (n.astype(acc) if n is not None
-                   else jnp.sum(w_y) if reduction == "mean" else None)
-        total = jnp.sum(loss)
-        return (total if divisor is None else total / divisor), (lse, divisor)
+        return _vp_loss(stats, t, w, n, acc, classes, (ignore_index, eps, zs), axis_name,
+                        reduction)
 
     def value(x, t, w, n):
         return run(x, t, w, n)[0]
@@ -1064,16 +1072,8 @@ def _vpl_function(reduction, classes, opts, axis_name):
         stats = _call("value", "linear_vp_stats", "none", stats_opts, extra, (),
                       (h, w, tl, *((b,) if b is not None else ())),
                       (_struct((h.shape[0], 6), acc),))[0]
-        every = _all_gather_invariant(stats, axis_name)
-        loss, lse, w_y = _vp_combine(every, t, classes, None, ignore_index, eps, zs)
-        differ = jax.lax.pmax(t, axis_name) != jax.lax.pmin(t, axis_name)
-        loss, lse = jnp.where(differ, jnp.nan, loss), jnp.where(differ, jnp.nan, lse)
-        if reduction == "none":
-            return loss, (lse, None)
-        divisor = (n.astype(acc) if n is not None
-                   else jnp.sum(w_y) if reduction == "mean" else None)
-        total = jnp.sum(loss)
-        return (total if divisor is None else total / divisor), (lse, divisor)
+        return _vp_loss(stats, t, None, n, acc, classes, (ignore_index, eps, zs), axis_name,
+                        reduction)
 
     def value(h, w, b, t, n):
         return run(h, w, b, t, n)[0]

@@ -806,6 +806,27 @@ GRAD = _args.Layout(_source.kernel_words("logprob.cu", "logprob_grad"))
 LP_BLOCKS_PER_SM = 8
 
 
+def _row_arrays(frame, device, shapes, named) -> list:
+    """Each (name, value) of `named` as the heads take it: None, a Python number as a float, or
+    an array of one of `shapes` in `frame`'s framework on `device` as a CuPy view; a wrong
+    shape or device is refused before any launch."""
+    got: list = []
+    for name, a in named:
+        if a is None or (isinstance(a, (int, float)) and not isinstance(a, bool)):
+            got.append(None if a is None else float(a))
+            continue
+        _dispatch.check_same_frame(frame, a, a, name, name)
+        op = frame.operand(a, name)
+        if tuple(op.shape) not in shapes:
+            raise ValueError(f"{name} must have the target's shape {shapes[0]} (one value a "
+                             f"token), got {tuple(op.shape)}")
+        if op.device != device:
+            raise ValueError(f"{name} is on CUDA device {op.device} but hidden is on CUDA "
+                             f"device {device}")
+        got.append(_plain(frame.cupy_view(op)))
+    return got
+
+
 class _LogProbs:
     """The per-token head of linear_log_probs in a _Call's passes: each chunk's (or slice's)
     logits give every row's log p(target), entropy and lse (logprob.cu's logprob_stats), and
@@ -818,21 +839,8 @@ class _LogProbs:
     def bind(self, frame, device, shape) -> None:
         """The upstream gradients as numbers or CuPy views of (rows,) arrays: each a Python
         number, or an array of the target's `shape` in `frame`'s framework on `device`."""
-        got = []
-        for name, g in (("grad_output", self.g_lp), ("grad_entropy", self.g_ent)):
-            if g is None or isinstance(g, (int, float)) and not isinstance(g, bool):
-                got.append(None if g is None else float(g))
-                continue
-            _dispatch.check_same_frame(frame, g, g, name, name)
-            op = frame.operand(g, name)
-            if tuple(op.shape) != shape:
-                raise ValueError(f"{name} must have the target's shape {shape} (one value a "
-                                 f"token), got {tuple(op.shape)}")
-            if op.device != device:
-                raise ValueError(f"{name} is on CUDA device {op.device} but hidden is on "
-                                 f"CUDA device {device}")
-            got.append(_plain(frame.cupy_view(op)))
-        self.g_lp, self.g_ent = got
+        self.g_lp, self.g_ent = _row_arrays(frame, device, (shape,), (
+            ("grad_output", self.g_lp), ("grad_entropy", self.g_ent)))
 
     def start(self, call) -> None:
         """Results and upstream gradients as (rows,) arrays of the logits' dtype."""
@@ -931,21 +939,9 @@ class _SliceHead:
     def bind(self, frame, device, shape) -> None:
         """lse and the upstream gradient (a number, or (rows,) of the target's shape) as CuPy
         views; the checks before any launch."""
-        got = []
-        for name, a in (("lse", self.lse), ("grad_rows", self.g)):
-            if a is None or (isinstance(a, (int, float)) and not isinstance(a, bool)):
-                got.append(None if a is None else float(a))
-                continue
-            op = frame.operand(a, name)
-            if tuple(op.shape) not in (shape, (math.prod(shape),)) + (
-                    ((),) if name == "grad_rows" else ()):
-                raise ValueError(f"{name} must have the target's shape {shape}, got "
-                                 f"{tuple(op.shape)}")
-            if op.device != device:
-                raise ValueError(f"{name} is on CUDA device {op.device} but hidden is on CUDA "
-                                 f"device {device}")
-            got.append(_plain(frame.cupy_view(op)))
-        self.lse, self.g = got
+        shapes = (shape, (math.prod(shape),))
+        self.lse, = _row_arrays(frame, device, shapes, (("lse", self.lse),))
+        self.g, = _row_arrays(frame, device, shapes + ((),), (("grad_rows", self.g),))
 
     def start(self, call) -> None:
         import cupy
