@@ -15,21 +15,9 @@ to 1e-4 at every step, and most letters are decoded.
 import argparse
 import sys
 
+from _gpu import torch_on_gpu
+
 ALPHABET, FEATURES, FRAMES = 12, 24, 80
-
-
-def _setup():
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-    except Exception as exc:  # no torch, no driver, or no GPU
-        print(f"this example needs torch with an NVIDIA GPU; none is usable here ({exc}).")
-        sys.exit(1)
-    import cupyloss.torch
-
-    return torch, cupyloss.torch
 
 
 def batch(torch, protos, n, gen):
@@ -84,7 +72,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
-    torch, CF = _setup()
+    torch, CF = torch_on_gpu()
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     protos = torch.randn(ALPHABET + 1, FEATURES, generator=gen)

@@ -22,21 +22,9 @@ rose well above chance (1/16).
 import argparse
 import sys
 
+from _gpu import torch_on_gpu
+
 CONTEXTS, HIDDEN, VOCAB, TEMPERATURE = 64, 256, 4096, 0.8
-
-
-def _setup():
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-    except Exception as exc:  # no torch, no driver, or no GPU
-        print(f"this example needs torch with an NVIDIA GPU; none is usable here ({exc}).")
-        sys.exit(1)
-    import cupyloss.torch
-
-    return torch, cupyloss.torch
 
 
 def make_policy(torch):
@@ -73,7 +61,7 @@ def main():
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=1024)
     args = ap.parse_args()
-    torch, CF = _setup()
+    torch, CF = torch_on_gpu()
     torch.manual_seed(0)
     policy = make_policy(torch)
     params = list(policy.parameters())

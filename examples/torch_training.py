@@ -16,19 +16,7 @@ fails.
 import copy
 import sys
 
-
-def _setup():
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-    except Exception as exc:  # no torch, no driver, or no GPU
-        print(f"this example needs torch with an NVIDIA GPU; none is usable here ({exc}).")
-        sys.exit(1)
-    import cupyloss.torch
-
-    return torch, cupyloss.torch
+from _gpu import torch_on_gpu
 
 
 def _model(torch, d_in, d_out):
@@ -66,7 +54,7 @@ def _train_pair(torch, ours, theirs, batches, head, steps=300):
 
 
 def main() -> int:
-    torch, CF = _setup()
+    torch, CF = torch_on_gpu()
     F = torch.nn.functional
     g = torch.Generator(device="cuda").manual_seed(0)
     ok = True

@@ -80,6 +80,12 @@ def test_matches_the_float64_recursion(steps, n, classes, smax, reduction, conca
     assert_same(to_host(gb), to_host(g), "backward's gradient")
 
 
+def _assert_matches(got, g, want, want_g, dtype):
+    """The loss and the gradient against the float64 reference's, each in its own scale."""
+    assert_close(to_host(got), want, dtype, what="loss")
+    assert_close(to_host(g), want_g, dtype, scale=1.0, what="gradient")
+
+
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
 def test_16_bit_inputs_accumulate_in_float32(dtype):
     import cupyloss
@@ -92,8 +98,7 @@ def test_16_bit_inputs_accumulate_in_float32(dtype):
     got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(lp.astype(dtype)), cp.asarray(tg),
                                               cp.asarray(il), cp.asarray(tl), reduction="none")
     assert got.dtype == dtype and g.dtype == dtype
-    assert_close(to_host(got), want, dtype, what="loss")
-    assert_close(to_host(g), want_g, dtype, scale=1.0, what="gradient")
+    _assert_matches(got, g, want, want_g, dtype)
 
 
 def _torch_truth(lp, tg, il, tl, blank=0, reduction="mean", zero_infinity=False, go=None,
@@ -176,8 +181,7 @@ def test_strided_log_probs_and_targets_are_read_in_place():
     for x in (batch_first, wide[:, :, ::2]):
         got, g = cupyloss.ctc_loss_value_and_grad(x, tg_t, cp.asarray(il), cp.asarray(tl), 2,
                                                   "none")
-        assert_close(to_host(got), want, np.float64, what="loss")
-        assert_close(to_host(g), want_g, np.float64, scale=1.0, what="gradient")
+        _assert_matches(got, g, want, want_g, np.float64)
 
 
 def test_unbatched_input():
@@ -191,8 +195,7 @@ def test_unbatched_input():
     got, g = cupyloss.ctc_loss_value_and_grad(cp.asarray(lp[:, 0]), cp.asarray(tg[0]),
                                               int(il[0]), int(tl[0]))
     assert got.shape == () and g.shape == (12, 5)
-    assert_close(to_host(got), want, np.float64, what="loss")
-    assert_close(to_host(g), want_g, np.float64, scale=1.0, what="gradient")
+    _assert_matches(got, g, want, want_g, np.float64)
 
 
 def test_infeasible_and_empty_targets():
@@ -212,8 +215,7 @@ def test_infeasible_and_empty_targets():
                                                   tl.tolist(), reduction="none",
                                                   zero_infinity=zero_infinity)
         assert np.isinf(want[1]) != zero_infinity
-        assert_close(to_host(got), want, np.float64, what="loss")
-        assert_close(to_host(g), want_g, np.float64, scale=1.0, what="gradient")
+        _assert_matches(got, g, want, want_g, np.float64)
 
 
 def test_device_lengths_out_of_range_give_nan_without_a_sync():
