@@ -190,14 +190,15 @@ def test_vocab_parallel_linear_cross_entropy_in_shard_map_equals_one_device(redu
 
 def test_linear_vocab_parallel_steps_match_the_logits_steps():
     """cupyloss.parallel's fused-head steps on two shares of one weight give the states and
-    gradients of the logits' steps (vocab_parallel_stats / backward on h W_i^T)."""
+    gradients of the logits' steps (vocab_parallel_stats / backward on h W_i^T).  In float64, so
+    that the two paths' different products (chunked, whole) differ by float64 rounding alone."""
     import cupy
 
     from cupyloss import parallel
 
     rng = np.random.default_rng(4)
-    h = cupy.asarray(rng.standard_normal((N, H)) * 0.5, cupy.float32)
-    w = cupy.asarray(rng.standard_normal((V, H)) * 0.5, cupy.float32)
+    h = cupy.asarray(rng.standard_normal((N, H)) * 0.5, cupy.float64)
+    w = cupy.asarray(rng.standard_normal((V, H)) * 0.5, cupy.float64)
     t = cupy.asarray(rng.integers(0, V, N))
     half = V // 2
     states = []
@@ -206,16 +207,16 @@ def test_linear_vocab_parallel_steps_match_the_logits_steps():
                                                    max_workspace_bytes=30_000)
         want = parallel.vocab_parallel_stats(h @ w[c0:c0 + half].T, t, c0, V)
         np.testing.assert_allclose(cupy.asnumpy(got[:, :5]), cupy.asnumpy(want[:, :5]),
-                                   rtol=2e-6, atol=1e-6)
+                                   rtol=1e-11, atol=1e-12)
         states.append(got)
     loss, lse, w_y = parallel.combine_stats(cupy.stack(states), t, V)
     for c0 in (0, half):
         ws = w[c0:c0 + half]
         gx, gw = parallel.linear_vocab_parallel_backward(1.0 / N, h, ws, t, lse, c0, V,
                                                          max_workspace_bytes=30_000)
-        dz = parallel.vocab_parallel_backward(cupy.full((N,), 1.0 / N, cupy.float32),
+        dz = parallel.vocab_parallel_backward(cupy.full((N,), 1.0 / N, cupy.float64),
                                               h @ ws.T, t, lse, c0, V)
-        np.testing.assert_allclose(cupy.asnumpy(gx), cupy.asnumpy(dz @ ws), rtol=1e-4,
-                                   atol=1e-6)
-        np.testing.assert_allclose(cupy.asnumpy(gw), cupy.asnumpy(dz.T @ h), rtol=1e-4,
-                                   atol=1e-6)
+        np.testing.assert_allclose(cupy.asnumpy(gx), cupy.asnumpy(dz @ ws), rtol=1e-10,
+                                   atol=1e-12)
+        np.testing.assert_allclose(cupy.asnumpy(gw), cupy.asnumpy(dz.T @ h), rtol=1e-10,
+                                   atol=1e-12)
