@@ -1138,7 +1138,75 @@ def optax_ctc_loss(logits, logit_paddings, labels, label_paddings, blank_id=0):
     return LOSSES["ctc_loss"](log_probs, jnp.asarray(labels), frames, targets, blank=blank_id,
                               reduction="none")
 
+# --- post-training objectives on the fused head (cupyloss.posttrain has the formulas) ----------------
+
+def _posttrain_ops():
+    from cupyloss import posttrain
+
+    return posttrain.Ops(jnp, stop=jax.lax.stop_gradient)
+
+
+def _pt_log_probs(budget):
+    def log_probs(hidden, weight, target, bias, temperature, ignore_index):
+        return linear_log_probs(hidden, weight, target, bias, temperature=temperature,
+                                return_entropy=True, ignore_index=ignore_index,
+                                max_workspace_bytes=budget)
+
+    return log_probs
+
+
+def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None,
+                     old_log_probs=None, ref_log_probs=None, loss_type="grpo", epsilon_low=0.2,
+                     epsilon_high=None, beta=0.0, entropy_weight=0.0, temperature=1.0,
+                     max_completion_length=None, num_items=None, ignore_index=-100,
+                     max_workspace_bytes=None):
+    """GRPO's clipped policy-gradient loss (and DAPO's, Dr. GRPO's, BNPO's) on the fused head,
+    for JAX: ``sum_i w_i (-min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i) + beta k3_i
+    - entropy_weight H_i)`` (cupyloss.linear_grpo_loss has every term), composed from
+    linear_log_probs under jit and grad (its backward forms the logits again).
+
+    Args and Returns: as cupyloss.torch.linear_grpo_loss (arrays in place of tensors).
+
+    Example:
+      >>> loss_fn = lambda h, w: cupyloss.jax.linear_grpo_loss(h, w, tokens, adv)[0]
+      >>> g_h, g_w = jax.jit(jax.grad(loss_fn, argnums=(0, 1)))(h, w)
+    """
+    from cupyloss import posttrain
+
+    return posttrain.grpo_loss(
+        _posttrain_ops(), _pt_log_probs(max_workspace_bytes), hidden, weight, target,
+        advantages, bias, mask=mask, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+        entropy_weight=entropy_weight, temperature=temperature,
+        max_completion_length=max_completion_length, num_items=num_items,
+        ignore_index=ignore_index)
+
+
+def linear_preference_loss(kind, hidden, weight, target, bias=None, *, desirable=None,
+                           ref_log_probs=None, ref_hidden=None, ref_weight=None, ref_bias=None,
+                           ignore_index=-100, max_workspace_bytes=None, **options):
+    """A preference loss on the fused head, for JAX: `kind` 'dpo', 'orpo', 'cpo', 'simpo' or
+    'kto', with the options and semantics of cupyloss.torch.linear_<kind>_loss (formulas in
+    cupyloss.posttrain: rows 0 .. B/2 - 1 chosen, the rest rejected, except for 'kto', which
+    takes `desirable` (B,) bool).  Composed from linear_log_probs under jit and grad.
+
+    Returns:
+      ``(loss, metrics)``: loss 0-d float32; metrics a dict of 0-d arrays without gradients.
+
+    Example:
+      >>> f = lambda h, w: cupyloss.jax.linear_preference_loss("dpo", h, w, labels,
+      ...                                                      ref_log_probs=ref)[0]
+      >>> g_h, g_w = jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
+    """
+    from cupyloss import posttrain
+
+    return posttrain.preference_loss(
+        _posttrain_ops(), _pt_log_probs(max_workspace_bytes), kind, hidden, weight, target,
+        bias, desirable=desirable, ref_log_probs=ref_log_probs, ref_hidden=ref_hidden,
+        ref_weight=ref_weight, ref_bias=ref_bias, ignore_index=ignore_index, **options)
+
 
 __all__ = sorted([*LOSSES, "LOSSES", "SKIPPED", "optax_ctc_loss", "linear_cross_entropy",
                   "linear_log_probs", "vocab_parallel_cross_entropy",
-                  "vocab_parallel_linear_cross_entropy"])
+                  "vocab_parallel_linear_cross_entropy", "linear_grpo_loss",
+                  "linear_preference_loss"])

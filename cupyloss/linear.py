@@ -832,15 +832,22 @@ class _LogProbs:
     logits give every row's log p(target), entropy and lse (logprob.cu's logprob_stats), and
     with gradients dZ from them and the upstream gradients (logprob_grad)."""
 
-    def __init__(self, temperature, want_entropy, g_lp, g_ent):
+    def __init__(self, temperature, want_entropy, g_lp, g_ent, token=None):
         self.temperature, self.want_entropy = temperature, want_entropy
         self.g_lp, self.g_ent = g_lp, g_ent     # None, or a Python number or a (rows,) array
+        # a row policy (posttrain._GRPOTokens): each chunk's upstream gradients formed from its
+        # rows' statistics, between them and dZ, in the same pass
+        self.token = token
+        self.token_results = None
 
     def bind(self, frame, device, shape) -> None:
         """The upstream gradients as numbers or CuPy views of (rows,) arrays: each a Python
         number, or an array of the target's `shape` in `frame`'s framework on `device`."""
+        self.frame = frame
         self.g_lp, self.g_ent = _row_arrays(frame, device, (shape,), (
             ("grad_output", self.g_lp), ("grad_entropy", self.g_ent)))
+        if self.token is not None:
+            self.token.bind(frame, device, shape)
 
     def start(self, call) -> None:
         """Results and upstream gradients as (rows,) arrays of the logits' dtype."""
@@ -849,11 +856,13 @@ class _LogProbs:
         n, logit = call.n, call.logit
         self.logp = cupy.empty((n,), logit)
         self.lse = cupy.empty((n,), logit)
-        need_h = self.want_entropy or self.g_ent is not None
+        need_h = self.want_entropy or self.g_ent is not None or self.token is not None
         self.ent = cupy.empty((n,), logit) if need_h else None
         self.g = [None if g is None else cupy.full((n,), g, logit) if isinstance(g, float)
                   else cupy.ascontiguousarray(g.reshape(n), dtype=logit)
                   for g in (self.g_lp, self.g_ent)]
+        if self.token is not None:
+            self.token.start(call, self)
         info = _dtypes.DTYPES[logit]
         self.flags = LP_INDEX64 if call.t.dtype == numpy.int64 else 0
         self.stats_fn = STATS.bind(
@@ -889,6 +898,8 @@ class _LogProbs:
             "ent": 0 if self.ent is None else self.ent[r0:r1].data.ptr,
             "lse": self.lse[r0:r1].data.ptr})
         _args.launch(self.stats_fn, grid, (_LP_BLOCK, 1, 1), 0, call.stream, words)
+        if self.token is not None:
+            self.token.rows(call, self, r0, r1)
         if dz is not None:
             self.grad(call, z, dz, r0, r1, 0)
 
@@ -913,6 +924,8 @@ class _LogProbs:
                      call.stream, words)
 
     def results(self, shape):
+        if self.token is not None:
+            self.token_results = self.token.results(self)
         logp = self.logp.reshape(shape)
         return logp, (self.ent.reshape(shape) if self.want_entropy else None)
 

@@ -207,4 +207,65 @@ __global__ void __launch_bounds__(LP_BLOCK) logprob_grad(
     }
 }
 
+// The clipped-surrogate objective of a policy gradient (GRPO and its family, PPO's ratio) per
+// token of a chunk, formed from logprob_stats' log p and entropy in the same pass as them, so
+// that logprob_grad forms dZ at once:
+//   rho = exp(logp - old),  rho_c = clamp(rho, 1 - eps_low, 1 + eps_high)
+//   l   = -min(rho A, rho_c A) + beta k3,  k3 = exp(ref - logp) - (ref - logp) - 1
+//   dl/dlogp = -rho A where rho A <= rho_c A (the unclipped term, ties included: the min's
+//              two gradients are then equal), else 0;  + beta (1 - exp(ref - logp))
+// and the token's part of the loss w (l - c H) (w its weight: its mask over the loss type's
+// normaliser, c the entropy coefficient), so g_lp = w dl/dlogp and g_ent = -w c.  A token of
+// weight 0 adds nothing (its gradients are 0 whatever its values).  old null: the log-probs
+// themselves (rho = 1); ref null: no KL term.
+//
+// The parameters, one 64-bit word each, in this order:
+//   logp, ent      [n] logprob_stats' results (all rows of the call)
+//   old, ref       [n] the old policy's and the reference's log-probs, or null
+//   adv            advantages: token r's is adv[r / adv_div] ([n] with adv_div 1, [n / T]
+//                  with adv_div T: one a sequence)
+//   w              [n] each token's weight
+//   r0, rows       the chunk: tokens r0 .. r0 + rows - 1
+//   adv_div, eps_low, eps_high, beta, ent_coef (doubles)
+//   g_lp, g_ent    [n] the upstream gradients logprob_grad takes
+//   tok            [n, 4] per token: l, k3, rho < 1 - eps_low with A < 0, rho > 1 + eps_high
+//                  with A > 0 (1 or 0; the metrics' clipped tokens)
+template <typename A>
+__global__ void __launch_bounds__(LP_BLOCK) grpo_tokens(
+        const A* __restrict__ logp, const A* __restrict__ ent, const A* __restrict__ old,
+        const A* __restrict__ ref, const A* __restrict__ adv, const A* __restrict__ w,
+        const long long r0, const long long rows, const long long adv_div,
+        const double eps_low, const double eps_high, const double beta, const double ent_coef,
+        A* __restrict__ g_lp, A* __restrict__ g_ent, A* __restrict__ tok) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = r0 + i;
+        const A lp = logp[r];
+        const A a = adv[r / adv_div];
+        const A rho = old != nullptr ? exp(lp - old[r]) : A(1);
+        const A lo = A(1.0 - eps_low), hi = A(1.0 + eps_high);
+        const A rho_c = rho < lo ? lo : (rho > hi ? hi : rho);
+        const A l1 = rho * a, l2 = rho_c * a;
+        A l = -(l1 <= l2 ? l1 : l2);
+        A g = l1 <= l2 ? -l1 : A(0);
+        A k3 = A(0);
+        if (ref != nullptr) {
+            const A d = ref[r] - lp;
+            const A e = exp(d);
+            k3 = e - d - A(1);
+            l += A(beta) * k3;
+            g += A(beta) * (A(1) - e);
+        }
+        if (l1 != l1 || l2 != l2) g = l1 + l2;          // NaN stays NaN
+        const A wt = w[r];
+        g_lp[r] = wt != A(0) ? wt * g : A(0);
+        g_ent[r] = wt != A(0) ? -wt * A(ent_coef) : A(0);
+        A* t = tok + 4 * r;
+        t[0] = l;
+        t[1] = k3;
+        t[2] = (rho < lo && a < A(0)) ? A(1) : A(0);
+        t[3] = (rho > hi && a > A(0)) ? A(1) : A(0);
+    }
+}
+
 }  // namespace cupyloss

@@ -248,7 +248,7 @@ def _host_words(name: str):
     from cupyloss.rowclass import _family as _rowclass
     from cupyloss.rowpair import _family as _rowpair
     from cupyloss.rowwise import _family as _rowwise
-    from cupyloss import linear
+    from cupyloss import linear, posttrain
 
     kernel, _, args = name.partition("<")
     kernel = kernel.removeprefix("cupyloss::")
@@ -258,7 +258,8 @@ def _host_words(name: str):
                "cross_entropy_rows_cluster": _rowwise.ROWS,
                "rowpair_rows": _rowpair.LAYOUT, "rowpair_finish": _rowpair.FINISH_LAYOUT,
                "narrow": linear.NARROW, "cross_entropy_slice_grad": _rowwise.SLICE,
-               "logprob_stats": linear.STATS, "logprob_grad": linear.GRAD}
+               "logprob_stats": linear.STATS, "logprob_grad": linear.GRAD,
+               "grpo_tokens": posttrain.TOKENS}
     if kernel in layouts:
         return layouts[kernel].size
     if kernel.startswith("pointwise_"):

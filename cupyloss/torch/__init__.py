@@ -1639,6 +1639,10 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0,
 from cupyloss.torch import (
     _parallel as _torch_parallel)  # noqa: E402  (vocab-parallel, over torch.distributed)
 
+from cupyloss.torch._posttrain import (  # noqa: E402  (on linear_log_probs above)
+    linear_cpo_loss, linear_dpo_loss, linear_grpo_loss, linear_kto_loss, linear_orpo_loss,
+    linear_simpo_loss)
+
 vocab_parallel_cross_entropy = _torch_parallel.vocab_parallel_cross_entropy
 vocab_parallel_linear_cross_entropy = _torch_parallel.vocab_parallel_linear_cross_entropy
 VocabParallelCrossEntropyLoss = _torch_parallel.VocabParallelCrossEntropyLoss
@@ -1647,4 +1651,6 @@ __all__ = sorted([*LOSSES, *(cls.__name__ for cls in MODULES.values()), "LOSSES"
                   "SKIPPED", "gradients_in_forward", "scale_by_grad_output",
                   "linear_cross_entropy", "LinearCrossEntropyLoss", "linear_log_probs",
                   "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
-                  "VocabParallelCrossEntropyLoss"])
+                  "VocabParallelCrossEntropyLoss", "linear_grpo_loss", "linear_dpo_loss",
+                  "linear_orpo_loss", "linear_cpo_loss", "linear_simpo_loss",
+                  "linear_kto_loss"])

@@ -1,0 +1,579 @@
+"""Post-training objectives on the fused head: policy-gradient RL (GRPO and its family) and
+preference optimisation (DPO, ORPO, CPO, SimPO, KTO), logits never whole.
+
+Every one of them is a function of the per-token log-probabilities ``logp`` (and the entropy
+``H``) of the output layer (cupyloss.linear.linear_log_probs), so each is written here once, on
+those, for any array namespace (`Ops`: torch's and JAX's adapters pass theirs, and autograd or
+jax.grad differentiates the few per-token and per-sequence operations; the head's backward
+forms the logits again, chunk by chunk).  Masks: a token counts where its target is not
+ignore_index (TRL's label convention) and, for GRPO, where `mask` is nonzero.
+
+GRPO (per token i of sequence b; A the advantage, old and ref the old policy's and the
+reference's log-probs):
+
+    rho_i = exp(logp_i - old_i),   l_i = -min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i)
+                                        + beta (exp(ref_i - logp_i) - (ref_i - logp_i) - 1)
+    loss  = sum_i w_i (l_i - c H_i),   w_i = m_i / D_i, by loss_type:
+        grpo     D_i = B max(1, sum_{j in b} m_j)   (each sequence's mean, then the batch's)
+        bnpo     D = max(1, sum_j m_j)              (the batch's tokens)
+        dr_grpo  D = B max_completion_length
+        dapo     D = num_items (the global token count; default sum_j m_j, at least 1)
+
+Its per-token gradient depends on that token alone, so linear_grpo_loss forms it in the same
+pass as the log-probabilities (logprob.cu's grpo_tokens between their statistics and dZ): three
+matrix products a chunk, as cross entropy's.
+
+Preference losses (TRL's trainers): the batch's first half is the chosen completions, the
+second half the rejected ones, pair k being rows k and k + B/2.  With s_b = sum_i m_i logp_i over
+sequence b (its mean over m where the loss averages, as TRL's ``average_log_prob``), c = s of a
+chosen row and r of its rejected one, c0 and r0 the reference's, sigma the logistic function:
+
+    dpo    z = (c - r) - (c0 - r0);  sigmoid: -(1 - e) log sigma(beta z) - e log sigma(-beta z)
+                                     ipo (means): (z - 1 / (2 beta))^2;  hinge: max(0, 1 - beta z)
+    orpo   (means) nll_chosen - beta log sigma(log odds),
+           log odds = (c - r) - (log(1 - e^c) - log(1 - e^r))
+    cpo    -(1 - e) log sigma(beta (c - r)) - e log sigma(-beta (c - r)) + alpha nll_chosen
+    simpo  (means) -(1 - e) log sigma(beta (c - r) - gamma) - e log sigma(-beta (c - r) + gamma)
+           + alpha nll_chosen
+    kto    (not pairs: a label a row) desirable: 1 - sigma(beta (s - s0 - kl)),
+           undesirable: 1 - sigma(beta (kl - s + s0)), each times its weight
+
+each averaged over pairs (rows for KTO); nll_chosen is the chosen rows' mean of -logp over their
+counted tokens.  These need whole sequences' sums before any token's gradient is known, so the
+logits are never kept: the forward pass keeps each token's log-probability (4 bytes) and the
+backward forms the logits again with each token's upstream gradient (its sequence's dloss/ds
+times its mask): four matrix products a chunk, the memory of linear_log_probs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy
+
+from cupyloss import linear as _linear
+from cupyloss._core import args as _args, source as _source
+from cupyloss._types import Array
+
+__all__ = ["linear_grpo_loss", "linear_grpo_loss_value_and_grad", "GRPO_LOSS_TYPES",
+           "DPO_LOSS_TYPES", "PREFERENCE_LOSSES", "grpo_objective", "preference_objective",
+           "Ops"]
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+CPO_LOSS_TYPES = ("sigmoid", "hinge")
+PREFERENCE_LOSSES = ("dpo", "orpo", "cpo", "simpo", "kto")
+METRICS = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio")
+
+TOKENS = _args.Layout(_source.kernel_words("logprob.cu", "grpo_tokens"))
+
+
+class Ops:
+    """The few array operations the objectives use, over one framework: `xp` its array module
+    (torch, jax.numpy, cupy) and `stop` the identity without a gradient.  The methods take
+    that framework's arrays."""
+
+    def __init__(self, xp, stop=lambda a: a):
+        self.xp, self.stop = xp, stop
+        self.torch = xp.__name__ == "torch"
+
+    def sum(self, a, axis=None):
+        if axis is None:
+            return a.sum()
+        return a.sum(dim=axis) if self.torch else a.sum(axis=axis)
+
+    def at_least(self, a, low):
+        return a.clamp(min=low) if self.torch else self.xp.maximum(a, low)
+
+    def clip(self, a, low, high):
+        return a.clamp(low, high) if self.torch else self.xp.clip(a, low, high)
+
+    def log_sigmoid(self, a):
+        if self.torch:
+            return self.xp.nn.functional.logsigmoid(a)
+        return -self.xp.logaddexp(self.xp.zeros_like(a), -a)
+
+    def sigmoid(self, a):
+        return self.xp.exp(self.log_sigmoid(a))
+
+    def relu(self, a):
+        return a.clamp(min=0) if self.torch else self.xp.maximum(a, 0)
+
+    def float(self, a, like):
+        """`a` (a mask of any dtype) in `like`'s floating dtype."""
+        return a.to(like.dtype) if self.torch else a.astype(like.dtype)
+
+
+def _masked_mean(ops, a, m):
+    return ops.sum(a * m) / ops.at_least(ops.sum(m), 1.0)
+
+
+def grpo_weights(ops, m, loss_type, max_completion_length=None, num_items=None):
+    """Each token's weight w = m / D of the GRPO family (module docstring): m (B, T) float."""
+    batch, length = m.shape
+    if loss_type == "grpo":
+        return m / (ops.at_least(ops.sum(m, 1), 1.0)[:, None] * batch)
+    if loss_type == "bnpo":
+        return m / ops.at_least(ops.sum(m), 1.0)
+    if loss_type == "dr_grpo":
+        return m / (batch * (length if max_completion_length is None
+                             else max_completion_length))
+    if num_items is not None:                     # dapo
+        return m / num_items
+    return m / ops.at_least(ops.sum(m), 1.0)
+
+
+def grpo_objective(ops, logp, ent, m, advantages, old_log_probs=None, ref_log_probs=None, *,
+                   loss_type="grpo", epsilon_low=0.2, epsilon_high=None, beta=0.0,
+                   entropy_weight=0.0, max_completion_length=None, num_items=None):
+    """The GRPO family's loss and metrics on per-token log-probabilities (module docstring), in
+    `ops`' framework: logp, ent, m (B, T) (m the float mask), advantages (B,) or (B, T).
+    Returns (loss, metrics), metrics as METRICS names them (masked means, no gradient)."""
+    high = epsilon_low if epsilon_high is None else epsilon_high
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    # weight-0 tokens add nothing, whatever their values (as the fused kernel): their inputs
+    # are replaced before use, so that no NaN reaches a gradient through a 0 weight
+    live = m != 0
+    same = ops.stop(logp)
+    adv = ops.xp.where(live, adv, 0.0)
+    old = same if old_log_probs is None else ops.xp.where(live, old_log_probs, same)
+    if ref_log_probs is not None:
+        ref_log_probs = ops.xp.where(live, ref_log_probs, same)
+    rho = ops.xp.exp(logp - old)
+    rho_c = ops.clip(rho, 1.0 - epsilon_low, 1.0 + high)
+    tok = -ops.xp.minimum(rho * adv, rho_c * adv)
+    kl = None
+    if ref_log_probs is not None:
+        d = ref_log_probs - logp
+        kl = ops.xp.exp(d) - d - 1.0
+        if beta:
+            tok = tok + beta * kl
+    w = grpo_weights(ops, m, loss_type, max_completion_length, num_items)
+    loss = ops.sum(ops.xp.where(live, w * tok, 0.0))
+    if entropy_weight:
+        loss = loss - entropy_weight * ops.sum(ops.xp.where(live, w * ent, 0.0))
+    rho_d, adv_d = ops.stop(rho), ops.stop(adv)
+    low = ops.float((rho_d < 1.0 - epsilon_low) & (adv_d < 0), logp)
+    up = ops.float((rho_d > 1.0 + high) & (adv_d > 0), logp)
+    metrics = {
+        "kl": (_masked_mean(ops, ops.stop(kl), m) if kl is not None
+               else ops.sum(m) * 0.0),
+        "entropy": _masked_mean(ops, ops.stop(ent), m),
+        "clip_ratio_low": _masked_mean(ops, low, m),
+        "clip_ratio_high": _masked_mean(ops, up, m),
+    }
+    metrics["clip_ratio"] = metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
+    return loss, metrics
+
+
+def sequence_log_probs(ops, logp, m, average):
+    """Each sequence's sum of its counted tokens' log-probabilities (their mean with
+    `average`): logp, m (B, T) -> (B,)."""
+    s = ops.sum(logp * m, 1)
+    return s / ops.at_least(ops.sum(m, 1), 1.0) if average else s
+
+
+def averages(kind, loss_type="sigmoid") -> bool:
+    """Whether preference loss `kind` compares per-sequence means (else sums)."""
+    return kind in ("orpo", "simpo") or (kind in ("dpo", "cpo") and loss_type == "ipo")
+
+
+def _sigmoid_loss(ops, z, smoothing):
+    out = -ops.log_sigmoid(z)
+    if smoothing:
+        out = out * (1.0 - smoothing) - ops.log_sigmoid(-z) * smoothing
+    return out
+
+
+def preference_objective(ops, kind, logp, m, ref=None, *, beta=0.1, loss_type="sigmoid",
+                         label_smoothing=0.0, alpha=0.0, gamma=0.5, desirable=None, kl=None,
+                         desirable_weight=1.0, undesirable_weight=1.0):
+    """A preference loss and its metrics on per-token log-probabilities (module docstring), in
+    `ops`' framework: logp, m (B, T); ref the reference's per-sequence log-probabilities (B,)
+    (sums, or means where the loss averages) or None; desirable (B,) bool for 'kto'.
+    Returns (loss, metrics): TRL's rewards, margins and accuracies (and ORPO's log odds),
+    without gradients."""
+    s = sequence_log_probs(ops, logp, m, averages(kind, loss_type))
+    if kind == "kto":
+        s0 = 0.0 if ref is None else ref
+        ratio = s - s0
+        k = 0.0 if kl is None else ops.stop(kl)
+        good = ops.float(desirable, s)
+        per = (good * desirable_weight * (1.0 - ops.sigmoid(beta * (ratio - k)))
+               + (1.0 - good) * undesirable_weight * (1.0 - ops.sigmoid(beta * (k - ratio))))
+        reward = ops.stop(beta * ratio)
+        n_good, n_bad = ops.sum(good), ops.sum(1.0 - good)
+        metrics = {"rewards_chosen": ops.sum(reward * good) / ops.at_least(n_good, 1.0),
+                   "rewards_rejected": ops.sum(reward * (1.0 - good))
+                   / ops.at_least(n_bad, 1.0)}
+        metrics["rewards_margins"] = metrics["rewards_chosen"] - metrics["rewards_rejected"]
+        return per.mean(), metrics
+    pairs = s.shape[0] // 2
+    c, r = s[:pairs], s[pairs:]
+    nll = None
+    if kind in ("orpo", "cpo", "simpo"):
+        mc = m[:pairs]
+        nll = -ops.sum(logp[:pairs] * mc) / ops.at_least(ops.sum(mc), 1.0)
+    metrics = {}
+    if kind == "dpo":
+        c0, r0 = (0.0, 0.0) if ref is None else (ref[:pairs], ref[pairs:])
+        z = (c - r) - (c0 - r0)
+        if loss_type == "sigmoid":
+            per = _sigmoid_loss(ops, beta * z, label_smoothing)
+        elif loss_type == "ipo":
+            per = (z - 1.0 / (2.0 * beta)) ** 2
+        else:
+            per = ops.relu(1.0 - beta * z)
+        loss = per.mean()
+        chosen, rejected = ops.stop(beta * (c - c0)), ops.stop(beta * (r - r0))
+    elif kind == "orpo":
+        odds = (c - r) - (ops.xp.log1p(-ops.xp.exp(c)) - ops.xp.log1p(-ops.xp.exp(r)))
+        ratio = ops.log_sigmoid(odds)
+        loss = nll - beta * ratio.mean()
+        chosen, rejected = ops.stop(beta * c), ops.stop(beta * r)
+        metrics["log_odds_ratio"] = ops.stop(ratio.mean())
+        metrics["log_odds_chosen"] = ops.stop(odds.mean())
+    else:                                             # cpo, simpo
+        z = beta * (c - r) - (gamma if kind == "simpo" else 0.0)
+        per = (_sigmoid_loss(ops, z, label_smoothing) if loss_type == "sigmoid"
+               else ops.relu(1.0 - z))
+        loss = per.mean() + (alpha * nll if alpha else 0.0)
+        chosen, rejected = ops.stop(beta * c), ops.stop(beta * r)
+    metrics.update({"rewards_chosen": chosen.mean(), "rewards_rejected": rejected.mean(),
+                    "rewards_margins": (chosen - rejected).mean(),
+                    "rewards_accuracies": ops.float(chosen > rejected, chosen).mean()})
+    if nll is not None:
+        metrics["nll_loss"] = ops.stop(nll)
+    return loss, metrics
+
+
+def check_preference(kind, batch, loss_type="sigmoid", beta=0.1, desirable=None,
+                     label_smoothing=0.0):
+    """Options and the batch of a preference loss, refused before any launch."""
+    if kind not in PREFERENCE_LOSSES:
+        raise ValueError(f"unknown preference loss {kind!r}; expected one of "
+                         f"{', '.join(PREFERENCE_LOSSES)}")
+    types = DPO_LOSS_TYPES if kind == "dpo" else CPO_LOSS_TYPES if kind == "cpo" else (
+        "sigmoid",)
+    if loss_type not in types:
+        raise ValueError(f"{kind} loss_type must be one of {', '.join(types)}, got "
+                         f"{loss_type!r}")
+    if not (float(beta) > 0.0 and math.isfinite(float(beta))):
+        raise ValueError(f"beta must be a positive finite number, got {beta}")
+    if not 0.0 <= float(label_smoothing) <= 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
+    if kind == "kto":
+        if desirable is None:
+            raise ValueError("kto needs desirable: one bool a row (a desirable completion)")
+        if tuple(desirable.shape) != (batch,):
+            raise ValueError(f"desirable must have shape ({batch},) (one a row), got "
+                             f"{tuple(desirable.shape)}")
+    elif batch % 2:
+        raise ValueError(f"a preference batch holds chosen rows then as many rejected ones: "
+                         f"an even number of rows, got {batch}")
+
+
+def check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
+               max_completion_length):
+    """The GRPO family's options, refused before any launch."""
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}, got "
+                         f"{loss_type!r}")
+    for name, eps in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
+        if eps is not None and not 0.0 <= float(eps) < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {eps}")
+    if epsilon_low is not None and float(epsilon_low) >= 1.0:
+        raise ValueError(f"epsilon_low must be below 1 (the ratio's lower clip 1 - "
+                         f"epsilon_low is positive), got {epsilon_low}")
+    if beta and ref_log_probs is None:
+        raise ValueError("beta != 0 weighs a KL term to the reference: pass ref_log_probs")
+    if max_completion_length is not None and int(max_completion_length) < 1:
+        raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+
+
+class _GRPOTokens:
+    """linear_grpo_loss's row policy inside a _LogProbs head: after each chunk's statistics,
+    grpo_tokens turns its rows' log-probs and entropy into their upstream gradients (and their
+    parts of the loss and metrics) before dZ is formed."""
+
+    def __init__(self, advantages, mask, old, ref, options):
+        self.arrays = {"advantages": advantages, "mask": mask, "old_log_probs": old,
+                       "ref_log_probs": ref}
+        self.options = options
+
+    def bind(self, frame, device, shape) -> None:
+        """The per-token arrays as CuPy views, each of the target's shape (advantages: also one
+        a sequence), refused before any launch otherwise."""
+        if len(shape) != 2:
+            raise ValueError(f"linear_grpo_loss takes sequences: target (B, T) and hidden "
+                             f"(B, T, H), got a target of shape {shape}")
+        self.shape = shape
+        names = ("advantages", "mask", "old_log_probs", "ref_log_probs")
+        adv = self.arrays["advantages"]
+        if adv is None or isinstance(adv, (int, float)):
+            raise TypeError("advantages must be an array of shape (B,) or (B, T)")
+        got = _linear._row_arrays(frame, device, (shape, shape[:1]), (("advantages", adv),))
+        got += _linear._row_arrays(frame, device, (shape,), [
+            (n, self.arrays[n]) for n in names[1:]])
+        for name, a in zip(names, got):
+            if isinstance(a, float):
+                raise TypeError(f"{name} must be an array of shape {shape}, got a number")
+        self.arrays = dict(zip(names, got))
+
+    def start(self, call, head) -> None:
+        import cupy
+
+        n, logit = call.n, call.logit
+        batch, length = self.shape
+        a = self.arrays
+        t = call.t
+        m = (t != call.options["ignore_index"]).astype(logit)
+        if a["mask"] is not None:
+            m = m * (a["mask"].reshape(n) != 0)
+        self.m = m
+        ops = Ops(cupy)
+        o = self.options
+        self.w = cupy.ascontiguousarray(grpo_weights(
+            ops, m.reshape(batch, length), o["loss_type"], o["max_completion_length"],
+            o["num_items"]).reshape(n).astype(logit, copy=False))
+        adv = a["advantages"]
+        self.adv_div = length if adv.ndim == 1 else 1
+        self.adv = cupy.ascontiguousarray(adv.reshape(-1), dtype=logit)
+        self.old, self.ref = (None if x is None else cupy.ascontiguousarray(x.reshape(n),
+                                                                             dtype=logit)
+                              for x in (a["old_log_probs"], a["ref_log_probs"]))
+        self.tok = cupy.empty((n, 4), logit)
+        head.g = [cupy.empty((n,), logit), cupy.empty((n,), logit)]
+        info = _linear._dtypes.DTYPES[logit]
+        self.fn = TOKENS.bind(_source.function(
+            "logprob.cu", f"cupyloss::grpo_tokens<{info.ctype}>").kernel.ptr)
+
+    def rows(self, call, head, r0, r1) -> None:
+        m = r1 - r0
+        o = self.options
+        words = TOKENS.template({
+            "logp": head.logp.data.ptr, "ent": head.ent.data.ptr,
+            "old": 0 if self.old is None else self.old.data.ptr,
+            "ref": 0 if self.ref is None else self.ref.data.ptr,
+            "adv": self.adv.data.ptr, "w": self.w.data.ptr, "r0": r0, "rows": m,
+            "adv_div": self.adv_div, "eps_low": _args.f64_word(o["epsilon_low"]),
+            "eps_high": _args.f64_word(o["epsilon_high"]), "beta": _args.f64_word(o["beta"]),
+            "ent_coef": _args.f64_word(o["entropy_weight"]),
+            "g_lp": head.g[0].data.ptr, "g_ent": head.g[1].data.ptr,
+            "tok": self.tok.data.ptr})
+        block = _linear._LP_BLOCK
+        _args.launch(self.fn, (min(-(-m // block), head.most), 1, 1), (block, 1, 1), 0,
+                     call.stream, words)
+
+    def results(self, head):
+        """(loss, metrics) as CuPy arrays (0-d), the sums in a fixed order."""
+        import cupy
+
+        live = self.w != 0
+        w, tok, ent, m = self.w, self.tok, head.ent, self.m
+        loss = cupy.where(live, w * tok[:, 0], 0).sum()
+        c = self.options["entropy_weight"]
+        if c:
+            loss = loss - c * cupy.where(live, w * ent, 0).sum()
+        count = cupy.maximum(m.sum(), 1)
+        on = m != 0                 # a masked token's values (NaN or not) count for nothing
+
+        def mean(a):
+            return cupy.where(on, m * a, 0).sum() / count
+
+        metrics = {"kl": mean(tok[:, 1]), "entropy": mean(ent),
+                   "clip_ratio_low": mean(tok[:, 2]), "clip_ratio_high": mean(tok[:, 3])}
+        metrics["clip_ratio"] = metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
+        return loss, metrics
+
+
+def _grpo(hidden, weight, target, advantages, bias, mask, old_log_probs, ref_log_probs,
+          loss_type, epsilon_low, epsilon_high, beta, entropy_weight, temperature,
+          max_completion_length, num_items, ignore_index, max_workspace_bytes, compute_dtype,
+          names):
+    check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
+               max_completion_length)
+    items = None
+    if num_items is not None:
+        if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
+            raise TypeError(f"num_items must be a Python number (the global count of counted "
+                            f"tokens), got {type(num_items).__name__}")
+        if not num_items > 0:
+            raise ValueError(f"num_items must be positive, got {num_items}")
+        items = float(num_items)
+    options = dict(loss_type=loss_type, epsilon_low=float(epsilon_low),
+                   epsilon_high=float(epsilon_low if epsilon_high is None else epsilon_high),
+                   beta=float(beta), entropy_weight=float(entropy_weight),
+                   max_completion_length=max_completion_length, num_items=items)
+    token = _GRPOTokens(advantages, mask, old_log_probs, ref_log_probs, options)
+    head = _linear._LogProbs(_linear._temperature(temperature), True, None, None, token=token)
+    _, grads, _ = _linear._run(hidden, weight, target, bias, None, ignore_index, "none", 0.0,
+                               0.0, 0.0, max_workspace_bytes, False, names, 1.0, False,
+                               compute_dtype=compute_dtype, head=head)
+    loss, metrics = head.token_results
+    back = _linear._back(head.frame)
+    return back(loss), {k: back(v) for k, v in metrics.items()}, tuple(grads[n] for n in names)
+
+
+def linear_grpo_loss(hidden: Array, weight: Array, target: Array, advantages: Array,
+                     bias: Array | None = None, *, mask: Array | None = None,
+                     old_log_probs: Array | None = None, ref_log_probs: Array | None = None,
+                     loss_type: str = "grpo", epsilon_low: float = 0.2,
+                     epsilon_high: float | None = None, beta: float = 0.0,
+                     entropy_weight: float = 0.0, temperature: float = 1.0,
+                     max_completion_length: int | None = None, num_items: float | None = None,
+                     ignore_index: int = -100, max_workspace_bytes: int | None = None,
+                     compute_dtype: Any = None) -> tuple[Any, dict]:
+    """GRPO's clipped policy-gradient loss (and DAPO's, Dr. GRPO's, BNPO's) on a language
+    model's head, logits never whole.
+
+    With logp and H the per-token log-probabilities and entropy of softmax((X W^T + b) / T)
+    (linear_log_probs), per token i of sequence b:
+
+      ``rho_i = exp(logp_i - old_i)``,
+      ``l_i = -min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i) + beta k3_i``,
+      ``k3_i = exp(ref_i - logp_i) - (ref_i - logp_i) - 1``,
+      ``loss = sum_i w_i (l_i - entropy_weight H_i)``, w_i = m_i / D by loss_type (the module
+      docstring: 'grpo' each sequence's mean then the batch's, 'bnpo' the batch's tokens,
+      'dr_grpo' B * max_completion_length, 'dapo' num_items),
+
+    as TRL's GRPOTrainer computes it (old_log_probs None: the log-probs themselves without a
+    gradient, rho = 1).  m_i is 1 where the target is not ignore_index and `mask` is nonzero;
+    a token with m_i = 0 adds nothing to the loss or the gradients.
+
+    Args:
+      hidden: (B, T, H) float16, bfloat16, float32 or float64; weight (V, H); bias None or (V,).
+      target: (B, T) int32/int64 sampled tokens.
+      advantages: (B,) one a sequence, or (B, T); any floating dtype (used in float32).
+      mask: None or (B, T) (the completion mask; nonzero counts).
+      old_log_probs, ref_log_probs: None or (B, T) per-token log-probs of the sampling policy
+        and the reference (ref is needed when beta != 0; given, the KL metric is reported).
+      loss_type: 'grpo', 'bnpo', 'dr_grpo' or 'dapo'.
+      epsilon_low, epsilon_high: the ratio's clip range (epsilon_high None: epsilon_low).
+      beta: the KL penalty's weight.  entropy_weight: an entropy bonus's weight.
+      temperature: > 0; the logits are divided by it (the sampler's).
+      max_completion_length: D of 'dr_grpo' (default T).
+      num_items: D of 'dapo' (default the counted tokens of this call).
+      ignore_index, max_workspace_bytes, compute_dtype: as for linear_cross_entropy.
+
+    Returns:
+      ``(loss, metrics)``: loss 0-d float32 (float64 for float64 inputs); metrics a dict of
+      0-d arrays: 'kl' (mean k3; 0 without ref), 'entropy', 'clip_ratio_low',
+      'clip_ratio_high', 'clip_ratio' (TRL's masked means), none of them synchronised.
+
+    Example:
+      >>> loss, metrics = cupyloss.linear_grpo_loss(h, w, tokens, advantages,
+      ...                                           old_log_probs=old, mask=completion_mask)
+    """
+    loss, metrics, _ = _grpo(hidden, weight, target, advantages, bias, mask, old_log_probs,
+                             ref_log_probs, loss_type, epsilon_low, epsilon_high, beta,
+                             entropy_weight, temperature, max_completion_length, num_items,
+                             ignore_index, max_workspace_bytes, compute_dtype, ())
+    return loss, metrics
+
+
+def linear_grpo_loss_value_and_grad(hidden: Array, weight: Array, target: Array,
+                                    advantages: Array, bias: Array | None = None, *,
+                                    mask: Array | None = None,
+                                    old_log_probs: Array | None = None,
+                                    ref_log_probs: Array | None = None, loss_type: str = "grpo",
+                                    epsilon_low: float = 0.2,
+                                    epsilon_high: float | None = None, beta: float = 0.0,
+                                    entropy_weight: float = 0.0, temperature: float = 1.0,
+                                    max_completion_length: int | None = None,
+                                    num_items: float | None = None, ignore_index: int = -100,
+                                    max_workspace_bytes: int | None = None,
+                                    wrt: str | Sequence[str] | None = None,
+                                    compute_dtype: Any = None) -> tuple[Any, dict, Any]:
+    """linear_grpo_loss and its gradients in one pass (three matrix products a chunk): each
+    token's dloss/dlogp depends on that token alone, so it is formed between the chunk's
+    statistics and its dZ (logprob.cu's grpo_tokens).
+
+    Per token (the module docstring's w_i and rho_i):
+      ``dloss/dlogp_i = w_i (-rho_i A_i [rho_i A_i <= clip(rho_i) A_i] + beta (1 - exp(ref_i -
+      logp_i)))``, ``dloss/dH_i = -w_i entropy_weight``,
+    then linear_log_probs_backward's dZ and products.  No gradient flows to advantages,
+    old_log_probs or ref_log_probs.
+
+    Args:
+      As linear_grpo_loss; wrt: 'hidden', 'weight', 'bias' or a tuple of them (default hidden
+      and weight).
+
+    Returns:
+      ``(loss, metrics, grads)``: grads the gradients named by wrt (a tuple, or one array for
+      a single name), each of its argument's shape and dtype.
+
+    Example:
+      >>> loss, metrics, (g_h, g_w) = cupyloss.linear_grpo_loss_value_and_grad(
+      ...     h, w, tokens, advantages, old_log_probs=old, loss_type="dapo")
+    """
+    names, single = _linear._names(wrt)
+    loss, metrics, grads = _grpo(hidden, weight, target, advantages, bias, mask, old_log_probs,
+                                 ref_log_probs, loss_type, epsilon_low, epsilon_high, beta,
+                                 entropy_weight, temperature, max_completion_length, num_items,
+                                 ignore_index, max_workspace_bytes, compute_dtype, names)
+    return loss, metrics, grads[0] if single else grads
+
+
+def _sequences(target, what):
+    if len(target.shape) != 2:
+        raise ValueError(f"{what} takes sequences: target (B, T) and hidden (B, T, H), got a "
+                         f"target of shape {tuple(target.shape)}")
+
+
+def grpo_loss(ops, log_probs, hidden, weight, target, advantages, bias=None, *, mask=None,
+              old_log_probs=None, ref_log_probs=None, loss_type="grpo", epsilon_low=0.2,
+              epsilon_high=None, beta=0.0, entropy_weight=0.0, temperature=1.0,
+              max_completion_length=None, num_items=None, ignore_index=-100):
+    """linear_grpo_loss composed in `ops`' framework: ``log_probs(hidden, weight, target, bias,
+    temperature, ignore_index)`` (that framework's differentiable linear_log_probs, returning
+    (logp, entropy)) and grpo_objective on them, differentiated by the framework (four matrix
+    products a chunk: the log-probs' forward, then their backward)."""
+    _sequences(target, "linear_grpo_loss")
+    check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
+               max_completion_length)
+    logp, ent = log_probs(hidden, weight, target, bias, temperature, ignore_index)
+    m = ops.float(target != ignore_index, logp)
+    if mask is not None:
+        m = m * ops.float(mask != 0, logp)
+    cast = (lambda a: None if a is None else ops.stop(ops.float(a, logp)))
+    return grpo_objective(ops, logp, ent, m, cast(advantages), cast(old_log_probs),
+                          cast(ref_log_probs), loss_type=loss_type, epsilon_low=epsilon_low,
+                          epsilon_high=epsilon_high, beta=beta, entropy_weight=entropy_weight,
+                          max_completion_length=max_completion_length, num_items=num_items)
+
+
+def preference_loss(ops, log_probs, kind, hidden, weight, target, bias=None, *,
+                    ref_log_probs=None, ref_hidden=None, ref_weight=None, ref_bias=None,
+                    ignore_index=-100, desirable=None, **options):
+    """A preference loss (PREFERENCE_LOSSES) composed in `ops`' framework: the policy's
+    per-token log-probs from ``log_probs(hidden, weight, target, bias, 1.0, ignore_index)``
+    ((logp, entropy), differentiable), the reference's per-sequence ones from ref_log_probs
+    ((B, T) per token or (B,) per sequence) or from a reference head (ref_hidden, ref_weight,
+    ref_bias; no gradient), and preference_objective on them."""
+    _sequences(target, f"linear_{kind}_loss")
+    check_preference(kind, target.shape[0], options.get("loss_type", "sigmoid"),
+                     options.get("beta", 0.1), desirable, options.get("label_smoothing", 0.0))
+    if ref_log_probs is not None and ref_hidden is not None:
+        raise ValueError("pass the reference as ref_log_probs or as ref_hidden and ref_weight, "
+                         "not both")
+    if (ref_hidden is None) != (ref_weight is None):
+        raise ValueError("a reference head needs both ref_hidden and ref_weight")
+    logp, _ = log_probs(hidden, weight, target, bias, 1.0, ignore_index)
+    m = ops.float(target != ignore_index, logp)
+    average = averages(kind, options.get("loss_type", "sigmoid"))
+    ref = None
+    if ref_hidden is not None:
+        ref_lp, _ = log_probs(ref_hidden, ref_weight, target, ref_bias, 1.0, ignore_index)
+        ref = ops.stop(sequence_log_probs(ops, ops.stop(ref_lp), m, average))
+    elif ref_log_probs is not None:
+        ref = ops.stop(ops.float(ref_log_probs, logp))
+        if tuple(ref.shape) == tuple(target.shape):
+            ref = sequence_log_probs(ops, ref, m, average)
+        elif tuple(ref.shape) != tuple(target.shape[:1]):
+            raise ValueError(f"ref_log_probs must have shape {tuple(target.shape)} (per token) "
+                             f"or {tuple(target.shape[:1])} (per sequence), got "
+                             f"{tuple(ref.shape)}")
+    return preference_objective(ops, kind, logp, m, ref, desirable=desirable, **options)
