@@ -1156,7 +1156,7 @@ def _pt_log_probs(budget):
 
 
 def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None,
-                     old_log_probs=None, ref_log_probs=None, loss_type="grpo", epsilon_low=0.2,
+                     old_log_probs=None, ref_log_probs=None, loss_type="dapo", epsilon_low=0.2,
                      epsilon_high=None, beta=0.0, entropy_weight=0.0, temperature=1.0,
                      max_completion_length=None, num_items=None, ignore_index=-100,
                      max_workspace_bytes=None):

@@ -51,7 +51,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy
 
 from cupyloss import linear as _linear
 from cupyloss._core import args as _args, source as _source
@@ -126,7 +125,7 @@ def grpo_weights(ops, m, loss_type, max_completion_length=None, num_items=None):
 
 
 def grpo_objective(ops, logp, ent, m, advantages, old_log_probs=None, ref_log_probs=None, *,
-                   loss_type="grpo", epsilon_low=0.2, epsilon_high=None, beta=0.0,
+                   loss_type="dapo", epsilon_low=0.2, epsilon_high=None, beta=0.0,
                    entropy_weight=0.0, max_completion_length=None, num_items=None):
     """The GRPO family's loss and metrics on per-token log-probabilities (module docstring), in
     `ops`' framework: logp, ent, m (B, T) (m the float mask), advantages (B,) or (B, T).
@@ -420,7 +419,7 @@ def _grpo(hidden, weight, target, advantages, bias, mask, old_log_probs, ref_log
 def linear_grpo_loss(hidden: Array, weight: Array, target: Array, advantages: Array,
                      bias: Array | None = None, *, mask: Array | None = None,
                      old_log_probs: Array | None = None, ref_log_probs: Array | None = None,
-                     loss_type: str = "grpo", epsilon_low: float = 0.2,
+                     loss_type: str = "dapo", epsilon_low: float = 0.2,
                      epsilon_high: float | None = None, beta: float = 0.0,
                      entropy_weight: float = 0.0, temperature: float = 1.0,
                      max_completion_length: int | None = None, num_items: float | None = None,
@@ -450,7 +449,8 @@ def linear_grpo_loss(hidden: Array, weight: Array, target: Array, advantages: Ar
       mask: None or (B, T) (the completion mask; nonzero counts).
       old_log_probs, ref_log_probs: None or (B, T) per-token log-probs of the sampling policy
         and the reference (ref is needed when beta != 0; given, the KL metric is reported).
-      loss_type: 'grpo', 'bnpo', 'dr_grpo' or 'dapo'.
+      loss_type: 'grpo', 'bnpo', 'dr_grpo' or 'dapo' (the default, as TRL's and
+        Liger-Kernel's).
       epsilon_low, epsilon_high: the ratio's clip range (epsilon_high None: epsilon_low).
       beta: the KL penalty's weight.  entropy_weight: an entropy bonus's weight.
       temperature: > 0; the logits are divided by it (the sampler's).
@@ -478,7 +478,7 @@ def linear_grpo_loss_value_and_grad(hidden: Array, weight: Array, target: Array,
                                     advantages: Array, bias: Array | None = None, *,
                                     mask: Array | None = None,
                                     old_log_probs: Array | None = None,
-                                    ref_log_probs: Array | None = None, loss_type: str = "grpo",
+                                    ref_log_probs: Array | None = None, loss_type: str = "dapo",
                                     epsilon_low: float = 0.2,
                                     epsilon_high: float | None = None, beta: float = 0.0,
                                     entropy_weight: float = 0.0, temperature: float = 1.0,
@@ -524,7 +524,7 @@ def _sequences(target, what):
 
 
 def grpo_loss(ops, log_probs, hidden, weight, target, advantages, bias=None, *, mask=None,
-              old_log_probs=None, ref_log_probs=None, loss_type="grpo", epsilon_low=0.2,
+              old_log_probs=None, ref_log_probs=None, loss_type="dapo", epsilon_low=0.2,
               epsilon_high=None, beta=0.0, entropy_weight=0.0, temperature=1.0,
               max_completion_length=None, num_items=None, ignore_index=-100):
     """linear_grpo_loss composed in `ops`' framework: ``log_probs(hidden, weight, target, bias,

@@ -19,9 +19,12 @@ import sys
 
 # Parameters whose default is None, by what they take.
 _OPTIONAL_TENSORS = frozenset({"weight", "pos_weight", "bias", "class_weight", "shift_labels",
-                               "b"})
+                               "b", "mask", "old_log_probs", "ref_log_probs", "ref_hidden",
+                               "ref_weight", "ref_bias", "kl"})
 _OPTIONAL_BOOLS = frozenset({"size_average", "reduce"})
-_OPTIONAL_INTS = frozenset({"class_offset", "classes", "max_workspace_bytes"})
+_OPTIONAL_INTS = frozenset({"class_offset", "classes", "max_workspace_bytes",
+                            "max_completion_length"})
+_OPTIONAL_FLOATS = frozenset({"epsilon_high"})
 _GROUPS = frozenset({"group", "mean_group"})      # a process group, its name, or None
 _COUNTS = frozenset({"num_items"})                # an int or a 0-d integer tensor, or None
 # Integer defaults of options torch takes as floats.
@@ -46,6 +49,8 @@ def _annotation(p: inspect.Parameter) -> str:
             return "bool | None"
         if p.name in _OPTIONAL_INTS:
             return "int | None"
+        if p.name in _OPTIONAL_FLOATS:
+            return "float | None"
         if p.name in _GROUPS:
             return "Any"
         if p.name in _COUNTS:

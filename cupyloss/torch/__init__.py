@@ -1639,9 +1639,12 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0,
 from cupyloss.torch import (
     _parallel as _torch_parallel)  # noqa: E402  (vocab-parallel, over torch.distributed)
 
-from cupyloss.torch._posttrain import (  # noqa: E402  (on linear_log_probs above)
+from cupyloss.torch import _posttrain  # noqa: E402  (on linear_log_probs above)
+from cupyloss.torch._posttrain import (  # noqa: E402
     linear_cpo_loss, linear_dpo_loss, linear_grpo_loss, linear_kto_loss, linear_orpo_loss,
     linear_simpo_loss)
+
+_posttrain.use(linear_log_probs, _linear_scale)
 
 vocab_parallel_cross_entropy = _torch_parallel.vocab_parallel_cross_entropy
 vocab_parallel_linear_cross_entropy = _torch_parallel.vocab_parallel_linear_cross_entropy

@@ -51,8 +51,14 @@ __all__ = [
     'jsd',
     'kl_div',
     'l1_loss',
+    'linear_cpo_loss',
     'linear_cross_entropy',
+    'linear_dpo_loss',
+    'linear_grpo_loss',
+    'linear_kto_loss',
     'linear_log_probs',
+    'linear_orpo_loss',
+    'linear_simpo_loss',
     'log_cosh_loss',
     'margin_ranking_loss',
     'mse_loss',
@@ -331,6 +337,12 @@ def l1_loss(
     reduction: str = 'mean', weight: Tensor | None = None,
 ) -> Tensor: ...
 
+def linear_cpo_loss(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+    beta: float = 0.1, alpha: float = 1.0, loss_type: str = 'sigmoid', label_smoothing: float = 0.0,
+    ignore_index: int = -100, max_workspace_bytes: int | None = None,
+) -> Tensor: ...
+
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
     class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = 'mean',
@@ -339,10 +351,47 @@ def linear_cross_entropy(
     num_items: Tensor | int | None = None,
 ) -> Tensor: ...
 
+def linear_dpo_loss(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+    ref_log_probs: Tensor | None = None, ref_hidden: Tensor | None = None,
+    ref_weight: Tensor | None = None, ref_bias: Tensor | None = None, beta: float = 0.1,
+    loss_type: str = 'sigmoid', label_smoothing: float = 0.0, ignore_index: int = -100,
+    max_workspace_bytes: int | None = None,
+) -> Tensor: ...
+
+def linear_grpo_loss(
+    hidden: Tensor, weight: Tensor, target: Tensor, advantages: Tensor, bias: Tensor | None = None,
+    *, mask: Tensor | None = None, old_log_probs: Tensor | None = None,
+    ref_log_probs: Tensor | None = None, loss_type: str = 'dapo', epsilon_low: float = 0.2,
+    epsilon_high: float | None = None, beta: float = 0.0, entropy_weight: float = 0.0,
+    temperature: float = 1.0, max_completion_length: int | None = None,
+    num_items: Tensor | int | None = None, ignore_index: int = -100,
+    max_workspace_bytes: int | None = None,
+) -> Tensor: ...
+
+def linear_kto_loss(
+    hidden: Tensor, weight: Tensor, target: Tensor, desirable: Tensor, bias: Tensor | None = None,
+    *, ref_log_probs: Tensor | None = None, ref_hidden: Tensor | None = None,
+    ref_weight: Tensor | None = None, ref_bias: Tensor | None = None, kl: Tensor | None = None,
+    beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+    ignore_index: int = -100, max_workspace_bytes: int | None = None,
+) -> Tensor: ...
+
 def linear_log_probs(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
     temperature: float = 1.0, return_entropy: bool = False, ignore_index: int = -100,
     max_workspace_bytes: int | None = None,
+) -> Tensor: ...
+
+def linear_orpo_loss(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+    beta: float = 0.1, ignore_index: int = -100, max_workspace_bytes: int | None = None,
+) -> Tensor: ...
+
+def linear_simpo_loss(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+    beta: float = 0.1, gamma: float = 0.5, alpha: float = 0.0, label_smoothing: float = 0.0,
+    ignore_index: int = -100, max_workspace_bytes: int | None = None,
 ) -> Tensor: ...
 
 def log_cosh_loss(input: Tensor, target: Tensor, reduction: str = 'mean') -> Tensor: ...

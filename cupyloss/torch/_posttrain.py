@@ -16,14 +16,21 @@ from cupyloss import posttrain
 
 _OPS = posttrain.Ops(torch, stop=torch.Tensor.detach)
 _GRADS = ("hidden", "weight", "bias")
+# What this module takes from the adapter (cupyloss.torch), which imports it and hands them
+# over at its end (use()): its differentiable linear_log_probs and its in-place gradient
+# scaling.
+_ADAPTER: dict = {}
+
+
+def use(linear_log_probs, scale) -> None:
+    """The adapter's linear_log_probs and gradient scaling (grads *= grad_output in place)."""
+    _ADAPTER.update(linear_log_probs=linear_log_probs, scale=scale)
 
 
 def _log_probs(hidden, weight, target, bias, temperature, ignore_index, budget=None):
-    from cupyloss.torch import linear_log_probs
-
-    return linear_log_probs(hidden, weight, target, bias, temperature=temperature,
-                            return_entropy=True, ignore_index=ignore_index,
-                            max_workspace_bytes=budget)
+    return _ADAPTER["linear_log_probs"](hidden, weight, target, bias, temperature=temperature,
+                                        return_entropy=True, ignore_index=ignore_index,
+                                        max_workspace_bytes=budget)
 
 
 class _LinearGRPO(torch.autograd.Function):
@@ -50,20 +57,18 @@ class _LinearGRPO(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        from cupyloss.torch import _linear_scale
-
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError("linear_grpo_loss's gradients were formed with its value and "
                                "are spent: backward through it runs once (no retain_graph)")
         grads = list(grads)
-        _linear_scale(grad_loss, grads)
+        _ADAPTER["scale"](grad_loss, grads)
         got = dict(zip(ctx.names, grads))
         return (got.get("hidden"), got.get("weight"), got.get("bias"), *(None,) * 6)
 
 
 def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None,
-                     old_log_probs=None, ref_log_probs=None, loss_type="grpo", epsilon_low=0.2,
+                     old_log_probs=None, ref_log_probs=None, loss_type="dapo", epsilon_low=0.2,
                      epsilon_high=None, beta=0.0, entropy_weight=0.0, temperature=1.0,
                      max_completion_length=None, num_items=None, ignore_index=-100,
                      max_workspace_bytes=None):
@@ -96,15 +101,16 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None
       >>> loss.backward()
     """
     from cupyloss import linear
-    from cupyloss.torch import _compiling, _dispatch_modes, _is_functional, _torch_autocast
+    from cupyloss.torch import _amp
 
     options = dict(loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                    beta=beta, entropy_weight=entropy_weight, temperature=temperature,
                    max_completion_length=max_completion_length, num_items=num_items,
                    ignore_index=ignore_index)
     tensors = (hidden, weight, target, bias, advantages, mask, old_log_probs, ref_log_probs)
-    traced = _compiling() or _dispatch_modes() or any(
-        t is not None and (type(t) is not torch.Tensor or _is_functional(t)) for t in tensors)
+    traced = (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or any(
+        t is not None and (type(t) is not torch.Tensor or torch._is_functional_tensor(t))
+        for t in tensors))
     if traced or hidden.device.type == "cpu":
         return posttrain.grpo_loss(
             _OPS, lambda *a: _log_probs(*a, max_workspace_bytes), hidden, weight, target,
@@ -113,7 +119,7 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None
     posttrain.check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
                          max_completion_length)
     options["temperature"] = linear._temperature(temperature)
-    compute = _torch_autocast.linear_compute(hidden, weight, bias)
+    compute = _amp.linear_compute(hidden, weight, bias)
     out = _LinearGRPO.apply(hidden, weight, bias, target, advantages, mask, old_log_probs,
                             ref_log_probs, dict(options, max_workspace_bytes=max_workspace_bytes,
                                                 compute_dtype=compute))

@@ -1,0 +1,225 @@
+"""Benchmark the post-training objectives on the LLM head: GRPO and DPO, forward + backward.
+
+    python -m cupyloss.bench.posttrain [--families grpo,dpo,dpo-long] [--budgets 256,4608]
+                                       [--reps 5] [--json out.json]
+
+Hidden 4096, vocabulary 128256, bfloat16 hidden states and weight; the gradients of hidden and
+weight.  Families (the sizes the post-training issue names):
+
+  grpo       8 sequences x 1024 completion tokens (8192), advantages one a sequence, old and
+             reference log-probs given, loss_type 'dapo', beta 0.04, clip 0.2
+  dpo        8 pairs x 1024 tokens (16 sequences, the first quarter of each a prompt), the
+             reference a frozen head (its own hidden states, the same weight), sigmoid, beta 0.1
+  dpo-long   4 pairs x 4096 tokens, as dpo
+
+Implementations:
+
+  torch eager      logits = (h @ W.T).float(), log_softmax, gather, TRL's formula
+  torch.compile    the same function compiled
+  Liger-Kernel     liger_kernel.chunked_loss's LigerFusedLinearGRPOLoss / LigerFusedLinearDPOLoss
+                   (when importable; compiled=True, its default chunks)
+  cupyloss         cupyloss.torch.linear_grpo_loss / linear_dpo_loss at each workspace budget
+                   (MiB)
+
+Each row: median ms, the peak memory above the inputs (GiB, gradients included) and beyond the
+gradients, and the errors of the loss and of the hidden gradient (largest |error| over largest
+|value|) against float64 logits of the same bfloat16 operands.  Never used as a test.
+"""
+
+from __future__ import annotations
+
+from cupyloss.bench import _timing
+from cupyloss.bench.linear import H, V
+
+FAMILIES = {"grpo": (8, 1024), "dpo": (16, 1024), "dpo-long": (8, 4096)}
+BETA_GRPO, BETA_DPO = 0.04, 0.1
+
+
+def _grpo_formula(torch, lp, t, adv, old, ref):
+    """TRL's 'dapo' GRPO loss on per-token log-probs (B, T)."""
+    mask = (t != -100).to(lp.dtype)
+    coef = torch.exp(lp - old)
+    clipped = coef.clamp(0.8, 1.2)
+    per = -torch.min(coef * adv[:, None], clipped * adv[:, None])
+    per = per + BETA_GRPO * (torch.exp(ref - lp) - (ref - lp) - 1)
+    return (per * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _dpo_formula(torch, lp, ref_lp, t):
+    """TRL's sigmoid DPO loss on per-token log-probs (B, T), chosen rows first."""
+    mask = (t != -100).to(lp.dtype)
+    s, s0 = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
+    k = s.shape[0] // 2
+    z = (s[:k] - s[k:]) - (s0[:k] - s0[k:])
+    return -torch.nn.functional.logsigmoid(BETA_DPO * z).mean()
+
+
+def _logits_lp(torch, h, w, t, dtype=None):
+    logits = (h @ w.T)
+    logits = logits.float() if dtype is None else logits.to(dtype)
+    lp = logits.log_softmax(-1)
+    return lp.gather(-1, t.clamp(min=0)[..., None])[..., 0] * (t != -100)
+
+
+def _reference(torch, family, h, w, t, extra):
+    """(float64 loss, float64 hidden gradient): per-token log-probs of float64 logits in
+    chunks of rows, the formula's gradient in them by autograd, then dZ and dX chunk by
+    chunk."""
+    wd = w.double()
+    flat_h, flat_t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
+
+    def logp_of(hh):
+        out = []
+        for r in range(0, flat_t.numel(), 1024):
+            z = hh[r:r + 1024].double() @ wd.T
+            lp = z.log_softmax(-1)
+            out.append(lp.gather(-1, flat_t[r:r + 1024].clamp(min=0)[:, None])[:, 0]
+                       * (flat_t[r:r + 1024] != -100))
+        return torch.cat(out).reshape(t.shape)
+
+    lp = logp_of(flat_h).requires_grad_()
+    if family == "grpo":
+        adv, old, ref = extra
+        loss = _grpo_formula(torch, lp, t, adv.double(), old.double(), ref.double())
+    else:
+        ref_lp = logp_of(extra[0].reshape(-1, h.shape[-1]))
+        loss = _dpo_formula(torch, lp, ref_lp, t)
+    (g,) = torch.autograd.grad(loss, lp)
+    g = g.reshape(-1)
+    gx = torch.empty(flat_h.shape, dtype=torch.float64, device=h.device)
+    for r in range(0, flat_t.numel(), 1024):
+        z = flat_h[r:r + 1024].double() @ wd.T
+        p = z.softmax(-1)
+        tt = flat_t[r:r + 1024]
+        gg = torch.where(tt != -100, g[r:r + 1024], 0.0)
+        dz = -gg[:, None] * p
+        dz.scatter_add_(1, tt.clamp(min=0)[:, None], gg[:, None])
+        gx[r:r + 1024] = dz @ wd
+    return float(loss), gx.reshape(h.shape)
+
+
+def _candidates(torch, family, budgets):
+    import cupyloss.torch as CF
+
+    out = {}
+    for mib in budgets:
+        if family == "grpo":
+            out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t, adv, old, ref: (
+                CF.linear_grpo_loss(h, w, t, adv, old_log_probs=old, ref_log_probs=ref,
+                                    beta=BETA_GRPO, loss_type="dapo",
+                                    max_workspace_bytes=b)[0]))(mib << 20)
+        else:
+            out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t, rh: CF.linear_dpo_loss(
+                h, w, t, ref_hidden=rh, ref_weight=w.detach(), beta=BETA_DPO,
+                max_workspace_bytes=b)[0])(mib << 20)
+
+    if family == "grpo":
+        def naive(h, w, t, adv, old, ref):
+            return _grpo_formula(torch, _logits_lp(torch, h, w, t), t, adv, old, ref)
+    else:
+        def naive(h, w, t, rh):
+            with torch.no_grad():
+                ref_lp = _logits_lp(torch, rh, w, t)
+            return _dpo_formula(torch, _logits_lp(torch, h, w, t), ref_lp, t)
+    out["torch eager"] = naive
+    out["torch.compile"] = torch.compile(naive)
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss, LigerFusedLinearGRPOLoss
+    except Exception:     # not installed here
+        return out
+    if family == "grpo":
+        liger = LigerFusedLinearGRPOLoss(beta=BETA_GRPO, epsilon_low=0.2, epsilon_high=0.2,
+                                         loss_type="dapo")
+
+        def run_liger(h, w, t, adv, old, ref):
+            return liger(h, w, t.clamp(min=0), (t != -100).long(), adv,
+                         ref_per_token_logps=ref, old_per_token_logps=old)[0]
+    else:
+        liger_dpo = LigerFusedLinearDPOLoss(beta=BETA_DPO, use_ref_model=True)
+
+        def run_liger(h, w, t, rh):
+            out = liger_dpo(w, h, t, None, rh, w.detach(), None)
+            return out[0] if isinstance(out, tuple) else out
+    out["Liger-Kernel"] = run_liger
+    return out
+
+
+def _inputs(torch, family):
+    import cupyloss.torch as CF
+
+    batch, length = FAMILIES[family]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(batch, length, H, device="cuda", generator=gen) * 0.5).bfloat16()
+    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16()
+    t = torch.randint(0, V, (batch, length), device="cuda", generator=gen)
+    if family == "grpo":
+        adv = torch.randn(batch, device="cuda", generator=gen)
+        with torch.no_grad():
+            lp = CF.linear_log_probs(h, w, t)
+        old = lp + 0.1 * torch.randn(lp.shape, device="cuda", generator=gen)
+        ref = lp + 0.1 * torch.randn(lp.shape, device="cuda", generator=gen)
+        return h, w, t, (adv, old, ref)
+    t[:, :length // 4] = -100                       # prompts
+    rh = (h.float() + 0.05 * torch.randn(h.shape, device="cuda", generator=gen)).bfloat16()
+    return h, w, t, (rh,)
+
+
+def main(argv=None) -> list[dict]:
+    ap = _timing.arguments("python -m cupyloss.bench.posttrain", __doc__, 5)
+    ap.add_argument("--families", default="grpo,dpo,dpo-long")
+    ap.add_argument("--budgets", default="256,4608",
+                    help="cupyloss workspace budgets in MiB, comma-separated")
+    args = ap.parse_args(argv)
+    torch, device = _timing.torch_gpu(ap.prog)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    rows_out = []
+    for family in args.families.split(","):
+        h, w, t, extra = _inputs(torch, family)
+        want_loss, want_gx = _reference(torch, family, h, w, t, extra)
+        grads = (h.numel() * h.element_size() + w.numel() * w.element_size()) / 2**30
+        torch.cuda.empty_cache()
+        print(f"{device}: {family}, hidden {tuple(h.shape)}, weight ({V}, {H}) bf16, "
+              f"gradients {grads:.3f} GiB")
+        print(f"{'implementation':18} {'ms':>8} {'peak GiB':>9} {'beyond':>7} {'loss err':>9} "
+              f"{'dX err':>9}")
+        for name, fn in _candidates(torch, family, budgets).items():
+            hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+            got = {}
+
+            def step():
+                hl.grad = wl.grad = None
+                loss = fn(hl, wl, t, *extra)
+                loss.backward()
+                got["loss"] = loss.detach()
+
+            def forget():
+                hl.grad = wl.grad = None
+
+            try:
+                step()
+                gx = hl.grad.double()
+                step()
+                ms, peak, _ = _timing.torch_steps(torch, step, args.reps, forget)
+            except Exception as exc:  # out of memory or failing: say so, go on
+                print(f"{name:18} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                forget()
+                torch.cuda.empty_cache()
+                continue
+            e_loss = abs(float(got["loss"]) - want_loss) / max(abs(want_loss), 1e-30)
+            e_gx = float((gx - want_gx).abs().max() / want_gx.abs().max())
+            del gx
+            forget()
+            rows_out.append(dict(device=device, family=family, shape=list(h.shape), name=name,
+                                 ms=ms, peak_gib=peak, beyond_gib=peak - grads,
+                                 loss_err=e_loss, dx_err=e_gx))
+            print(f"{name:18} {ms:8.2f} {peak:9.3f} {peak - grads:7.3f} {e_loss:9.2e} "
+                  f"{e_gx:9.2e}", flush=True)
+            torch.cuda.empty_cache()
+        del h, w, want_gx
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return _timing.save(args.json, rows_out)
+
+
+if __name__ == "__main__":
+    main()
