@@ -806,17 +806,18 @@ GRAD = _args.Layout(_source.kernel_words("logprob.cu", "logprob_grad"))
 LP_BLOCKS_PER_SM = 8
 
 
-def _row_arrays(frame, device, shapes, named) -> list:
+def _row_arrays(frame, device, shapes, named, any_dtype=False) -> list:
     """Each (name, value) of `named` as the heads take it: None, a Python number as a float, or
-    an array of one of `shapes` in `frame`'s framework on `device` as a CuPy view; a wrong
-    shape or device is refused before any launch."""
+    an array of one of `shapes` in `frame`'s framework on `device` as a CuPy view (of a
+    floating dtype, or with `any_dtype` of any: a mask); a wrong shape or device is refused
+    before any launch."""
     got: list = []
     for name, a in named:
         if a is None or (isinstance(a, (int, float)) and not isinstance(a, bool)):
             got.append(None if a is None else float(a))
             continue
         _dispatch.check_same_frame(frame, a, a, name, name)
-        op = frame.operand(a, name)
+        op = _target_operand(frame, a) if any_dtype else frame.operand(a, name)
         if tuple(op.shape) not in shapes:
             raise ValueError(f"{name} must have the target's shape {shapes[0]} (one value a "
                              f"token), got {tuple(op.shape)}")

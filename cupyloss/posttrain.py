@@ -314,8 +314,10 @@ class _GRPOTokens:
         if adv is None or isinstance(adv, (int, float)):
             raise TypeError("advantages must be an array of shape (B,) or (B, T)")
         got = _linear._row_arrays(frame, device, (shape, shape[:1]), (("advantages", adv),))
+        got += _linear._row_arrays(frame, device, (shape,), (("mask", self.arrays["mask"]),),
+                                   any_dtype=True)
         got += _linear._row_arrays(frame, device, (shape,), [
-            (n, self.arrays[n]) for n in names[1:]])
+            (n, self.arrays[n]) for n in names[2:]])
         for name, a in zip(names, got):
             if isinstance(a, float):
                 raise TypeError(f"{name} must be an array of shape {shape}, got a number")

@@ -208,7 +208,7 @@ def test_preference_on_cuda_against_float64(kind, options):
     average = kind in ("orpo", "simpo") or o.get("loss_type") == "ipo"
     kw, ref_seq = {}, None
     if kind in ("dpo", "kto"):
-        rh = host[0] + 0.1 * rng.standard_normal(host[0].shape).astype(np.float32)
+        rh = (host[0] + 0.1 * rng.standard_normal(host[0].shape)).astype(np.float32)
         r_lp = ref.head(rh, host[1], t, host[2])[0]
         ref_seq = np.array([r_lp[k][m[k]].sum() / (m[k].sum() if average else 1)
                             for k in range(B)])
