@@ -75,8 +75,13 @@ class Ops:
     that framework's arrays."""
 
     def __init__(self, xp, stop=lambda a: a):
-        self.xp, self.stop = xp, stop
+        self.xp, self._stop = xp, stop
         self.torch = xp.__name__ == "torch"
+
+    def stop(self, a):
+        # torch's detach as a method call, which torch.compile traces (a stored descriptor
+        # it does not)
+        return a.detach() if self.torch else self._stop(a)
 
     def sum(self, a, axis=None):
         if axis is None:
