@@ -419,7 +419,9 @@ def _split(name, options, extra, views):
 # The fused heads (cupyloss.linear): their required arrays; bias and class_weight are array
 # options (`extra`).
 _HEAD_ARRAYS = {"linear_cross_entropy": ("hidden", "weight", "target"),
-                "linear_log_probs": ("hidden", "weight", "target")}
+                "linear_log_probs": ("hidden", "weight", "target"),
+                "linear_jsd": ("student_hidden", "student_weight", "teacher_hidden",
+                               "teacher_weight")}
 
 
 def _body(kind, name, reduction, options, extra, wrt):
@@ -447,6 +449,14 @@ def _body(kind, name, reduction, options, extra, wrt):
                 return [parallel.vocab_parallel_stats(x, t, 0, classes, *w, **kw)]
             g, x, t, lse, *w = views
             return [parallel.vocab_parallel_backward(g, x, t, lse, 0, classes, *w, **kw)]
+        return run
+    if name == "linear_jsd":
+        def run(views):
+            arrays, kw = _split(name, options, extra, views)
+            if kind == "value":
+                return [cupyloss.linear_jsd(*arrays, **kw)]
+            loss, grads = cupyloss.linear_jsd_value_and_grad(*arrays, wrt=wrt, **kw)
+            return [loss, *((grads,) if len(wrt) == 1 else grads)]
         return run
     if name == "linear_log_probs":
         def run(views):
@@ -1206,7 +1216,68 @@ def linear_preference_loss(kind, hidden, weight, target, bias=None, *, desirable
         ref_weight=ref_weight, ref_bias=ref_bias, ignore_index=ignore_index, **options)
 
 
+@functools.lru_cache(maxsize=None)
+def _jsd_function(options, extra):
+    """custom_vjp of linear_jsd over (student_hidden, student_weight, teacher_hidden,
+    teacher_weight, *extra): the student's gradients formed with the value (one pass) and
+    scaled by the cotangent; the teacher and the target get none."""
+    order = ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight") + extra
+    grads_of = {"student_hidden": "hidden", "student_weight": "weight", "student_bias": "bias"}
+
+    def value(*arrays):
+        return _call("value", "linear_jsd", "mean", options, extra, (), arrays,
+                     (_struct((), _acc_dtype(arrays[0])),))[0]
+
+    def forward(*arrays):
+        wrt = tuple(grads_of[a] for a in order if a in grads_of)
+        structs = (_struct((), _acc_dtype(arrays[0])),) + tuple(
+            _struct(arrays[i].shape, arrays[i].dtype)
+            for i, a in enumerate(order) if a in grads_of)
+        loss, *grads = _call("value_and_grad", "linear_jsd", "mean", options, extra, wrt,
+                             arrays, structs)
+        return loss, tuple(grads)
+
+    def backward(grads, g):
+        it = iter((g * v.astype(g.dtype)).astype(v.dtype) for v in grads)
+        return tuple(next(it) if a in grads_of else None for a in order)
+
+    function = jax.custom_vjp(value)
+    function.defvjp(forward, backward)
+    return function
+
+
+def linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, *,
+               student_bias=None, teacher_bias=None, beta=0.5, temperature=1.0, hard_weight=0.0,
+               ignore_index=-100, max_workspace_bytes=None):
+    """Knowledge distillation between two heads, the logits never whole, for JAX: the
+    generalised JSD of the student's and the teacher's softmax(logits / T) plus hard_weight
+    times the student's cross entropy, averaged over the counted rows (cupyloss.linear_jsd has
+    the formula).  Differentiable with jax.grad in the student's hidden, weight and bias (their
+    gradients formed with the value); the teacher gets none.
+
+    Returns:
+      0-d float32 (float64 for float64 inputs).
+
+    Example:
+      >>> f = lambda h, w: cupyloss.jax.linear_jsd(h, w, h_teacher, w_teacher, labels)
+      >>> g_h, g_w = jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
+    """
+    from cupyloss import linear, posttrain
+
+    posttrain.check_distill(beta, temperature, hard_weight, target)
+    options = (("beta", float(beta)), ("temperature", linear._temperature(temperature)),
+               ("hard_weight", float(hard_weight)), ("ignore_index", int(ignore_index)),
+               ("max_workspace_bytes", max_workspace_bytes))
+    named = (("target", target), ("student_bias", student_bias),
+             ("teacher_bias", teacher_bias))
+    extra = tuple(k for k, v in named if v is not None)
+    arrays = [jnp.asarray(a) for a in (student_hidden, student_weight, teacher_hidden,
+                                       teacher_weight)]
+    arrays += [jnp.asarray(v) for _, v in named if v is not None]
+    return _jsd_function(options, extra)(*arrays)
+
+
 __all__ = sorted([*LOSSES, "LOSSES", "SKIPPED", "optax_ctc_loss", "linear_cross_entropy",
                   "linear_log_probs", "vocab_parallel_cross_entropy",
                   "vocab_parallel_linear_cross_entropy", "linear_grpo_loss",
-                  "linear_preference_loss"])
+                  "linear_preference_loss", "linear_jsd"])

@@ -51,12 +51,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy
 
 from cupyloss import linear as _linear
 from cupyloss._core import args as _args, source as _source
 from cupyloss._types import Array
 
-__all__ = ["linear_grpo_loss", "linear_grpo_loss_value_and_grad", "GRPO_LOSS_TYPES",
+__all__ = ["linear_grpo_loss", "linear_grpo_loss_value_and_grad", "linear_jsd",
+           "linear_jsd_value_and_grad", "GRPO_LOSS_TYPES",
            "DPO_LOSS_TYPES", "PREFERENCE_LOSSES", "grpo_objective", "preference_objective",
            "Ops"]
 
@@ -584,3 +586,303 @@ def preference_loss(ops, log_probs, kind, hidden, weight, target, bias=None, *,
                              f"or {tuple(target.shape[:1])} (per sequence), got "
                              f"{tuple(ref.shape)}")
     return preference_objective(ops, kind, logp, m, ref, desirable=desirable, **options)
+
+
+# --- distillation: the generalised JSD between two heads ------------------------------------------
+
+DISTILL_STATS = _args.Layout(_source.kernel_words("logprob.cu", "distill_stats"))
+DISTILL_GRAD = _args.Layout(_source.kernel_words("logprob.cu", "distill_grad"))
+
+
+class _Distill:
+    """linear_jsd's head in a _Call's passes: each chunk's (or slice's) student logits beside
+    the teacher's of the same rows and classes (one more product, no gradient), their
+    logsumexps (logprob_stats), each row's divergence and G (distill_stats), then the student's
+    dZ (distill_grad).  The workspace budget is halved for the plan: the teacher's logits take
+    as much as the student's."""
+
+    def __init__(self, teacher_hidden, teacher_weight, teacher_bias, temperature, beta, hard,
+                 counted_all):
+        self.teacher = {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight,
+                        "teacher_bias": teacher_bias}
+        self.temperature, self.beta, self.hard = temperature, beta, hard
+        self.counted_all = counted_all
+
+    @staticmethod
+    def plan_budget(budget):
+        return (_linear.DEFAULT_WORKSPACE_BYTES if budget is None else int(budget)) // 2
+
+    def bind(self, frame, device, shape) -> None:
+        """The teacher's arrays as CuPy views, checked against the student's rows."""
+        from cupyloss._core import dispatch as _dispatch
+
+        views = {}
+        for name, a in self.teacher.items():
+            if a is None:
+                views[name] = None
+                continue
+            _dispatch.check_same_frame(frame, a, a, name, name)
+            op = frame.operand(a, name)
+            if op.device != device:
+                raise ValueError(f"{name} is on CUDA device {op.device} but hidden is on CUDA "
+                                 f"device {device}")
+            views[name] = _linear._plain(frame.cupy_view(op))
+        th, tw, tb = views["teacher_hidden"], views["teacher_weight"], views["teacher_bias"]
+        if tuple(th.shape[:-1]) != tuple(shape):
+            raise ValueError(f"teacher_hidden must have the student's rows {tuple(shape)} and "
+                             f"its own hidden size, got {tuple(th.shape)}")
+        if tw.ndim != 2 or tw.shape[1] != th.shape[-1]:
+            raise ValueError(f"teacher_weight must be (V, {th.shape[-1]}) (teacher_hidden's "
+                             f"last dim), got {tuple(tw.shape)}")
+        if tb is not None and tuple(tb.shape) != (tw.shape[0],):
+            raise ValueError(f"teacher_bias must be ({tw.shape[0]},), got {tuple(tb.shape)}")
+        self.views = views
+
+    def start(self, call) -> None:
+        import cupy
+
+        th, tw, tb = (self.views[k] for k in ("teacher_hidden", "teacher_weight",
+                                              "teacher_bias"))
+        if tw.shape[0] != call.v:
+            raise ValueError(f"teacher_weight has {tw.shape[0]} classes and weight {call.v}; "
+                             f"the two heads must share the vocabulary")
+        for name, a in (("teacher_hidden", th), ("teacher_weight", tw), ("teacher_bias", tb)):
+            if a is not None and a.dtype not in (call.dtype, call.result["hidden"]):
+                raise TypeError(f"{name} has dtype {a.dtype}; the teacher takes the student's "
+                                f"{call.dtype}")
+        n, logit = call.n, call.logit
+        self.tx = call._round(_linear._contiguous(cupy, th.reshape(n, -1)), call.dtype)
+        self.tw = call._round(_linear._contiguous(cupy, tw), call.dtype)
+        self.tb = None if tb is None else call._round(tb, call.dtype)
+        self.th = self.tx.shape[1]
+        t = call.t
+        ignore = int(call.options["ignore_index"])
+        counted = (cupy.ones((n,), logit) if self.counted_all
+                   else (t != ignore).astype(logit))
+        self.counted = counted
+        count = counted.sum()
+        self.scale = (1.0 / cupy.maximum(count, 1)).astype(logit).reshape(1)
+        for name in ("lse_s", "lse_t", "loss", "gsum", "scratch"):
+            setattr(self, name, cupy.empty((n,), logit))
+        self.lse_1 = self.logp_1 = None
+        if self.hard:
+            self.lse_1, self.logp_1 = cupy.empty((n,), logit), cupy.empty((n,), logit)
+        info = _linear._dtypes.DTYPES[logit]
+        self.ctype = info.ctype
+        self.stats_fn = _linear.STATS.bind(_source.function(
+            "logprob.cu", f"cupyloss::logprob_stats<{info.ctype}>").kernel.ptr)
+        self.dstats_fn = DISTILL_STATS.bind(_source.function(
+            "logprob.cu", f"cupyloss::distill_stats<{info.ctype}>").kernel.ptr)
+        self.grad_fns: dict = {}
+        from cupyloss._core import launch as _launch
+
+        self.most = _launch.device_limits(call.device).sm_count * _linear.LP_BLOCKS_PER_SM
+        self.flags = _linear.LP_INDEX64 if t.dtype == numpy.int64 else 0
+        self.zt = None
+
+    def _teacher(self, call, m, k, r0, c0):
+        """The teacher's logits of rows r0 .. r0 + m - 1, classes c0 .. c0 + k - 1 (float32, in
+        a buffer as large as the first such block)."""
+        import cupy
+
+        need = m * k
+        if self.zt is None or self.zt.size < need:
+            self.zt = cupy.empty((need,), call.logit)
+        zt = self.zt[:need].reshape(m, k)
+        if self.tb is not None:
+            zt[...] = self.tb[c0:c0 + k]
+        call.blas.gemm(_linear._OP_T, _linear._OP_N, k, m, self.th, self.tw[c0:c0 + k],
+                       self.th, self.tx[r0:r0 + m], self.th, zt, k,
+                       accumulate=self.tb is not None)
+        return zt
+
+    def _stats(self, call, z, t, r0, r1, temperature, lse, logp):
+        m, v = z.shape
+        words = _linear.STATS.template({
+            "z": z.data.ptr, "tgt": t.data.ptr, "rows": m, "cols": v,
+            "z_rs": z.strides[0] // z.itemsize, "flags": self.flags,
+            "ignore_index": _args.i64_word(int(call.options["ignore_index"])),
+            "temperature": _args.f64_word(temperature), "logp": logp[r0:r1].data.ptr,
+            "ent": 0, "lse": lse[r0:r1].data.ptr})
+        _args.launch(self.stats_fn, (min(m, self.most), 1, 1), (_linear._LP_BLOCK, 1, 1), 0,
+                     call.stream, words)
+
+    def chunk(self, call, z, dz, r0, r1) -> None:
+        m, v = z.shape
+        if m == 0:
+            return
+        zt = self._teacher(call, m, v, r0, 0)
+        t = call.t[r0:r1]
+        self._stats(call, z, t, r0, r1, self.temperature, self.lse_s, self.scratch)
+        self._stats(call, zt, t, r0, r1, self.temperature, self.lse_t, self.scratch)
+        if self.hard:
+            self._stats(call, z, t, r0, r1, 1.0, self.lse_1, self.logp_1)
+        words = DISTILL_STATS.template({
+            "zs": z.data.ptr, "zt": zt.data.ptr,
+            "tgt": 0 if self.counted_all else t.data.ptr, "rows": m, "cols": v,
+            "zs_rs": z.strides[0] // z.itemsize, "zt_rs": zt.strides[0] // zt.itemsize,
+            "flags": self.flags,
+            "ignore_index": _args.i64_word(int(call.options["ignore_index"])),
+            "temperature": _args.f64_word(self.temperature), "beta": _args.f64_word(self.beta),
+            "lse_s": self.lse_s[r0:r1].data.ptr, "lse_t": self.lse_t[r0:r1].data.ptr,
+            "loss": self.loss[r0:r1].data.ptr, "gsum": self.gsum[r0:r1].data.ptr})
+        _args.launch(self.dstats_fn, (min(m, self.most), 1, 1), (_linear._LP_BLOCK, 1, 1), 0,
+                     call.stream, words)
+        if dz is not None:
+            self._grad(call, z, zt, dz, r0, r1, 0)
+
+    def grad(self, call, z, dz, r0, r1, c0) -> None:
+        m, k = z.shape
+        if m == 0 or k == 0:
+            return
+        self._grad(call, z, self._teacher(call, m, k, r0, c0), dz, r0, r1, c0)
+
+    def _grad(self, call, z, zt, dz, r0, r1, c0):
+        m, k = z.shape
+        gtype = _linear._dtypes.DTYPES[dz.dtype].ctype
+        fn = self.grad_fns.get(gtype)
+        if fn is None:
+            fn = self.grad_fns[gtype] = DISTILL_GRAD.bind(_source.function(
+                "logprob.cu", f"cupyloss::distill_grad<{self.ctype}, {gtype}>").kernel.ptr)
+        words = DISTILL_GRAD.template({
+            "zs": z.data.ptr, "zt": zt.data.ptr,
+            "tgt": 0 if self.counted_all else call.t[r0:r1].data.ptr, "rows": m, "cols": k,
+            "zs_rs": z.strides[0] // z.itemsize, "zt_rs": zt.strides[0] // zt.itemsize,
+            "c0": c0, "flags": self.flags,
+            "ignore_index": _args.i64_word(int(call.options["ignore_index"])),
+            "temperature": _args.f64_word(self.temperature), "beta": _args.f64_word(self.beta),
+            "hard": _args.f64_word(self.hard), "lse_s": self.lse_s[r0:r1].data.ptr,
+            "lse_t": self.lse_t[r0:r1].data.ptr,
+            "lse_1": 0 if self.lse_1 is None else self.lse_1[r0:r1].data.ptr,
+            "scale": self.scale.data.ptr, "gsum": self.gsum[r0:r1].data.ptr,
+            "dz": dz.data.ptr, "g_rs": dz.strides[0] // dz.itemsize})
+        _args.launch(fn, (min(m, self.most), 1, 1), (_linear._LP_BLOCK, 1, 1), 0, call.stream,
+                     words)
+
+    def results(self, shape):
+        """(loss,): the counted rows' mean divergence plus hard x their mean cross entropy."""
+        total = (self.loss * self.counted).sum()
+        if self.hard:
+            total = total + self.hard * (-self.logp_1 * self.counted).sum()
+        return (total * self.scale[0],)
+
+
+def check_distill(beta, temperature, hard_weight, target):
+    """The distillation's options, refused before any launch."""
+    if not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
+    if not 0.0 <= float(hard_weight) < math.inf:
+        raise ValueError(f"hard_weight must be a finite number >= 0, got {hard_weight}")
+    if float(hard_weight) and target is None:
+        raise ValueError("hard_weight weighs the student's cross entropy on target: pass target")
+    _linear._temperature(temperature)
+
+
+def _jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
+         teacher_bias, beta, temperature, hard_weight, ignore_index, max_workspace_bytes,
+         names):
+    check_distill(beta, temperature, hard_weight, target)
+    counted_all = target is None
+    if counted_all:
+        target = _zero_targets(student_hidden)
+    head = _Distill(teacher_hidden, teacher_weight, teacher_bias,
+                    _linear._temperature(temperature), float(beta), float(hard_weight),
+                    counted_all)
+    (loss,), grads, _ = _linear._run(
+        student_hidden, student_weight, target, student_bias, None, ignore_index, "none", 0.0,
+        0.0, 0.0, head.plan_budget(max_workspace_bytes), False, names, 1.0, False, head=head)
+    return loss.reshape(()), tuple(grads[n] for n in names)
+
+
+def _zero_targets(hidden):
+    """Class 0 for every row of `hidden` (int32, in its framework): linear_jsd without targets
+    counts every row and reads no target."""
+    kind = type(hidden).__module__.split(".")[0]
+    shape = tuple(hidden.shape[:-1])
+    if kind == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=torch.int32, device=hidden.device)
+    if kind in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.zeros(shape, jnp.int32)
+    import cupy
+
+    with cupy.cuda.Device(hidden.device.id if hasattr(hidden.device, "id") else hidden.device):
+        return cupy.zeros(shape, cupy.int32)
+
+
+def linear_jsd(student_hidden: Array, student_weight: Array, teacher_hidden: Array,
+               teacher_weight: Array, target: Array | None = None, *,
+               student_bias: Array | None = None, teacher_bias: Array | None = None,
+               beta: float = 0.5, temperature: float = 1.0, hard_weight: float = 0.0,
+               ignore_index: int = -100, max_workspace_bytes: int | None = None) -> Any:
+    """Knowledge distillation on two language-model heads: the generalised Jensen-Shannon
+    divergence between the student's and the teacher's softmax(logits / T), neither head's
+    logits ever whole.
+
+    With Q = softmax(Xs Ws^T / T) (the student), P = softmax(Xt Wt^T / T) (the teacher) and
+    M = beta P + (1 - beta) Q, per row: ``JSD_beta = beta KL(P || M) + (1 - beta) KL(Q || M)``
+    (beta = 0: the forward KL(P || Q); 1: the reverse KL(Q || P)), as Liger-Kernel's
+    LigerFusedLinearJSDLoss and cupyloss.jsd define it; the loss is
+
+      ``mean_rows JSD_beta + hard_weight * mean_rows cross_entropy(Xs Ws^T, target)``
+
+    over the counted rows (target != ignore_index; every row without a target), 0 when none
+    counts.  The teacher gets no gradient.  Teacher and student may differ in hidden size.
+
+    Args:
+      student_hidden: (..., Hs) float16, bfloat16, float32 or float64; student_weight (V, Hs).
+      teacher_hidden: (..., Ht), the student's rows; teacher_weight (V, Ht); the student's
+        dtype.
+      target: None or int32/int64 class indices of the rows' shape (ignore_index: not
+        counted).
+      student_bias, teacher_bias: None or (V,).
+      beta: in [0, 1].  temperature: > 0.  hard_weight: >= 0 (needs target).
+      ignore_index, max_workspace_bytes: as for linear_cross_entropy (the teacher's logits
+        take half the budget).
+
+    Returns:
+      0-d float32 (float64 for float64 inputs).
+
+    Example:
+      >>> loss = cupyloss.linear_jsd(h_s, w_s, h_t, w_t, labels, beta=0.5, temperature=2.0)
+    """
+    return _jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+                student_bias, teacher_bias, beta, temperature, hard_weight, ignore_index,
+                max_workspace_bytes, ())[0]
+
+
+def linear_jsd_value_and_grad(student_hidden: Array, student_weight: Array,
+                              teacher_hidden: Array, teacher_weight: Array,
+                              target: Array | None = None, *, student_bias: Array | None = None,
+                              teacher_bias: Array | None = None, beta: float = 0.5,
+                              temperature: float = 1.0, hard_weight: float = 0.0,
+                              ignore_index: int = -100, max_workspace_bytes: int | None = None,
+                              wrt: str | Sequence[str] | None = None) -> tuple[Any, Any]:
+    """linear_jsd and its gradients with respect to the student's hidden, weight and bias in
+    one pass (three products a chunk for the student, one for the teacher).
+
+    Per element of the student's logits z (x = log Q, g_c = (1 - beta) Q_c (x_c - log M_c),
+    G = sum_c g_c; beta = 0: g_c = -P_c; the row's scale s = 1 / counted rows):
+
+      ``dloss/dz_c = s ((g_c - Q_c G) / T + hard_weight (softmax(z)_c - [c == y]))``
+
+    then dZ rounded to the student's dtype and the products of linear_cross_entropy's plans.
+
+    Args:
+      As linear_jsd; wrt: 'hidden', 'weight', 'bias' (the student's) or a tuple of them
+      (default hidden and weight).
+
+    Returns:
+      ``(loss, grads)``: grads as wrt names them (a tuple, or one array for a single name).
+
+    Example:
+      >>> loss, (g_h, g_w) = cupyloss.linear_jsd_value_and_grad(h_s, w_s, h_t, w_t, labels)
+    """
+    names, single = _linear._names(wrt)
+    loss, grads = _jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+                       student_bias, teacher_bias, beta, temperature, hard_weight, ignore_index,
+                       max_workspace_bytes, names)
+    return loss, grads[0] if single else grads

@@ -268,4 +268,147 @@ __global__ void __launch_bounds__(LP_BLOCK) grpo_tokens(
     }
 }
 
+// Distillation (cupyloss.posttrain.linear_jsd): the generalised Jensen-Shannon divergence
+// between a student's and a teacher's softmax(logits / T), per row of a chunk (or of a slice of
+// the classes) of both heads' float32 logits, with the log-probabilities x = zs / T - lse_s
+// (log Q, the student) and y = zt / T - lse_t (log P, the teacher) and M = beta P + (1 - beta) Q
+// (the derivation is rowclass.cu's jsd):
+//   l   = sum_c beta P_c (y_c - log M_c) + (1 - beta) Q_c (x_c - log M_c)
+//   g_c = dl/dx_c = (1 - beta) Q_c (x_c - log M_c)        (beta = 0: -P_c; 1: Q_c (x_c - y_c + 1))
+// and through x's log_softmax, dl/dzs_c = (g_c - Q_c sum_k g_k) / T.  With the hard loss's
+// weight h (the student's cross entropy at temperature 1 on the target, p1 = softmax(zs)) and
+// the row's scale s (1 / the counted rows, read on the device):
+//   dz_c = s ((g_c - Q_c G) / T + h (p1_c - [c == y]))
+//   distill_stats   per row: l (loss) and G = sum_c g_c (both 0 for a row not counted)
+//   distill_grad    dz of the slice's elements from lse_s, lse_t, lse_1 (h != 0) and G
+// A row is not counted where tgt is given and its target is ignore_index: its dz is 0.
+// The parameters, one 64-bit word each, in this order:
+//   zs, zt         [rows, cols] the student's and the teacher's logits of classes c0 .. c0 +
+//                  cols - 1 (all of them for distill_stats), row r at r * zs_rs, r * zt_rs
+//   tgt            int32/int64 [rows] targets, or null (every row counts)
+//   rows, cols, zs_rs, zt_rs, c0, flags (LP_*), ignore_index, temperature, beta, hard (doubles)
+//   lse_s, lse_t   [rows] logsumexp of zs / T and zt / T (logprob_stats')
+//   lse_1          [rows] logsumexp of zs (temperature 1), read where hard != 0
+//   scale          [1] s
+//   loss, gsum     [rows] l and G (distill_stats writes them, distill_grad reads G)
+//   dz, g_rs       [rows, cols] the student's gradient, row r at r * g_rs (distill_grad)
+template <typename A>
+__device__ __forceinline__ void jsd_term(A x, A y, double beta, A& l, A& g) {
+    if (beta == 0.0) {                                // forward KL(P || Q)
+        const A p = exp(y);
+        l = p != A(0) ? p * (y - x) : A(0);
+        g = -p;
+    } else if (beta == 1.0) {                         // reverse KL(Q || P)
+        const A q = exp(x);
+        l = q != A(0) ? q * (x - y) : A(0);
+        g = q != A(0) ? q * (x - y + A(1)) : A(0);
+    } else {
+        const A mx = x > y ? x : y;
+        const A a = exp(y - mx), b = exp(x - mx);
+        const A log_m = mx + log(A(beta) * a + A(1.0 - beta) * b);
+        const A p = exp(y), q = exp(x);
+        const A tp = p != A(0) ? A(beta) * p * (y - log_m) : A(0);
+        const A tq = q != A(0) ? A(1.0 - beta) * q * (x - log_m) : A(0);
+        l = tp + tq;
+        g = tq;
+    }
+}
+
+template <typename A>
+__device__ __forceinline__ A block_sum2(A v, A& w) {
+    __shared__ A part[2][LP_BLOCK / 32];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+        w += __shfl_xor_sync(0xffffffffu, w, o);
+    }
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+        part[0][warp] = v;
+        part[1][warp] = w;
+    }
+    __syncthreads();
+    A sv = part[0][0], sw = part[1][0];
+    for (int k = 1; k < warps; ++k) {                 // the warps in order: deterministic
+        sv += part[0][k];
+        sw += part[1][k];
+    }
+    __syncthreads();
+    w = sw;
+    return sv;
+}
+
+template <typename A>
+__global__ void __launch_bounds__(LP_BLOCK) distill_stats(
+        const A* __restrict__ zs, const A* __restrict__ zt, const void* __restrict__ tgt,
+        const long long rows, const long long cols, const long long zs_rs,
+        const long long zt_rs, const long long flags, const long long ignore_index,
+        const double temperature, const double beta, const A* __restrict__ lse_s,
+        const A* __restrict__ lse_t, A* __restrict__ loss, A* __restrict__ gsum) {
+    const A inv = A(1.0 / temperature);
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const bool counted = tgt == nullptr || lp_target<A>(tgt, r, flags) != ignore_index;
+        if (!counted) {                               // uniform over the block
+            if (threadIdx.x == 0) loss[r] = gsum[r] = A(0);
+            continue;
+        }
+        const A ls = lse_s[r], lt = lse_t[r];
+        const A* rs = zs + r * zs_rs;
+        const A* rt = zt + r * zt_rs;
+        A l_sum = A(0), g_sum = A(0);
+        for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+            A l, g;
+            jsd_term(rs[c] * inv - ls, rt[c] * inv - lt, beta, l, g);
+            l_sum += l;
+            g_sum += g;
+        }
+        l_sum = block_sum2(l_sum, g_sum);
+        if (threadIdx.x == 0) {
+            loss[r] = l_sum;
+            gsum[r] = g_sum;
+        }
+    }
+}
+
+template <typename A, typename G>
+__global__ void __launch_bounds__(LP_BLOCK) distill_grad(
+        const A* zs, const A* __restrict__ zt, const void* __restrict__ tgt,
+        const long long rows, const long long cols, const long long zs_rs,
+        const long long zt_rs, const long long c0, const long long flags,
+        const long long ignore_index, const double temperature, const double beta,
+        const double hard, const A* __restrict__ lse_s, const A* __restrict__ lse_t,
+        const A* __restrict__ lse_1, const A* __restrict__ scale, const A* __restrict__ gsum,
+        G* dz, const long long g_rs) {
+    const A inv = A(1.0 / temperature);
+    const A s = scale[0];
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const long long y = tgt != nullptr ? lp_target<A>(tgt, r, flags) : -1;
+        const bool counted = tgt == nullptr || y != ignore_index;
+        const A ls = lse_s[r], lt = lse_t[r], gs = gsum[r];
+        const A l1 = hard != 0.0 ? lse_1[r] : A(0);
+        const A* rs = zs + r * zs_rs;
+        const A* rt = zt + r * zt_rs;
+        G* out = dz + r * g_rs;
+        const long long yc = y - c0;
+        #pragma unroll 4
+        for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+            A v = A(0);
+            if (counted) {
+                const A z = rs[c];
+                const A x = z * inv - ls;
+                A l, g;
+                jsd_term(x, rt[c] * inv - lt, beta, l, g);
+                v = (g - exp(x) * gs) * inv;
+                if (hard != 0.0) {
+                    A d = exp(z - l1);
+                    if (c == yc) d -= A(1);
+                    v += A(hard) * d;
+                }
+                v *= s;
+            }
+            out[c] = from_acc<G>(v);
+        }
+    }
+}
+
 }  // namespace cupyloss

@@ -210,3 +210,58 @@ def head_gradients(hidden, weight, target, g_lp, g_ent, bias=None, temperature=1
     if bias is not None:
         grads["bias"] = dz.reshape(-1, dz.shape[-1]).sum(0)
     return grads
+
+
+def jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None,
+        student_bias=None, teacher_bias=None, beta=0.5, temperature=1.0, hard_weight=0.0,
+        ignore_index=-100):
+    """Distillation (Liger-Kernel's fused linear JSD): (loss, {student gradients}) in float64.
+
+    Per row, Q and P the student's and the teacher's softmax(z / T), M = beta P + (1 - beta) Q:
+    l = beta KL(P || M) + (1 - beta) KL(Q || M) (beta 0: KL(P || Q); 1: KL(Q || P)); the loss is
+    the counted rows' mean of l plus hard_weight times their mean cross entropy of z (T = 1).
+    The gradient goes through the probabilities: dl/dQ_c, then softmax's Jacobian
+    Q_c (dl/dQ_c - sum_k Q_k dl/dQ_k) / T."""
+    xs = _f64(student_hidden).reshape(-1, np.shape(student_hidden)[-1])
+    ws = _f64(student_weight)
+    zs = xs @ ws.T + (0 if student_bias is None else _f64(student_bias))
+    xt = _f64(teacher_hidden).reshape(-1, np.shape(teacher_hidden)[-1])
+    zt = xt @ _f64(teacher_weight).T + (0 if teacher_bias is None else _f64(teacher_bias))
+
+    def log_softmax(z):
+        m = z.max(-1, keepdims=True)
+        return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+
+    log_q, log_p = log_softmax(zs / temperature), log_softmax(zt / temperature)
+    q, p = np.exp(log_q), np.exp(log_p)
+    if beta == 0.0:
+        rows = (p * (log_p - log_q)).sum(-1)
+        dq = -p / np.where(q > 0, q, 1.0)
+    elif beta == 1.0:
+        rows = (q * (log_q - log_p)).sum(-1)
+        dq = log_q - log_p + 1.0
+    else:
+        m = beta * p + (1 - beta) * q
+        log_m = np.log(m)
+        rows = (beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)).sum(-1)
+        dq = -beta * p * (1 - beta) / m + (1 - beta) * (log_q - log_m) \
+            + (1 - beta) * (1 - (1 - beta) * q / m)
+    dz = q * (dq - (q * dq).sum(-1, keepdims=True)) / temperature
+    n = zs.shape[0]
+    t = np.zeros(n, np.int64) if target is None else np.asarray(target).reshape(-1)
+    counted = np.ones(n) if target is None else (t != ignore_index).astype(np.float64)
+    count = max(counted.sum(), 1.0)
+    loss = (rows * counted).sum() / count
+    if hard_weight:
+        lp1 = log_softmax(zs)
+        safe = np.where(counted > 0, t, 0)
+        loss += hard_weight * -(np.take_along_axis(lp1, safe[:, None], -1)[:, 0]
+                                * counted).sum() / count
+        d = np.exp(lp1)
+        d[np.arange(n), safe] -= 1.0
+        dz = dz + hard_weight * d
+    dz = dz * (counted / count)[:, None]
+    grads = {"hidden": (dz @ ws).reshape(np.shape(student_hidden)), "weight": dz.T @ xs}
+    if student_bias is not None:
+        grads["bias"] = dz.sum(0)
+    return loss, grads

@@ -233,3 +233,49 @@ def test_bad_input_is_refused(call, message):
     h, w, _, t, _ = _case(5)
     with pytest.raises(ValueError, match=message):
         call(h, w, t)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("hard, with_target", [(0.0, False), (0.0, True), (0.4, True)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_jsd_cpu_path_matches_float64(beta, hard, with_target, compiled):
+    """linear_jsd on CPU tensors: eager (torch's autograd of the formula) and under
+    torch.compile (the registered op and its closed-form backward) against the float64
+    reference; the teacher's hidden size differs from the student's and gets no gradient."""
+    h, w, b, t, gen = _case(7)
+    ht = torch.randn(B, T, 3, generator=gen)
+    wt = torch.randn(V, 3, generator=gen)
+    bt = torch.randn(V, generator=gen)
+    target = t if with_target else None
+    leaves = [a.clone().requires_grad_() for a in (h, w, b)]
+    teacher = [a.clone().requires_grad_() for a in (ht, wt)]
+
+    def run(h, w, b):
+        return CF.linear_jsd(h, w, *teacher, target, student_bias=b, teacher_bias=bt,
+                             beta=beta, temperature=1.7, hard_weight=hard)
+
+    if compiled:
+        torch._dynamo.reset()        # each case's options are constants of its own graph
+    fn = torch.compile(run, fullgraph=True, backend="aot_eager") if compiled else run
+    loss = fn(*leaves)
+    (3.0 * loss).backward()
+    want, grads = ref.jsd(h.numpy(), w.numpy(), ht.numpy(), wt.numpy(),
+                          None if target is None else target.numpy(), b.numpy(), bt.numpy(),
+                          beta, 1.7, hard)
+    np.testing.assert_allclose(float(loss.detach()), want, rtol=1e-5, atol=1e-6)
+    for leaf, name in zip(leaves, ("hidden", "weight", "bias")):
+        np.testing.assert_allclose(leaf.grad.double().numpy(), 3.0 * grads[name], rtol=1e-4,
+                                   atol=1e-5 * np.abs(grads[name]).max(), err_msg=name)
+    assert all(a.grad is None for a in teacher)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda h, w, t: CF.linear_jsd(h, w, h, w, t, beta=1.5), r"beta must be in \[0, 1\]"),
+    (lambda h, w, t: CF.linear_jsd(h, w, h, w, hard_weight=0.5), "pass target"),
+    (lambda h, w, t: CF.linear_jsd(h, w, h, w, t, temperature=0.0),
+     "temperature must be a positive"),
+])
+def test_jsd_bad_input_is_refused(call, message):
+    h, w, _, t, _ = _case(8)
+    with pytest.raises(ValueError, match=message):
+        call(h, w, t)

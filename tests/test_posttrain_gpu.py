@@ -281,3 +281,78 @@ def test_jax_under_jit_value_and_grad_against_float64(kind):
     want_g = ref.head_gradients(host[0], host[1], t, g_lp, g_ent)
     for got, name in zip(grads, ("hidden", "weight")):
         assert _err(np.asarray(got, np.float64), want_g[name]) <= TOL_GRAD["float32"], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.float64)], ids=str)
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("beta, hard", [(0.5, 0.0), (0.0, 0.3), (1.0, 0.0), (0.2, 0.5)])
+def test_fused_jsd_against_float64(dtype, budget, beta, hard):
+    """linear_jsd_value_and_grad in every plan (the teacher's logits formed beside the
+    student's chunks and slices) against the float64 reference; the value alone is the one
+    pass's bitwise; teacher hidden 48 against the student's 64; no target when hard is 0 and
+    beta is 0.5 (every row counts)."""
+    import cupy
+
+    import cupyloss
+
+    host, t, rng = _inputs(dtype, seed=9)
+    ht = (rng.standard_normal((B, T, 48)) * 0.5).astype(dtype).astype(np.float64)
+    wt = (rng.standard_normal((V, 48)) * 0.5).astype(dtype).astype(np.float64)
+    bt = (rng.standard_normal(V) * 0.5).astype(dtype).astype(np.float64)
+    target = None if (beta == 0.5 and not hard) else t
+    x, w, b = _device(cupy, host, dtype)
+    xt, wtd, btd = _device(cupy, [ht, wt, bt], dtype)
+    kw = dict(student_bias=b, teacher_bias=btd, beta=beta, temperature=1.3, hard_weight=hard,
+              max_workspace_bytes=BUDGETS[budget])
+    tgt = None if target is None else cupy.asarray(target)
+    wrt = ("hidden", "weight", "bias")
+    loss, grads = cupyloss.linear_jsd_value_and_grad(x, w, xt, wtd, tgt, wrt=wrt, **kw)
+    want, want_g = ref.jsd(host[0], host[1], ht, wt, target, host[2], bt, beta, 1.3, hard)
+    wide = dtype == np.float64
+    assert loss.shape == () and loss.dtype == (np.float64 if wide else np.float32)
+    assert abs(float(loss) - want) <= (1e-12 if wide else 2e-5) * max(abs(want), 1e-3)
+    for name, got in zip(wrt, grads):
+        assert got.dtype == dtype
+        limit = 1e-10 if wide else TOL_GRAD[str(dtype)]
+        assert _err(cupy.asnumpy(got.astype(np.float64)), want_g[name]) <= limit, name
+    assert cupy.array_equal(cupyloss.linear_jsd(x, w, xt, wtd, tgt, **kw), loss)
+
+
+def test_torch_and_jax_jsd_against_float64():
+    """cupyloss.torch.linear_jsd (eager fused, and compiled: the registered op) and
+    cupyloss.jax.linear_jsd under jit(grad) against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cupyloss.jax as CJ
+    import cupyloss.torch as CF
+
+    host, t, rng = _inputs(np.dtype(np.float32), seed=10)
+    ht = rng.standard_normal((B, T, 80)).astype(np.float32) * 0.5
+    wt = rng.standard_normal((V, 80)).astype(np.float32) * 0.5
+    want, want_g = ref.jsd(host[0], host[1], ht, wt, t, None, None, 0.3, 2.0, 0.25)
+    h, w = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in host[:2])
+    th, tw = (torch.tensor(a, device="cuda") for a in (ht, wt))
+    tt = torch.tensor(t, device="cuda")
+
+    def step(h, w):
+        return CF.linear_jsd(h, w, th, tw, tt, beta=0.3, temperature=2.0, hard_weight=0.25)
+
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+        loss = fn(*leaves)
+        loss.backward()
+        assert abs(float(loss.detach()) - want) <= 2e-5 * abs(want)
+        for leaf, name in zip(leaves, ("hidden", "weight")):
+            assert _err(leaf.grad.double().cpu().numpy(), want_g[name]) <= TOL_GRAD["float32"]
+
+    def f(h, w):
+        return CJ.linear_jsd(h, w, jnp.asarray(ht), jnp.asarray(wt), jnp.asarray(t, jnp.int32),
+                             beta=0.3, temperature=2.0, hard_weight=0.25)
+
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(
+        *(jnp.asarray(a, jnp.float32) for a in host[:2]))
+    assert abs(float(loss) - want) <= 2e-5 * abs(want)
+    for got, name in zip(grads, ("hidden", "weight")):
+        assert _err(np.asarray(got, np.float64), want_g[name]) <= TOL_GRAD["float32"], name

@@ -402,13 +402,14 @@ def linear_names(info) -> list[str]:
 def logprob_names(info) -> list[str]:
     """The logprob.cu kernels linear_log_probs (and linear_grpo_loss) runs on inputs of
     `info`'s dtype: the statistics of its logits' dtype (float32; float64 for float64), the
-    gradient stored in the logits' dtype and, for 16-bit inputs, in theirs, and the policy
-    objective's per-token step."""
+    gradient stored in the logits' dtype and, for 16-bit inputs, in theirs, the policy
+    objective's per-token step and the distillation's statistics and gradient."""
     logits = "double" if info.dtype.itemsize == 8 else "float"
     grads = dict.fromkeys((logits, info.ctype if info.dtype.itemsize == 2 else logits))
     return [f"cupyloss::logprob_stats<{logits}>",
             *(f"cupyloss::logprob_grad<{logits}, {g}>" for g in grads),
-            f"cupyloss::grpo_tokens<{logits}>"]
+            f"cupyloss::grpo_tokens<{logits}>", f"cupyloss::distill_stats<{logits}>",
+            *(f"cupyloss::distill_grad<{logits}, {g}>" for g in grads)]
 
 
 def rowclass_names(info, loss: int) -> list[str]:
@@ -428,7 +429,7 @@ def rowpair_names(info, op: str) -> list[str]:
 
 # Losses outside the registry's families, built from their kernels: the fused linear cross
 # entropy (cupyloss.linear).
-FUSED_LOSSES = ("linear_cross_entropy", "linear_log_probs", "linear_grpo_loss")
+FUSED_LOSSES = ("linear_cross_entropy", "linear_log_probs", "linear_grpo_loss", "linear_jsd")
 
 
 def reachable(loss: str, dtype) -> list[tuple[str, str]]:

@@ -11,6 +11,14 @@ cross entropy); the gradients of hidden and weight:
   XLA log-probs       log_softmax((h @ W.T) / T) gathered, and its entropy, in float32; the
                       objective -(A logp).mean() - 0.01 H.mean()
   cupyloss log-probs  cupyloss.jax.linear_log_probs with the same objective
+  XLA GRPO            TRL's 'dapo' GRPO loss (beta 0.04, clip 0.2) in jnp on the float32
+                      logits' log-probs, the rows as sequences of 1024
+  cupyloss GRPO       cupyloss.jax.linear_grpo_loss, the same options
+  XLA DPO             TRL's sigmoid DPO (beta 0.1, reference log-probs given per token) in jnp
+  cupyloss DPO        cupyloss.jax.linear_preference_loss("dpo", ...)
+  XLA distill         the JSD (beta 0.5) of the student's and a teacher head's softmax plus the
+                      student's cross entropy, in jnp on both heads' float32 logits
+  cupyloss distill    cupyloss.jax.linear_jsd(..., hard_weight=1.0)
 
 Each row: median ms of the jitted step (block_until_ready), and XLA's own account of the step's
 temporary memory (compiled memory_analysis: temp bytes, which hold cupyloss's workspace too).
@@ -29,6 +37,8 @@ def main(argv=None) -> list[dict]:
     ap = _timing.arguments("python -m cupyloss.bench.jax_head", __doc__, 10)
     ap.add_argument("--rows", default="8192", help="BT values, comma-separated")
     ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--only", default="", help="run only the rows whose names contain one of "
+                    "these comma-separated words")
     args = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -70,10 +80,63 @@ def main(argv=None) -> list[dict]:
             lp, ent = JL.linear_log_probs(h, w, tp, temperature=temp, return_entropy=True)
             return -(adv * lp).mean() - 0.01 * ent.mean()
 
+        seqs = (bt // 1024, 1024)
+        ts = tp.reshape(seqs)
+        adv_s = adv[:seqs[0]]
+        old = -11.0 + 0.1 * jax.random.normal(k[2], seqs)
+        ref = -11.0 + 0.1 * jax.random.normal(k[1], seqs)
+
+        def logp_xla(h, w, tt):
+            z = jnp.dot(h, w.T, preferred_element_type=jnp.float32)
+            lp = jnp.take_along_axis(jax.nn.log_softmax(z, -1), tt.reshape(-1)[:, None], -1)
+            return lp[:, 0].reshape(tt.shape)
+
+        def xla_grpo(h, w):
+            lp = logp_xla(h, w, ts)
+            coef = jnp.exp(lp - old)
+            per = -jnp.minimum(coef * adv_s[:, None], jnp.clip(coef, 0.8, 1.2) * adv_s[:, None])
+            per = per + 0.04 * (jnp.exp(ref - lp) - (ref - lp) - 1.0)
+            return per.mean()
+
+        def ours_grpo(h, w):
+            return JL.linear_grpo_loss(h.reshape(*seqs, H), w, ts, adv_s, old_log_probs=old,
+                                       ref_log_probs=ref, beta=0.04)[0]
+
+        def xla_dpo(h, w):
+            s = logp_xla(h, w, ts).sum(-1)
+            s0 = ref.sum(-1)
+            half = seqs[0] // 2
+            z = (s[:half] - s[half:]) - (s0[:half] - s0[half:])
+            return -jax.nn.log_sigmoid(0.1 * z).mean()
+
+        def ours_dpo(h, w):
+            return JL.linear_preference_loss("dpo", h.reshape(*seqs, H), w, ts,
+                                             ref_log_probs=ref)[0]
+
+        ht = (jax.random.normal(k[2], (bt, H)) * 0.5).astype(jnp.bfloat16)
+        wt = (jax.random.normal(k[3], (V, H)) * 0.02).astype(jnp.bfloat16)
+
+        def xla_distill(h, w):
+            x = jax.nn.log_softmax(jnp.dot(h, w.T, preferred_element_type=jnp.float32), -1)
+            y = jax.nn.log_softmax(jax.lax.stop_gradient(
+                jnp.dot(ht, wt.T, preferred_element_type=jnp.float32)), -1)
+            log_m = jnp.logaddexp(x, y) - jnp.log(2.0)
+            jsd = 0.5 * jnp.sum(jnp.exp(y) * (y - log_m) + jnp.exp(x) * (x - log_m), -1)
+            ce = -jnp.take_along_axis(x, tp[:, None], -1)[:, 0]
+            return (jsd + ce).mean()
+
+        def ours_distill(h, w):
+            return JL.linear_jsd(h, w, ht, wt, tp, beta=0.5, hard_weight=1.0)
+
         print(f"{device}: hidden ({bt}, {H}), weight ({V}, {H}) bf16, jit(value_and_grad)")
         print(f"{'implementation':22} {'ms':>8} {'temp GiB':>9} {'value':>12}")
         for name, fn in (("XLA cross entropy", xla_ce), ("cupyloss", ours_ce),
-                         ("XLA log-probs", xla_lp), ("cupyloss log-probs", ours_lp)):
+                         ("XLA log-probs", xla_lp), ("cupyloss log-probs", ours_lp),
+                         ("XLA GRPO", xla_grpo), ("cupyloss GRPO", ours_grpo),
+                         ("XLA DPO", xla_dpo), ("cupyloss DPO", ours_dpo),
+                         ("XLA distill", xla_distill), ("cupyloss distill", ours_distill)):
+            if args.only and not any(o in name for o in args.only.split(",")):
+                continue
             step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
             try:
                 compiled = step.lower(h, w).compile()

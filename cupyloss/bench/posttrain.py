@@ -11,15 +11,17 @@ weight.  Families (the sizes the post-training issue names):
   dpo        8 pairs x 1024 tokens (16 sequences, the first quarter of each a prompt), the
              reference a frozen head (its own hidden states, the same weight), sigmoid, beta 0.1
   dpo-long   4 pairs x 4096 tokens, as dpo
+  distill    8 x 1024 tokens, a teacher head of the same shape (its own hidden states and
+             weight), 0.5 x (JSD at beta 0.5 + the student's cross entropy), Liger's default mix
 
 Implementations:
 
   torch eager      logits = (h @ W.T).float(), log_softmax, gather, TRL's formula
   torch.compile    the same function compiled
-  Liger-Kernel     liger_kernel.chunked_loss's LigerFusedLinearGRPOLoss / LigerFusedLinearDPOLoss
-                   (when importable; compiled=True, its default chunks)
-  cupyloss         cupyloss.torch.linear_grpo_loss / linear_dpo_loss at each workspace budget
-                   (MiB)
+  Liger-Kernel     liger_kernel.chunked_loss's LigerFusedLinearGRPOLoss, LigerFusedLinearDPOLoss,
+                   LigerFusedLinearJSDLoss (when importable; compiled=True, its default chunks)
+  cupyloss         cupyloss.torch.linear_grpo_loss / linear_dpo_loss / linear_jsd at each
+                   workspace budget (MiB)
 
 Each row: median ms, the peak memory above the inputs (GiB, gradients included) and beyond the
 gradients, and the errors of the loss and of the hidden gradient (largest |error| over largest
@@ -31,7 +33,7 @@ from __future__ import annotations
 from cupyloss.bench import _timing
 from cupyloss.bench.linear import H, V
 
-FAMILIES = {"grpo": (8, 1024), "dpo": (16, 1024), "dpo-long": (8, 4096)}
+FAMILIES = {"grpo": (8, 1024), "dpo": (16, 1024), "dpo-long": (8, 4096), "distill": (8, 1024)}
 BETA_GRPO, BETA_DPO = 0.04, 0.1
 
 
@@ -77,6 +79,8 @@ def _reference(torch, family, h, w, t, extra):
                        * (flat_t[r:r + 1024] != -100))
         return torch.cat(out).reshape(t.shape)
 
+    if family == "distill":
+        return _reference_distill(torch, h, w, t, *extra)
     lp = logp_of(flat_h).requires_grad_()
     if family == "grpo":
         adv, old, ref = extra
@@ -98,6 +102,39 @@ def _reference(torch, family, h, w, t, extra):
     return float(loss), gx.reshape(h.shape)
 
 
+def _distill_formula(torch, zs, zt, t):
+    """0.5 (JSD_0.5 + cross entropy) of float logits (rows, V), Liger's default mix, over the
+    counted rows."""
+    x, y = zs.log_softmax(-1), zt.log_softmax(-1)
+    log_m = torch.logaddexp(x, y) - torch.log(torch.tensor(2.0, device=zs.device))
+    per = 0.5 * (y.exp() * (y - log_m) + x.exp() * (x - log_m)).sum(-1)
+    counted = t != -100
+    n = counted.sum().clamp(min=1)
+    ce = -x.gather(-1, t.clamp(min=0)[:, None])[:, 0]
+    return 0.5 * ((per * counted).sum() + (ce * counted).sum()) / n
+
+
+def _reference_distill(torch, h, w, t, th, tw):
+    """(float64 loss, float64 student hidden gradient) of _distill_formula, in chunks: the
+    formula's gradient in the student's logits by autograd, a chunk at a time."""
+    wd, twd = w.double(), tw.double()
+    flat_h, flat_t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
+    flat_th = th.reshape(-1, th.shape[-1])
+    total = 0.0
+    gx = torch.empty(flat_h.shape, dtype=torch.float64, device=h.device)
+    for r in range(0, flat_t.numel(), 1024):
+        zs = (flat_h[r:r + 1024].double() @ wd.T).requires_grad_()
+        zt = flat_th[r:r + 1024].double() @ twd.T
+        # the formula's own count is the chunk's: scale to the whole batch's
+        tt = flat_t[r:r + 1024]
+        part = _distill_formula(torch, zs, zt, tt) * tt.ne(-100).sum().clamp(min=1)
+        (g,) = torch.autograd.grad(part, zs)
+        total += float(part)
+        gx[r:r + 1024] = g @ wd
+    n = max(int(flat_t.ne(-100).sum()), 1)
+    return total / n, (gx / n).reshape(h.shape)
+
+
 def _candidates(torch, family, budgets):
     import cupyloss.torch as CF
 
@@ -108,12 +145,21 @@ def _candidates(torch, family, budgets):
                 CF.linear_grpo_loss(h, w, t, adv, old_log_probs=old, ref_log_probs=ref,
                                     beta=BETA_GRPO, loss_type="dapo",
                                     max_workspace_bytes=b)[0]))(mib << 20)
+        elif family == "distill":
+            out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t, th, tw: 0.5 * CF.linear_jsd(
+                h, w, th, tw, t, beta=0.5, hard_weight=1.0, max_workspace_bytes=b))(mib << 20)
         else:
             out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t, rh: CF.linear_dpo_loss(
                 h, w, t, ref_hidden=rh, ref_weight=w.detach(), beta=BETA_DPO,
                 max_workspace_bytes=b)[0])(mib << 20)
 
-    if family == "grpo":
+    if family == "distill":
+        def naive(h, w, t, th, tw):
+            with torch.no_grad():
+                zt = (th @ tw.T).float().reshape(-1, tw.shape[0])
+            zs = (h @ w.T).float().reshape(-1, w.shape[0])
+            return _distill_formula(torch, zs, zt, t.reshape(-1))
+    elif family == "grpo":
         def naive(h, w, t, adv, old, ref):
             return _grpo_formula(torch, _logits_lp(torch, h, w, t), t, adv, old, ref)
     else:
@@ -124,10 +170,18 @@ def _candidates(torch, family, budgets):
     out["torch eager"] = naive
     out["torch.compile"] = torch.compile(naive)
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss, LigerFusedLinearGRPOLoss
+        from liger_kernel.chunked_loss import (
+            LigerFusedLinearDPOLoss, LigerFusedLinearGRPOLoss, LigerFusedLinearJSDLoss)
     except Exception:     # not installed here
         return out
-    if family == "grpo":
+    if family == "distill":
+        liger_jsd = LigerFusedLinearJSDLoss(weight_hard_loss=0.5, weight_soft_loss=0.5,
+                                            beta=0.5)
+
+        def run_liger(h, w, t, th, tw):
+            return liger_jsd(h.reshape(-1, h.shape[-1]), w, th.reshape(-1, th.shape[-1]), tw,
+                             t.reshape(-1))
+    elif family == "grpo":
         liger = LigerFusedLinearGRPOLoss(beta=BETA_GRPO, epsilon_low=0.2, epsilon_high=0.2,
                                          loss_type="dapo")
 
@@ -160,13 +214,17 @@ def _inputs(torch, family):
         ref = lp + 0.1 * torch.randn(lp.shape, device="cuda", generator=gen)
         return h, w, t, (adv, old, ref)
     t[:, :length // 4] = -100                       # prompts
+    if family == "distill":
+        th = (torch.randn(batch, length, H, device="cuda", generator=gen) * 0.5).bfloat16()
+        tw = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16()
+        return h, w, t, (th, tw)
     rh = (h.float() + 0.05 * torch.randn(h.shape, device="cuda", generator=gen)).bfloat16()
     return h, w, t, (rh,)
 
 
 def main(argv=None) -> list[dict]:
     ap = _timing.arguments("python -m cupyloss.bench.posttrain", __doc__, 5)
-    ap.add_argument("--families", default="grpo,dpo,dpo-long")
+    ap.add_argument("--families", default="grpo,distill,dpo,dpo-long")
     ap.add_argument("--budgets", default="256,4608",
                     help="cupyloss workspace budgets in MiB, comma-separated")
     args = ap.parse_args(argv)

@@ -20,7 +20,8 @@ import sys
 # Parameters whose default is None, by what they take.
 _OPTIONAL_TENSORS = frozenset({"weight", "pos_weight", "bias", "class_weight", "shift_labels",
                                "b", "mask", "old_log_probs", "ref_log_probs", "ref_hidden",
-                               "ref_weight", "ref_bias", "kl"})
+                               "ref_weight", "ref_bias", "kl", "target", "student_bias",
+                               "teacher_bias"})
 _OPTIONAL_BOOLS = frozenset({"size_average", "reduce"})
 _OPTIONAL_INTS = frozenset({"class_offset", "classes", "max_workspace_bytes",
                             "max_completion_length"})

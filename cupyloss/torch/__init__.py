@@ -1641,8 +1641,8 @@ from cupyloss.torch import (
 
 from cupyloss.torch import _posttrain  # noqa: E402  (on linear_log_probs above)
 from cupyloss.torch._posttrain import (  # noqa: E402
-    linear_cpo_loss, linear_dpo_loss, linear_grpo_loss, linear_kto_loss, linear_orpo_loss,
-    linear_simpo_loss)
+    linear_cpo_loss, linear_dpo_loss, linear_grpo_loss, linear_jsd, linear_kto_loss,
+    linear_orpo_loss, linear_simpo_loss)
 
 _posttrain.use(linear_log_probs, _linear_scale)
 
@@ -1656,4 +1656,4 @@ __all__ = sorted([*LOSSES, *(cls.__name__ for cls in MODULES.values()), "LOSSES"
                   "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
                   "VocabParallelCrossEntropyLoss", "linear_grpo_loss", "linear_dpo_loss",
                   "linear_orpo_loss", "linear_cpo_loss", "linear_simpo_loss",
-                  "linear_kto_loss"])
+                  "linear_kto_loss", "linear_jsd"])

@@ -55,6 +55,7 @@ __all__ = [
     'linear_cross_entropy',
     'linear_dpo_loss',
     'linear_grpo_loss',
+    'linear_jsd',
     'linear_kto_loss',
     'linear_log_probs',
     'linear_orpo_loss',
@@ -367,6 +368,13 @@ def linear_grpo_loss(
     temperature: float = 1.0, max_completion_length: int | None = None,
     num_items: Tensor | int | None = None, ignore_index: int = -100,
     max_workspace_bytes: int | None = None,
+) -> Tensor: ...
+
+def linear_jsd(
+    student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
+    target: Tensor | None = None, *, student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
+    hard_weight: float = 0.0, ignore_index: int = -100, max_workspace_bytes: int | None = None,
 ) -> Tensor: ...
 
 def linear_kto_loss(

@@ -266,3 +266,215 @@ def linear_kto_loss(hidden, weight, target, desirable, bias=None, *, ref_log_pro
 
 POSTTRAIN = ("linear_grpo_loss", "linear_dpo_loss", "linear_orpo_loss", "linear_cpo_loss",
              "linear_simpo_loss", "linear_kto_loss")
+
+
+# --- distillation ---------------------------------------------------------------------------------
+
+def _jsd_cpu(sh, sw, th, tw, target, sb, tb, beta, temperature, hard, ignore_index):
+    """linear_jsd in torch's operations on float32 logits (the CPU path, autograd's)."""
+    zs = torch.nn.functional.linear(sh.reshape(-1, sh.shape[-1]).float(), sw.float(),
+                                    None if sb is None else sb.float())
+    with torch.no_grad():
+        zt = torch.nn.functional.linear(th.reshape(-1, th.shape[-1]).float(), tw.float(),
+                                        None if tb is None else tb.float())
+    x, y = (zs / temperature).log_softmax(-1), (zt / temperature).log_softmax(-1)
+    if beta == 0.0:
+        per = (y.exp() * (y - x)).sum(-1)
+    elif beta == 1.0:
+        per = (x.exp() * (x - y)).sum(-1)
+    else:
+        log_m = torch.logaddexp(x + torch.log(torch.tensor(1.0 - beta)),
+                                y + torch.log(torch.tensor(beta)))
+        per = (beta * y.exp() * (y - log_m) + (1.0 - beta) * x.exp() * (x - log_m)).sum(-1)
+    if target is None:
+        counted = torch.ones(per.shape, dtype=per.dtype, device=per.device)
+    else:
+        counted = (target.reshape(-1) != ignore_index).to(per.dtype)
+    count = counted.sum().clamp(min=1.0)
+    loss = (per * counted).sum() / count
+    if hard:
+        t = target.reshape(-1)
+        lp = zs.log_softmax(-1).gather(-1, torch.where(t != ignore_index, t, 0)[:, None])[:, 0]
+        loss = loss + hard * (-(lp * counted).sum() / count)
+    return loss
+
+
+_JSD_GRADS = ("hidden", "weight", "bias")
+
+
+def _jsd_cpu_grads(grad, sh, sw, th, tw, target, sb, tb, beta, temperature, hard, ignore_index):
+    """The student's gradients of _jsd_cpu in closed form (cupyloss.linear_jsd_value_and_grad's
+    formula, in torch's operations: inside an op, below autograd)."""
+    x2 = sh.reshape(-1, sh.shape[-1]).float()
+    zs = torch.nn.functional.linear(x2, sw.float(), None if sb is None else sb.float())
+    zt = torch.nn.functional.linear(th.reshape(-1, th.shape[-1]).float(), tw.float(),
+                                    None if tb is None else tb.float())
+    x, y = (zs / temperature).log_softmax(-1), (zt / temperature).log_softmax(-1)
+    q, p = x.exp(), y.exp()
+    if beta == 0.0:
+        g = -p
+    elif beta == 1.0:
+        g = q * (x - y + 1.0)
+    else:
+        log_m = torch.logaddexp(x + torch.log(torch.tensor(1.0 - beta)),
+                                y + torch.log(torch.tensor(beta)))
+        g = (1.0 - beta) * q * (x - log_m)
+    dz = (g - q * g.sum(-1, keepdim=True)) / temperature
+    if target is None:
+        counted = torch.ones(zs.shape[0])
+    else:
+        t = target.reshape(-1)
+        counted = (t != ignore_index).float()
+        if hard:
+            d = zs.softmax(-1)
+            d.scatter_add_(1, torch.where(t != ignore_index, t, 0)[:, None],
+                           -torch.ones(t.shape[0], 1))
+            dz = dz + hard * d
+    dz = dz * (counted / counted.sum().clamp(min=1.0))[:, None] * grad.float()
+    out = [(dz @ sw.float()).reshape(sh.shape).to(sh.dtype), (dz.T @ x2).to(sw.dtype)]
+    if sb is not None:
+        out.append(dz.sum(0).to(sb.dtype))
+    return out
+
+
+def _jsd_kwargs(beta, temperature, hard, ignore_index, budget):
+    return dict(beta=beta, temperature=temperature, hard_weight=hard, ignore_index=ignore_index,
+                max_workspace_bytes=None if budget < 0 else budget)
+
+
+@torch.library.custom_op("cupyloss::linear_jsd", mutates_args=())
+def _jsd_op(sh: torch.Tensor, sw: torch.Tensor, th: torch.Tensor, tw: torch.Tensor,
+            target: torch.Tensor | None, sb: torch.Tensor | None, tb: torch.Tensor | None,
+            beta: float, temperature: float, hard: float, ignore_index: int,
+            budget: int) -> torch.Tensor:
+    if sh.device.type == "cpu":
+        with torch.no_grad():
+            return _jsd_cpu(sh, sw, th, tw, target, sb, tb, beta, temperature, hard,
+                            ignore_index)
+    return posttrain.linear_jsd(sh, sw, th, tw, target, student_bias=sb, teacher_bias=tb,
+                                **_jsd_kwargs(beta, temperature, hard, ignore_index, budget))
+
+
+@_jsd_op.register_fake
+def _(sh, sw, th, tw, target, sb, tb, beta, temperature, hard, ignore_index, budget):
+    return sh.new_empty((), dtype=torch.float64 if sh.dtype == torch.float64 else torch.float32)
+
+
+@torch.library.custom_op("cupyloss::linear_jsd_backward", mutates_args=())
+def _jsd_backward_op(grad: torch.Tensor, sh: torch.Tensor, sw: torch.Tensor,
+                     th: torch.Tensor, tw: torch.Tensor, target: torch.Tensor | None,
+                     sb: torch.Tensor | None, tb: torch.Tensor | None, beta: float,
+                     temperature: float, hard: float, ignore_index: int,
+                     budget: int) -> list[torch.Tensor]:
+    names = ("hidden", "weight") + (("bias",) if sb is not None else ())
+    if sh.device.type == "cpu":
+        return _jsd_cpu_grads(grad, sh, sw, th, tw, target, sb, tb, beta, temperature, hard,
+                              ignore_index)
+    _, grads = posttrain.linear_jsd_value_and_grad(
+        sh, sw, th, tw, target, student_bias=sb, teacher_bias=tb, wrt=names,
+        **_jsd_kwargs(beta, temperature, hard, ignore_index, budget))
+    grads = list(grads)
+    _ADAPTER["scale"](grad, grads)
+    return grads
+
+
+@_jsd_backward_op.register_fake
+def _(grad, sh, sw, th, tw, target, sb, tb, *rest):
+    return [torch.empty_like(a) for a in (sh, sw, sb) if a is not None]
+
+
+def _jsd_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])
+    ctx.options = inputs[7:]
+
+
+def _jsd_formula(ctx, grad):
+    sh, sw, th, tw, target, sb, tb = ctx.saved_tensors
+    got = _jsd_backward_op(grad, sh, sw, th, tw, target, sb, tb, *ctx.options)
+    return (got[0], got[1], None, None, None, got[2] if sb is not None else None, None,
+            *(None,) * len(ctx.options))
+
+
+_jsd_op.register_autograd(_jsd_formula, setup_context=_jsd_setup)
+
+
+class _LinearJSD(torch.autograd.Function):
+    """Eager calls on CUDA tensors: the loss and the student's gradients in one pass, scaled by
+    the upstream gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, sh, sw, sb, th, tw, target, tb, kwargs):
+        names = tuple(n for n, need in zip(_JSD_GRADS, ctx.needs_input_grad[:3]) if need)
+        ctx.names = names
+        if not names:
+            ctx.grads = ()
+            return posttrain.linear_jsd(sh, sw, th, tw, target, student_bias=sb,
+                                        teacher_bias=tb, **kwargs)
+        loss, grads = posttrain.linear_jsd_value_and_grad(
+            sh, sw, th, tw, target, student_bias=sb, teacher_bias=tb, wrt=names, **kwargs)
+        ctx.grads = (grads,) if len(names) == 1 else tuple(grads)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("linear_jsd's gradients were formed with its value and are "
+                               "spent: backward through it runs once (no retain_graph)")
+        grads = list(grads)
+        _ADAPTER["scale"](grad, grads)
+        got = dict(zip(ctx.names, grads))
+        return got.get("hidden"), got.get("weight"), got.get("bias"), *(None,) * 5
+
+
+def linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, *,
+               student_bias=None, teacher_bias=None, beta=0.5, temperature=1.0, hard_weight=0.0,
+               ignore_index=-100, max_workspace_bytes=None):
+    """Knowledge distillation between two heads with autograd, logits never whole: the mean
+    over the counted rows of ``beta KL(P || M) + (1 - beta) KL(Q || M)`` (Q, P the student's and
+    the teacher's softmax(logits / T), M = beta P + (1 - beta) Q; beta 0 the forward KL, 1 the
+    reverse) plus ``hard_weight`` times the student's mean cross entropy on target
+    (cupyloss.linear_jsd has the gradient).
+
+    On CUDA tensors outside a tracer the student's gradients are formed with the value in one
+    pass and scaled in backward; under torch.compile the call is the op
+    ``torch.ops.cupyloss.linear_jsd``; on the CPU, torch's operations.  The teacher gets no
+    gradient.
+
+    Args:
+      student_hidden: (..., Hs); student_weight: (V, Hs); teacher_hidden: (..., Ht) of the same
+        rows; teacher_weight: (V, Ht); the student's dtype.
+      target: None (every row counts) or class indices of the rows' shape.
+      student_bias, teacher_bias: None or (V,).
+      beta: in [0, 1].  temperature: > 0.  hard_weight: >= 0 (needs target).
+      ignore_index, max_workspace_bytes: as for linear_cross_entropy.
+
+    Returns:
+      0-d float32 tensor.
+
+    Example:
+      >>> loss = cupyloss.torch.linear_jsd(h, student.lm_head.weight, h_t,
+      ...                                  teacher.lm_head.weight, labels, temperature=2.0)
+      >>> loss.backward()
+    """
+    from cupyloss import linear
+
+    posttrain.check_distill(beta, temperature, hard_weight, target)
+    temperature = linear._temperature(temperature)
+    tensors = (student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+               student_bias, teacher_bias)
+    traced = (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or any(
+        t is not None and (type(t) is not torch.Tensor or torch._is_functional_tensor(t))
+        for t in tensors))
+    options = (float(beta), temperature, float(hard_weight), int(ignore_index),
+               -1 if max_workspace_bytes is None else int(max_workspace_bytes))
+    if student_hidden.device.type == "cpu" and not traced:
+        return _jsd_cpu(student_hidden, student_weight, teacher_hidden.detach(),
+                        teacher_weight.detach(), target, student_bias,
+                        None if teacher_bias is None else teacher_bias.detach(), *options[:4])
+    if traced or student_hidden.device.type == "cpu":
+        return _jsd_op(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+                       student_bias, teacher_bias, *options)
+    return _LinearJSD.apply(student_hidden, student_weight, student_bias, teacher_hidden,
+                            teacher_weight, target, teacher_bias,
+                            _jsd_kwargs(*options))
