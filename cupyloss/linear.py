@@ -489,8 +489,9 @@ class _Call:
         # 2^k times larger and the products take alpha = 2^-k (exact), k = log2 of the rows
         # rounded down, at most 14 (dZ stays below float16's largest, 65504).
         self.unscale = None
-        if (dtype == numpy.float16 and (reduction == "mean" or items is not None)
-                and grad_go is None
+        # (a head whose gradient is a mean over the rows says so: `mean_rows`)
+        mean_rows = reduction == "mean" or items is not None or getattr(head, "mean_rows", False)
+        if (dtype == numpy.float16 and mean_rows and grad_go is None
                 and grad_output == 1 and n > 1):
             self.boost = float(2 ** min(14, n.bit_length() - 1))
             self.unscale = numpy.array([1.0 / self.boost], numpy.float32)

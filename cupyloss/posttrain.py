@@ -599,7 +599,10 @@ class _Distill:
     the teacher's of the same rows and classes (one more product, no gradient), their
     logsumexps (logprob_stats), each row's divergence and G (distill_stats), then the student's
     dZ (distill_grad).  The workspace budget is halved for the plan: the teacher's logits take
-    as much as the student's."""
+    as much as the student's.  A mean over the rows (`mean_rows`): float16 dZ is formed
+    call.boost times larger and the products scale it back (as cross entropy's 'mean')."""
+
+    mean_rows = True
 
     def __init__(self, teacher_hidden, teacher_weight, teacher_bias, temperature, beta, hard,
                  counted_all):
@@ -660,8 +663,8 @@ class _Distill:
         counted = (cupy.ones((n,), logit) if self.counted_all
                    else (t != ignore).astype(logit))
         self.counted = counted
-        count = counted.sum()
-        self.scale = (1.0 / cupy.maximum(count, 1)).astype(logit).reshape(1)
+        self.count = counted.sum()
+        self.scale = None           # formed at the first chunk, once call.boost is known
         for name in ("lse_s", "lse_t", "loss", "gsum", "scratch"):
             setattr(self, name, cupy.empty((n,), logit))
         self.lse_1 = self.logp_1 = None
@@ -679,6 +682,15 @@ class _Distill:
         self.most = _launch.device_limits(call.device).sm_count * _linear.LP_BLOCKS_PER_SM
         self.flags = _linear.LP_INDEX64 if t.dtype == numpy.int64 else 0
         self.zt = None
+
+    def _scale(self, call):
+        """s of distill_grad: 1 / the counted rows (times call.boost for float16's dZ)."""
+        import cupy
+
+        if self.scale is None:
+            boost = call.boost if call.unscale is not None else 1.0
+            self.scale = (boost / cupy.maximum(self.count, 1)).astype(call.logit).reshape(1)
+        return self.scale
 
     def _teacher(self, call, m, k, r0, c0):
         """The teacher's logits of rows r0 .. r0 + m - 1, classes c0 .. c0 + k - 1 (float32, in
@@ -711,6 +723,7 @@ class _Distill:
         m, v = z.shape
         if m == 0:
             return
+        self._scale(call)
         zt = self._teacher(call, m, v, r0, 0)
         t = call.t[r0:r1]
         self._stats(call, z, t, r0, r1, self.temperature, self.lse_s, self.scratch)
@@ -761,10 +774,12 @@ class _Distill:
 
     def results(self, shape):
         """(loss,): the counted rows' mean divergence plus hard x their mean cross entropy."""
+        import cupy
+
         total = (self.loss * self.counted).sum()
         if self.hard:
             total = total + self.hard * (-self.logp_1 * self.counted).sum()
-        return (total * self.scale[0],)
+        return (total / cupy.maximum(self.count, 1).astype(total.dtype),)
 
 
 def check_distill(beta, temperature, hard_weight, target):

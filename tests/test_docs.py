@@ -77,7 +77,8 @@ def test_readme_code_runs(index, tmp_path):
 @pytest.mark.parametrize("example", ["quickstart.py", "torch_training.py", "jax_roundtrip.py",
                                      "lm_head_training.py", "vocab_parallel_training.py",
                                      "gpt_autocast_training.py", "ctc_training.py",
-                                     "policy_gradient.py"])
+                                     "policy_gradient.py", "grpo_step.py", "dpo_step.py",
+                                     "distill_step.py"])
 def test_example_runs(example):
     """examples/ run to a zero exit status on a GPU (each checks its own results)."""
     path = ROOT / "examples" / example
@@ -87,10 +88,26 @@ def test_example_runs(example):
                          "jax_roundtrip.py": "jax", "lm_head_training.py": "torch",
                          "vocab_parallel_training.py": "torch",
                          "gpt_autocast_training.py": "torch", "ctc_training.py": "torch",
-                         "policy_gradient.py": "torch"}[example])
+                         "policy_gradient.py": "torch", "grpo_step.py": "torch",
+                         "dpo_step.py": "torch", "distill_step.py": "torch"}[example])
     # The tensor-parallel example's ranks run on the CPU over gloo on a one-GPU machine: 20 of
     # its 100 steps (155 s for 100 on an H200's host) check the same agreement.
     extra = {"vocab_parallel_training.py": ["--steps", "20"]}.get(example, [])
     done = subprocess.run([sys.executable, str(path), *extra], capture_output=True, text=True,
                           timeout=900, cwd=ROOT, env=_env_finding_cupyloss())
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("example", ["grpo_step.py", "dpo_step.py", "distill_step.py"])
+def test_posttrain_example_runs_on_the_cpu(example):
+    """The post-training examples run through torch's CPU path (no GPU visible): 10 steps, the
+    loss curves and gradients against the unfused formula's, as on a GPU."""
+    pytest.importorskip("torch")
+    path = ROOT / "examples" / example
+    if not path.is_file():
+        pytest.skip(f"examples/{example} is not in this copy (an installed package)")
+    env = dict(_env_finding_cupyloss(), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(path), "--steps", "10"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "cpu: largest gap" in done.stdout
