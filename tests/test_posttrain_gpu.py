@@ -191,29 +191,34 @@ def test_torch_compile_fullgraph_on_cuda_equals_eager():
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind, options", [
     ("dpo", dict(loss_type="sigmoid", reference="head")), ("dpo", dict(loss_type="ipo")),
     ("orpo", {}), ("cpo", dict(alpha=1.0)), ("simpo", dict(gamma=0.5)), ("kto", {})])
-def test_preference_on_cuda_against_float64(kind, options):
+def test_preference_on_cuda_against_float64(kind, options, dtype):
     torch = pytest.importorskip("torch")
     import cupyloss.torch as CF
 
     o = dict(options)
     head_ref = o.pop("reference", None) == "head"
-    host, t, rng = _inputs(np.dtype(np.float32), seed=3)
+    host, t, rng = _inputs(dtype, seed=3)
     m = t != -100
-    h, w, b = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in host)
+    tdtype = {"float32": torch.float32, "float16": torch.float16,
+              "bfloat16": torch.bfloat16}[str(dtype)]
+    h, w, b = (torch.tensor(a, dtype=torch.float32, device="cuda").to(tdtype) for a in host)
     tt = torch.tensor(t, device="cuda")
     leaves = [h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
     average = kind in ("orpo", "simpo") or o.get("loss_type") == "ipo"
     kw, ref_seq = {}, None
     if kind in ("dpo", "kto"):
-        rh = (host[0] + 0.1 * rng.standard_normal(host[0].shape)).astype(np.float32)
+        rh = (host[0] + 0.1 * rng.standard_normal(host[0].shape)).astype(dtype).astype(
+            np.float64)
         r_lp = ref.head(rh, host[1], t, host[2])[0]
         ref_seq = np.array([r_lp[k][m[k]].sum() / (m[k].sum() if average else 1)
                             for k in range(B)])
         if head_ref:
-            kw.update(ref_hidden=torch.tensor(rh, device="cuda"), ref_weight=w, ref_bias=b)
+            kw.update(ref_hidden=torch.tensor(rh, dtype=torch.float32, device="cuda").to(tdtype),
+                      ref_weight=w, ref_bias=b)
         else:
             kw["ref_log_probs"] = torch.tensor(r_lp, dtype=torch.float32, device="cuda")
     desirable = np.array([True, False, True, True, False, False])
@@ -234,7 +239,8 @@ def test_preference_on_cuda_against_float64(kind, options):
         lambda lp, en: ref.preference(kind, lp, m, ref_seq, **rkw)[0], logp0, ent0)
     want_g = ref.head_gradients(*host[:2], t, g_lp, g_ent, host[2])
     for leaf, name in zip(leaves, ("hidden", "weight", "bias")):
-        assert _err(leaf.grad.double().cpu().numpy(), want_g[name]) <= TOL_GRAD["float32"], \
+        assert leaf.grad.dtype == tdtype
+        assert _err(leaf.grad.double().cpu().numpy(), want_g[name]) <= TOL_GRAD[str(dtype)], \
             name
 
 

@@ -11,6 +11,10 @@ weight.  Families (the sizes the post-training issue names):
   dpo        8 pairs x 1024 tokens (16 sequences, the first quarter of each a prompt), the
              reference a frozen head (its own hidden states, the same weight), sigmoid, beta 0.1
   dpo-long   4 pairs x 4096 tokens, as dpo
+  orpo, cpo, simpo, kto
+             8 pairs x 1024 tokens as dpo, Liger's default options (CPO and SimPO with alpha 1
+             times the chosen rows' cross entropy; KTO with a reference head, half the rows
+             desirable)
   distill    8 x 1024 tokens, a teacher head of the same shape (its own hidden states and
              weight), 0.5 x (JSD at beta 0.5 + the student's cross entropy), Liger's default mix
 
@@ -33,8 +37,13 @@ from __future__ import annotations
 from cupyloss.bench import _timing
 from cupyloss.bench.linear import H, V
 
-FAMILIES = {"grpo": (8, 1024), "dpo": (16, 1024), "dpo-long": (8, 4096), "distill": (8, 1024)}
+FAMILIES = {"grpo": (8, 1024), "dpo": (16, 1024), "dpo-long": (8, 4096), "distill": (8, 1024),
+            "orpo": (16, 1024), "cpo": (16, 1024), "simpo": (16, 1024), "kto": (16, 1024)}
 BETA_GRPO, BETA_DPO = 0.04, 0.1
+# The preference losses' options: Liger-Kernel's defaults (SimPO and CPO add alpha = 1 times
+# the chosen rows' cross entropy, ORPO its own; DPO and KTO take a reference head).
+PREFERENCE = {"dpo": {}, "dpo-long": {}, "orpo": {}, "cpo": {"alpha": 1.0},
+              "simpo": {"alpha": 1.0, "gamma": 0.5}, "kto": {}}
 
 
 def _grpo_formula(torch, lp, t, adv, old, ref):
@@ -47,13 +56,21 @@ def _grpo_formula(torch, lp, t, adv, old, ref):
     return (per * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _dpo_formula(torch, lp, ref_lp, t):
-    """TRL's sigmoid DPO loss on per-token log-probs (B, T), chosen rows first."""
+def _preference_formula(torch, family, lp, ref_lp, t):
+    """The family's preference loss (cupyloss.posttrain's formula, in torch) on per-token
+    log-probs (B, T), chosen rows first (KTO: the first half desirable)."""
+    from cupyloss import posttrain
+
+    kind = "dpo" if family == "dpo-long" else family
+    ops = posttrain.Ops(torch, stop=torch.Tensor.detach)
     mask = (t != -100).to(lp.dtype)
-    s, s0 = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
-    k = s.shape[0] // 2
-    z = (s[:k] - s[k:]) - (s0[:k] - s0[k:])
-    return -torch.nn.functional.logsigmoid(BETA_DPO * z).mean()
+    ref = None
+    if ref_lp is not None:
+        ref = posttrain.sequence_log_probs(ops, ref_lp.to(lp.dtype), mask,
+                                           posttrain.averages(kind))
+    desirable = torch.arange(t.shape[0], device=t.device) < t.shape[0] // 2
+    return posttrain.preference_objective(ops, kind, lp, mask, ref, beta=BETA_DPO,
+                                          desirable=desirable, **PREFERENCE[family])[0]
 
 
 def _logits_lp(torch, h, w, t, dtype=None):
@@ -86,8 +103,8 @@ def _reference(torch, family, h, w, t, extra):
         adv, old, ref = extra
         loss = _grpo_formula(torch, lp, t, adv.double(), old.double(), ref.double())
     else:
-        ref_lp = logp_of(extra[0].reshape(-1, h.shape[-1]))
-        loss = _dpo_formula(torch, lp, ref_lp, t)
+        ref_lp = logp_of(extra[0].reshape(-1, h.shape[-1])) if extra else None
+        loss = _preference_formula(torch, family, lp, ref_lp, t)
     (g,) = torch.autograd.grad(loss, lp)
     g = g.reshape(-1)
     gx = torch.empty(flat_h.shape, dtype=torch.float64, device=h.device)
@@ -149,9 +166,7 @@ def _candidates(torch, family, budgets):
             out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t, th, tw: 0.5 * CF.linear_jsd(
                 h, w, th, tw, t, beta=0.5, hard_weight=1.0, max_workspace_bytes=b))(mib << 20)
         else:
-            out[f"cupyloss {mib} MiB"] = (lambda b: lambda h, w, t, rh: CF.linear_dpo_loss(
-                h, w, t, ref_hidden=rh, ref_weight=w.detach(), beta=BETA_DPO,
-                max_workspace_bytes=b)[0])(mib << 20)
+            out[f"cupyloss {mib} MiB"] = _cupyloss_preference(CF, family, mib << 20)
 
     if family == "distill":
         def naive(h, w, t, th, tw):
@@ -163,17 +178,61 @@ def _candidates(torch, family, budgets):
         def naive(h, w, t, adv, old, ref):
             return _grpo_formula(torch, _logits_lp(torch, h, w, t), t, adv, old, ref)
     else:
-        def naive(h, w, t, rh):
-            with torch.no_grad():
-                ref_lp = _logits_lp(torch, rh, w, t)
-            return _dpo_formula(torch, _logits_lp(torch, h, w, t), ref_lp, t)
+        def naive(h, w, t, *rh):
+            ref_lp = None
+            if rh:
+                with torch.no_grad():
+                    ref_lp = _logits_lp(torch, rh[0], w, t)
+            return _preference_formula(torch, family, _logits_lp(torch, h, w, t), ref_lp, t)
     out["torch eager"] = naive
     out["torch.compile"] = torch.compile(naive)
     try:
-        from liger_kernel.chunked_loss import (
-            LigerFusedLinearDPOLoss, LigerFusedLinearGRPOLoss, LigerFusedLinearJSDLoss)
+        from liger_kernel import chunked_loss as liger
     except Exception:     # not installed here
         return out
+    out["Liger-Kernel"] = _liger(torch, liger, family)
+    return out
+
+
+def _cupyloss_preference(CF, family, budget):
+    kind = "dpo" if family == "dpo-long" else family
+    fn = getattr(CF, f"linear_{kind}_loss")
+    opts = dict(PREFERENCE[family], beta=BETA_DPO, max_workspace_bytes=budget)
+
+    def run(h, w, t, *rh):
+        ref = dict(ref_hidden=rh[0], ref_weight=w.detach()) if rh else {}
+        if kind == "kto":
+            good = t.new_zeros(t.shape[0], dtype=bool)
+            good[:t.shape[0] // 2] = True
+            return fn(h, w, t, good, **ref, **opts)[0]
+        return fn(h, w, t, **ref, **opts)[0]
+
+    return run
+
+
+def _liger(torch, liger, family):
+    """Liger-Kernel's chunked loss of `family` at its defaults, as a step function."""
+    LigerFusedLinearDPOLoss = liger.LigerFusedLinearDPOLoss
+    LigerFusedLinearGRPOLoss = liger.LigerFusedLinearGRPOLoss
+    LigerFusedLinearJSDLoss = liger.LigerFusedLinearJSDLoss
+    if family in ("orpo", "cpo", "simpo"):
+        cls = {"orpo": liger.LigerFusedLinearORPOLoss, "cpo": liger.LigerFusedLinearCPOLoss,
+               "simpo": liger.LigerFusedLinearSimPOLoss}[family]
+        loss_fn = cls(beta=BETA_DPO)
+
+        def run_pref(h, w, t):
+            out = loss_fn(w, h, t)
+            return out[0] if isinstance(out, tuple) else out
+        return run_pref
+    if family == "kto":
+        kto = liger.LigerFusedLinearKTOLoss(beta=BETA_DPO, use_ref_model=True)
+
+        def run_kto(h, w, t, rh):
+            good = t.new_zeros(t.shape[0], dtype=bool)
+            good[:t.shape[0] // 2] = True
+            out = kto(h, w, t, None, good, rh, w.detach(), None)
+            return out[0] if isinstance(out, tuple) else out
+        return run_kto
     if family == "distill":
         liger_jsd = LigerFusedLinearJSDLoss(weight_hard_loss=0.5, weight_soft_loss=0.5,
                                             beta=0.5)
@@ -182,11 +241,11 @@ def _candidates(torch, family, budgets):
             return liger_jsd(h.reshape(-1, h.shape[-1]), w, th.reshape(-1, th.shape[-1]), tw,
                              t.reshape(-1))
     elif family == "grpo":
-        liger = LigerFusedLinearGRPOLoss(beta=BETA_GRPO, epsilon_low=0.2, epsilon_high=0.2,
-                                         loss_type="dapo")
+        grpo = LigerFusedLinearGRPOLoss(beta=BETA_GRPO, epsilon_low=0.2, epsilon_high=0.2,
+                                        loss_type="dapo")
 
         def run_liger(h, w, t, adv, old, ref):
-            return liger(h, w, t.clamp(min=0), (t != -100).long(), adv,
+            return grpo(h, w, t.clamp(min=0), (t != -100).long(), adv,
                          ref_per_token_logps=ref, old_per_token_logps=old)[0]
     else:
         liger_dpo = LigerFusedLinearDPOLoss(beta=BETA_DPO, use_ref_model=True)
@@ -194,8 +253,7 @@ def _candidates(torch, family, budgets):
         def run_liger(h, w, t, rh):
             out = liger_dpo(w, h, t, None, rh, w.detach(), None)
             return out[0] if isinstance(out, tuple) else out
-    out["Liger-Kernel"] = run_liger
-    return out
+    return run_liger
 
 
 def _inputs(torch, family):
@@ -214,6 +272,8 @@ def _inputs(torch, family):
         ref = lp + 0.1 * torch.randn(lp.shape, device="cuda", generator=gen)
         return h, w, t, (adv, old, ref)
     t[:, :length // 4] = -100                       # prompts
+    if family in ("orpo", "cpo", "simpo"):
+        return h, w, t, ()
     if family == "distill":
         th = (torch.randn(batch, length, H, device="cuda", generator=gen) * 0.5).bfloat16()
         tw = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16()
