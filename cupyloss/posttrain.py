@@ -796,6 +796,14 @@ def check_distill(beta, temperature, hard_weight, target):
 def _jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
          teacher_bias, beta, temperature, hard_weight, ignore_index, max_workspace_bytes,
          names):
+    from cupyloss._core import dispatch as _dispatch
+
+    # the student's framework first (a host array is refused here, under its own name)
+    frame = _dispatch.frame_of(student_hidden, "student_hidden")
+    frame.operand(student_hidden, "student_hidden")      # on a CUDA device, of a float dtype
+    for name, a in (("student_weight", student_weight), ("teacher_hidden", teacher_hidden),
+                    ("teacher_weight", teacher_weight)):
+        _dispatch.check_same_frame(frame, student_hidden, a, "student_hidden", name)
     check_distill(beta, temperature, hard_weight, target)
     counted_all = target is None
     if counted_all:

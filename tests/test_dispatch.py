@@ -47,6 +47,14 @@ def _calls(x, t):
            "hidden")
     yield ("linear_log_probs_value_and_grad", cupyloss.linear_log_probs_value_and_grad, arrays,
            "hidden")
+    # The post-training objectives: GRPO's (hidden, weight, target, advantages) and the
+    # distillation's (student_hidden, student_weight, teacher_hidden, teacher_weight).
+    yield "linear_grpo_loss", cupyloss.linear_grpo_loss, (x, t, t, t), "hidden"
+    yield ("linear_grpo_loss_value_and_grad", cupyloss.linear_grpo_loss_value_and_grad,
+           (x, t, t, t), "hidden")
+    yield "linear_jsd", cupyloss.linear_jsd, (x, t, t, t), "student_hidden"
+    yield ("linear_jsd_value_and_grad", cupyloss.linear_jsd_value_and_grad, (x, t, t, t),
+           "student_hidden")
 
 
 def test_every_public_function_is_covered():

@@ -33,6 +33,19 @@ def _log_probs(hidden, weight, target, bias, temperature, ignore_index, budget=N
                                         max_workspace_bytes=budget)
 
 
+def _held_grads(ctx, grad, what):
+    """(hidden, weight, bias) gradients formed with the value (ctx.grads, named ctx.names),
+    scaled in place by the upstream gradient; once only."""
+    grads, ctx.grads = ctx.grads, None
+    if grads is None:
+        raise RuntimeError(f"{what}'s gradients were formed with its value and are spent: "
+                           f"backward through it runs once (no retain_graph)")
+    grads = list(grads)
+    _ADAPTER["scale"](grad, grads)
+    got = dict(zip(ctx.names, grads))
+    return got.get("hidden"), got.get("weight"), got.get("bias")
+
+
 class _LinearGRPO(torch.autograd.Function):
     """Eager calls on CUDA tensors: loss, metrics and gradients in one pass; backward scales the
     held gradients by the loss's upstream gradient."""
@@ -57,14 +70,7 @@ class _LinearGRPO(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
-            raise RuntimeError("linear_grpo_loss's gradients were formed with its value and "
-                               "are spent: backward through it runs once (no retain_graph)")
-        grads = list(grads)
-        _ADAPTER["scale"](grad_loss, grads)
-        got = dict(zip(ctx.names, grads))
-        return (got.get("hidden"), got.get("weight"), got.get("bias"), *(None,) * 6)
+        return (*_held_grads(ctx, grad_loss, "linear_grpo_loss"), *(None,) * 6)
 
 
 def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None,
@@ -417,14 +423,7 @@ class _LinearJSD(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
-            raise RuntimeError("linear_jsd's gradients were formed with its value and are "
-                               "spent: backward through it runs once (no retain_graph)")
-        grads = list(grads)
-        _ADAPTER["scale"](grad, grads)
-        got = dict(zip(ctx.names, grads))
-        return got.get("hidden"), got.get("weight"), got.get("bias"), *(None,) * 5
+        return (*_held_grads(ctx, grad, "linear_jsd"), *(None,) * 5)
 
 
 def linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, *,
