@@ -98,17 +98,37 @@ def test_example_runs(example):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 
 
-@pytest.mark.parametrize("example", ["grpo_step.py", "dpo_step.py", "distill_step.py"])
-def test_posttrain_example_runs_on_the_cpu(example):
-    """The post-training examples run through torch's CPU path (no GPU visible): 10 steps, the
-    loss curves and gradients against the unfused formula's, as on a GPU."""
+# The three in one process (torch imported once): each script run as __main__ from its folder,
+# its exit status and output kept.
+_RUN_EXAMPLES = """
+import contextlib, io, runpy, sys
+sys.path.insert(0, sys.argv[1])
+for name in sys.argv[2:]:
+    out = io.StringIO()
+    sys.argv = [name, "--steps", "10"]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(f"{sys.path[0]}/{name}", run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    print(f"== {name} exit {code}")
+    print(out.getvalue())
+"""
+
+
+def test_posttrain_examples_run_on_the_cpu():
+    """The post-training examples (GRPO, DPO, distillation) run through torch's CPU path with
+    no GPU visible: 10 steps each, the loss curves and gradients against the unfused formula's,
+    as on a GPU."""
     pytest.importorskip("torch")
-    path = ROOT / "examples" / example
-    if not path.is_file():
-        pytest.skip(f"examples/{example} is not in this copy (an installed package)")
+    names = ["grpo_step.py", "dpo_step.py", "distill_step.py"]
+    if not all((ROOT / "examples" / n).is_file() for n in names):
+        pytest.skip("examples/ is not in this copy (an installed package)")
     env = dict(_env_finding_cupyloss(), CUDA_VISIBLE_DEVICES="")
-    env.pop("PYTHONSAFEPATH", None)    # a script imports its helpers (_gpu.py) from its folder
-    done = subprocess.run([sys.executable, str(path), "--steps", "10"], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
+    done = subprocess.run([sys.executable, "-c", _RUN_EXAMPLES, str(ROOT / "examples"), *names],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert "cpu: largest gap" in done.stdout
+    for name in names:
+        assert f"== {name} exit 0" in done.stdout, done.stdout[-3000:]
+    assert done.stdout.count("cpu: largest gap") == 3, done.stdout[-3000:]
