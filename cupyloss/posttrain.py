@@ -282,8 +282,22 @@ def check_preference(kind, batch, loss_type="sigmoid", beta=0.1, desirable=None,
 
 
 def check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
-               max_completion_length):
-    """The GRPO family's options, refused before any launch."""
+               max_completion_length, num_items=None):
+    """The GRPO family's options, refused before any launch (num_items: a positive Python
+    number, or a 0-d array whose value is never read on the host)."""
+    if num_items is not None:
+        if isinstance(num_items, bool):
+            raise TypeError("num_items must be a number or a 0-d array (the global count of "
+                            "counted tokens), got a bool")
+        if isinstance(num_items, (int, float)):
+            if not num_items > 0:
+                raise ValueError(f"num_items must be positive, got {num_items}")
+        elif not hasattr(num_items, "shape"):
+            raise TypeError(f"num_items must be a number or a 0-d array (the global count of "
+                            f"counted tokens), got {type(num_items).__name__}")
+        elif tuple(num_items.shape) != ():
+            raise TypeError(f"num_items must be a number or a 0-d array (the global count of "
+                            f"counted tokens), got an array of shape {tuple(num_items.shape)}")
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}, got "
                          f"{loss_type!r}")
@@ -329,6 +343,10 @@ class _GRPOTokens:
             if isinstance(a, float):
                 raise TypeError(f"{name} must be an array of shape {shape}, got a number")
         self.arrays = dict(zip(names, got))
+        items = self.options["num_items"]
+        if items is not None and not isinstance(items, float):      # a 0-d device array
+            self.options = dict(self.options, num_items=_linear._row_arrays(
+                frame, device, ((),), (("num_items", items),), any_dtype=True)[0])
 
     def start(self, call, head) -> None:
         import cupy
@@ -343,9 +361,12 @@ class _GRPOTokens:
         self.m = m
         ops = Ops(cupy)
         o = self.options
+        items = o["num_items"]
+        if items is not None and not isinstance(items, float):
+            items = items.astype(logit)
         self.w = cupy.ascontiguousarray(grpo_weights(
             ops, m.reshape(batch, length), o["loss_type"], o["max_completion_length"],
-            o["num_items"]).reshape(n).astype(logit, copy=False))
+            items).reshape(n).astype(logit, copy=False))
         adv = a["advantages"]
         self.adv_div = length if adv.ndim == 1 else 1
         self.adv = cupy.ascontiguousarray(adv.reshape(-1), dtype=logit)
@@ -402,15 +423,8 @@ def _grpo(hidden, weight, target, advantages, bias, mask, old_log_probs, ref_log
           max_completion_length, num_items, ignore_index, max_workspace_bytes, compute_dtype,
           names):
     check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
-               max_completion_length)
-    items = None
-    if num_items is not None:
-        if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
-            raise TypeError(f"num_items must be a Python number (the global count of counted "
-                            f"tokens), got {type(num_items).__name__}")
-        if not num_items > 0:
-            raise ValueError(f"num_items must be positive, got {num_items}")
-        items = float(num_items)
+               max_completion_length, num_items)
+    items = float(num_items) if isinstance(num_items, (int, float)) else num_items
     options = dict(loss_type=loss_type, epsilon_low=float(epsilon_low),
                    epsilon_high=float(epsilon_low if epsilon_high is None else epsilon_high),
                    beta=float(beta), entropy_weight=float(entropy_weight),
@@ -431,7 +445,7 @@ def linear_grpo_loss(hidden: Array, weight: Array, target: Array, advantages: Ar
                      loss_type: str = "dapo", epsilon_low: float = 0.2,
                      epsilon_high: float | None = None, beta: float = 0.0,
                      entropy_weight: float = 0.0, temperature: float = 1.0,
-                     max_completion_length: int | None = None, num_items: float | None = None,
+                     max_completion_length: int | None = None, num_items: Any = None,
                      ignore_index: int = -100, max_workspace_bytes: int | None = None,
                      compute_dtype: Any = None) -> tuple[Any, dict]:
     """GRPO's clipped policy-gradient loss (and DAPO's, Dr. GRPO's, BNPO's) on a language
@@ -464,7 +478,8 @@ def linear_grpo_loss(hidden: Array, weight: Array, target: Array, advantages: Ar
       beta: the KL penalty's weight.  entropy_weight: an entropy bonus's weight.
       temperature: > 0; the logits are divided by it (the sampler's).
       max_completion_length: D of 'dr_grpo' (default T).
-      num_items: D of 'dapo' (default the counted tokens of this call).
+      num_items: D of 'dapo' (default the counted tokens of this call): a positive number, or
+        a 0-d array on the device (any numeric dtype), never read back to the host.
       ignore_index, max_workspace_bytes, compute_dtype: as for linear_cross_entropy.
 
     Returns:
@@ -492,7 +507,7 @@ def linear_grpo_loss_value_and_grad(hidden: Array, weight: Array, target: Array,
                                     epsilon_high: float | None = None, beta: float = 0.0,
                                     entropy_weight: float = 0.0, temperature: float = 1.0,
                                     max_completion_length: int | None = None,
-                                    num_items: float | None = None, ignore_index: int = -100,
+                                    num_items: Any = None, ignore_index: int = -100,
                                     max_workspace_bytes: int | None = None,
                                     wrt: str | Sequence[str] | None = None,
                                     compute_dtype: Any = None) -> tuple[Any, dict, Any]:
@@ -542,8 +557,10 @@ def grpo_loss(ops, log_probs, hidden, weight, target, advantages, bias=None, *, 
     products a chunk: the log-probs' forward, then their backward)."""
     _sequences(target, "linear_grpo_loss")
     check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
-               max_completion_length)
+               max_completion_length, num_items)
     logp, ent = log_probs(hidden, weight, target, bias, temperature, ignore_index)
+    if num_items is not None and not isinstance(num_items, (int, float)):
+        num_items = ops.stop(ops.float(num_items, logp))
     m = ops.float(target != ignore_index, logp)
     if mask is not None:
         m = m * ops.float(mask != 0, logp)

@@ -284,3 +284,31 @@ def test_jsd_bad_input_is_refused(call, message):
     h, w, _, t, _ = _case(8)
     with pytest.raises(ValueError, match=message):
         call(h, w, t)
+
+
+def test_grpo_num_items_as_a_0d_tensor_equals_the_number():
+    """'dapo' over a global count given as a 0-d tensor (int or float, never read back) gives
+    the loss and gradients of the same count as a number."""
+    h, w, b, t, gen = _case(9)
+    adv = torch.randn(B, generator=gen)
+    out = []
+    for items in (40, torch.tensor(40), torch.tensor(40.0)):
+        leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+        loss, _ = CF.linear_grpo_loss(*leaves, t, adv, loss_type="dapo", num_items=items)
+        loss.backward()
+        out.append([loss.detach(), *(a.grad for a in leaves)])
+    for other in out[1:]:
+        for a, r in zip(other, out[0]):
+            assert torch.equal(a, r)
+
+
+@pytest.mark.parametrize("items, error, message", [
+    (0, ValueError, "num_items must be positive"),
+    (True, TypeError, "got a bool"),
+    (torch.ones(2), TypeError, r"a 0-d array .*got an array of shape \(2,\)"),
+    ("40", TypeError, "num_items must be a number or a 0-d array"),
+])
+def test_grpo_num_items_of_the_wrong_kind_is_refused(items, error, message):
+    h, w, _, t, _ = _case(10)
+    with pytest.raises(error, match=message):
+        CF.linear_grpo_loss(h, w, t, torch.ones(B), loss_type="dapo", num_items=items)

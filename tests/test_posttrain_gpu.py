@@ -362,3 +362,23 @@ def test_torch_and_jax_jsd_against_float64():
     assert abs(float(loss) - want) <= 2e-5 * abs(want)
     for got, name in zip(grads, ("hidden", "weight")):
         assert _err(np.asarray(got, np.float64), want_g[name]) <= TOL_GRAD["float32"], name
+
+
+def test_fused_grpo_num_items_on_the_device_equals_the_number():
+    """'dapo' with num_items a 0-d device array (int32, or float32) gives the loss and the
+    gradients of the same count given as a Python number, bitwise: the divisor is read on the
+    device, never on the host."""
+    import cupy
+
+    import cupyloss
+
+    host, t, rng = _inputs(np.dtype(np.float32), seed=11)
+    x, w, b = _device(cupy, host, np.dtype(np.float32))
+    adv = cupy.asarray(rng.standard_normal(B), cupy.float32)
+    out = []
+    for items in (200, cupy.asarray(200, cupy.int32), cupy.asarray(200.0, cupy.float32)):
+        loss, _, grads = cupyloss.linear_grpo_loss_value_and_grad(
+            x, w, cupy.asarray(t), adv, loss_type="dapo", num_items=items)
+        out.append([loss, *grads])
+    for other in out[1:]:
+        assert all(cupy.array_equal(a, r) for a, r in zip(other, out[0]))

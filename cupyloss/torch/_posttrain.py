@@ -113,7 +113,8 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None
                    beta=beta, entropy_weight=entropy_weight, temperature=temperature,
                    max_completion_length=max_completion_length, num_items=num_items,
                    ignore_index=ignore_index)
-    tensors = (hidden, weight, target, bias, advantages, mask, old_log_probs, ref_log_probs)
+    tensors = (hidden, weight, target, bias, advantages, mask, old_log_probs, ref_log_probs,
+               num_items if isinstance(num_items, torch.Tensor) else None)
     traced = (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or any(
         t is not None and (type(t) is not torch.Tensor or torch._is_functional_tensor(t))
         for t in tensors))
@@ -123,7 +124,7 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None
             advantages, bias, mask=mask, old_log_probs=old_log_probs,
             ref_log_probs=ref_log_probs, **options)
     posttrain.check_grpo(loss_type, epsilon_low, epsilon_high, beta, ref_log_probs,
-                         max_completion_length)
+                         max_completion_length, num_items)
     options["temperature"] = linear._temperature(temperature)
     compute = _amp.linear_compute(hidden, weight, bias)
     out = _LinearGRPO.apply(hidden, weight, bias, target, advantages, mask, old_log_probs,
