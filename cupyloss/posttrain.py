@@ -1,7 +1,8 @@
-"""Post-training objectives on the fused head: policy-gradient RL (GRPO and its family) and
-preference optimisation (DPO, ORPO, CPO, SimPO, KTO), logits never whole.
+"""Post-training objectives on the fused head: policy-gradient RL (GRPO and its family),
+preference optimisation (DPO, ORPO, CPO, SimPO, KTO) and distillation between two heads
+(linear_jsd, at the end), logits never whole.
 
-Every one of them is a function of the per-token log-probabilities ``logp`` (and the entropy
+Each RL and preference objective is a function of the per-token log-probabilities ``logp`` (and the entropy
 ``H``) of the output layer (cupyloss.linear.linear_log_probs), so each is written here once, on
 those, for any array namespace (`Ops`: torch's and JAX's adapters pass theirs, and autograd or
 jax.grad differentiates the few per-token and per-sequence operations; the head's backward
