@@ -1,6 +1,7 @@
-"""What the torch examples share: torch and cupyloss.torch on a CUDA GPU, or one line saying
-what is missing and exit status 1.  Imported from beside them (a script's folder is first on
-sys.path)."""
+"""What the torch examples share: torch and cupyloss.torch on a CUDA GPU (or, for the
+post-training ones, on the CPU too), or one line saying what is missing and exit status 1; and
+the post-training examples' toy model, their step against the unfused formula and their
+verdict.  Imported from beside them (a script's folder is first on sys.path)."""
 
 import sys
 
@@ -61,3 +62,47 @@ def grad_gap(params, want):
             continue
         gap = max(gap, float((p.grad - g).abs().max()) / max(float(g.abs().max()), 1e-30))
     return gap
+
+
+def steps_argument(doc, default=40):
+    """The example's --steps (its docstring's first line as the description)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=default)
+    return ap.parse_args().steps
+
+
+def step_both(torch, opt, params, fused, unfused, curves, gaps):
+    """One optimizer step on fused()'s loss (fused returns the loss, or (loss, metrics)), with
+    unfused()'s loss and gradients taken first on the same parameters: the two losses go to
+    curves, the gradients' gap to gaps.  Returns fused()'s result."""
+    theirs = unfused()
+    want = torch.autograd.grad(theirs, params)
+    opt.zero_grad()
+    out = fused()
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.backward()
+    gaps.append(grad_gap(params, want))
+    opt.step()
+    curves[0].append(float(loss.detach()))
+    curves[1].append(float(theirs.detach()))
+    return out
+
+
+def finish(ok):
+    """Print the verdict and exit with its status."""
+    print("ok" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
+
+
+def policy_and_reference(torch, vocab, hidden, device, lr):
+    """A toy policy (toy_lm, seed 0), a frozen copy of it as the reference, its parameters, an
+    Adam optimizer over them at `lr`, and a seeded generator on `device`."""
+    import copy
+
+    policy = toy_lm(torch, vocab, hidden, device, seed=0)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    params = list(policy.parameters())
+    return (policy, reference, params, torch.optim.Adam(params, lr=lr),
+            torch.Generator(device=device).manual_seed(1))

@@ -12,11 +12,9 @@ and batch.  Runs on a GPU (one pass: the student's gradients formed with the los
 gradients to 1e-2 of theirs, and the loss fell.
 """
 
-import argparse
 import math
-import sys
 
-from _gpu import agreement, grad_gap, torch_anywhere, toy_lm
+from _gpu import agreement, finish, step_both, steps_argument, torch_anywhere, toy_lm
 
 VOCAB, ROWS, LENGTH, BETA, TEMPERATURE, HARD = 512, 16, 32, 0.5, 2.0, 0.5
 
@@ -34,9 +32,7 @@ def unfused(torch, student, teacher, inputs, labels):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    args = ap.parse_args()
+    steps = steps_argument(__doc__)
     torch, CF, device = torch_anywhere()
     teacher = toy_lm(torch, VOCAB, 96, device, seed=7).requires_grad_(False)
     student = toy_lm(torch, VOCAB, 48, device, seed=0)
@@ -44,26 +40,18 @@ def main():
     opt = torch.optim.Adam(params, lr=3e-3)
     gen = torch.Generator(device=device).manual_seed(1)
     curves, gaps = ([], []), []
-    for step in range(args.steps):
+    for step in range(steps):
         seq = torch.randint(0, VOCAB, (ROWS, LENGTH + 1), device=device, generator=gen)
         inputs, labels = seq[:, :-1], seq[:, 1:]
-        theirs = unfused(torch, student, teacher, inputs, labels)
-        want = torch.autograd.grad(theirs, params)
-        opt.zero_grad()
-        loss = CF.linear_jsd(student["body"](inputs), student["head"].weight,
-                             teacher["body"](inputs), teacher["head"].weight, labels, beta=BETA,
-                             temperature=TEMPERATURE, hard_weight=HARD)
-        loss.backward()
-        gaps.append(grad_gap(params, want))
-        opt.step()
-        curves[0].append(float(loss.detach()))
-        curves[1].append(float(theirs.detach()))
-        if step % 10 == 0 or step == args.steps - 1:
+        step_both(torch, opt, params,
+                  lambda: CF.linear_jsd(student["body"](inputs), student["head"].weight,
+                                        teacher["body"](inputs), teacher["head"].weight, labels,
+                                        beta=BETA, temperature=TEMPERATURE, hard_weight=HARD),
+                  lambda: unfused(torch, student, teacher, inputs, labels), curves, gaps)
+        if step % 10 == 0 or step == steps - 1:
             print(f"step {step:3d}: cupyloss {curves[0][-1]:.6f}   unfused {curves[1][-1]:.6f}")
     worst, gap = agreement(curves, gaps, device)
-    ok = worst < 1e-5 and gap < 1e-2 and curves[0][-1] < curves[0][0]
-    print("ok" if ok else "FAILED")
-    sys.exit(0 if ok else 1)
+    finish(worst < 1e-5 and gap < 1e-2 and curves[0][-1] < curves[0][0])
 
 
 if __name__ == "__main__":

@@ -13,11 +13,7 @@ operations).  Exits non-zero unless the loss curves agree to 1e-5 of their scale
 to 1e-2 of theirs, and the reward margin grew.
 """
 
-import argparse
-import copy
-import sys
-
-from _gpu import agreement, grad_gap, torch_anywhere, toy_lm
+from _gpu import agreement, finish, policy_and_reference, step_both, steps_argument, torch_anywhere
 
 VOCAB, HIDDEN, PAIRS, PROMPT, LENGTH, BETA = 512, 64, 8, 8, 32, 0.1
 
@@ -48,38 +44,26 @@ def unfused(torch, policy, reference, inputs, labels):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    args = ap.parse_args()
+    steps = steps_argument(__doc__)
     torch, CF, device = torch_anywhere()
-    policy = toy_lm(torch, VOCAB, HIDDEN, device, seed=0)
-    reference = copy.deepcopy(policy).requires_grad_(False)
-    params = list(policy.parameters())
-    opt = torch.optim.Adam(params, lr=3e-3)
-    gen = torch.Generator(device=device).manual_seed(1)
+    policy, reference, params, opt, gen = policy_and_reference(torch, VOCAB, HIDDEN, device,
+                                                               lr=3e-3)
     curves, gaps, margins = ([], []), [], []
-    for step in range(args.steps):
+    for step in range(steps):
         inputs, labels = batch(torch, gen, device)
-        theirs = unfused(torch, policy, reference, inputs, labels)
-        want = torch.autograd.grad(theirs, params)
-        opt.zero_grad()
-        loss, metrics = CF.linear_dpo_loss(policy["body"](inputs), policy["head"].weight, labels,
-                                           ref_hidden=reference["body"](inputs),
-                                           ref_weight=reference["head"].weight, beta=BETA)
-        loss.backward()
-        gaps.append(grad_gap(params, want))
-        opt.step()
-        curves[0].append(float(loss.detach()))
-        curves[1].append(float(theirs.detach()))
+        _, metrics = step_both(
+            torch, opt, params,
+            lambda: CF.linear_dpo_loss(policy["body"](inputs), policy["head"].weight, labels,
+                                       ref_hidden=reference["body"](inputs),
+                                       ref_weight=reference["head"].weight, beta=BETA),
+            lambda: unfused(torch, policy, reference, inputs, labels), curves, gaps)
         margins.append(float(metrics["rewards_margins"]))
-        if step % 10 == 0 or step == args.steps - 1:
+        if step % 10 == 0 or step == steps - 1:
             print(f"step {step:3d}: cupyloss {curves[0][-1]:.6f}   unfused {curves[1][-1]:.6f}   "
                   f"margin {margins[-1]:+.3f}   accuracy "
                   f"{float(metrics['rewards_accuracies']):.2f}")
     worst, gap = agreement(curves, gaps, device)
-    ok = worst < 1e-5 and gap < 1e-2 and margins[-1] > margins[0]
-    print("ok" if ok else "FAILED")
-    sys.exit(0 if ok else 1)
+    finish(worst < 1e-5 and gap < 1e-2 and margins[-1] > margins[0])
 
 
 if __name__ == "__main__":

@@ -13,11 +13,7 @@ formed with its log-probability) or on the CPU (torch's operations).  Exits non-
 loss curves agree to 1e-5 of their scale, the gradients to 1e-2 of theirs, and the reward rose.
 """
 
-import argparse
-import copy
-import sys
-
-from _gpu import agreement, grad_gap, torch_anywhere, toy_lm
+from _gpu import agreement, finish, policy_and_reference, step_both, steps_argument, torch_anywhere
 
 VOCAB, HIDDEN, GROUPS, GROUP, LENGTH = 512, 64, 4, 8, 24
 EPS, BETA = 0.2, 0.04
@@ -48,17 +44,12 @@ def unfused(torch, policy, ref, inputs, tokens, adv, old):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    args = ap.parse_args()
+    steps = steps_argument(__doc__)
     torch, CF, device = torch_anywhere()
-    policy = toy_lm(torch, VOCAB, HIDDEN, device, seed=0)
-    reference = copy.deepcopy(policy).requires_grad_(False)
-    params = list(policy.parameters())
-    opt = torch.optim.Adam(params, lr=2e-2)
-    gen = torch.Generator(device=device).manual_seed(1)
+    policy, reference, params, opt, gen = policy_and_reference(torch, VOCAB, HIDDEN, device,
+                                                               lr=2e-2)
     curves, gaps, rewards = ([], []), [], []
-    for step in range(args.steps):
+    for step in range(steps):
         if step % 2 == 0:                             # a new rollout every second step
             inputs, tokens, reward = rollout(torch, policy, gen, device)
             r = reward.view(GROUPS, GROUP)
@@ -68,18 +59,13 @@ def main():
                 ref = CF.linear_log_probs(reference["body"](inputs), reference["head"].weight,
                                           tokens)
             rewards.append(float(reward.mean()))
-        theirs = unfused(torch, policy, ref, inputs, tokens, adv, old)
-        want = torch.autograd.grad(theirs, params)
-        opt.zero_grad()
-        loss, metrics = CF.linear_grpo_loss(policy["body"](inputs), policy["head"].weight,
-                                            tokens, adv, old_log_probs=old, ref_log_probs=ref,
-                                            beta=BETA, epsilon_low=EPS, loss_type="dapo")
-        loss.backward()
-        gaps.append(grad_gap(params, want))
-        opt.step()
-        curves[0].append(float(loss.detach()))
-        curves[1].append(float(theirs.detach()))
-        if step % 10 == 0 or step == args.steps - 1:
+        _, metrics = step_both(
+            torch, opt, params,
+            lambda: CF.linear_grpo_loss(policy["body"](inputs), policy["head"].weight, tokens,
+                                        adv, old_log_probs=old, ref_log_probs=ref, beta=BETA,
+                                        epsilon_low=EPS, loss_type="dapo"),
+            lambda: unfused(torch, policy, ref, inputs, tokens, adv, old), curves, gaps)
+        if step % 10 == 0 or step == steps - 1:
             print(f"step {step:3d}: cupyloss {curves[0][-1]:+.6f}   unfused {curves[1][-1]:+.6f}"
                   f"   reward {rewards[-1]:.3f}   kl {float(metrics['kl']):.2e}   clipped "
                   f"{float(metrics['clip_ratio']):.3f}")
@@ -87,9 +73,7 @@ def main():
     head = sum(rewards[:3]) / 3
     tail = sum(rewards[-3:]) / 3
     print(f"mean reward {head:.3f} -> {tail:.3f}")
-    ok = worst < 1e-5 and gap < 1e-2 and (tail > head or args.steps < 20)
-    print("ok" if ok else "FAILED")
-    sys.exit(0 if ok else 1)
+    finish(worst < 1e-5 and gap < 1e-2 and (tail > head or steps < 20))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,31 @@ def torch_steps(torch, step, reps: int, forget) -> tuple[float, float, float]:
     return statistics.median(times), peak, statistics.median(hosts)
 
 
+def head_row(torch, rows: list, name: str, grads: float, measure, errors, **fields) -> None:
+    """One implementation's row of a fused-head benchmark: measure() -> (median ms, peak GiB,
+    its result), errors(result) -> {column: error}; printed as ms, peak, peak beyond the
+    gradients (`grads` GiB) and the errors, and appended to `rows` with `fields`.  A failure
+    (out of memory, a missing kernel) is printed and the benchmark goes on."""
+    try:
+        ms, peak, got = measure()
+    except Exception as exc:  # out of memory or failing: say so, go on
+        print(f"{name:22} failed: {type(exc).__name__}: {str(exc)[:160]}")
+        torch.cuda.empty_cache()
+        return
+    errs = errors(got)
+    rows.append(dict(fields, name=name, ms=ms, peak_gib=peak, beyond_gib=peak - grads, **errs))
+    print(f"{name:22} {ms:8.2f} {peak:9.3f} {peak - grads:7.3f} "
+          + " ".join(f"{e:9.2e}" for e in errs.values()), flush=True)
+    torch.cuda.empty_cache()
+
+
+def next_size(torch) -> None:
+    """Between a head benchmark's sizes: drop torch.compile's graphs and give torch's cache
+    back, so that the next size's peaks start from its inputs."""
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
 def need(prog: str, torch: bool = False, jax: bool = False) -> None:
     """Exit with one line saying what is missing when a benchmark cannot run here: a CUDA GPU
     (through CuPy), torch with CUDA when `torch`, JAX with a GPU backend when `jax`."""

@@ -129,23 +129,14 @@ def main(argv=None) -> list[dict]:
         print(f"{'implementation':22} {'ms':>8} {'peak GiB':>9} {'beyond':>7} {'logp err':>9} "
               f"{'H err':>9}")
         for name, fn in _candidates(torch, budgets, args.temperature).items():
-            try:
-                ms, peak, (lp, ent) = _measure(torch, fn, h, w, t, adv, args.reps)
-            except Exception as exc:  # out of memory or failing: say so, go on
-                print(f"{name:22} failed: {type(exc).__name__}: {str(exc)[:120]}")
-                torch.cuda.empty_cache()
-                continue
-            e_lp = float((lp.double() - ref_lp).abs().max())
-            e_h = float((ent.double() - ref_h).abs().max())
-            rows_out.append(dict(device=device, rows=bt, name=name, ms=ms, peak_gib=peak,
-                                 beyond_gib=peak - grads, logp_err=e_lp, entropy_err=e_h,
-                                 temperature=args.temperature))
-            print(f"{name:22} {ms:8.2f} {peak:9.3f} {peak - grads:7.3f} {e_lp:9.2e} "
-                  f"{e_h:9.2e}", flush=True)
-            torch.cuda.empty_cache()
-        del h, w, t
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
+            _timing.head_row(
+                torch, rows_out, name, grads,
+                lambda: _measure(torch, fn, h, w, t, adv, args.reps),
+                lambda got: {"logp_err": float((got[0].double() - ref_lp).abs().max()),
+                             "entropy_err": float((got[1].double() - ref_h).abs().max())},
+                device=device, rows=bt, temperature=args.temperature)
+        h = w = t = None            # freed before the next size
+        _timing.next_size(torch)
     return _timing.save(args.json, rows_out)
 
 

@@ -282,6 +282,30 @@ def _inputs(torch, family):
     return h, w, t, (rh,)
 
 
+def _measure(torch, fn, h, w, t, extra, reps):
+    """(median ms, peak GiB, (loss, float64 hidden gradient)) of the training step fn."""
+    hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+    got = {}
+
+    def step():
+        hl.grad = wl.grad = None
+        loss = fn(hl, wl, t, *extra)
+        loss.backward()
+        got["loss"] = float(loss.detach())
+
+    def forget():
+        hl.grad = wl.grad = None
+
+    try:
+        step()
+        gx = hl.grad.double()
+        step()
+        ms, peak, _ = _timing.torch_steps(torch, step, reps, forget)
+    finally:
+        forget()
+    return ms, peak, (got["loss"], gx)
+
+
 def main(argv=None) -> list[dict]:
     ap = _timing.arguments("python -m cupyloss.bench.posttrain", __doc__, 5)
     ap.add_argument("--families", default="grpo,distill,dpo,dpo-long")
@@ -298,44 +322,18 @@ def main(argv=None) -> list[dict]:
         torch.cuda.empty_cache()
         print(f"{device}: {family}, hidden {tuple(h.shape)}, weight ({V}, {H}) bf16, "
               f"gradients {grads:.3f} GiB")
-        print(f"{'implementation':18} {'ms':>8} {'peak GiB':>9} {'beyond':>7} {'loss err':>9} "
+        print(f"{'implementation':22} {'ms':>8} {'peak GiB':>9} {'beyond':>7} {'loss err':>9} "
               f"{'dX err':>9}")
         for name, fn in _candidates(torch, family, budgets).items():
-            hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
-            got = {}
-
-            def step():
-                hl.grad = wl.grad = None
-                loss = fn(hl, wl, t, *extra)
-                loss.backward()
-                got["loss"] = loss.detach()
-
-            def forget():
-                hl.grad = wl.grad = None
-
-            try:
-                step()
-                gx = hl.grad.double()
-                step()
-                ms, peak, _ = _timing.torch_steps(torch, step, args.reps, forget)
-            except Exception as exc:  # out of memory or failing: say so, go on
-                print(f"{name:18} failed: {type(exc).__name__}: {str(exc)[:160]}")
-                forget()
-                torch.cuda.empty_cache()
-                continue
-            e_loss = abs(float(got["loss"]) - want_loss) / max(abs(want_loss), 1e-30)
-            e_gx = float((gx - want_gx).abs().max() / want_gx.abs().max())
-            del gx
-            forget()
-            rows_out.append(dict(device=device, family=family, shape=list(h.shape), name=name,
-                                 ms=ms, peak_gib=peak, beyond_gib=peak - grads,
-                                 loss_err=e_loss, dx_err=e_gx))
-            print(f"{name:18} {ms:8.2f} {peak:9.3f} {peak - grads:7.3f} {e_loss:9.2e} "
-                  f"{e_gx:9.2e}", flush=True)
-            torch.cuda.empty_cache()
-        del h, w, want_gx
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
+            _timing.head_row(
+                torch, rows_out, name, grads,
+                lambda: _measure(torch, fn, h, w, t, extra, args.reps),
+                lambda got: {"loss_err": abs(got[0] - want_loss) / max(abs(want_loss), 1e-30),
+                             "dx_err": float((got[1] - want_gx).abs().max()
+                                             / want_gx.abs().max())},
+                device=device, family=family, shape=list(h.shape))
+        h = w = want_gx = None      # freed before the next family
+        _timing.next_size(torch)
     return _timing.save(args.json, rows_out)
 
 
