@@ -5,7 +5,7 @@
 A frozen teacher (hidden 96) and a student (hidden 48) of the toy kind (each position's hidden
 state from its own token, an LM head of 512 tokens) read the same random batches of 16 x 32
 tokens.  The loss is the generalised JSD (beta 0.5) of their softmax(logits / 2) plus 0.5 times
-the student's cross entropy on the next tokens, over the counted tokens, with neither head's
+the student's cross entropy on the teacher's most likely tokens (hard labels), with neither head's
 logits whole; every step evaluates the unfused formula on float32 logits on the same parameters
 and batch.  Runs on a GPU (one pass: the student's gradients formed with the loss) or on the CPU
 (torch's operations).  Exits non-zero unless the loss curves agree to 1e-5 of their scale, the
@@ -41,8 +41,9 @@ def main():
     gen = torch.Generator(device=device).manual_seed(1)
     curves, gaps = ([], []), []
     for step in range(steps):
-        seq = torch.randint(0, VOCAB, (ROWS, LENGTH + 1), device=device, generator=gen)
-        inputs, labels = seq[:, :-1], seq[:, 1:]
+        inputs = torch.randint(0, VOCAB, (ROWS, LENGTH), device=device, generator=gen)
+        with torch.no_grad():
+            labels = teacher["head"](teacher["body"](inputs)).argmax(-1)
         step_both(torch, opt, params,
                   lambda: CF.linear_jsd(student["body"](inputs), student["head"].weight,
                                         teacher["body"](inputs), teacher["head"].weight, labels,
