@@ -35,7 +35,8 @@ from cupyloss.linear import (
     linear_cross_entropy, linear_cross_entropy_backward, linear_cross_entropy_value_and_grad,
     linear_log_probs, linear_log_probs_backward, linear_log_probs_value_and_grad,)
 from cupyloss.posttrain import (
-    linear_grpo_loss, linear_grpo_loss_value_and_grad, linear_jsd, linear_jsd_value_and_grad)
+    linear_grpo_loss, linear_grpo_loss_value_and_grad, linear_jsd, linear_jsd_value_and_grad,
+    linear_preference_loss, linear_preference_loss_value_and_grad)
 from cupyloss.rowwise import (
     cross_entropy, cross_entropy_backward, cross_entropy_value_and_grad, nll_loss,
     nll_loss_backward, nll_loss_value_and_grad, rejected_targets,)
@@ -89,6 +90,8 @@ __all__ = [
     "linear_log_probs",
     "linear_log_probs_backward",
     "linear_log_probs_value_and_grad",
+    "linear_preference_loss",
+    "linear_preference_loss_value_and_grad",
     "log_cosh_loss",
     "log_cosh_loss_backward",
     "log_cosh_loss_value_and_grad",

@@ -47,7 +47,8 @@ from cupyloss._types import Array
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_backward",
            "linear_cross_entropy_value_and_grad", "linear_log_probs", "linear_log_probs_backward",
-           "linear_log_probs_value_and_grad", "plan", "Plan", "DEFAULT_WORKSPACE_BYTES"]
+           "linear_log_probs_value_and_grad", "plan", "group_plan", "Plan",
+           "DEFAULT_WORKSPACE_BYTES"]
 
 # The workspace a call may use by default: enough to keep every row's bfloat16 dZ at 16384 x
 # 128256 (3.9 GiB) beside 1024-row chunks, the fastest plan there (docs/performance.md).
@@ -55,6 +56,8 @@ DEFAULT_WORKSPACE_BYTES = 4608 << 20
 
 _REDUCTIONS = ("none", "mean", "sum")
 NARROW = _args.Layout(_source.kernel_words("scale.cu", "narrow"))
+SPLIT_ADD = _args.Layout(_source.kernel_words("scale.cu", "split_add"))
+SPLIT_FINISH = _args.Layout(_source.kernel_words("scale.cu", "split_finish"))
 _GRAD_NAMES = ("hidden", "weight", "bias")
 
 # cuBLAS / CUDA library enums (cublas_api.h, library_types.h).
@@ -63,6 +66,7 @@ _CUDA_TYPE = {dtype: {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}[
               for dtype in _dtypes.DTYPES}
 _COMPUTE_32F, _COMPUTE_64F = 68, 70
 _GEMM_DEFAULT = -1
+_POINTER_HOST, _POINTER_DEVICE = 0, 1
 
 
 # Rows of a chunk of logits at most: larger chunks measured no faster and only hold more
@@ -78,14 +82,21 @@ NARROW_LOGITS = True
 NARROW_CHUNK_ROWS: tuple = ((1024, 4096), (None, 2048))
 # A cuBLAS tile: chunks and slices are multiples of it where they can be.
 TILE = 128
+# The split weight-gradient sum (_WeightSum): bytes of the float32 slice of classes its
+# products write before scale.cu's split_add adds them in, at most.  Small enough to stay in
+# L2 between the product and the addition, large enough that the products stay large
+# (bench.linear --split, benchmarks/results/split-h200.json).
+SPLIT_SLICE_BYTES = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How a call spends its workspace (module docstring): `kind` ("keep", "sum" or "slices"),
-    `rows` of logits a chunk of the first pass, for "slices" `cols` classes a slice of the
-    second pass and `tile` rows a tile of a slice, and the workspace's `bytes` besides the
-    results (the larger of the two passes' for "slices")."""
+    """How a call spends its workspace (module docstring): `kind` ("keep", "sum", "slices" or
+    "group"), `rows` of logits a chunk of the first pass, for "slices" `cols` classes a slice of
+    the second pass and `tile` rows a tile of a slice, for "sum" and "group" `cols` classes a
+    slice of a split weight-gradient sum (0: a float32 one), for "group" `tile` rows of dZ a
+    group holds, and the workspace's `bytes` besides the results (the larger of the two
+    passes' for "slices")."""
 
     kind: str
     rows: int
@@ -125,9 +136,23 @@ def _fit(budget: int, per_row: int, n: int, most: int | None = None) -> int:
     return max(1, min(rows, n, most))
 
 
+def split_cols(classes: int, hidden: int) -> int:
+    """Classes a slice of the split weight-gradient sum's float32 products: SPLIT_SLICE_BYTES,
+    at most a quarter of the classes (so that the split sum holds at most 3/4 of a float32
+    one's bytes), a multiple of TILE where that leaves at least TILE."""
+    room = min(SPLIT_SLICE_BYTES, max(1, classes // 4) * hidden * 4)
+    return _fit(room, hidden * 4, classes, classes)
+
+
+def _split_bytes(classes: int, hidden: int) -> int:
+    """Workspace of the split sum: the bottom halves (V x H, 16-bit) and a float32 slice."""
+    return classes * hidden * 2 + split_cols(classes, hidden) * hidden * 4
+
+
 def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = None,
          weight_grad: bool = True, rows: int | None = None, most: int | None = None,
-         wide_weight_grad: bool = False, narrow_logits: bool = False) -> Plan:
+         wide_weight_grad: bool = False, narrow_logits: bool = False,
+         beside: int = 0) -> Plan:
     """The plan of a call on n rows, `classes` logits a row and `hidden` features, inputs of
     `itemsize` bytes, within `budget` bytes (default DEFAULT_WORKSPACE_BYTES): keep every row's
     16-bit dZ where it fits, else a float32 weight-gradient sum, else class slices (see the
@@ -137,14 +162,17 @@ def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = 
     float32 result (a float32 master weight under autocast), so the "sum" plan adds into it
     and holds no workspace of its own.  `rows`, where given, fixes the rows a chunk of the
     first pass (the ranks of a vocab-parallel call must agree on them) and the bytes follow
-    from it."""
+    from it.  Where a float32 weight-gradient sum does not fit, a split one (half its bytes,
+    _WeightSum) may.  `beside`: bytes a head holds per element of each chunk or slice of
+    logits besides them (a teacher's float32 logits of the same rows and classes:
+    cupyloss.posttrain's linear_jsd)."""
     budget = DEFAULT_WORKSPACE_BYTES if budget is None else max(0, int(budget))
     logit = 8 if itemsize == 8 else 4
     narrow = itemsize if itemsize < 4 else 0
     if narrow and narrow_logits:
-        logit, chunk = 0, classes * narrow
+        logit, chunk = 0, classes * (narrow + beside)
     else:
-        chunk = classes * (logit + narrow)
+        chunk = classes * (logit + narrow + beside)
 
     def fit(room, per_row):
         return _fit(room, per_row, n, most) if rows is None else max(1, min(rows, n))
@@ -162,17 +190,21 @@ def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = 
             r = max(1, min(rows, n))
         return Plan("sum", r, bytes=r * chunk)
     keep = n * classes * narrow
-    if budget >= keep + TILE * classes * logit:
-        r = fit(budget - keep, classes * logit) if logit else fit(budget, chunk)
-        return Plan("keep", r, bytes=keep + r * classes * logit)
+    if budget >= keep + TILE * classes * (logit + beside):
+        r = fit(budget - keep, classes * (logit + beside)) if logit else fit(budget, chunk)
+        return Plan("keep", r, bytes=keep + r * classes * (logit + beside))
     total = 0 if wide_weight_grad else classes * hidden * 4
     if budget >= total + TILE * chunk:
         r = fit(budget - total, chunk)
         return Plan("sum", r, bytes=total + r * chunk)
+    split = _split_bytes(classes, hidden)
+    if not wide_weight_grad and budget >= split + TILE * chunk:
+        r = fit(budget - split, chunk)
+        return Plan("sum", r, split_cols(classes, hidden), bytes=split + r * chunk)
     r = fit(budget, chunk)
     # A slice of all n rows where `budget` holds TILE classes of them, else tiles of rows with
     # a float32 sum of the slice's dW.
-    element = (logit or 4) + narrow
+    element = (logit or 4) + narrow + beside
     cols = min(classes, max(TILE, budget // max(n * element, 1) // TILE * TILE))
     if n * cols * element <= budget:
         tile, second = n, n * cols * element
@@ -181,6 +213,27 @@ def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = 
         tile = _fit(budget - acc, cols * element, n, n)
         second = acc + tile * cols * element
     return Plan("slices", r, cols, tile, max(r * chunk, second))
+
+
+def group_plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None,
+               weight_grad: bool, group: int, wide_weight_grad: bool = False) -> Plan | None:
+    """The "group" plan of a head whose rows' upstream gradients are known a group of rows at
+    a time (whole sequences: cupyloss.posttrain's preference losses): the dZ of `group` rows
+    in the inputs' dtype, a chunk of float32 logits (float64 for float64 inputs) and a weight-
+    gradient sum (float32, else split; none for float32 and float64 weights or without a
+    weight gradient), the most rows a chunk that `budget` leaves; None where none fits."""
+    budget = DEFAULT_WORKSPACE_BYTES if budget is None else max(0, int(budget))
+    logit = 8 if itemsize == 8 else 4
+    kept = min(group, n) * classes * itemsize
+    sums = [0] if not weight_grad or itemsize >= 4 or wide_weight_grad else [
+        classes * hidden * 4, _split_bytes(classes, hidden)]
+    for acc in sums:
+        room = budget - kept - acc
+        if room >= min(n, TILE) * classes * logit:
+            r = _fit(room, classes * logit, n)
+            cols = split_cols(classes, hidden) if acc and acc != classes * hidden * 4 else 0
+            return Plan("group", r, cols, min(group, n), kept + acc + r * classes * logit)
+    return None
 
 
 def shard_plan(n: int, v: int, hidden: int, itemsize: int, budget: int | None,
@@ -291,14 +344,35 @@ class _Blas:
         scalar = numpy.float64 if wide else numpy.float32
         self._scalars = (numpy.ones(1, scalar), numpy.zeros(1, scalar))   # held while in use
         self._one, self._zero = (a.ctypes.data for a in self._scalars)
+        self._device = None       # 1 and 0 on the device, for products with a device alpha
 
     def gemm(self, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, accumulate=False, alpha=None):
-        """alpha: a one-element float32/float64 host array (its address is read), or 1."""
-        beta = self._one if accumulate else self._zero
-        _status(self._lib.cublasGemmEx(
-            self._handle, ta, tb, m, n, k, self._one if alpha is None else alpha.ctypes.data,
-            a.data.ptr, _CUDA_TYPE[a.dtype], lda, b.data.ptr, _CUDA_TYPE[b.dtype], ldb, beta,
-            c.data.ptr, _CUDA_TYPE[c.dtype], ldc, self._compute, _GEMM_DEFAULT), "cublasGemmEx")
+        """alpha: a one-element float32/float64 host array (its address is read), a CuPy array
+        whose first element is alpha (read by cuBLAS on the device, in order on the stream: no
+        host synchronisation), or None for 1."""
+        lib, handle = self._lib, self._handle
+        device = alpha is not None and not isinstance(alpha, numpy.ndarray)
+        if device:
+            if self._device is None:
+                import cupy
+
+                self._device = cupy.empty((2,), self._scalars[0].dtype)
+                self._device[0], self._device[1] = 1, 0
+            _status(lib.cublasSetPointerMode_v2(handle, _POINTER_DEVICE), "cublasSetPointerMode")
+            one, zero = self._device.data.ptr, self._device.data.ptr + self._device.itemsize
+            scale = alpha.data.ptr
+        else:
+            one, zero = self._one, self._zero
+            scale = one if alpha is None else alpha.ctypes.data
+        try:
+            _status(lib.cublasGemmEx(
+                handle, ta, tb, m, n, k, scale, a.data.ptr, _CUDA_TYPE[a.dtype], lda,
+                b.data.ptr, _CUDA_TYPE[b.dtype], ldb, one if accumulate else zero, c.data.ptr,
+                _CUDA_TYPE[c.dtype], ldc, self._compute, _GEMM_DEFAULT), "cublasGemmEx")
+        finally:
+            if device:
+                _status(lib.cublasSetPointerMode_v2(handle, _POINTER_HOST),
+                        "cublasSetPointerMode")
 
 
 _CUBLAS: list = []
@@ -326,6 +400,8 @@ def _cublas():
     lib.cublasSetStream_v2.restype = i
     lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
     lib.cublasGemmEx.restype = i
+    lib.cublasSetPointerMode_v2.argtypes = [p, i]
+    lib.cublasSetPointerMode_v2.restype = i
     _CUBLAS.append(lib)
     return lib
 
@@ -348,6 +424,84 @@ def _narrow(src, out, stream, device) -> None:
     cfg = _launch.flat_launch(n, 8, _launch.device_limits(device))
     _args.launch(NARROW.bind(function.kernel.ptr), cfg.grid, cfg.block, 0, stream,
                  NARROW.template({"src": src.data.ptr, "out": out.data.ptr, "n": n}))
+
+
+def _split_add(src, hi, lo, first, stream, device) -> None:
+    """(hi, lo) = src + (hi, lo) as float32, or src itself where `first` (scale.cu's split_add;
+    contiguous arrays of one size: src float32, hi and lo 16-bit)."""
+    from cupyloss._core import launch as _launch
+
+    n = src.size
+    function = _source.function("scale.cu", "cupyloss::split_add")
+    cfg = _launch.flat_launch(n, 8, _launch.device_limits(device))
+    _args.launch(SPLIT_ADD.bind(function.kernel.ptr), cfg.grid, cfg.block, 0, stream,
+                 SPLIT_ADD.template({"src": src.data.ptr, "hi": hi.data.ptr, "lo": lo.data.ptr,
+                                     "n": n, "first": int(bool(first))}))
+
+
+def _split_finish(out, lo, stream, device) -> None:
+    """out[...] = the float32 whose halves are (out's bits, lo), rounded to out's dtype."""
+    from cupyloss._core import launch as _launch
+
+    n = out.size
+    info = _dtypes.DTYPES[out.dtype]
+    function = _source.function("scale.cu", _source.split_names(info.ctype)[1])
+    cfg = _launch.flat_launch(n, 8, _launch.device_limits(device))
+    _args.launch(SPLIT_FINISH.bind(function.kernel.ptr), cfg.grid, cfg.block, 0, stream,
+                 SPLIT_FINISH.template({"hi": out.data.ptr, "lo": lo.data.ptr, "n": n}))
+
+
+class _WeightSum:
+    """The weight's gradient summed over groups of rows in float32 (the "sum" and "group"
+    plans): into the result where it is float32 or float64; else into a float32 workspace
+    rounded once at the end; or, with `cols`, split (scale.cu's split_add): each float32's top
+    16 bits in the 16-bit result's own storage, its bottom 16 in a workspace, half the bytes of
+    a float32 sum and the same float32 additions.  A split sum's products are formed `cols`
+    classes at a time into a float32 slice (SPLIT_SLICE_BYTES) and added from there."""
+
+    def __init__(self, call, ws, at, cols):
+        self.call, self.cols, self.first = call, cols, True
+        v, h, gw = call.v, call.h, call.gw
+        self.acc: Any = None
+        self.lo: Any = None
+        self.temp: Any = None
+        if cols:
+            self.lo, at = _carve(ws, at, (v, h), numpy.uint16)
+            self.temp, at = _carve(ws, at, (cols, h), numpy.float32)
+        else:
+            self.acc = gw if gw.dtype == call.logit else _carve(ws, at, (v, h),
+                                                                 numpy.float32)[0]
+
+    def add(self, pieces) -> None:
+        """Adds dZ^T X of each (x rows, their dZ (m, V) of leading dimension V, alpha)."""
+        call = self.call
+        blas, h, v = call.blas, call.h, call.v
+        if not self.cols:
+            for j, (xc, dz, alpha) in enumerate(pieces):
+                # dW^T (H x V) += X_c (H x m col-major) (dZ^T (V x m col-major))^T
+                blas.gemm(_OP_N, _OP_T, h, v, xc.shape[0], xc, h, dz, v, self.acc, h,
+                          accumulate=not (self.first and j == 0), alpha=alpha)
+        else:
+            hi = call.gw.view(numpy.uint16)
+            for c0 in range(0, v, self.cols):
+                c1 = min(v, c0 + self.cols)
+                k = c1 - c0
+                for j, (xc, dz, alpha) in enumerate(pieces):
+                    blas.gemm(_OP_N, _OP_T, h, k, xc.shape[0], xc, h, dz[:, c0:c1], v,
+                              self.temp[:k], h, accumulate=j > 0, alpha=alpha)
+                _split_add(self.temp[:k], hi[c0:c1], self.lo[c0:c1], self.first, call.stream,
+                           call.device)
+        self.first = self.first and not pieces
+
+    def finish(self) -> None:
+        """The result in its dtype (zeros where nothing was added)."""
+        call = self.call
+        if self.first:
+            call.gw[...] = 0
+        elif self.cols:
+            _split_finish(call.gw, self.lo, call.stream, call.device)
+        elif self.acc is not call.gw:
+            _narrow(self.acc, call.gw, call.stream, call.device)
 
 
 def _plain(a):
@@ -535,10 +689,19 @@ class _Call:
         args = (self.n, self.v, self.h, self.dtype.itemsize, budget, self.want["weight"],
                 self.shard)
         wide = self.gw is not None and self.gw.dtype == numpy.float32 and self.narrow
-        pl = shard_plan(*args, wide_weight_grad=wide, narrow_logits=self.narrow_logits)
+        grouped = getattr(self.head, "grouped", None)
+        if grouped is not None and self.names:
+            pl = group_plan(*args[:6], grouped.group_rows(self), wide_weight_grad=wide)
+            if pl is None:
+                raise NoGroupPlan(f"a group of {grouped.group_rows(self)} rows' dZ does not fit "
+                                  f"{budget} bytes")
+            return pl
+        beside = getattr(self.head, "beside", 0)
+        pl = shard_plan(*args, wide_weight_grad=wide, narrow_logits=self.narrow_logits,
+                        beside=beside)
         if pl.kind == "slices" and self.narrow_logits:
             self.narrow_logits = False
-            pl = shard_plan(*args, wide_weight_grad=wide)
+            pl = shard_plan(*args, wide_weight_grad=wide, beside=beside)
         return pl
 
     def _upstream_scale(self):
@@ -608,39 +771,42 @@ class _Call:
 
     def first_pass(self, pl: Plan) -> None:
         """Row chunks: logits, the loss (and lse), dZ in the inputs' dtype, dX = dZ W, and dW
-        per the plan: kept dZ for one product at the end ("keep"), a float32 sum ("sum"), or
-        nothing here ("slices")."""
+        per the plan: kept dZ for one product at the end ("keep"), a float32 or split sum
+        ("sum"), or nothing here ("slices").  Under the "group" plan the head's groups of
+        chunks (head.grouped.schedule) have every chunk's dZ formed first, at a unit upstream
+        gradient, and the products after, each piece of rows scaled by its upstream gradient on
+        the device (head.grouped.scales)."""
         import cupy
 
         from cupyloss.rowwise import _family as _rowwise
 
         n, h, v, x, w = self.n, self.h, self.v, self.x, self.w
         rows = pl.rows
-        nchunks = -(-n // rows) if n else 0
         logit, dtype = self.logit, self.dtype
         want, names = self.want, self.names
         ws = cupy.empty((pl.bytes + 1024,), numpy.uint8)
         keep = pl.kind == "keep" and bool(names)
+        grouped = pl.kind == "group"
         narrow_logits = self.narrow_logits
         if narrow_logits:
             # 16-bit logits, their gradient written over them (all rows' for "keep")
             z_all, at = _carve(ws, 0, (n, v) if keep else (min(rows, max(n, 1)), v), dtype)
         else:
             z_all, at = _carve(ws, 0, (min(rows, max(n, 1)), v), logit)
-        dz_all = None
-        if narrow_logits:
+        dz_all: Any = None
+        if grouped:
+            if names:           # a group's dZ, beside the chunk of logits
+                dz_all, at = _carve(ws, at, (max(pl.tile, 1), v), dtype)
+        elif narrow_logits:
             dz_all = z_all if names else None
         elif self.narrow and names:
             dz_all, at = _carve(ws, at, (n, v) if keep else z_all.shape, dtype)
         elif (self.shard is not None or isinstance(self.head, _SliceHead)) and names:
             # the slice gradient is not formed in place: a float32 dZ beside the logits
             dz_all = cupy.empty(z_all.shape, logit)
-        # The weight's gradient summed over chunks in float32 (the result itself where it is
-        # float32 or float64).
-        gw_sum = None
-        if want["weight"] and pl.kind == "sum":
-            gw_sum = (self.gw if self.gw.dtype == logit
-                      else _carve(ws, at, (v, h), numpy.float32)[0])
+        # The weight's gradient summed over chunks (or groups) in float32.
+        wsum = (_WeightSum(self, ws, at, pl.cols)
+                if want["weight"] and pl.kind in ("sum", "group") else None)
         reduction = self.reduction
         if self.want_value:
             if reduction == "none":
@@ -651,63 +817,79 @@ class _Call:
             self.lse = cupy.empty((n,), logit)
         spec = _rowwise.SPECS["cross_entropy"]
         head = self.head
-        for i in range(nchunks):
-            r0, r1 = i * rows, min(n, (i + 1) * rows)
-            m = r1 - r0
-            z = z_all[r0:r1] if narrow_logits and keep else z_all[:m]
-            xc = x[r0:r1]
-            if self.b is not None:
-                z[...] = self.b
-            # Z^T (V x m, column-major) = W (H x V col-major)^T X_c (H x m col-major)
-            self.blas.gemm(_OP_T, _OP_N, v, m, h, w, h, xc, h, z, v,
-                           accumulate=self.b is not None)
-            # dZ: the logits themselves (float32 inputs), else 16-bit rows of dz_all
-            if narrow_logits or dz_all is None:
-                dz = z
-            else:
-                dz = dz_all[r0:r1] if keep else dz_all[:m]
-            if head is not None:
-                head.chunk(self, z, dz if names else None, r0, r1)
-                out = None
-            elif self.shard is not None:
-                out = self._shard_chunk(z, dz, r0, r1)
-            else:
-                out = _rowwise.evaluate(
-                    spec, z, self.t[r0:r1], self.cw,
-                    reduction="none" if reduction == "none" else "sum", **self.options,
-                    want_value=self.want_value, wrt=("input",) if names else (),
-                    grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
-                    want_lse=self.lse is not None,
-                    grad_into=dz if names and dz is not z else None, acc_io=narrow_logits)
-            if self.want_value and out is not None:
-                if reduction == "none":
-                    self.loss_rows[r0:r1] = out[0]
+        schedule = (head.grouped.schedule(self, rows, pl.tile) if grouped
+                    else [[(r0, min(n, r0 + rows))] for r0 in range(0, n, rows)])
+        for group in schedule:
+            done = []           # (r0, r1, their rows of X, their dZ) of the group's chunks
+            kept = 0
+            for r0, r1 in group:
+                m = r1 - r0
+                z = z_all[r0:r1] if narrow_logits and keep else z_all[:m]
+                xc = x[r0:r1]
+                if self.b is not None:
+                    z[...] = self.b
+                # Z^T (V x m, column-major) = W (H x V col-major)^T X_c (H x m col-major)
+                self.blas.gemm(_OP_T, _OP_N, v, m, h, w, h, xc, h, z, v,
+                               accumulate=self.b is not None)
+                # dZ: the logits themselves (float32 inputs), else 16-bit rows of dz_all
+                if grouped:
+                    dz = dz_all[kept:kept + m] if names else z
+                    kept += m
+                elif narrow_logits or dz_all is None:
+                    dz = z
                 else:
-                    self.losses.append(out[0])
-            if self.lse is not None and out is not None:
-                self.lse[r0:r1] = out[3]
+                    dz = dz_all[r0:r1] if keep else dz_all[:m]
+                if head is not None:
+                    head.chunk(self, z, dz if names else None, r0, r1)
+                    out = None
+                elif self.shard is not None:
+                    out = self._shard_chunk(z, dz, r0, r1)
+                else:
+                    out = _rowwise.evaluate(
+                        spec, z, self.t[r0:r1], self.cw,
+                        reduction="none" if reduction == "none" else "sum", **self.options,
+                        want_value=self.want_value, wrt=("input",) if names else (),
+                        grad_output=self._scale_rows(r0, r1), inplace=bool(names) and dz is z,
+                        want_lse=self.lse is not None,
+                        grad_into=dz if names and dz is not z else None, acc_io=narrow_logits)
+                if self.want_value and out is not None:
+                    if reduction == "none":
+                        self.loss_rows[r0:r1] = out[0]
+                    else:
+                        self.losses.append(out[0])
+                if self.lse is not None and out is not None:
+                    self.lse[r0:r1] = out[3]
+                if names:
+                    done.append((r0, r1, xc, dz))
             if not names:
                 continue
-            if want["bias"]:
-                self.gb += dz.sum(axis=0, dtype=logit)
-            if want["hidden"]:
-                # dX_c^T (H x m) = W (H x V col-major) dZ^T (V x m col-major)
-                self.blas.gemm(_OP_N, _OP_N, h, m, v, w, h, dz, v, self.gx[r0:r1], h,
-                               alpha=self.unscale)
-                if self.shard is not None and self.shard.reduce is not None:
+            scales = (head.grouped.scales(self, group) if grouped
+                      else [[(r0, r1, self.unscale)] for r0, r1, _, _ in done])
+            pieces = []
+            for (r0, r1, xc, dz), parts in zip(done, scales):
+                for p0, p1, alpha in parts:
+                    d = dz[p0 - r0:p1 - r0]
+                    if want["bias"]:
+                        db = d.sum(axis=0, dtype=logit)
+                        self.gb += db if alpha is None or isinstance(alpha, numpy.ndarray) \
+                            else alpha * db
+                    if want["hidden"]:
+                        # dX_c^T (H x m) = W (H x V col-major) dZ^T (V x m col-major)
+                        self.blas.gemm(_OP_N, _OP_N, h, p1 - p0, v, w, h, d, v,
+                                       self.gx[p0:p1], h, alpha=alpha)
+                    pieces.append((x[p0:p1], d, alpha))
+                if want["hidden"] and self.shard is not None and self.shard.reduce is not None:
                     self.shard.reduce(self.gx[r0:r1])
-            if gw_sum is not None:
-                # dW^T (H x V) += X_c (H x m col-major) (dZ^T (V x m col-major))^T
-                self.blas.gemm(_OP_N, _OP_T, h, v, m, xc, h, dz, v, gw_sum, h,
-                               accumulate=i > 0, alpha=self.unscale)
+            if wsum is not None:
+                wsum.add(pieces)
         if want["weight"]:
-            if n == 0:
+            if wsum is not None:
+                wsum.finish()
+            elif n == 0:
                 self.gw[...] = 0
             elif keep:
                 self.blas.gemm(_OP_N, _OP_T, h, v, n, x, h, dz_all, v, self.gw, h,
                                alpha=self.unscale)
-            elif gw_sum is not None and gw_sum is not self.gw:
-                _narrow(gw_sum, self.gw, self.stream, self.device)
 
     def second_pass(self, pl: Plan) -> None:
         """Class slices (the "slices" plan): each slice's logits again, all rows or tiles of
@@ -829,6 +1011,10 @@ def _row_arrays(frame, device, shapes, named, any_dtype=False) -> list:
     return got
 
 
+class NoGroupPlan(Exception):
+    """A head's group of rows (plan's `group`) does not fit the call's workspace budget."""
+
+
 class _LogProbs:
     """The per-token head of linear_log_probs in a _Call's passes: each chunk's (or slice's)
     logits give every row's log p(target), entropy and lse (logprob.cu's logprob_stats), and
@@ -841,6 +1027,9 @@ class _LogProbs:
         # rows' statistics, between them and dZ, in the same pass
         self.token = token
         self.token_results = None
+        # a row policy whose upstream gradients are known a group of rows at a time (the
+        # "group" plan: posttrain._PreferenceRows)
+        self.grouped = token if hasattr(token, "schedule") else None
 
     def bind(self, frame, device, shape) -> None:
         """The upstream gradients as numbers or CuPy views of (rows,) arrays: each a Python
@@ -858,7 +1047,8 @@ class _LogProbs:
         n, logit = call.n, call.logit
         self.logp = cupy.empty((n,), logit)
         self.lse = cupy.empty((n,), logit)
-        need_h = self.want_entropy or self.g_ent is not None or self.token is not None
+        need_h = (self.want_entropy or self.g_ent is not None
+                  or (self.token is not None and getattr(self.token, "entropy", True)))
         self.ent = cupy.empty((n,), logit) if need_h else None
         self.g = [None if g is None else cupy.full((n,), g, logit) if isinstance(g, float)
                   else cupy.ascontiguousarray(g.reshape(n), dtype=logit)

@@ -58,7 +58,8 @@ from cupyloss import linear as _linear
 from cupyloss._core import args as _args, source as _source
 from cupyloss._types import Array
 
-__all__ = ["linear_grpo_loss", "linear_grpo_loss_value_and_grad", "linear_jsd",
+__all__ = ["linear_grpo_loss", "linear_grpo_loss_value_and_grad", "linear_preference_loss",
+           "linear_preference_loss_value_and_grad", "linear_jsd",
            "linear_jsd_value_and_grad", "GRPO_LOSS_TYPES",
            "DPO_LOSS_TYPES", "PREFERENCE_LOSSES", "grpo_objective", "preference_objective",
            "Ops"]
@@ -606,6 +607,390 @@ def preference_loss(ops, log_probs, kind, hidden, weight, target, bias=None, *,
     return preference_objective(ops, kind, logp, m, ref, desirable=desirable, **options)
 
 
+# --- preference losses in one pass: a group of whole sequences at a time --------------------------
+
+def pair_slopes(ops, kind, c, r, c0=0.0, r0=0.0, *, beta=0.1, loss_type="sigmoid",
+                label_smoothing=0.0, gamma=0.5):
+    """The hand-written derivatives (d per / dc, d per / dr) of a pair's term `per` of a paired
+    preference loss (module docstring: 'dpo', 'orpo', 'cpo', 'simpo'; ORPO's per =
+    -beta log sigma(log odds)), at the pairs' sequence log-probs c, r (and the reference's c0,
+    r0), as torch's autograd forms them (relu's slope 0 at its kink)."""
+    sig = ops.sigmoid
+    e = label_smoothing
+    if kind == "orpo":
+        odds = (c - r) - (ops.xp.log1p(-ops.xp.exp(c)) - ops.xp.log1p(-ops.xp.exp(r)))
+        g = -beta * sig(-odds)
+        return g / (1.0 - ops.xp.exp(c)), -g / (1.0 - ops.xp.exp(r))
+    if kind == "dpo":
+        z, scale = (c - r) - (c0 - r0), beta
+        if loss_type == "ipo":
+            g = 2.0 * (z - 1.0 / (2.0 * beta))
+            return g, -g
+    else:                                       # cpo, simpo: z already scaled by beta
+        z, scale = beta * (c - r) - (gamma if kind == "simpo" else 0.0), 1.0
+    bz = scale * z
+    if loss_type == "hinge":
+        g = -beta * ops.float(1.0 - bz > 0, bz)
+    else:
+        g = scale * (-(1.0 - e) * sig(-bz) + e * sig(bz)) if e else -scale * sig(-bz)
+        if kind != "dpo":
+            g = g * beta
+    return g, -g
+
+
+def kto_slopes(ops, s, s0, good, kl, *, beta=0.1, desirable_weight=1.0,
+               undesirable_weight=1.0):
+    """d per / ds of KTO's per-row term (module docstring) at the rows' summed log-probs s."""
+    x = beta * (s - s0 - kl)
+    sx = ops.sigmoid(x)
+    slope = sx * (1.0 - sx) * beta
+    return -good * desirable_weight * slope + (1.0 - good) * undesirable_weight * slope
+
+
+_NLL = {"orpo": None, "cpo": "alpha", "simpo": "alpha"}
+# Rows a side of a preference group holds at most (whole sequences, at least one pair): the
+# products' pieces are whole sequences, so short ones share a group and its chunks.
+GROUP_ROWS = 1024
+
+
+class _PreferenceRows:
+    """A preference loss's row policy inside a _LogProbs head, under the "group" plan: every
+    chunk's dZ is formed at a unit upstream gradient (each counted token's 1, (onehot - p)),
+    a group of whole pairs (rows for 'kto') at a time; once a group's log-probs are summed,
+    scales() gives each sequence's upstream gradient c_b = dloss/ds_b (times 1 / its length
+    where the loss averages; plus the chosen rows' NLL term), by which the products of that
+    sequence's rows are scaled on the device (cuBLAS's alpha).  Four matrix products a pair
+    with a reference head (its log-probs formed first), three without."""
+
+    entropy = False                     # the head need not form the entropy
+
+    def __init__(self, kind, options, arrays):
+        self.kind, self.options, self.arrays = kind, options, arrays
+
+    def bind(self, frame, device, shape) -> None:
+        batch, length = shape
+        self.shape = shape
+        ref = self.arrays["ref_log_probs"]
+        got = _linear._row_arrays(frame, device, (shape, shape[:1]), (("ref_log_probs", ref),))
+        if isinstance(got[0], float):
+            raise TypeError("ref_log_probs must be an array of shape (B, T) or (B,)")
+        self.ref = got[0]
+        self.desirable = None
+        if self.kind == "kto":
+            self.desirable = _linear._row_arrays(frame, device, (shape[:1],), (
+                ("desirable", self.arrays["desirable"]),), any_dtype=True)[0]
+        kl = self.arrays["kl"]
+        self.kl = 0.0 if kl is None else kl if isinstance(kl, (int, float)) else \
+            _linear._row_arrays(frame, device, ((),), (("kl", kl),))[0]
+
+    def start(self, call, head) -> None:
+        import cupy
+
+        self.m = (call.t != call.options["ignore_index"]).astype(call.logit)
+        head.g = [self.m, None]                 # the unit upstream gradient of each token
+        self.setup(cupy, self.m)
+
+    def setup(self, xp, m) -> None:
+        """What the coefficients need, in array module `xp` (cupy; numpy in the CPU tests):
+        m the tokens' mask (B T,) of the logits' dtype; self.shape, ref, desirable and kl as
+        bind() leaves them."""
+        batch, length = self.shape
+        self.xp, self.m = xp, m
+        m2 = m.reshape(batch, length)
+        self.average = averages(self.kind, self.options.get("loss_type", "sigmoid"))
+        self.inv = ((1.0 / xp.maximum(m2.sum(1), 1.0)).astype(m.dtype) if self.average
+                    else None)
+        self.pairs = batch if self.kind == "kto" else batch // 2
+        self.s0 = None
+        if self.ref is not None:
+            ref = self.ref.astype(m.dtype, copy=False)
+            self.s0 = (ref if ref.ndim == 1 else
+                       sequence_log_probs(Ops(xp), ref, m2, self.average)).astype(m.dtype)
+        key = _NLL.get(self.kind, 0)
+        weight = 1.0 if key is None else float(self.options.get(key, 0.0)) if key else 0.0
+        self.nll = ((-weight / xp.maximum(m2[:self.pairs].sum(), 1.0)).astype(m.dtype)
+                    if weight else None)
+        self.coef = xp.zeros((batch,), m.dtype)
+        self.good = (None if self.desirable is None
+                     else (self.desirable.reshape(batch) != 0).astype(m.dtype))
+
+    def rows(self, call, head, r0, r1) -> None:
+        pass
+
+    def group_rows(self, call) -> int:
+        """Rows of dZ a group holds: its sequences, whole pairs (whole rows for 'kto'), as many
+        as GROUP_ROWS rows a side holds, at least one."""
+        batch, length = self.shape
+        pairs = batch if self.kind == "kto" else batch // 2
+        per = max(1, min(pairs, GROUP_ROWS // max(length, 1)))
+        return per * length * (1 if self.kind == "kto" else 2)
+
+    def schedule(self, call, rows, capacity):
+        """Groups of chunks: each group's sequences (pairs k .. k + g - 1: their chosen rows,
+        then their rejected ones), cut into chunks of at most `rows` rows."""
+        batch, length = self.shape
+        per = max(1, capacity // (length * (1 if self.kind == "kto" else 2)))
+        out = []
+        for k in range(0, self.pairs, per):
+            j = min(self.pairs, k + per)
+            blocks = [(k, j)] if self.kind == "kto" else [(k, j), (k + self.pairs,
+                                                                  j + self.pairs)]
+            chunks = [(r, min(b1 * length, r + rows)) for b0, b1 in blocks
+                      for r in range(b0 * length, b1 * length, rows)]
+            out.append(chunks)
+        return out
+
+    def scales(self, call, group):
+        """The group's sequences' upstream gradients (self.coef), then each chunk's pieces
+        (rows of one sequence) with theirs, a one-element device array."""
+        length = self.shape[1]
+        seqs = {b for r0, r1 in group for b in range(r0 // length, -(-r1 // length))}
+        firsts = [b for b in seqs if b < self.pairs]        # kto: every row; else chosen ones
+        self.coefficients(call.head.logp, min(firsts), max(firsts) + 1)
+        out = []
+        for r0, r1 in group:
+            parts = []
+            for b in range(r0 // length, -(-r1 // length)):
+                p0, p1 = max(r0, b * length), min(r1, (b + 1) * length)
+                parts.append((p0, p1, self.coef[b:b + 1]))
+            out.append(parts)
+        return out
+
+    def coefficients(self, logp, k, j) -> None:
+        """self.coef of pairs k .. j - 1 (rows, for 'kto'), a pair being rows b and b + B/2:
+        each sequence's dloss/ds_b, times 1 / its length where the loss averages, plus the NLL
+        term's on chosen rows."""
+        batch, length = self.shape
+        lp = logp.reshape(batch, length)
+        m2 = self.m.reshape(batch, length)
+        ops = Ops(self.xp)
+        o = self.options
+
+        def seq(b0, b1):
+            s = (lp[b0:b1] * m2[b0:b1]).sum(1)
+            return s * self.inv[b0:b1] if self.average else s
+
+        def ref(b0, b1):
+            return 0.0 if self.s0 is None else self.s0[b0:b1]
+
+        if self.kind == "kto":
+            slope = kto_slopes(ops, seq(k, j), ref(k, j), self.good[k:j], self.kl,
+                               beta=o.get("beta", 0.1),
+                               desirable_weight=o.get("desirable_weight", 1.0),
+                               undesirable_weight=o.get("undesirable_weight", 1.0)) / self.pairs
+            self.coef[k:j] = slope * self.inv[k:j] if self.average else slope
+        else:
+            dc, dr = pair_slopes(ops, self.kind, seq(k, j), seq(k + self.pairs, j + self.pairs),
+                                 ref(k, j), ref(k + self.pairs, j + self.pairs),
+                                 beta=o.get("beta", 0.1),
+                                 loss_type=o.get("loss_type", "sigmoid"),
+                                 label_smoothing=o.get("label_smoothing", 0.0),
+                                 gamma=o.get("gamma", 0.5))
+            dc, dr = dc / self.pairs, dr / self.pairs
+            if self.average:
+                dc = dc * self.inv[k:j]
+                dr = dr * self.inv[k + self.pairs:j + self.pairs]
+            if self.nll is not None:
+                dc = dc + self.nll
+            self.coef[k:j] = dc
+            self.coef[k + self.pairs:j + self.pairs] = dr
+
+    def results(self, head):
+        """(loss, metrics) as CuPy arrays (0-d): preference_objective on every sequence."""
+        import cupy
+
+        batch, length = self.shape
+        o = dict(self.options)
+        if self.kind == "kto":
+            o.update(desirable=self.good != 0, kl=self.kl)
+        return preference_objective(Ops(cupy), self.kind, head.logp.reshape(batch, length),
+                                    self.m.reshape(batch, length), self.s0, **o)
+
+
+def _preference(kind, hidden, weight, target, bias, ref_log_probs, ref_hidden, ref_weight,
+                ref_bias, desirable, kl, options, ignore_index, max_workspace_bytes,
+                compute_dtype, names):
+    """(loss, metrics, grads) of a preference loss: the "group" plan where a group of whole
+    sequences fits the budget, else two passes (linear_log_probs, then its backward with each
+    token's upstream gradient)."""
+    from cupyloss._core import dispatch as _dispatch
+
+    # hidden's framework first (a host array is refused here, under its own name)
+    frame = _dispatch.frame_of(hidden, "hidden")
+    frame.operand(hidden, "hidden")                 # on a CUDA device, of a float dtype
+    for name, a in (("weight", weight), ("target", target)):
+        _dispatch.check_same_frame(frame, hidden, a, "hidden", name)
+    _sequences(target, f"linear_{kind}_loss")
+    check_preference(kind, target.shape[0], options.get("loss_type", "sigmoid"),
+                     options.get("beta", 0.1), desirable, options.get("label_smoothing", 0.0))
+    if ref_log_probs is not None and ref_hidden is not None:
+        raise ValueError("pass the reference as ref_log_probs or as ref_hidden and ref_weight, "
+                         "not both")
+    if (ref_hidden is None) != (ref_weight is None):
+        raise ValueError("a reference head needs both ref_hidden and ref_weight")
+    if ref_hidden is not None:      # the reference's per-token log-probs: one product a chunk
+        ref_log_probs = _linear.linear_log_probs(
+            ref_hidden, ref_weight, target, ref_bias, ignore_index=ignore_index,
+            max_workspace_bytes=max_workspace_bytes, compute_dtype=compute_dtype)
+    rows = _PreferenceRows(kind, options, {"ref_log_probs": ref_log_probs,
+                                           "desirable": desirable, "kl": kl})
+
+    def run(head, wrt):
+        return _linear._run(hidden, weight, target, bias, None, ignore_index, "none", 0.0, 0.0,
+                            0.0, max_workspace_bytes, False, wrt, 1.0, False,
+                            compute_dtype=compute_dtype, head=head)[1]
+
+    head = _linear._LogProbs(1.0, False, None, None, token=rows)
+    try:
+        grads = run(head, names)
+    except _linear.NoGroupPlan:
+        # No group of whole sequences fits: the log-probs first (one product a chunk), every
+        # sequence's upstream gradient, then linear_log_probs' backward (three more).
+        head = _linear._LogProbs(1.0, False, None, None, token=rows)
+        run(head, ())
+        rows.coefficients(head.logp, 0, rows.pairs)
+        g = (rows.coef[:, None] * rows.m.reshape(rows.shape)).astype(rows.m.dtype)
+        grads = run(_linear._LogProbs(1.0, False, _linear._back(head.frame)(g), None), names)
+    loss, metrics = head.token_results
+    back = _linear._back(head.frame)
+    return back(loss), {k: back(v) for k, v in metrics.items()}, tuple(grads[n] for n in names)
+
+
+_PREFERENCE_DOC_ARGS = """
+    Args:
+      kind: 'dpo', 'orpo', 'cpo', 'simpo' or 'kto' (PREFERENCE_LOSSES).
+      hidden: (B, T, H) float16, bfloat16, float32 or float64; weight (V, H); bias None or (V,).
+      target: (B, T) int32/int64 tokens, ignore_index on prompt and padding tokens; rows
+        0 .. B/2 - 1 chosen completions, B/2 .. B - 1 their rejected ones (except 'kto').
+      ref_log_probs: the reference's log-probs, (B, T) per token or (B,) per sequence (sums,
+        or means where the loss averages); or ref_hidden (B, T, H'), ref_weight (V, H') and
+        ref_bias: a reference head (no gradient; its log-probs formed first, one product a
+        chunk).
+      desirable: 'kto' only, (B,) of any dtype (nonzero: a desirable completion).
+      kl: 'kto' only: None (0), a number or a 0-d array (no gradient).
+      beta, loss_type ('dpo': sigmoid, ipo, hinge; 'cpo': sigmoid, hinge), label_smoothing,
+        alpha (the chosen NLL's weight of 'cpo' and 'simpo'), gamma ('simpo'),
+        desirable_weight, undesirable_weight ('kto'): the module docstring's.
+      ignore_index, max_workspace_bytes, compute_dtype: as for linear_cross_entropy."""
+
+
+def _pref_call(kind, hidden, weight, target, bias, ref_log_probs, ref_hidden, ref_weight,
+               ref_bias, desirable, kl, beta, loss_type, label_smoothing, alpha, gamma,
+               desirable_weight, undesirable_weight, ignore_index, max_workspace_bytes,
+               compute_dtype, names):
+    options = dict(beta=float(beta))
+    if kind in ("dpo", "cpo", "simpo"):
+        options.update(loss_type=loss_type, label_smoothing=float(label_smoothing))
+    if kind in ("cpo", "simpo"):
+        options["alpha"] = float(alpha)
+    if kind == "simpo":
+        options["gamma"] = float(gamma)
+    if kind == "kto":
+        options.update(desirable_weight=float(desirable_weight),
+                       undesirable_weight=float(undesirable_weight))
+    elif desirable is not None or kl is not None:
+        raise ValueError(f"desirable and kl are kto's; {kind} takes pairs")
+    return _preference(kind, hidden, weight, target, bias, ref_log_probs, ref_hidden,
+                       ref_weight, ref_bias, desirable, kl, options, ignore_index,
+                       max_workspace_bytes, compute_dtype, names)
+
+
+def linear_preference_loss(kind: str, hidden: Array, weight: Array, target: Array,
+                           bias: Array | None = None, *, ref_log_probs: Array | None = None,
+                           ref_hidden: Array | None = None, ref_weight: Array | None = None,
+                           ref_bias: Array | None = None, desirable: Array | None = None,
+                           kl: Any = None, beta: float = 0.1, loss_type: str = "sigmoid",
+                           label_smoothing: float = 0.0, alpha: float = 0.0,
+                           gamma: float = 0.5, desirable_weight: float = 1.0,
+                           undesirable_weight: float = 1.0, ignore_index: int = -100,
+                           max_workspace_bytes: int | None = None,
+                           compute_dtype: Any = None) -> tuple[Any, dict]:
+    """A preference loss (DPO, ORPO, CPO, SimPO, KTO: TRL's trainers) on a language model's
+    head, logits never whole.
+
+    With s_b the sum over sequence b's counted tokens (target != ignore_index) of
+    log softmax(X W^T + b)[target] (linear_log_probs; the mean where the loss averages: 'orpo',
+    'simpo', and 'ipo'), c and r a pair's chosen and rejected s, c0 and r0 the reference's:
+
+      ``dpo``    mean over pairs of ``-(1 - e) log sigma(beta z) - e log sigma(-beta z)``
+                 ('sigmoid'), ``(z - 1/(2 beta))^2`` ('ipo') or ``max(0, 1 - beta z)``
+                 ('hinge'), ``z = (c - r) - (c0 - r0)``;
+      ``orpo``   ``nll_chosen - beta mean log sigma((c - r) - (log(1 - e^c) - log(1 - e^r)))``;
+      ``cpo``    DPO's 'sigmoid' or 'hinge' on ``z = c - r`` plus ``alpha nll_chosen``;
+      ``simpo``  ``-(1 - e) log sigma(beta (c - r) - gamma) - e log sigma(gamma - beta (c - r))``
+                 averaged, plus ``alpha nll_chosen``;
+      ``kto``    mean over rows of ``desirable_weight (1 - sigma(beta (s - s0 - kl)))`` where
+                 desirable, else ``undesirable_weight (1 - sigma(beta (kl - s + s0)))``,
+
+    nll_chosen the chosen rows' mean -logp over their counted tokens (cupyloss.posttrain's
+    docstring has them all).
+""" + _PREFERENCE_DOC_ARGS + """
+
+    Returns:
+      ``(loss, metrics)``: loss 0-d float32 (float64 for float64 inputs); metrics a dict of
+      0-d arrays without gradients, TRL's: 'rewards_chosen', 'rewards_rejected',
+      'rewards_margins' ('rewards_accuracies' for pairs; 'log_odds_ratio', 'log_odds_chosen'
+      for 'orpo'; 'nll_loss' where the loss has it), none of them synchronised.
+
+    Example:
+      >>> loss, metrics = cupyloss.linear_preference_loss("dpo", h, w, labels,
+      ...                                                 ref_log_probs=ref_logps, beta=0.1)
+    """
+    loss, metrics, _ = _pref_call(kind, hidden, weight, target, bias, ref_log_probs, ref_hidden,
+                                  ref_weight, ref_bias, desirable, kl, beta, loss_type,
+                                  label_smoothing, alpha, gamma, desirable_weight,
+                                  undesirable_weight, ignore_index, max_workspace_bytes,
+                                  compute_dtype, ())
+    return loss, metrics
+
+
+def linear_preference_loss_value_and_grad(
+        kind: str, hidden: Array, weight: Array, target: Array, bias: Array | None = None, *,
+        ref_log_probs: Array | None = None, ref_hidden: Array | None = None,
+        ref_weight: Array | None = None, ref_bias: Array | None = None,
+        desirable: Array | None = None, kl: Any = None, beta: float = 0.1,
+        loss_type: str = "sigmoid", label_smoothing: float = 0.0, alpha: float = 0.0,
+        gamma: float = 0.5, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+        ignore_index: int = -100, max_workspace_bytes: int | None = None,
+        wrt: str | Sequence[str] | None = None,
+        compute_dtype: Any = None) -> tuple[Any, dict, Any]:
+    """linear_preference_loss and its gradients in one pass over the policy's head: three
+    matrix products a chunk (four with a reference head), the logits never whole.
+
+    A group of whole pairs (rows for 'kto') at a time: each chunk's logits give its tokens'
+    log-probs and dZ at a unit upstream gradient, ``m_i (onehot(y_i) - p_i)``, kept in the
+    inputs' dtype for the group; with the group's sums s_b known, each sequence's
+    ``c_b = dloss/ds_b`` (times 1 / its length where the loss averages, plus
+    ``-alpha / (the chosen rows' counted tokens)`` on chosen rows where there is an NLL term:
+    pair_slopes and kto_slopes, the hand-written derivatives) scales the products of its rows
+    on the device (cuBLAS's alpha):
+
+      ``d/dhidden_i = c_b dZ_i W``,   ``d/dweight = sum_b c_b dZ_b^T X_b``
+
+    summed in float32 (split in two 16-bit halves where a float32 sum does not fit the
+    budget: linear.plan).  Where no group fits, two passes: the log-probs, then
+    linear_log_probs_backward with each token's ``c_b m_i``.
+
+    Args:
+      As linear_preference_loss; wrt: 'hidden', 'weight', 'bias' or a tuple of them (default
+      hidden and weight; the reference gets none).
+
+    Returns:
+      ``(loss, metrics, grads)``: grads the gradients named by wrt (a tuple, or one array for
+      a single name), each of its argument's shape and dtype.
+
+    Example:
+      >>> loss, metrics, (g_h, g_w) = cupyloss.linear_preference_loss_value_and_grad(
+      ...     "dpo", h, w, labels, ref_hidden=ref_h, ref_weight=ref_w)
+    """
+    names, single = _linear._names(wrt)
+    loss, metrics, grads = _pref_call(kind, hidden, weight, target, bias, ref_log_probs,
+                                      ref_hidden, ref_weight, ref_bias, desirable, kl, beta,
+                                      loss_type, label_smoothing, alpha, gamma, desirable_weight,
+                                      undesirable_weight, ignore_index, max_workspace_bytes,
+                                      compute_dtype, names)
+    return loss, metrics, grads[0] if single else grads
+
 # --- distillation: the generalised JSD between two heads ------------------------------------------
 
 DISTILL_STATS = _args.Layout(_source.kernel_words("logprob.cu", "distill_stats"))
@@ -616,9 +1001,10 @@ class _Distill:
     """linear_jsd's head in a _Call's passes: each chunk's (or slice's) student logits beside
     the teacher's of the same rows and classes (one more product, no gradient), their
     logsumexps (logprob_stats), each row's divergence and G (distill_stats), then the student's
-    dZ (distill_grad).  The workspace budget is halved for the plan: the teacher's logits take
-    as much as the student's.  A mean over the rows (`mean_rows`): float16 dZ is formed
-    call.boost times larger and the products scale it back (as cross entropy's 'mean')."""
+    dZ (distill_grad).  The plan counts the teacher's float32 logits beside each chunk or
+    slice of the student's (`beside`: bytes an element).  A mean over the rows (`mean_rows`):
+    float16 dZ is formed call.boost times larger and the products scale it back (as cross
+    entropy's 'mean')."""
 
     mean_rows = True
 
@@ -628,10 +1014,7 @@ class _Distill:
                         "teacher_bias": teacher_bias}
         self.temperature, self.beta, self.hard = temperature, beta, hard
         self.counted_all = counted_all
-
-    @staticmethod
-    def plan_budget(budget):
-        return (_linear.DEFAULT_WORKSPACE_BYTES if budget is None else int(budget)) // 2
+        self.beside = 4             # the teacher's logits (8 for float64 inputs: start())
 
     def bind(self, frame, device, shape) -> None:
         """The teacher's arrays as CuPy views, checked against the student's rows."""
@@ -676,6 +1059,7 @@ class _Distill:
         self.tw = call._round(_linear._contiguous(cupy, tw), call.dtype)
         self.tb = None if tb is None else call._round(tb, call.dtype)
         self.th = self.tx.shape[1]
+        self.beside = call.logit.itemsize
         t = call.t
         ignore = int(call.options["ignore_index"])
         counted = (cupy.ones((n,), logit) if self.counted_all
@@ -831,7 +1215,7 @@ def _jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
                     counted_all)
     (loss,), grads, _ = _linear._run(
         student_hidden, student_weight, target, student_bias, None, ignore_index, "none", 0.0,
-        0.0, 0.0, head.plan_budget(max_workspace_bytes), False, names, 1.0, False, head=head)
+        0.0, 0.0, max_workspace_bytes, False, names, 1.0, False, head=head)
     return loss.reshape(()), tuple(grads[n] for n in names)
 
 

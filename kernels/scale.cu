@@ -72,3 +72,78 @@ __global__ void __launch_bounds__(256) narrow(const float* __restrict__ src,
 }
 
 }  // namespace cupyloss
+
+namespace cupyloss {
+
+// A float32 sum held in two 16-bit halves (cupyloss/linear.py's split weight-gradient sum): hi[i]
+// the top 16 bits of each float32's bit pattern, lo[i] the bottom 16, so that the pair is the
+// float32 itself, bit for bit.  hi is the storage of the 16-bit result (the weight's gradient),
+// lo a workspace: the sum holds half the bytes of a float32 array beside the result, and every
+// addition is a float32 addition, as cuBLAS's beta = 1 would make it.
+//
+// split_add:    s = src[i] (+ the pair's float32 unless `first`), stored back into the halves.
+// split_finish: the pair's float32 rounded to T (float16 or bfloat16, round to nearest even)
+//               and written over hi[i]: the result in its dtype.
+// Eight elements a step with 16-byte accesses where every pointer is 16-byte aligned (else one
+// at a time), the last n % 8 one at a time.  Grid-stride, 64-bit indices; in place.
+__device__ __forceinline__ float split_join(const unsigned short hi, const unsigned short lo) {
+    return __uint_as_float((unsigned(hi) << 16) | unsigned(lo));
+}
+
+__global__ void __launch_bounds__(256) split_add(const float* __restrict__ src,
+                                                 unsigned short* __restrict__ hi,
+                                                 unsigned short* __restrict__ lo,
+                                                 const long long n, const long long first) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool aligned = ((reinterpret_cast<unsigned long long>(src)
+                           | reinterpret_cast<unsigned long long>(hi)
+                           | reinterpret_cast<unsigned long long>(lo)) & 15) == 0;
+    const long long vectors = aligned ? n / 8 : 0;
+    for (long long v = start; v < vectors; v += stride) {
+        const float4 a = __ldcs(reinterpret_cast<const float4*>(src) + 2 * v);
+        const float4 b = __ldcs(reinterpret_cast<const float4*>(src) + 2 * v + 1);
+        float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        Vec<unsigned short, 8> h = reinterpret_cast<const Vec<unsigned short, 8>*>(hi)[v];
+        Vec<unsigned short, 8> l = reinterpret_cast<const Vec<unsigned short, 8>*>(lo)[v];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float s = first ? f[j] : split_join(h.v[j], l.v[j]) + f[j];
+            const unsigned bits = __float_as_uint(s);
+            h.v[j] = (unsigned short)(bits >> 16);
+            l.v[j] = (unsigned short)(bits & 0xffffu);
+        }
+        reinterpret_cast<Vec<unsigned short, 8>*>(hi)[v] = h;
+        reinterpret_cast<Vec<unsigned short, 8>*>(lo)[v] = l;
+    }
+    for (long long i = vectors * 8 + start; i < n; i += stride) {
+        const float s = first ? src[i] : split_join(hi[i], lo[i]) + src[i];
+        const unsigned bits = __float_as_uint(s);
+        hi[i] = (unsigned short)(bits >> 16);
+        lo[i] = (unsigned short)(bits & 0xffffu);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) split_finish(unsigned short* __restrict__ hi,
+                                                    const unsigned short* __restrict__ lo,
+                                                    const long long n) {
+    static_assert(sizeof(T) == sizeof(unsigned short), "a 16-bit result");
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool aligned = ((reinterpret_cast<unsigned long long>(hi)
+                           | reinterpret_cast<unsigned long long>(lo)) & 15) == 0;
+    const long long vectors = aligned ? n / 8 : 0;
+    for (long long v = start; v < vectors; v += stride) {
+        const Vec<unsigned short, 8> h = reinterpret_cast<const Vec<unsigned short, 8>*>(hi)[v];
+        const Vec<unsigned short, 8> l = reinterpret_cast<const Vec<unsigned short, 8>*>(lo)[v];
+        Vec<T, 8> out;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) out.v[j] = from_acc<T>(split_join(h.v[j], l.v[j]));
+        reinterpret_cast<Vec<T, 8>*>(hi)[v] = out;
+    }
+    for (long long i = vectors * 8 + start; i < n; i += stride)
+        reinterpret_cast<T*>(hi)[i] = from_acc<T>(split_join(hi[i], lo[i]));
+}
+
+}  // namespace cupyloss

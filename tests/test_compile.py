@@ -259,7 +259,9 @@ def _host_words(name: str):
                "rowpair_rows": _rowpair.LAYOUT, "rowpair_finish": _rowpair.FINISH_LAYOUT,
                "narrow": linear.NARROW, "cross_entropy_slice_grad": _rowwise.SLICE,
                "logprob_stats": linear.STATS, "logprob_grad": linear.GRAD,
-               "grpo_tokens": posttrain.TOKENS}
+               "grpo_tokens": posttrain.TOKENS, "split_add": linear.SPLIT_ADD,
+               "split_finish": linear.SPLIT_FINISH,
+               "distill_stats": posttrain.DISTILL_STATS, "distill_grad": posttrain.DISTILL_GRAD}
     if kernel in layouts:
         return layouts[kernel].size
     if kernel.startswith("pointwise_"):

@@ -6,6 +6,7 @@ CUDA error.  What needs a device (zero-copy exchange, streams, allocators) is in
 test_dispatch_gpu.py.
 """
 
+import functools
 import subprocess
 import sys
 
@@ -52,6 +53,11 @@ def _calls(x, t):
     yield "linear_grpo_loss", cupyloss.linear_grpo_loss, (x, t, t, t), "hidden"
     yield ("linear_grpo_loss_value_and_grad", cupyloss.linear_grpo_loss_value_and_grad,
            (x, t, t, t), "hidden")
+    yield ("linear_preference_loss", functools.partial(cupyloss.linear_preference_loss, "dpo"),
+           arrays, "hidden")
+    yield ("linear_preference_loss_value_and_grad",
+           functools.partial(cupyloss.linear_preference_loss_value_and_grad, "kto"), arrays,
+           "hidden")
     yield "linear_jsd", cupyloss.linear_jsd, (x, t, t, t), "student_hidden"
     yield ("linear_jsd_value_and_grad", cupyloss.linear_jsd_value_and_grad, (x, t, t, t),
            "student_hidden")

@@ -52,6 +52,7 @@ V, H = 128256, 4096
 GIB = 1 << 30
 KEEP_8K = 8192 * V * 2                  # every row's bfloat16 dZ at 8192 rows
 SUM = V * H * 4                         # a float32 V x H weight-gradient sum
+SPLIT = V * H * 2 + 2048 * H * 4        # a split one: 16-bit halves, a float32 slice
 
 
 @pytest.mark.parametrize("args, want", [
@@ -63,22 +64,43 @@ SUM = V * H * 4                         # a float32 V x H weight-gradient sum
     # 256 MiB: neither; 348 rows -> 256, slices of 268435456 // (8192 x 6) = 5461 -> 5376
     # classes over all rows
     ((8192, V, H, 2, 256 << 20), linear.Plan("slices", 256, 5376, 8192, 8192 * 5376 * 6)),
+    # 2 GiB at 16384 rows: neither dZ nor a float32 sum and 128 rows (2.20 GB); a split sum
+    # (16-bit halves, 1.05 GB, and a 2048-class float32 slice, 32 MiB) and 1381 rows -> 1024
+    ((16384, V, H, 2, 2 * GIB), linear.Plan("sum", 1024, 2048,
+                                            bytes=SPLIT + 1024 * V * 6)),
     # 10^6 bytes over 100000 rows of 1000 classes (a float32 sum and 128 rows: 1024000 bytes):
-    # 166 rows -> 128, 128-class slices in tiles of rows beside a float32 sum of a slice's dW
-    # (128 x 64 x 4 bytes): (10^6 - 32768) // (128 x 6) = 1259 -> 1152
-    ((100000, 1000, 64, 2, 10**6), linear.Plan("slices", 128, 128, 1152,
-                                                 32768 + 1152 * 128 * 6)),
-    # float32: the weight's gradient sums into the result; 1 GiB holds 2093 rows -> the 1024 cap
-    ((8192, V, H, 4, GIB), linear.Plan("sum", 1024, bytes=1024 * V * 4)),
-    ((8192, V, H, 8, GIB), linear.Plan("sum", 1024, bytes=1024 * V * 8)),
-    # no weight gradient: chunks alone, 1 GiB / (V x 6) = 1395 -> the cap
-    ((8192, V, H, 2, GIB, False), linear.Plan("sum", 1024, bytes=1024 * V * 6)),
-    ((100, V, H, 2, None), linear.Plan("keep", 100, bytes=100 * V * 2 + 100 * V * 4)),
-    ((8192, 1000, 64, 4, 127 * 4000), linear.Plan("sum", 127, bytes=127 * 4000)),  # < 128 rows
-    ((8192, 1000, 64, 4, 1), linear.Plan("sum", 1, bytes=4000)),                    # at least 1
+    # a split sum, its slices a quarter of the classes (250 -> 128: 160768 bytes) and
+    # (10^6 - 160768) // 6000 = 139 rows -> 128
+    ((100000, 1000, 64, 2, 10**6), linear.Plan("sum", 128, 128,
+                                                 bytes=1000 * 64 * 2 + 128 * 64 * 4 + 128 * 6000)),
+    # 9 x 10^5 bytes: not even that; 150 rows -> 128, 128-class slices in tiles of rows beside
+    # a float32 sum of a slice's dW (128 x 64 x 4 bytes): (9 x 10^5 - 32768) // (128 x 6) =
+    # 1129 -> 1024
+    ((100000, 1000, 64, 2, 9 * 10**5), linear.Plan("slices", 128, 128, 1024,
+                                                     32768 + 1024 * 128 * 6)),
 ])
 def test_plan(args, want):
     assert linear.plan(*args) == want
+
+
+@pytest.mark.parametrize("args, want", [
+    # groups of 2048 rows (preference pairs of 1024 tokens): their 16-bit dZ (0.53 GB), a
+    # float32 sum and 1024-row chunks of float32 logits by default; at Liger-Kernel's DPO
+    # peak + 0.25 GiB (1.88 GB) a split sum and 512-row chunks; none in 256 MiB
+    ((16384, V, H, 2, None, True, 2048),
+     linear.Plan("group", 1024, 0, 2048, 2048 * V * 2 + SUM + 1024 * V * 4)),
+    ((16384, V, H, 2, 1_880_000_000, True, 2048),
+     linear.Plan("group", 512, 2048, 2048, 2048 * V * 2 + SPLIT + 512 * V * 4)),
+    ((16384, V, H, 2, 256 << 20, True, 2048), None),
+    # float32 inputs: their dZ and chunks only (the sum is the result); no weight gradient:
+    # no sum
+    ((16384, V, H, 4, None, True, 2048),
+     linear.Plan("group", 1024, 0, 2048, 2048 * V * 4 + 1024 * V * 4)),
+    ((16384, V, H, 2, 1_200_000_000, False, 2048),
+     linear.Plan("group", 1024, 0, 2048, 2048 * V * 2 + 1024 * V * 4)),
+])
+def test_group_plan(args, want):
+    assert linear.group_plan(*args) == want
 
 
 def test_plan_stays_within_its_budget():

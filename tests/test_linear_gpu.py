@@ -19,6 +19,8 @@ BUDGETS = {
     "default": None,                                   # keep, one chunk
     "keep-128rows": N * V * 2 + 128 * V * 4,           # keep, 128-row chunks
     "sum-128rows": V * H * 4 + 128 * V * 6,            # a float32 dW sum, 128-row chunks
+    # a split dW sum (16-bit halves and a 128-class float32 slice), 128-row chunks
+    "sum-split": V * H * 2 + 128 * H * 4 + 128 * V * 6,
     "slices": 240_000,                                 # 40-row chunks; 128-class slices of all rows
     "slices-tiles": 13 * V * 6,                        # 13-row chunks; slices in 58-row tiles
     "1byte": 1,                                        # 1-row chunks; slices in 1-row tiles
@@ -108,6 +110,9 @@ def test_budgets_give_the_plans_they_name():
     for name, budget in BUDGETS.items():
         p = linear.plan(N, V, H, 2, budget)
         assert p.kind == name.split("-")[0] if name not in ("default", "1byte") else True
+    assert linear.plan(N, V, H, 2, BUDGETS["sum-128rows"]).cols == 0
+    assert linear.plan(N, V, H, 2, BUDGETS["sum-split"]) == linear.Plan(
+        "sum", 128, 128, 0, BUDGETS["sum-split"])
     assert linear.plan(N, V, H, 2, BUDGETS["slices"]).tile == N
     assert linear.plan(N, V, H, 2, BUDGETS["slices-tiles"]).tile == 58
     assert linear.plan(N, V, H, 2, 1) == linear.Plan("slices", 1, 128, 1, 128 * H * 4 + 128 * 6)

@@ -162,6 +162,40 @@ def test_preference_cpu_path_matches_float64(kind, options, reference):
     _check_grads(leaves, (h.numpy(), w.numpy(), b.numpy()), t.numpy(), g_lp, g_ent)
 
 
+@pytest.mark.parametrize("kind, options", PREFERENCES,
+                         ids=[f"{k}-{'-'.join(map(str, o.values()))}" for k, o in PREFERENCES])
+@pytest.mark.parametrize("reference", [True, False], ids=["ref", "noref"])
+def test_one_pass_coefficients_are_the_objectives_token_gradients(kind, options, reference):
+    """What the GPU's one pass scales each sequence's products by (posttrain._PreferenceRows:
+    pair_slopes, kto_slopes, the averages and the NLL term, written by hand) times each
+    token's mask equals the float64 reference's gradient in the per-token log-probs (central
+    differences), for every loss and option; on NumPy, as the one pass runs it on CuPy."""
+    from cupyloss import posttrain
+
+    rng = np.random.default_rng(len(kind) + len(options))
+    logp = -rng.uniform(0.05, 3.0, (B, T))
+    m = rng.random((B, T)) > 0.25
+    # a sequence with no counted token (one for ORPO, whose log(1 - e^0) is infinite)
+    m[1, 1 if kind == "orpo" else 0:] = False
+    ref_seq = rng.normal(-4.0, 1.0, B) if reference and kind in ("dpo", "kto") else None
+    if kind in ("orpo", "simpo") or options.get("loss_type") == "ipo":
+        logp = logp / 4.0                         # means: ORPO's log(1 - e^s) stays finite
+    desirable = np.array([True, False, False, True])
+    o = {k: v for k, v in options.items() if k != "kl"}
+    rows = posttrain._PreferenceRows(kind, o, {})
+    rows.shape, rows.ref = (B, T), ref_seq
+    rows.desirable = desirable if kind == "kto" else None
+    rows.kl = options.get("kl", 0.0)
+    rows.setup(np, m.reshape(-1).astype(np.float64))
+    for k in range(rows.pairs):                   # one group a pair (a row for kto)
+        rows.coefficients(logp.reshape(-1), k, k + 1)
+    got = rows.coef[:, None] * m
+    rkw = dict(options, desirable=desirable)
+    g_lp, _ = ref.token_gradients(lambda lp, en: ref.preference(kind, lp, m, ref_seq, **rkw)[0],
+                                  logp, np.zeros_like(logp))
+    np.testing.assert_allclose(got, g_lp, rtol=1e-6, atol=1e-9 * np.abs(g_lp).max())
+
+
 def test_compiled_fullgraph_equals_eager():
     """torch.compile(fullgraph=True) traces GRPO and DPO through linear_log_probs' registered op
     (no graph break) and gives eager's loss and gradients."""

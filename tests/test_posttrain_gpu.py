@@ -191,14 +191,39 @@ def test_torch_compile_fullgraph_on_cuda_equals_eager():
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
 
 
+def _preference_budget(plan, dtype):
+    """The workspace budget of a preference plan at these sizes: 'group' (the default: one
+    group of all 300 rows' dZ, a float32 weight-gradient sum), 'group-split' (the group and a
+    split sum of 128-class slices; float32 inputs: no group fits, two passes), 'pairs' (the
+    default, a group a pair), 'two-pass' (no group fits)."""
+    from cupyloss import linear
+
+    if plan == "group-split":
+        return (B * T * V * dtype.itemsize + V * H * 2 + linear.split_cols(V, H) * H * 4
+                + linear.TILE * V * 4)
+    return 1 if plan == "two-pass" else None
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind, options", [
     ("dpo", dict(loss_type="sigmoid", reference="head")), ("dpo", dict(loss_type="ipo")),
     ("orpo", {}), ("cpo", dict(alpha=1.0)), ("simpo", dict(gamma=0.5)), ("kto", {})])
-def test_preference_on_cuda_against_float64(kind, options, dtype):
+@pytest.mark.parametrize("plan", ["group", "group-split", "pairs", "two-pass"])
+def test_preference_on_cuda_against_float64(kind, options, dtype, plan, monkeypatch):
+    """torch's eager calls on CUDA tensors (the one pass, cupyloss.linear_preference_loss_
+    value_and_grad) against the float64 references, in each plan."""
     torch = pytest.importorskip("torch")
     import cupyloss.torch as CF
+    from cupyloss import linear, posttrain
 
+    if plan == "pairs":
+        monkeypatch.setattr(posttrain, "GROUP_ROWS", T)
+    budget = _preference_budget(plan, dtype)
+    want_plan = linear.group_plan(B * T, V, H, dtype.itemsize, budget, True, B * T)
+    if plan == "group-split" and dtype.itemsize == 2:
+        assert want_plan.kind == "group" and want_plan.cols > 0
+    if plan == "two-pass":
+        assert want_plan is None
     o = dict(options)
     head_ref = o.pop("reference", None) == "head"
     host, t, rng = _inputs(dtype, seed=3)
@@ -223,6 +248,7 @@ def test_preference_on_cuda_against_float64(kind, options, dtype):
             kw["ref_log_probs"] = torch.tensor(r_lp, dtype=torch.float32, device="cuda")
     desirable = np.array([True, False, True, True, False, False])
     fn = getattr(CF, f"linear_{kind}_loss")
+    kw["max_workspace_bytes"] = budget
     if kind == "kto":
         loss, metrics = fn(*leaves[:2], tt, torch.tensor(desirable, device="cuda"),
                            leaves[2], **kw)
@@ -382,3 +408,32 @@ def test_fused_grpo_num_items_on_the_device_equals_the_number():
         out.append([loss, *grads])
     for other in out[1:]:
         assert all(cupy.array_equal(a, r) for a, r in zip(other, out[0]))
+
+
+def test_split_sum_is_float32_addition_bit_for_bit():
+    """scale.cu's split_add and split_finish: the float32 in two 16-bit halves, summed over
+    several additions (odd sizes and offsets: the one-at-a-time paths too), equals CuPy's
+    float32 sums bit for bit, and its rounding the float32's rounding to float16 and
+    bfloat16."""
+    import cupy
+
+    from cupyloss import linear
+
+    rng = np.random.default_rng(5)
+    for n, offset in ((4096, 0), (1003, 0), (777, 3)):
+        parts = [cupy.asarray(rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n),
+                              np.float32) for _ in range(5)]
+        for dtype in DTYPES[1:]:
+            hi = cupy.empty(n + offset, np.uint16)[offset:]
+            lo = cupy.empty(n + offset, np.uint16)[offset:]
+            want = cupy.zeros(n, np.float32)
+            stream = cupy.cuda.get_current_stream().ptr
+            for k, part in enumerate(parts):
+                linear._split_add(part, hi, lo, k == 0, stream, 0)
+                want = part.copy() if k == 0 else want + part
+                got = ((hi.astype(np.uint32) << 16) | lo.astype(np.uint32)).view(np.float32)
+                assert cupy.array_equal(got.view(np.uint32), want.view(np.uint32))
+            out = hi.view(dtype)
+            linear._split_finish(out, lo, stream, 0)
+            expect = cupy.asnumpy(want).astype(dtype)
+            assert np.array_equal(cupy.asnumpy(out).view(np.uint16), expect.view(np.uint16))

@@ -282,6 +282,12 @@ def narrow_name(ctype: str) -> str:
     return f"cupyloss::narrow<{ctype}>"
 
 
+def split_names(ctype: str) -> list[str]:
+    """Name expressions of scale.cu's split float32 sum (split_add, split_finish<ctype>): the
+    weight gradient of a 16-bit ctype summed over chunks of rows (cupyloss.linear)."""
+    return ["cupyloss::split_add", f"cupyloss::split_finish<{ctype}>"]
+
+
 ROWWISE_KERNELS = ("cross_entropy_rows", "cross_entropy_cols", "class_weight_sum",
                    "cross_entropy_slice_stats", "cross_entropy_combine",
                    "cross_entropy_slice_grad")
@@ -355,6 +361,8 @@ def units() -> list[tuple[str, list[str]]]:
     reduce = [reduce_name("sum_chunks", info.ctype) for info in infos]
     scale = [scale_name(info.ctype, vec) for info in infos for vec in sorted({1, info.vec})]
     scale += [narrow_name(info.ctype) for info in infos if info.dtype.itemsize == 2]
+    scale += list(dict.fromkeys(name for info in infos if info.dtype.itemsize == 2
+                                for name in split_names(info.ctype)))
     rowwise = [name for info in infos for name in rowwise_names(info)]
     rowwise += [name for info in infos for name in linear_names(info)
                 if name not in rowwise]
@@ -429,7 +437,8 @@ def rowpair_names(info, op: str) -> list[str]:
 
 # Losses outside the registry's families, built from their kernels: the fused linear cross
 # entropy (cupyloss.linear).
-FUSED_LOSSES = ("linear_cross_entropy", "linear_log_probs", "linear_grpo_loss", "linear_jsd")
+FUSED_LOSSES = ("linear_cross_entropy", "linear_log_probs", "linear_grpo_loss", "linear_jsd",
+                "linear_preference_loss")
 
 
 def reachable(loss: str, dtype) -> list[tuple[str, str]]:
@@ -444,6 +453,7 @@ def reachable(loss: str, dtype) -> list[tuple[str, str]]:
                else [("logprob.cu", name) for name in logprob_names(info)])
         if info.dtype.itemsize == 2:
             out.append(("scale.cu", narrow_name(info.ctype)))
+            out += [("scale.cu", name) for name in split_names(info.ctype)]
         return out
     losses = _registry.all_losses()
     if loss not in losses:

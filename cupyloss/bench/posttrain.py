@@ -1,7 +1,7 @@
 """Benchmark the post-training objectives on the LLM head: GRPO and DPO, forward + backward.
 
     python -m cupyloss.bench.posttrain [--families grpo,dpo,dpo-long] [--budgets 256,4608]
-                                       [--reps 5] [--json out.json]
+                                       [--only cupyloss,Liger] [--reps 5] [--json out.json]
 
 Hidden 4096, vocabulary 128256, bfloat16 hidden states and weight; the gradients of hidden and
 weight.  Families (the sizes the post-training issue names):
@@ -311,7 +311,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--families", default="grpo,distill,dpo,dpo-long")
     ap.add_argument("--budgets", default="256,4608",
                     help="cupyloss workspace budgets in MiB, comma-separated")
+    ap.add_argument("--only", default="",
+                    help="run only the implementations whose names hold one of these "
+                         "comma-separated words (e.g. cupyloss,Liger)")
     args = ap.parse_args(argv)
+    only = [w for w in args.only.split(",") if w]
     torch, device = _timing.torch_gpu(ap.prog)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     rows_out = []
@@ -325,6 +329,8 @@ def main(argv=None) -> list[dict]:
         print(f"{'implementation':22} {'ms':>8} {'peak GiB':>9} {'beyond':>7} {'loss err':>9} "
               f"{'dX err':>9}")
         for name, fn in _candidates(torch, family, budgets).items():
+            if only and not any(word in name for word in only):
+                continue
             _timing.head_row(
                 torch, rows_out, name, grads,
                 lambda: _measure(torch, fn, h, w, t, extra, args.reps),

@@ -4,8 +4,9 @@ GRPO's family on real CUDA tensors runs fused (cupyloss.linear_grpo_loss_value_a
 gradients formed with its value, three products a chunk, held by ctx and scaled by the upstream
 gradient in backward); traced (torch.compile, torch.func) or on the CPU it is composed from
 linear_log_probs' registered op and grpo_objective in torch operations, which torch's autograd
-differentiates.  The preference losses are always composed so: their gradients need whole
-sequences' sums first (cupyloss.posttrain's docstring).
+differentiates.  The preference losses likewise: fused in one pass (a group of whole pairs at a
+time, cupyloss.linear_preference_loss_value_and_grad) on CUDA tensors, composed when traced or
+on the CPU.
 """
 
 from __future__ import annotations
@@ -113,12 +114,8 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None
                    beta=beta, entropy_weight=entropy_weight, temperature=temperature,
                    max_completion_length=max_completion_length, num_items=num_items,
                    ignore_index=ignore_index)
-    tensors = (hidden, weight, target, bias, advantages, mask, old_log_probs, ref_log_probs,
-               num_items if isinstance(num_items, torch.Tensor) else None)
-    traced = (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or any(
-        t is not None and (type(t) is not torch.Tensor or torch._is_functional_tensor(t))
-        for t in tensors))
-    if traced or hidden.device.type == "cpu":
+    if _traced(hidden, weight, target, bias, advantages, mask, old_log_probs, ref_log_probs,
+               num_items) or hidden.device.type == "cpu":
         return posttrain.grpo_loss(
             _OPS, lambda *a: _log_probs(*a, max_workspace_bytes), hidden, weight, target,
             advantages, bias, mask=mask, old_log_probs=old_log_probs,
@@ -133,10 +130,56 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, mask=None
     return out[0], dict(zip(posttrain.METRICS, out[1:]))
 
 
+class _LinearPreference(torch.autograd.Function):
+    """Eager calls on CUDA tensors: loss, metrics and gradients in one pass over the policy's
+    head (cupyloss.linear_preference_loss_value_and_grad); backward scales the held
+    gradients.  `keys` (a list) receives the metrics' names."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, kind, keys, kwargs):
+        names = tuple(n for n, need in zip(_GRADS, ctx.needs_input_grad[:3]) if need)
+        ctx.names = names
+        if names:
+            loss, metrics, grads = posttrain.linear_preference_loss_value_and_grad(
+                kind, hidden, weight, target, bias, wrt=names, **kwargs)
+            ctx.grads = (grads,) if len(names) == 1 else tuple(grads)
+        else:
+            loss, metrics = posttrain.linear_preference_loss(kind, hidden, weight, target, bias,
+                                                             **kwargs)
+            ctx.grads = ()
+        keys.extend(metrics)
+        values = tuple(metrics.values())
+        ctx.mark_non_differentiable(*values)
+        return (loss, *values)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        return (*_held_grads(ctx, grad_loss, "the preference loss"), *(None,) * 4)
+
+
+def _traced(*tensors) -> bool:
+    """Whether a tracer (torch.compile, torch.func, a tensor subclass) sees these tensors."""
+    return (torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack()) or any(
+        t is not None and isinstance(t, torch.Tensor)
+        and (type(t) is not torch.Tensor or torch._is_functional_tensor(t)) for t in tensors))
+
+
 def _preference(kind, hidden, weight, target, bias, max_workspace_bytes, **options):
-    return posttrain.preference_loss(
-        _OPS, lambda *a: _log_probs(*a, max_workspace_bytes), kind, hidden, weight, target,
-        bias, **options)
+    """A preference loss: fused in one pass on CUDA tensors outside a tracer, else composed
+    from linear_log_probs in torch operations."""
+    tensors = (hidden, weight, target, bias, *(options.get(k) for k in (
+        "ref_log_probs", "ref_hidden", "ref_weight", "ref_bias", "desirable", "kl")))
+    if _traced(*tensors) or hidden.device.type == "cpu":
+        return posttrain.preference_loss(
+            _OPS, lambda *a: _log_probs(*a, max_workspace_bytes), kind, hidden, weight, target,
+            bias, **options)
+    from cupyloss.torch import _amp
+
+    keys: list = []
+    compute = _amp.linear_compute(hidden, weight, bias)
+    out = _LinearPreference.apply(hidden, weight, bias, target, kind, keys, dict(
+        options, max_workspace_bytes=max_workspace_bytes, compute_dtype=compute))
+    return out[0], dict(zip(keys, out[1:]))
 
 
 def linear_dpo_loss(hidden, weight, target, bias=None, *, ref_log_probs=None, ref_hidden=None,
@@ -461,11 +504,8 @@ def linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, t
 
     posttrain.check_distill(beta, temperature, hard_weight, target)
     temperature = linear._temperature(temperature)
-    tensors = (student_hidden, student_weight, teacher_hidden, teacher_weight, target,
-               student_bias, teacher_bias)
-    traced = (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or any(
-        t is not None and (type(t) is not torch.Tensor or torch._is_functional_tensor(t))
-        for t in tensors))
+    traced = _traced(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+                     student_bias, teacher_bias)
     options = (float(beta), temperature, float(hard_weight), int(ignore_index),
                -1 if max_workspace_bytes is None else int(max_workspace_bytes))
     if student_hidden.device.type == "cpu" and not traced:
