@@ -72,6 +72,11 @@ _POINTER_HOST, _POINTER_DEVICE = 0, 1
 # Rows of a chunk of logits at most: larger chunks measured no faster and only hold more
 # memory (docs/performance.md, "Fused linear cross entropy").
 CHUNK_ROWS_MAX = 1024
+# Rows a chunk of the "keep" or "sum" plans at least, where a plan holding less (a split sum)
+# gives taller chunks: linear_jsd on 8192 x 128256 x 4096 bf16, H200, kept dZ in 128-row
+# chunks 111.36 ms, a split sum in 768-row chunks 86.40 (bench.posttrain --families distill
+# --budgets 2200,2048, benchmarks/results/posttrain-h200.txt).
+CHUNK_ROWS_MIN = 256
 # Under compute_dtype, each chunk's logits are held in it (as torch.autocast's F.linear returns
 # them) rather than in float32: half the traffic (bench.linear --autocast).
 NARROW_LOGITS = True
@@ -189,18 +194,24 @@ def plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | None = 
         else:
             r = max(1, min(rows, n))
         return Plan("sum", r, bytes=r * chunk)
+    # keep, a float32 sum, a split sum: the first whose chunks hold CHUNK_ROWS_MIN rows (all
+    # of them, if fewer), else the one with the tallest chunks
+    fits = []
     keep = n * classes * narrow
     if budget >= keep + TILE * classes * (logit + beside):
         r = fit(budget - keep, classes * (logit + beside)) if logit else fit(budget, chunk)
-        return Plan("keep", r, bytes=keep + r * classes * (logit + beside))
+        fits.append(Plan("keep", r, bytes=keep + r * classes * (logit + beside)))
     total = 0 if wide_weight_grad else classes * hidden * 4
     if budget >= total + TILE * chunk:
         r = fit(budget - total, chunk)
-        return Plan("sum", r, bytes=total + r * chunk)
+        fits.append(Plan("sum", r, bytes=total + r * chunk))
     split = _split_bytes(classes, hidden)
     if not wide_weight_grad and budget >= split + TILE * chunk:
         r = fit(budget - split, chunk)
-        return Plan("sum", r, split_cols(classes, hidden), bytes=split + r * chunk)
+        fits.append(Plan("sum", r, split_cols(classes, hidden), bytes=split + r * chunk))
+    if fits:
+        tall = [p for p in fits if p.rows >= min(n, CHUNK_ROWS_MIN)]
+        return tall[0] if tall else max(fits, key=lambda p: p.rows)
     r = fit(budget, chunk)
     # A slice of all n rows where `budget` holds TILE classes of them, else tiles of rows with
     # a float32 sum of the slice's dW.

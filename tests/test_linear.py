@@ -68,6 +68,13 @@ SPLIT = V * H * 2 + 2048 * H * 4        # a split one: 16-bit halves, a float32 
     # (16-bit halves, 1.05 GB, and a 2048-class float32 slice, 32 MiB) and 1381 rows -> 1024
     ((16384, V, H, 2, 2 * GIB), linear.Plan("sum", 1024, 2048,
                                             bytes=SPLIT + 1024 * V * 6)),
+    # a teacher's float32 logits beside each chunk (linear_jsd: 10 bytes a logit in all):
+    # 2200 MiB keeps dZ in 128-row chunks or sums in float32 in 128-row ones, both below
+    # CHUNK_ROWS_MIN: a split sum's 896-row chunks instead; 2400 MiB keeps dZ in 384-row ones
+    ((8192, V, H, 2, 2200 << 20, True, None, None, False, False, 4),
+     linear.Plan("sum", 896, 2048, bytes=SPLIT + 896 * V * 10)),
+    ((8192, V, H, 2, 2400 << 20, True, None, None, False, False, 4),
+     linear.Plan("keep", 384, bytes=KEEP_8K + 384 * V * 8)),
     # 10^6 bytes over 100000 rows of 1000 classes (a float32 sum and 128 rows: 1024000 bytes):
     # a split sum, its slices a quarter of the classes (250 -> 128: 160768 bytes) and
     # (10^6 - 160768) // 6000 = 139 rows -> 128

@@ -19,6 +19,11 @@ cross entropy); the gradients of hidden and weight:
   XLA distill         the JSD (beta 0.5) of the student's and a teacher head's softmax plus the
                       student's cross entropy, in jnp on both heads' float32 logits
   cupyloss distill    cupyloss.jax.linear_jsd(..., hard_weight=1.0)
+  XLA ORPO, CPO, SimPO, KTO
+                      cupyloss.posttrain.preference_objective in jnp on the float32 logits'
+                      log-probs (CPO and SimPO with alpha 1; KTO with reference log-probs given
+                      per token, every other row desirable)
+  cupyloss ORPO, ...  cupyloss.jax.linear_preference_loss(kind, ...), the same options
 
 Each row: median ms of the jitted step (block_until_ready), and XLA's own account of the step's
 temporary memory (compiled memory_analysis: temp bytes, which hold cupyloss's workspace too).
@@ -128,13 +133,39 @@ def main(argv=None) -> list[dict]:
         def ours_distill(h, w):
             return JL.linear_jsd(h, w, ht, wt, tp, beta=0.5, hard_weight=1.0)
 
+        from cupyloss import posttrain
+
+        ops = posttrain.Ops(jnp, stop=jax.lax.stop_gradient)
+        mask = jnp.ones(seqs, jnp.float32)
+        good = jnp.arange(seqs[0]) % 2 == 0
+        options = {"orpo": {}, "cpo": {"alpha": 1.0}, "simpo": {"alpha": 1.0, "gamma": 0.5},
+                   "kto": {"desirable": good}}
+
+        def preference_rows(kind):
+            o = options[kind]
+            ref_seq = ref.sum(-1) if kind == "kto" else None
+
+            def xla(h, w):
+                return posttrain.preference_objective(ops, kind, logp_xla(h, w, ts), mask,
+                                                      ref_seq, **o)[0]
+
+            def ours(h, w):
+                extra = {"ref_log_probs": ref} if kind == "kto" else {}
+                return JL.linear_preference_loss(kind, h.reshape(*seqs, H), w, ts, **extra,
+                                                 **o)[0]
+
+            label = kind.upper() if kind != "simpo" else "SimPO"
+            return [(f"XLA {label}", xla), (f"cupyloss {label}", ours)]
+
+        pref = [row for kind in options for row in preference_rows(kind)]
         print(f"{device}: hidden ({bt}, {H}), weight ({V}, {H}) bf16, jit(value_and_grad)")
         print(f"{'implementation':22} {'ms':>8} {'temp GiB':>9} {'value':>12}")
         for name, fn in (("XLA cross entropy", xla_ce), ("cupyloss", ours_ce),
                          ("XLA log-probs", xla_lp), ("cupyloss log-probs", ours_lp),
                          ("XLA GRPO", xla_grpo), ("cupyloss GRPO", ours_grpo),
                          ("XLA DPO", xla_dpo), ("cupyloss DPO", ours_dpo),
-                         ("XLA distill", xla_distill), ("cupyloss distill", ours_distill)):
+                         ("XLA distill", xla_distill), ("cupyloss distill", ours_distill),
+                         *pref):
             if args.only and not any(o in name for o in args.only.split(",")):
                 continue
             step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
