@@ -71,6 +71,7 @@ PREFERENCE_LOSSES = ("dpo", "orpo", "cpo", "simpo", "kto")
 METRICS = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio")
 
 TOKENS = _args.Layout(_source.kernel_words("logprob.cu", "grpo_tokens"))
+STATS = _linear.STATS           # logprob_stats, which the distillation launches on both heads
 
 
 class Ops:
@@ -1074,7 +1075,7 @@ class _Distill:
             self.lse_1, self.logp_1 = cupy.empty((n,), logit), cupy.empty((n,), logit)
         info = _linear._dtypes.DTYPES[logit]
         self.ctype = info.ctype
-        self.stats_fn = _linear.STATS.bind(_source.function(
+        self.stats_fn = STATS.bind(_source.function(
             "logprob.cu", f"cupyloss::logprob_stats<{info.ctype}>").kernel.ptr)
         self.dstats_fn = DISTILL_STATS.bind(_source.function(
             "logprob.cu", f"cupyloss::distill_stats<{info.ctype}>").kernel.ptr)
@@ -1112,7 +1113,7 @@ class _Distill:
 
     def _stats(self, call, z, t, r0, r1, temperature, lse, logp):
         m, v = z.shape
-        words = _linear.STATS.template({
+        words = STATS.template({
             "z": z.data.ptr, "tgt": t.data.ptr, "rows": m, "cols": v,
             "z_rs": z.strides[0] // z.itemsize, "flags": self.flags,
             "ignore_index": _args.i64_word(int(call.options["ignore_index"])),

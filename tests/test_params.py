@@ -20,7 +20,7 @@ from cupyloss.pointwise import _family as _pointwise
 from cupyloss.rowclass import _family as _rowclass
 from cupyloss.rowpair import _family as _rowpair
 from cupyloss.rowwise import _family as _rowwise
-from cupyloss import linear
+from cupyloss import linear, posttrain
 
 # (module, its layouts, where they come from)
 LAYOUTS = [
@@ -35,7 +35,12 @@ LAYOUTS = [
     (_rowpair, {"LAYOUT": ("rowpair.cu", "rowpair_rows"),
                 "FINISH_LAYOUT": ("rowpair.cu", "rowpair_finish")}),
     (linear, {"NARROW": ("scale.cu", "narrow"), "STATS": ("logprob.cu", "logprob_stats"),
-              "GRAD": ("logprob.cu", "logprob_grad")}),
+              "GRAD": ("logprob.cu", "logprob_grad"), "SPLIT_ADD": ("scale.cu", "split_add"),
+              "SPLIT_FINISH": ("scale.cu", "split_finish")}),
+    (posttrain, {"TOKENS": ("logprob.cu", "grpo_tokens"),
+                 "STATS": ("logprob.cu", "logprob_stats"),
+                 "DISTILL_STATS": ("logprob.cu", "distill_stats"),
+                 "DISTILL_GRAD": ("logprob.cu", "distill_grad")}),
     (_pointwise, {"SUM_CHUNKS": ("reduce.cu", "sum_chunks")}),
 ]
 try:    # the torch adapter's own launch: scale_by_grad_output
