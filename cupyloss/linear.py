@@ -479,9 +479,11 @@ class _WeightSum:
         if cols:
             self.lo, at = _carve(ws, at, (v, h), numpy.uint16)
             self.temp, at = _carve(ws, at, (cols, h), numpy.float32)
+        elif gw.dtype == call.logit:
+            self.acc = gw
         else:
-            self.acc = gw if gw.dtype == call.logit else _carve(ws, at, (v, h),
-                                                                 numpy.float32)[0]
+            self.acc, at = _carve(ws, at, (v, h), numpy.float32)
+        self.end = at               # the workspace's first byte after the sum's
 
     def add(self, pieces) -> None:
         """Adds dZ^T X of each (x rows, their dZ (m, V) of leading dimension V, alpha)."""
@@ -780,6 +782,12 @@ class _Call:
         value = loss if self.reduction == "none" else loss.sum()
         return [value, None, None, lse]
 
+    def _lend(self, ws, at) -> None:
+        """The rest of the workspace from byte `at` to a head that holds arrays beside the
+        logits (plan's `beside`: head.lend)."""
+        if getattr(self.head, "beside", 0):
+            self.head.lend(ws[at:])
+
     def first_pass(self, pl: Plan) -> None:
         """Row chunks: logits, the loss (and lse), dZ in the inputs' dtype, dX = dZ W, and dW
         per the plan: kept dZ for one product at the end ("keep"), a float32 or split sum
@@ -818,6 +826,7 @@ class _Call:
         # The weight's gradient summed over chunks (or groups) in float32.
         wsum = (_WeightSum(self, ws, at, pl.cols)
                 if want["weight"] and pl.kind in ("sum", "group") else None)
+        self._lend(ws, at if wsum is None else wsum.end)
         reduction = self.reduction
         if self.want_value:
             if reduction == "none":
@@ -916,7 +925,8 @@ class _Call:
         dz_all, at = _carve(ws, at, (pl.tile, pl.cols), dtype)
         acc = None    # tiles of rows: a float32 sum of the slice's dW (the result if float32)
         if pl.tile < n and self.gw.dtype != numpy.float32:
-            acc = _carve(ws, at, (pl.cols, h), numpy.float32)[0]
+            acc, at = _carve(ws, at, (pl.cols, h), numpy.float32)
+        self._lend(ws, at)
         wsum = None
         if self.cw is not None and self.options["label_smoothing"]:
             wsum = self.cw.sum()

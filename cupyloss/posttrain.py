@@ -1071,6 +1071,7 @@ class _Distill:
         for name in ("lse_s", "lse_t", "loss", "gsum", "scratch"):
             setattr(self, name, cupy.empty((n,), logit))
         self.lse_1 = self.logp_1 = None
+        self.room = None
         if self.hard:
             self.lse_1, self.logp_1 = cupy.empty((n,), logit), cupy.empty((n,), logit)
         info = _linear._dtypes.DTYPES[logit]
@@ -1086,6 +1087,10 @@ class _Distill:
         self.flags = _linear.LP_INDEX64 if t.dtype == numpy.int64 else 0
         self.zt = None
 
+    def lend(self, room) -> None:
+        """The workspace the plan left for the teacher's logits (uint8, 256-byte aligned)."""
+        self.room, self.zt = room, None
+
     def _scale(self, call):
         """s of distill_grad: 1 / the counted rows (times call.boost for float16's dZ)."""
         import cupy
@@ -1097,12 +1102,16 @@ class _Distill:
 
     def _teacher(self, call, m, k, r0, c0):
         """The teacher's logits of rows r0 .. r0 + m - 1, classes c0 .. c0 + k - 1 (float32, in
-        a buffer as large as the first such block)."""
+        the workspace the plan left for them: lend)."""
         import cupy
 
         need = m * k
         if self.zt is None or self.zt.size < need:
-            self.zt = cupy.empty((need,), call.logit)
+            room = self.room
+            if room is not None and room.size >= need * call.logit.itemsize:
+                self.zt = room[:need * call.logit.itemsize].view(call.logit)
+            else:
+                self.zt = cupy.empty((need,), call.logit)
         zt = self.zt[:need].reshape(m, k)
         if self.tb is not None:
             zt[...] = self.tb[c0:c0 + k]
