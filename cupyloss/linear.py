@@ -232,7 +232,10 @@ def group_plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | N
     a time (whole sequences: cupyloss.posttrain's preference losses): the dZ of `group` rows
     in the inputs' dtype, a chunk of float32 logits (float64 for float64 inputs) and a weight-
     gradient sum (float32, else split; none for float32 and float64 weights or without a
-    weight gradient), the most rows a chunk that `budget` leaves; None where none fits."""
+    weight gradient), the most rows a chunk that `budget` leaves; None where none fits with
+    chunks of CHUNK_ROWS_MIN rows (all rows, if fewer): KTO's groups of one 1024-token row
+    in 1400 MiB, a split sum and 128-row chunks, took 358.82 ms on an H200 where two passes
+    in 256 MiB took 193.62 (benchmarks/results/posttrain-h200.txt)."""
     budget = DEFAULT_WORKSPACE_BYTES if budget is None else max(0, int(budget))
     logit = 8 if itemsize == 8 else 4
     kept = min(group, n) * classes * itemsize
@@ -240,7 +243,7 @@ def group_plan(n: int, classes: int, hidden: int, itemsize: int, budget: int | N
         classes * hidden * 4, _split_bytes(classes, hidden)]
     for acc in sums:
         room = budget - kept - acc
-        if room >= min(n, TILE) * classes * logit:
+        if room >= min(n, CHUNK_ROWS_MIN) * classes * logit:
             r = _fit(room, classes * logit, n)
             cols = split_cols(classes, hidden) if acc and acc != classes * hidden * 4 else 0
             return Plan("group", r, cols, min(group, n), kept + acc + r * classes * logit)

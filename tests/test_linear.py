@@ -99,6 +99,11 @@ def test_plan(args, want):
     ((16384, V, H, 2, 1_880_000_000, True, 2048),
      linear.Plan("group", 512, 2048, 2048, 2048 * V * 2 + SPLIT + 512 * V * 4)),
     ((16384, V, H, 2, 256 << 20, True, 2048), None),
+    # KTO's groups of one 1024-token row in 1400 MiB: a split sum leaves 236 rows a chunk,
+    # fewer than CHUNK_ROWS_MIN: none (two passes); 1500 MiB leaves 440 -> 384
+    ((16384, V, H, 2, 1400 << 20, True, 1024), None),
+    ((16384, V, H, 2, 1500 << 20, True, 1024),
+     linear.Plan("group", 384, 2048, 1024, 1024 * V * 2 + SPLIT + 384 * V * 4)),
     # float32 inputs: their dZ and chunks only (the sum is the result); no weight gradient:
     # no sum
     ((16384, V, H, 4, None, True, 2048),

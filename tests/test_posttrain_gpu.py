@@ -193,14 +193,14 @@ def test_torch_compile_fullgraph_on_cuda_equals_eager():
 
 def _preference_budget(plan, dtype):
     """The workspace budget of a preference plan at these sizes: 'group' (the default: one
-    group of all 300 rows' dZ, a float32 weight-gradient sum), 'group-split' (the group and a
-    split sum of 128-class slices; float32 inputs: no group fits, two passes), 'pairs' (the
-    default, a group a pair), 'two-pass' (no group fits)."""
+    group of all 300 rows' dZ, a float32 weight-gradient sum), 'group-split' (the group, a
+    split sum of 128-class slices and 256-row chunks; float32 inputs: the group summing into
+    the result), 'pairs' (the default, a group a pair), 'two-pass' (no group fits)."""
     from cupyloss import linear
 
     if plan == "group-split":
         return (B * T * V * dtype.itemsize + V * H * 2 + linear.split_cols(V, H) * H * 4
-                + linear.TILE * V * 4)
+                + linear.CHUNK_ROWS_MIN * V * 4)
     return 1 if plan == "two-pass" else None
 
 
