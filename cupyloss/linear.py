@@ -20,11 +20,22 @@ pay for that from the budget, which bounds every byte a call holds besides its r
   * sum     it holds a float32 V x H sum and a chunk: dW is summed over the chunks in float32
             (read and written once a chunk) and rounded once.  Three products.  float32 and
             float64 weights always take it, summing into the result itself (no workspace).
-  * slices  neither fits (the low-memory plan): the first pass keeps each row's logsumexp; a
+            Where a float32 sum does not fit, a split one may: each float32's top 16 bits in
+            the 16-bit result's own storage, its bottom 16 in the workspace (scale.cu's
+            split_add), the same float32 additions in half the bytes, each chunk's product
+            formed a slice of classes at a time into float32 and added from there.
+  * slices  none fits (the low-memory plan): the first pass keeps each row's logsumexp; a
             second forms the logits again a slice of the classes at a time (all rows, or tiles
             of rows), the slice's dZ from the stored lse (rowwise.cu's
             cross_entropy_slice_grad), and that slice of dW as one product, rounded once.  Four
             products; the workspace is a chunk or a slice, whichever is larger.
+  * group   (group_plan) a head whose rows' upstream gradients are known only a group of rows
+            at a time (the preference losses: whole sequences' sums) keeps the group's dZ at a
+            unit upstream gradient and scales each sequence's products by its own on the
+            device (cuBLAS's alpha), summing dW as "sum" does.  Three products.
+
+Of keep and the sums, the first whose chunks hold CHUNK_ROWS_MIN rows is taken (else the one
+with the tallest chunks).
 
 'mean' divides by the summed class weights of the counted rows (their number without class
 weights), computed on the device: no host synchronisation anywhere.  Results are deterministic:
@@ -88,9 +99,9 @@ NARROW_CHUNK_ROWS: tuple = ((1024, 4096), (None, 2048))
 # A cuBLAS tile: chunks and slices are multiples of it where they can be.
 TILE = 128
 # The split weight-gradient sum (_WeightSum): bytes of the float32 slice of classes its
-# products write before scale.cu's split_add adds them in, at most.  Small enough to stay in
-# L2 between the product and the addition, large enough that the products stay large
-# (bench.linear --split, benchmarks/results/split-h200.json).
+# products write before scale.cu's split_add adds them in, at most.  On an H200 at 16384 x
+# 128256 x 4096 bf16: 8 MiB 162.29 ms, 16 MiB 109.33, 32 MiB 104.37, 64 MiB 105.31 (a float32
+# sum 87.86, slices 110.36; python -m cupyloss.bench.split, benchmarks/results/split-h200.txt).
 SPLIT_SLICE_BYTES = 32 << 20
 
 
