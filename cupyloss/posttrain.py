@@ -579,14 +579,8 @@ def grpo_loss(ops, log_probs, hidden, weight, target, advantages, bias=None, *, 
                           max_completion_length=max_completion_length, num_items=num_items)
 
 
-def preference_loss(ops, log_probs, kind, hidden, weight, target, bias=None, *,
-                    ref_log_probs=None, ref_hidden=None, ref_weight=None, ref_bias=None,
-                    ignore_index=-100, desirable=None, **options):
-    """A preference loss (PREFERENCE_LOSSES) composed in `ops`' framework: the policy's
-    per-token log-probs from ``log_probs(hidden, weight, target, bias, 1.0, ignore_index)``
-    ((logp, entropy), differentiable), the reference's per-sequence ones from ref_log_probs
-    ((B, T) per token or (B,) per sequence) or from a reference head (ref_hidden, ref_weight,
-    ref_bias; no gradient), and preference_objective on them."""
+def _check_call(kind, target, desirable, ref_log_probs, ref_hidden, ref_weight, options):
+    """A preference call's batch, options and reference, refused before any launch."""
     _sequences(target, f"linear_{kind}_loss")
     check_preference(kind, target.shape[0], options.get("loss_type", "sigmoid"),
                      options.get("beta", 0.1), desirable, options.get("label_smoothing", 0.0))
@@ -595,6 +589,17 @@ def preference_loss(ops, log_probs, kind, hidden, weight, target, bias=None, *,
                          "not both")
     if (ref_hidden is None) != (ref_weight is None):
         raise ValueError("a reference head needs both ref_hidden and ref_weight")
+
+
+def preference_loss(ops, log_probs, kind, hidden, weight, target, bias=None, *,
+                    ref_log_probs=None, ref_hidden=None, ref_weight=None, ref_bias=None,
+                    ignore_index=-100, desirable=None, **options):
+    """A preference loss (PREFERENCE_LOSSES) composed in `ops`' framework: the policy's
+    per-token log-probs from ``log_probs(hidden, weight, target, bias, 1.0, ignore_index)``
+    ((logp, entropy), differentiable), the reference's per-sequence ones from ref_log_probs
+    ((B, T) per token or (B,) per sequence) or from a reference head (ref_hidden, ref_weight,
+    ref_bias; no gradient), and preference_objective on them."""
+    _check_call(kind, target, desirable, ref_log_probs, ref_hidden, ref_weight, options)
     logp, _ = log_probs(hidden, weight, target, bias, 1.0, ignore_index)
     m = ops.float(target != ignore_index, logp)
     average = averages(kind, options.get("loss_type", "sigmoid"))
@@ -826,14 +831,7 @@ def _preference(kind, hidden, weight, target, bias, ref_log_probs, ref_hidden, r
     frame.operand(hidden, "hidden")                 # on a CUDA device, of a float dtype
     for name, a in (("weight", weight), ("target", target)):
         _dispatch.check_same_frame(frame, hidden, a, "hidden", name)
-    _sequences(target, f"linear_{kind}_loss")
-    check_preference(kind, target.shape[0], options.get("loss_type", "sigmoid"),
-                     options.get("beta", 0.1), desirable, options.get("label_smoothing", 0.0))
-    if ref_log_probs is not None and ref_hidden is not None:
-        raise ValueError("pass the reference as ref_log_probs or as ref_hidden and ref_weight, "
-                         "not both")
-    if (ref_hidden is None) != (ref_weight is None):
-        raise ValueError("a reference head needs both ref_hidden and ref_weight")
+    _check_call(kind, target, desirable, ref_log_probs, ref_hidden, ref_weight, options)
     if ref_hidden is not None:      # the reference's per-token log-probs: one product a chunk
         ref_log_probs = _linear.linear_log_probs(
             ref_hidden, ref_weight, target, ref_bias, ignore_index=ignore_index,
