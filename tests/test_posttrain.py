@@ -196,6 +196,49 @@ def test_one_pass_coefficients_are_the_objectives_token_gradients(kind, options,
     np.testing.assert_allclose(got, g_lp, rtol=1e-6, atol=1e-9 * np.abs(g_lp).max())
 
 
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+@pytest.mark.parametrize("batch, length, rows, group_rows", [
+    (8, 1024, 512, 1024), (16, 50, 128, 1024), (6, 300, 1024, 300), (4, 7, 3, 7)])
+def test_one_pass_groups_cover_every_row_once_in_whole_sequences(kind, batch, length, rows,
+                                                                 group_rows, monkeypatch):
+    """The group plan's schedule (posttrain._PreferenceRows): every row in exactly one chunk of
+    at most `rows` rows, each group whole pairs (rows for 'kto': pair k is rows k and k + B/2)
+    within the dZ it holds, and scales() pieces that lie in one sequence each, scaled by that
+    sequence's coefficient."""
+    from types import SimpleNamespace
+
+    from cupyloss import linear, posttrain
+
+    monkeypatch.setattr(posttrain, "GROUP_ROWS", group_rows)
+    rows_obj = posttrain._PreferenceRows(kind, {"beta": 0.1}, {})
+    rows_obj.shape, rows_obj.ref, rows_obj.kl = (batch, length), None, 0.0
+    rows_obj.desirable = np.arange(batch) % 2 == 0 if kind == "kto" else None
+    rng = np.random.default_rng(0)
+    rows_obj.setup(np, (rng.random(batch * length) > 0.2).astype(np.float64))
+    capacity = rows_obj.group_rows(None)
+    assert capacity % length == 0 and capacity <= max(group_rows, length) * 2
+    pl = linear.group_plan(batch * length, 1000, 64, 2, None, True, capacity)
+    assert pl.tile == min(capacity, batch * length)
+    head = SimpleNamespace(logp=-rng.uniform(0.1, 2.0, batch * length))
+    call = SimpleNamespace(head=head)
+    seen = np.zeros(batch * length, int)
+    pairs = batch // 2
+    for group in rows_obj.schedule(call, rows, capacity):
+        assert sum(r1 - r0 for r0, r1 in group) <= capacity
+        seqs = {b for r0, r1 in group for b in range(r0 // length, -(-r1 // length))}
+        if kind != "kto":
+            assert seqs == {b for b in seqs if b < pairs} | {b + pairs for b in seqs
+                                                              if b < pairs}
+        for (r0, r1), parts in zip(group, rows_obj.scales(call, group)):
+            assert 0 < r1 - r0 <= rows
+            seen[r0:r1] += 1
+            assert [p0 for p0, _, _ in parts][0] == r0 and parts[-1][1] == r1
+            for (p0, p1, alpha), nxt in zip(parts, parts[1:] + [(r1, None, None)]):
+                assert p1 == nxt[0] and p0 // length == (p1 - 1) // length
+                assert alpha.shape == (1,) and alpha[0] == rows_obj.coef[p0 // length]
+    assert (seen == 1).all()
+
+
 def test_compiled_fullgraph_equals_eager():
     """torch.compile(fullgraph=True) traces GRPO and DPO through linear_log_probs' registered op
     (no graph break) and gives eager's loss and gradients."""
